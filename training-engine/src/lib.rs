@@ -1,0 +1,1 @@
+//! Training engine (see ARCHITECTURE.md).

@@ -1,0 +1,1 @@
+//! Worker runtime (see ARCHITECTURE.md).
