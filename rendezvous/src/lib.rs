@@ -1,1 +1,23 @@
+//! rsrun's rendezvous service and its client.
+//!
+//! - [`state`]: the pure state machine (membership, rounds, store, barriers, unique ids).
+//! - [`journal`]: durable state (fsync'd append log + snapshot compaction).
+//! - [`service`]: the executor that stamps commands with time, applies, journals and wakes waiters,
+//!   and the gRPC handlers over it.
+//! - [`server`]: serving (listen, auth, TLS, metrics, shutdown) and the embedded in-memory mode.
+//! - [`client`]: the typed async client used by the launcher and the worker runtime.
+#![warn(missing_docs)]
 
+pub mod auth;
+pub mod client;
+mod error;
+pub mod journal;
+pub mod metrics;
+pub mod server;
+pub mod service;
+pub mod state;
+pub mod validate;
+
+pub use error::RdzvError;
+/// The generated wire types (`rsrun.v1`).
+pub use rsrun_proto::v1 as proto;

@@ -1,1 +1,213 @@
-fn main() {}
+//! `rsrun-rendezvous`: the rendezvous daemon (`serve`) and its operator view (`status`).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use rsrun_rendezvous::client::{ClientConfig, RdzvClient};
+use rsrun_rendezvous::server::{self, ServerConfig};
+use rsrun_rendezvous::validate::Limits;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Parser, Debug)]
+#[command(name = "rsrun-rendezvous", version, about = "rsrun's rendezvous service: membership, store and unique-id exchange for many jobs")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Run the service.
+    Serve(ServeArgs),
+    /// Show jobs, rounds, nodes, ranks and heartbeats.
+    Status(StatusArgs),
+}
+
+#[derive(Parser, Debug)]
+struct ServeArgs {
+    /// Address to listen on (port 0 picks a free port; the bound address is printed on stdout).
+    #[arg(long, default_value = "127.0.0.1:29400")]
+    listen: SocketAddr,
+    /// Journal every change here so a restart (even after kill -9) loses nothing acknowledged.
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// Tokens callers must present (one per line, optionally followed by a job id or `prefix*`).
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+    /// TLS certificate (PEM); needs --tls-key.
+    #[arg(long, requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// TLS private key (PEM); needs --tls-cert.
+    #[arg(long, requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Serve Prometheus metrics at http://ADDR/metrics.
+    #[arg(long)]
+    metrics_listen: Option<SocketAddr>,
+    /// Allow a non-loopback listen address without a token.
+    #[arg(long)]
+    insecure: bool,
+    /// Largest store value in bytes.
+    #[arg(long, default_value_t = 1 << 20, value_parser = clap::value_parser!(u64).range(1..=(64 << 20)))]
+    max_value_bytes: u64,
+    /// Most keys per job.
+    #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
+    max_keys_per_job: u64,
+    /// Most jobs at once.
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    max_jobs: u64,
+    /// Keep completed or failed jobs (and jobs without nodes) this many seconds before forgetting them.
+    #[arg(long, default_value_t = 3600)]
+    retention_secs: u64,
+}
+
+#[derive(Parser, Debug)]
+struct StatusArgs {
+    /// The service, host:port.
+    #[arg(long, default_value = "127.0.0.1:29400")]
+    endpoint: String,
+    /// Only this job.
+    #[arg(long)]
+    job: Option<String>,
+    /// Token file (the first token is used).
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+    /// CA certificate to verify a TLS service.
+    #[arg(long)]
+    tls_ca: Option<PathBuf>,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("RSRUN_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Cmd::Serve(args) => serve(args).await,
+            Cmd::Status(args) => status(args).await,
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let config = ServerConfig {
+        listen: args.listen,
+        data_dir: args.data_dir,
+        token_file: args.token_file,
+        tls: args.tls_cert.zip(args.tls_key),
+        metrics_listen: args.metrics_listen,
+        insecure: args.insecure,
+        limits: Limits {
+            max_value_bytes: args.max_value_bytes as usize,
+            max_keys_per_job: args.max_keys_per_job as usize,
+            max_jobs: args.max_jobs as usize,
+            retention_ms: args.retention_secs.saturating_mul(1000),
+            ..Limits::default()
+        },
+    };
+    let shutdown = CancellationToken::new();
+    let s = shutdown.clone();
+    tokio::spawn(async move {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(t) => t,
+            Err(_) => return,
+        };
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        tracing::info!("shutting down");
+        s.cancel();
+    });
+    server::serve(config, shutdown, |bound| {
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        let _ = writeln!(out, "listening on {}", bound.addr);
+        if let Some(m) = bound.metrics_addr {
+            let _ = writeln!(out, "metrics on http://{m}/metrics");
+        }
+        let _ = out.flush();
+    })
+    .await
+    .context("rendezvous service failed")
+}
+
+fn age(now: u64, then: u64) -> String {
+    if then == 0 {
+        return "-".into();
+    }
+    let ms = now.saturating_sub(then);
+    if ms < 10_000 { format!("{:.1}s ago", ms as f64 / 1000.0) } else { format!("{}s ago", ms / 1000) }
+}
+
+async fn status(args: StatusArgs) -> anyhow::Result<()> {
+    use rsrun_rendezvous::proto::{JobState, NodeState};
+    let mut cfg = ClientConfig::new(args.endpoint.clone());
+    cfg.rpc_timeout = Duration::from_secs(10);
+    cfg.tls_ca = args.tls_ca;
+    if let Some(f) = &args.token_file {
+        cfg.token = Some(rsrun_rendezvous::auth::read_client_token(f)?);
+    }
+    let client = RdzvClient::connect(cfg)?;
+    let resp = client.status(args.job.as_deref()).await.with_context(|| format!("cannot get status from {}", args.endpoint))?;
+    let now = resp.server_time_unix_ms;
+    let mut out = String::new();
+    if resp.jobs.is_empty() {
+        out.push_str("no jobs\n");
+    }
+    for job in &resp.jobs {
+        let Some(v) = &job.view else { continue };
+        let state = JobState::try_from(v.state).map(|s| s.as_str_name().trim_start_matches("JOB_STATE_").to_lowercase()).unwrap_or_default();
+        out.push_str(&format!(
+            "job {}  state {}  round {}  nodes {}:{}  world {}  restarts {}/{}  waiting {}  keys {} ({} B)\n",
+            v.job_id, state, v.round, v.min_nodes, v.max_nodes, job.world_size, v.restart_count, v.max_restarts, v.nodes_waiting, job.num_keys, job.store_bytes
+        ));
+        if !v.reason.is_empty() {
+            out.push_str(&format!("  reason: {}\n", v.reason));
+        }
+        out.push_str(&format!("  {:<28} {:<10} {:>5} {:>7} {:>6}  {:<22} {}\n", "NODE", "STATE", "RANK", "WORKERS", "RANKS", "ADDRESS", "HEARTBEAT"));
+        for n in &job.nodes {
+            let st = NodeState::try_from(n.state).map(|s| s.as_str_name().trim_start_matches("NODE_STATE_").to_lowercase()).unwrap_or_default();
+            let rank = if n.node_rank < 0 { "-".to_string() } else { n.node_rank.to_string() };
+            let ranks = if n.rank_offset < 0 {
+                "-".to_string()
+            } else {
+                format!("{}-{}", n.rank_offset, n.rank_offset + n.local_world_size as i32 - 1)
+            };
+            out.push_str(&format!(
+                "  {:<28} {:<10} {:>5} {:>7} {:>6}  {:<22} {}\n",
+                n.node_id,
+                st,
+                rank,
+                n.local_world_size,
+                ranks,
+                n.addrs.first().cloned().unwrap_or_default(),
+                age(now, n.last_heartbeat_unix_ms)
+            ));
+        }
+    }
+    use std::io::Write;
+    std::io::stdout().lock().write_all(out.as_bytes()).context("cannot write to stdout")?;
+    Ok(())
+}

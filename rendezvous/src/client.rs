@@ -1,0 +1,664 @@
+//! The typed async client of the rendezvous service, used by the launcher and the worker runtime.
+//!
+//! Every call has a deadline. Calls that fail because the service is unreachable (restarting, say)
+//! are retried with exponential backoff until that deadline, over a lazily reconnecting channel, so a
+//! `kill -9` and restart of the daemon is a pause, not an error. Non-idempotent store calls carry a
+//! request id, so a retry is answered from the daemon's memory instead of being applied twice.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), rsrun_rendezvous::RdzvError> {
+//! use rsrun_rendezvous::client::{ClientConfig, RdzvClient};
+//! let client = RdzvClient::connect(ClientConfig::new("127.0.0.1:29400"))?;
+//! let store = client.store("job7", 1);
+//! store.set("greeting", b"hello").await?;
+//! # Ok(()) }
+//! ```
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rsrun_proto::v1 as pb;
+use rsrun_proto::v1::rendezvous_client::RendezvousClient;
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tonic::metadata::MetadataValue;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
+use tonic::{Request, Status};
+
+use crate::RdzvError;
+
+/// The wire types, re-exported for users of the client.
+pub use rsrun_proto::v1 as proto;
+
+/// Where and how to reach the service.
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    /// `host:port`, `[v6]:port`, or a full `http://` / `https://` URI.
+    pub endpoint: String,
+    /// Bearer token, when the service requires one.
+    pub token: Option<String>,
+    /// CA certificate (PEM) to verify a TLS service with; implies `https`.
+    pub tls_ca: Option<PathBuf>,
+    /// TCP/TLS connect timeout.
+    pub connect_timeout: Duration,
+    /// Deadline of a non-blocking call, including its retries; blocking calls get this on top of
+    /// their own wait.
+    pub rpc_timeout: Duration,
+}
+
+impl ClientConfig {
+    /// Defaults: 5 s connect timeout, 30 s per call, no token, no TLS.
+    pub fn new(endpoint: impl Into<String>) -> Self {
+        ClientConfig {
+            endpoint: endpoint.into(),
+            token: None,
+            tls_ca: None,
+            connect_timeout: Duration::from_secs(5),
+            rpc_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Adds the bearer token to every call.
+#[derive(Debug, Clone)]
+pub struct TokenInjector {
+    header: Option<MetadataValue<tonic::metadata::Ascii>>,
+}
+
+impl tonic::service::Interceptor for TokenInjector {
+    fn call(&mut self, mut req: Request<()>) -> Result<Request<()>, Status> {
+        if let Some(h) = &self.header {
+            req.metadata_mut().insert("authorization", h.clone());
+        }
+        Ok(req)
+    }
+}
+
+type Inner = RendezvousClient<InterceptedService<Channel, TokenInjector>>;
+
+/// A node's request to join a job.
+#[derive(Debug, Clone)]
+pub struct JoinSpec {
+    /// Job (run) id.
+    pub job_id: String,
+    /// This node's id, stable for the life of the launcher.
+    pub node_id: String,
+    /// Addresses other nodes can reach this node at.
+    pub addrs: Vec<String>,
+    /// Workers on this node.
+    pub local_world_size: u32,
+    /// Preferred node rank.
+    pub rank_hint: Option<u32>,
+    /// The job's membership configuration (must match the other nodes').
+    pub config: JobSpec,
+    /// How long to wait for the round to form.
+    pub timeout: Duration,
+    /// A port reserved on this node: MASTER_PORT if it becomes group rank 0.
+    pub master_port: u16,
+    /// Host name, for people.
+    pub hostname: String,
+}
+
+/// A job's membership configuration as the client states it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobSpec {
+    /// Fewest nodes.
+    pub min_nodes: u32,
+    /// Most nodes.
+    pub max_nodes: u32,
+    /// Wait for more nodes after `min_nodes` joined.
+    pub last_call: Duration,
+    /// Lease of a node; keep-alives must come more often (a third of it is a good interval).
+    pub lease: Duration,
+    /// Global restart budget.
+    pub max_restarts: u32,
+}
+
+impl JobSpec {
+    fn to_pb(&self) -> pb::JobConfig {
+        pb::JobConfig {
+            min_nodes: self.min_nodes,
+            max_nodes: self.max_nodes,
+            last_call_ms: self.last_call.as_millis() as u64,
+            lease_ms: self.lease.as_millis() as u64,
+            max_restarts: self.max_restarts,
+        }
+    }
+}
+
+/// A connection to the rendezvous service (cheap to clone; clones share the channel).
+#[derive(Debug, Clone)]
+pub struct RdzvClient {
+    inner: Inner,
+    cfg: Arc<ClientConfig>,
+}
+
+fn request_id() -> String {
+    format!("{:032x}", rand::random::<u128>())
+}
+
+fn ms(d: Duration) -> u64 {
+    d.as_millis().min(u128::from(u64::MAX)) as u64
+}
+
+impl RdzvClient {
+    /// Prepares a lazily connecting client. Nothing is sent until the first call.
+    ///
+    /// # Errors
+    /// A malformed endpoint, an unreadable CA file or a token that cannot travel in a header.
+    pub fn connect(cfg: ClientConfig) -> Result<Self, RdzvError> {
+        let bad = |message: String| RdzvError::Connect { endpoint: cfg.endpoint.clone(), message };
+        let raw = cfg.endpoint.trim();
+        let uri = if raw.starts_with("http://") || raw.starts_with("https://") {
+            raw.to_string()
+        } else {
+            let scheme = if cfg.tls_ca.is_some() { "https" } else { "http" };
+            format!("{scheme}://{raw}")
+        };
+        let parsed: tonic::codegen::http::Uri = uri.parse().map_err(|e| bad(format!("not a host:port address ({e})")))?;
+        let host = parsed.host().filter(|h| !h.is_empty()).ok_or_else(|| bad("no host".into()))?.to_string();
+        if parsed.port_u16().is_none() {
+            return Err(bad("no port; expected host:port (the daemon's default is 29400)".into()));
+        }
+        let mut endpoint = Endpoint::from_shared(uri.clone())
+            .map_err(|e| bad(e.to_string()))?
+            .connect_timeout(cfg.connect_timeout)
+            .tcp_nodelay(true)
+            .http2_keep_alive_interval(Duration::from_secs(10))
+            .keep_alive_timeout(Duration::from_secs(20))
+            .keep_alive_while_idle(true);
+        if let Some(ca) = &cfg.tls_ca {
+            let pem = std::fs::read(ca).map_err(|e| bad(format!("cannot read CA file {}: {e}", ca.display())))?;
+            let host = host.trim_start_matches('[').trim_end_matches(']').to_string();
+            endpoint = endpoint
+                .tls_config(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem)).domain_name(host))
+                .map_err(|e| bad(format!("TLS configuration: {e}")))?;
+        }
+        let header = match &cfg.token {
+            None => None,
+            Some(t) => Some(
+                format!("Bearer {t}")
+                    .parse::<MetadataValue<tonic::metadata::Ascii>>()
+                    .map_err(|_| bad("the token contains characters that cannot travel in a header".into()))?,
+            ),
+        };
+        let channel = endpoint.connect_lazy();
+        let inner = RendezvousClient::with_interceptor(channel, TokenInjector { header }).max_decoding_message_size(usize::MAX);
+        Ok(RdzvClient { inner, cfg: Arc::new(cfg) })
+    }
+
+    /// The configuration it was made with.
+    pub fn config(&self) -> &ClientConfig {
+        &self.cfg
+    }
+
+    /// Runs one call, retrying while the service is unreachable, until `wait` plus the configured
+    /// call timeout passed. The closure gets the wait left for the server side (for blocking calls).
+    async fn call<T, Fut>(&self, what: &str, wait: Duration, mut f: impl FnMut(Inner, Duration) -> Fut) -> Result<T, RdzvError>
+    where
+        Fut: Future<Output = Result<tonic::Response<T>, Status>>,
+    {
+        let start = Instant::now();
+        let deadline = start + wait + self.cfg.rpc_timeout;
+        let mut backoff = Duration::from_millis(25);
+        let mut attempts = 0u32;
+        loop {
+            attempts += 1;
+            let now = Instant::now();
+            let server_wait = wait.saturating_sub(now - start);
+            let result = tokio::time::timeout(deadline.saturating_duration_since(now), f(self.inner.clone(), server_wait)).await;
+            let err = match result {
+                Ok(Ok(resp)) => return Ok(resp.into_inner()),
+                Ok(Err(status)) => RdzvError::from(status),
+                Err(_) => {
+                    return Err(RdzvError::Timeout(format!(
+                        "{what} to {} did not answer within {:?}",
+                        self.cfg.endpoint,
+                        wait + self.cfg.rpc_timeout
+                    )));
+                }
+            };
+            if !err.is_retryable() {
+                return Err(err);
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(RdzvError::Unavailable(format!(
+                    "{what}: rendezvous service at {} unreachable after {attempts} attempts over {:?}: {err}",
+                    self.cfg.endpoint,
+                    start.elapsed()
+                )));
+            }
+            tracing::debug!(what, attempts, error = %err, "rendezvous unreachable, retrying");
+            tokio::time::sleep(backoff.min(left)).await;
+            backoff = (backoff * 2).min(Duration::from_secs(2));
+        }
+    }
+
+    /// Joins the job's next round and waits until it forms.
+    pub async fn join(&self, spec: JoinSpec) -> Result<pb::JoinResponse, RdzvError> {
+        let config = spec.config.to_pb();
+        self.call("join", spec.timeout, |mut c, left| {
+            let req = pb::JoinRequest {
+                job_id: spec.job_id.clone(),
+                node_id: spec.node_id.clone(),
+                addrs: spec.addrs.clone(),
+                local_world_size: spec.local_world_size,
+                rank_hint: spec.rank_hint,
+                config: Some(config),
+                timeout_ms: ms(left),
+                master_port: u32::from(spec.master_port),
+                hostname: spec.hostname.clone(),
+            };
+            async move { c.join(req).await }
+        })
+        .await
+    }
+
+    /// Renews the node's lease and returns the job's view.
+    pub async fn keep_alive(&self, job: &str, node: &str) -> Result<pb::JobView, RdzvError> {
+        let r = self
+            .call("keep-alive", Duration::ZERO, |mut c, _| {
+                let req = pb::KeepAliveRequest { job_id: job.into(), node_id: node.into() };
+                async move { c.keep_alive(req).await }
+            })
+            .await?;
+        r.view.ok_or_else(|| RdzvError::Unavailable("keep-alive answer without a view".into()))
+    }
+
+    /// Leaves the job.
+    pub async fn leave(&self, job: &str, node: &str, reason: &str) -> Result<(), RdzvError> {
+        self.call("leave", Duration::ZERO, |mut c, _| {
+            let req = pb::LeaveRequest { job_id: job.into(), node_id: node.into(), reason: reason.into() };
+            async move { c.leave(req).await }
+        })
+        .await
+        .map(|_| ())
+    }
+
+    /// Follows the job's view: a background task keeps a server-push stream open (reconnecting with
+    /// backoff) and publishes every view. It ends when the receiver is dropped, the job ends, or the
+    /// job is gone.
+    pub fn watch(&self, job: &str, node: &str) -> watch::Receiver<Option<pb::JobView>> {
+        let (tx, rx) = watch::channel(None);
+        let client = self.clone();
+        let (job, node) = (job.to_string(), node.to_string());
+        tokio::spawn(async move {
+            let mut backoff = Duration::from_millis(25);
+            loop {
+                let mut c = client.inner.clone();
+                let req = pb::WatchRequest { job_id: job.clone(), node_id: node.clone() };
+                let opened = tokio::select! {
+                    r = c.watch(req) => r,
+                    _ = tx.closed() => return,
+                };
+                match opened {
+                    Ok(stream) => {
+                        let mut stream = stream.into_inner();
+                        loop {
+                            let next = tokio::select! {
+                                n = stream.message() => n,
+                                _ = tx.closed() => return,
+                            };
+                            match next {
+                                Ok(Some(ev)) => {
+                                    backoff = Duration::from_millis(25);
+                                    let Some(view) = ev.view else { continue };
+                                    let terminal = view.state == pb::JobState::Completed as i32 || view.state == pb::JobState::Failed as i32;
+                                    let _ = tx.send(Some(view));
+                                    if terminal {
+                                        return;
+                                    }
+                                }
+                                Ok(None) | Err(_) => break,
+                            }
+                        }
+                    }
+                    Err(status) => {
+                        let e = RdzvError::from(status);
+                        if !e.is_retryable() {
+                            tracing::debug!(%job, error = %e, "watch ends");
+                            return;
+                        }
+                    }
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    _ = tx.closed() => return,
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+            }
+        });
+        rx
+    }
+
+    /// Renews the lease every `interval` in the background until the handle is dropped. The handle
+    /// reports the first error that means the node is out (its lease expired, the job is gone).
+    pub fn spawn_keep_alive(&self, job: &str, node: &str, interval: Duration) -> KeepAliveHandle {
+        let (tx, rx) = watch::channel(None);
+        let client = self.clone();
+        let (job, node) = (job.to_string(), node.to_string());
+        let task = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                match client.keep_alive(&job, &node).await {
+                    Ok(_) => {}
+                    Err(e) if e.is_retryable() || matches!(e, RdzvError::Timeout(_)) => {
+                        tracing::warn!(%job, %node, error = %e, "keep-alive failed, retrying");
+                    }
+                    Err(e) => {
+                        let _ = tx.send(Some(e));
+                        return;
+                    }
+                }
+            }
+        });
+        KeepAliveHandle { task, lost: rx }
+    }
+
+    /// Reports a worker failure; the answer says restart (re-join) or failed.
+    pub async fn report_failure(
+        &self,
+        job: &str,
+        round: u64,
+        node: &str,
+        failure: pb::FailureInfo,
+        restartable: bool,
+    ) -> Result<pb::ReportFailureResponse, RdzvError> {
+        self.call("report-failure", Duration::ZERO, |mut c, _| {
+            let req = pb::ReportFailureRequest {
+                job_id: job.into(),
+                round,
+                node_id: node.into(),
+                failure: Some(failure.clone()),
+                restartable,
+            };
+            async move { c.report_failure(req).await }
+        })
+        .await
+    }
+
+    /// Fails the whole job now.
+    pub async fn fail_job(&self, job: &str, node: &str, reason: &str) -> Result<(), RdzvError> {
+        self.call("fail-job", Duration::ZERO, |mut c, _| {
+            let req = pb::FailJobRequest { job_id: job.into(), node_id: node.into(), reason: reason.into() };
+            async move { c.fail_job(req).await }
+        })
+        .await
+        .map(|_| ())
+    }
+
+    /// Says this node's workers all succeeded.
+    pub async fn finish(&self, job: &str, round: u64, node: &str) -> Result<pb::JobView, RdzvError> {
+        let r = self
+            .call("finish", Duration::ZERO, |mut c, _| {
+                let req = pb::FinishRequest { job_id: job.into(), round, node_id: node.into() };
+                async move { c.finish(req).await }
+            })
+            .await?;
+        r.view.ok_or_else(|| RdzvError::Unavailable("finish answer without a view".into()))
+    }
+
+    /// Waits up to `timeout` for the job to complete or fail; `true` when it ended.
+    pub async fn await_job_end(&self, job: &str, timeout: Duration) -> Result<(pb::JobView, bool), RdzvError> {
+        let r = self
+            .call("await-job-end", timeout, |mut c, left| {
+                let req = pb::AwaitJobEndRequest { job_id: job.into(), timeout_ms: ms(left) };
+                async move { c.await_job_end(req).await }
+            })
+            .await?;
+        let view = r.view.ok_or_else(|| RdzvError::Unavailable("answer without a view".into()))?;
+        Ok((view, r.ended))
+    }
+
+    /// The operator view of one job or of all visible jobs.
+    pub async fn status(&self, job: Option<&str>) -> Result<pb::StatusResponse, RdzvError> {
+        self.call("status", Duration::ZERO, |mut c, _| {
+            let req = pb::StatusRequest { job_id: job.unwrap_or_default().into() };
+            async move { c.status(req).await }
+        })
+        .await
+    }
+
+    /// The job-scoped store, fenced to `round`.
+    pub fn store(&self, job: &str, round: u64) -> StoreClient {
+        StoreClient { client: self.clone(), scope: pb::StoreScope { job_id: job.into(), round, round_scoped: false } }
+    }
+}
+
+/// A background keep-alive; stops when dropped.
+#[derive(Debug)]
+pub struct KeepAliveHandle {
+    task: tokio::task::JoinHandle<()>,
+    /// Becomes `Some` when the node is out of the job (lease expired, job gone).
+    pub lost: watch::Receiver<Option<RdzvError>>,
+}
+
+impl Drop for KeepAliveHandle {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// The key-value store of one job (and optionally one round), plus barriers and the unique-id
+/// exchange.
+#[derive(Debug, Clone)]
+pub struct StoreClient {
+    client: RdzvClient,
+    scope: pb::StoreScope,
+}
+
+impl StoreClient {
+    /// The same store, in the round's own namespace (dropped when the round ends).
+    pub fn round_scoped(mut self) -> Self {
+        self.scope.round_scoped = true;
+        self
+    }
+
+    /// The job id.
+    pub fn job(&self) -> &str {
+        &self.scope.job_id
+    }
+
+    /// The round the store is fenced to.
+    pub fn round(&self) -> u64 {
+        self.scope.round
+    }
+
+    /// Sets a key.
+    pub async fn set(&self, key: &str, value: &[u8]) -> Result<(), RdzvError> {
+        self.client
+            .call("store set", Duration::ZERO, |mut c, _| {
+                let req = pb::StoreSetRequest { scope: Some(self.scope.clone()), key: key.into(), value: value.to_vec() };
+                async move { c.store_set(req).await }
+            })
+            .await
+            .map(|_| ())
+    }
+
+    /// Gets a key, waiting up to `timeout` for it to exist.
+    pub async fn get(&self, key: &str, timeout: Duration) -> Result<Vec<u8>, RdzvError> {
+        let r = self
+            .client
+            .call("store get", timeout, |mut c, left| {
+                // Zero means "do not wait": keep at least 1 ms once a wait was asked for.
+                let wait = if timeout.is_zero() { 0 } else { ms(left).max(1) };
+                let req = pb::StoreGetRequest { scope: Some(self.scope.clone()), key: key.into(), timeout_ms: wait };
+                async move { c.store_get(req).await }
+            })
+            .await?;
+        Ok(r.value)
+    }
+
+    /// Gets a key if it exists, without waiting.
+    pub async fn try_get(&self, key: &str) -> Result<Option<Vec<u8>>, RdzvError> {
+        match self.get(key, Duration::ZERO).await {
+            Ok(v) => Ok(Some(v)),
+            Err(RdzvError::Rpc { code: tonic::Code::NotFound, message }) if message.starts_with("key ") => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Adds `delta` to an integer key (created at 0) and returns the new value. Retries are not
+    /// applied twice.
+    pub async fn add(&self, key: &str, delta: i64) -> Result<i64, RdzvError> {
+        let id = request_id();
+        let r = self
+            .client
+            .call("store add", Duration::ZERO, |mut c, _| {
+                let req = pb::StoreAddRequest { scope: Some(self.scope.clone()), key: key.into(), delta, request_id: id.clone() };
+                async move { c.store_add(req).await }
+            })
+            .await?;
+        Ok(r.value)
+    }
+
+    /// Sets `key` to `desired` if it holds `expected` (`None`: if it does not exist). Returns whether
+    /// it swapped and the value after the call.
+    pub async fn compare_set(&self, key: &str, expected: Option<&[u8]>, desired: &[u8]) -> Result<(bool, Option<Vec<u8>>), RdzvError> {
+        let id = request_id();
+        let r = self
+            .client
+            .call("store compare-set", Duration::ZERO, |mut c, _| {
+                let req = pb::StoreCompareSetRequest {
+                    scope: Some(self.scope.clone()),
+                    key: key.into(),
+                    expected: expected.map(<[u8]>::to_vec),
+                    desired: desired.to_vec(),
+                    request_id: id.clone(),
+                };
+                async move { c.store_compare_set(req).await }
+            })
+            .await?;
+        Ok((r.swapped, r.current))
+    }
+
+    /// Waits until every key exists.
+    pub async fn wait(&self, keys: &[&str], timeout: Duration) -> Result<(), RdzvError> {
+        self.client
+            .call("store wait", timeout, |mut c, left| {
+                let req = pb::StoreWaitRequest {
+                    scope: Some(self.scope.clone()),
+                    keys: keys.iter().map(|k| k.to_string()).collect(),
+                    timeout_ms: ms(left).max(1),
+                };
+                async move { c.store_wait(req).await }
+            })
+            .await
+            .map(|_| ())
+    }
+
+    /// Deletes a key; `true` when it existed.
+    pub async fn delete(&self, key: &str) -> Result<bool, RdzvError> {
+        let r = self
+            .client
+            .call("store delete", Duration::ZERO, |mut c, _| {
+                let req = pb::StoreDeleteRequest { scope: Some(self.scope.clone()), key: key.into() };
+                async move { c.store_delete(req).await }
+            })
+            .await?;
+        Ok(r.deleted)
+    }
+
+    /// Gets several keys, waiting up to `timeout` for each.
+    pub async fn multi_get(&self, keys: &[&str], timeout: Duration) -> Result<Vec<Vec<u8>>, RdzvError> {
+        let r = self
+            .client
+            .call("store multi-get", timeout, |mut c, left| {
+                let wait = if timeout.is_zero() { 0 } else { ms(left).max(1) };
+                let req = pb::StoreMultiGetRequest {
+                    scope: Some(self.scope.clone()),
+                    keys: keys.iter().map(|k| k.to_string()).collect(),
+                    timeout_ms: wait,
+                };
+                async move { c.store_multi_get(req).await }
+            })
+            .await?;
+        Ok(r.values)
+    }
+
+    /// Sets several keys at once (all or nothing).
+    pub async fn multi_set(&self, entries: &[(&str, &[u8])]) -> Result<(), RdzvError> {
+        self.client
+            .call("store multi-set", Duration::ZERO, |mut c, _| {
+                let req = pb::StoreMultiSetRequest {
+                    scope: Some(self.scope.clone()),
+                    entries: entries.iter().map(|(k, v)| pb::KeyValue { key: k.to_string(), value: v.to_vec() }).collect(),
+                };
+                async move { c.store_multi_set(req).await }
+            })
+            .await
+            .map(|_| ())
+    }
+
+    /// Keys in the store's scope.
+    pub async fn num_keys(&self) -> Result<u64, RdzvError> {
+        let r = self
+            .client
+            .call("store num-keys", Duration::ZERO, |mut c, _| {
+                let req = pb::StoreNumKeysRequest { scope: Some(self.scope.clone()) };
+                async move { c.store_num_keys(req).await }
+            })
+            .await?;
+        Ok(r.num_keys)
+    }
+
+    /// Waits at barrier `name` until `participants` distinct members arrived. Returns the barrier's
+    /// generation after release.
+    pub async fn barrier(&self, name: &str, member: &str, participants: u32, timeout: Duration) -> Result<u64, RdzvError> {
+        let id = request_id();
+        let r = self
+            .client
+            .call("barrier", timeout, |mut c, left| {
+                let req = pb::BarrierRequest {
+                    scope: Some(self.scope.clone()),
+                    name: name.into(),
+                    member: member.into(),
+                    participants,
+                    timeout_ms: ms(left).max(1),
+                    request_id: id.clone(),
+                };
+                async move { c.barrier(req).await }
+            })
+            .await?;
+        Ok(r.generation)
+    }
+
+    /// Publishes the round's NCCL unique id (global rank 0 only; write-once).
+    pub async fn publish_unique_id(&self, name: &str, rank: u32, id: &[u8]) -> Result<(), RdzvError> {
+        self.client
+            .call("publish unique id", Duration::ZERO, |mut c, _| {
+                let req = pb::PublishUniqueIdRequest {
+                    job_id: self.scope.job_id.clone(),
+                    round: self.scope.round,
+                    rank,
+                    unique_id: id.to_vec(),
+                    name: name.into(),
+                };
+                async move { c.publish_unique_id(req).await }
+            })
+            .await
+            .map(|_| ())
+    }
+
+    /// Waits for the round's NCCL unique id.
+    pub async fn get_unique_id(&self, name: &str, timeout: Duration) -> Result<Vec<u8>, RdzvError> {
+        let r = self
+            .client
+            .call("get unique id", timeout, |mut c, left| {
+                let req = pb::GetUniqueIdRequest {
+                    job_id: self.scope.job_id.clone(),
+                    round: self.scope.round,
+                    name: name.into(),
+                    timeout_ms: ms(left).max(1),
+                };
+                async move { c.get_unique_id(req).await }
+            })
+            .await?;
+        Ok(r.unique_id)
+    }
+}

@@ -1,0 +1,173 @@
+//! The crate's one error type, and its one conversion into `tonic::Status` (and back, for clients).
+
+use tonic::{Code, Status};
+
+/// Everything that can go wrong in the rendezvous service or its client.
+///
+/// Messages are lowercase, carry the offending value, and say what was expected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RdzvError {
+    /// A request field is malformed or out of range.
+    #[error("invalid {field}: {message}")]
+    InvalidArgument {
+        /// Which field (e.g. `job_id`).
+        field: &'static str,
+        /// What is wrong with it, including the value.
+        message: String,
+    },
+    /// The job does not exist (never joined, or removed after its retention time).
+    #[error("job {job:?} does not exist")]
+    JobNotFound {
+        /// The job id asked for.
+        job: String,
+    },
+    /// A key is not in the store and the call did not wait for it.
+    #[error("key {key:?} not found in job {job:?}")]
+    KeyNotFound {
+        /// Job id.
+        job: String,
+        /// The key.
+        key: String,
+    },
+    /// A call carried a round that is not the job's current round (fencing).
+    #[error("stale round {given} for job {job:?}: the current round is {current}")]
+    StaleRound {
+        /// Job id.
+        job: String,
+        /// The round the caller named.
+        given: u64,
+        /// The job's current round.
+        current: u64,
+    },
+    /// The job ended and refuses the call.
+    #[error("job {job:?} has {state}: {reason}")]
+    JobEnded {
+        /// Job id.
+        job: String,
+        /// `completed` or `failed`.
+        state: &'static str,
+        /// Why it ended.
+        reason: String,
+    },
+    /// The call contradicts the job's state or configuration.
+    #[error("{0}")]
+    FailedPrecondition(String),
+    /// The node is not (or no longer) a member of the job.
+    #[error("node {node:?} is not a member of job {job:?}: {reason}")]
+    NotMember {
+        /// Job id.
+        job: String,
+        /// Node id.
+        node: String,
+        /// Why (never joined, left, lease expired).
+        reason: String,
+    },
+    /// A write-once value was already written with other contents.
+    #[error("{0}")]
+    AlreadyExists(String),
+    /// The caller may not do this (not rank 0, other job).
+    #[error("{0}")]
+    PermissionDenied(String),
+    /// Missing or wrong token.
+    #[error("{0}")]
+    Unauthenticated(String),
+    /// A limit (value size, keys, jobs, nodes) would be exceeded.
+    #[error("{0}")]
+    ResourceExhausted(String),
+    /// The wait ran out.
+    #[error("{0}")]
+    Timeout(String),
+    /// The service cannot make the change durable, or is unreachable.
+    #[error("{0}")]
+    Unavailable(String),
+    /// Durable state on disk could not be read or written.
+    #[error("storage error at {path}: {message}")]
+    Storage {
+        /// File or directory involved.
+        path: String,
+        /// What happened.
+        message: String,
+    },
+    /// The daemon is shutting down.
+    #[error("the rendezvous service is shutting down")]
+    ShuttingDown,
+    /// Client side: the endpoint or TLS configuration is unusable.
+    #[error("cannot connect to rendezvous endpoint {endpoint:?}: {message}")]
+    Connect {
+        /// The endpoint as given.
+        endpoint: String,
+        /// Why.
+        message: String,
+    },
+    /// Client side: a status from the server that maps to no other variant.
+    #[error("rendezvous rpc failed ({code:?}): {message}")]
+    Rpc {
+        /// The gRPC code.
+        code: Code,
+        /// The server's message.
+        message: String,
+    },
+}
+
+impl RdzvError {
+    /// Shorthand for [`RdzvError::InvalidArgument`].
+    pub fn invalid(field: &'static str, message: impl Into<String>) -> Self {
+        RdzvError::InvalidArgument { field, message: message.into() }
+    }
+
+    /// The gRPC code this error travels as.
+    pub fn code(&self) -> Code {
+        match self {
+            RdzvError::InvalidArgument { .. } => Code::InvalidArgument,
+            RdzvError::JobNotFound { .. } | RdzvError::KeyNotFound { .. } => Code::NotFound,
+            RdzvError::StaleRound { .. }
+            | RdzvError::JobEnded { .. }
+            | RdzvError::FailedPrecondition(_)
+            | RdzvError::NotMember { .. } => Code::FailedPrecondition,
+            RdzvError::AlreadyExists(_) => Code::AlreadyExists,
+            RdzvError::PermissionDenied(_) => Code::PermissionDenied,
+            RdzvError::Unauthenticated(_) => Code::Unauthenticated,
+            RdzvError::ResourceExhausted(_) => Code::ResourceExhausted,
+            RdzvError::Timeout(_) => Code::DeadlineExceeded,
+            RdzvError::Unavailable(_) | RdzvError::ShuttingDown | RdzvError::Connect { .. } => {
+                Code::Unavailable
+            }
+            RdzvError::Storage { .. } => Code::Internal,
+            RdzvError::Rpc { code, .. } => *code,
+        }
+    }
+
+    /// True for errors a client may retry (the service was unreachable or restarting).
+    pub fn is_retryable(&self) -> bool {
+        self.code() == Code::Unavailable
+    }
+}
+
+/// The one conversion of the service's errors into gRPC statuses.
+impl From<RdzvError> for Status {
+    fn from(err: RdzvError) -> Self {
+        Status::new(err.code(), err.to_string())
+    }
+}
+
+/// Client side: a status received from the server. The message is kept as the server wrote it.
+impl From<Status> for RdzvError {
+    fn from(status: Status) -> Self {
+        let message = status.message().to_string();
+        match status.code() {
+            Code::InvalidArgument => RdzvError::InvalidArgument { field: "request", message },
+            Code::NotFound => RdzvError::Rpc { code: Code::NotFound, message },
+            Code::FailedPrecondition => RdzvError::FailedPrecondition(message),
+            Code::AlreadyExists => RdzvError::AlreadyExists(message),
+            Code::PermissionDenied => RdzvError::PermissionDenied(message),
+            Code::Unauthenticated => RdzvError::Unauthenticated(message),
+            Code::ResourceExhausted => RdzvError::ResourceExhausted(message),
+            Code::DeadlineExceeded => RdzvError::Timeout(message),
+            Code::Unavailable | Code::Cancelled | Code::Unknown => {
+                RdzvError::Unavailable(if message.is_empty() { "service unavailable".into() } else { message })
+            }
+            code => RdzvError::Rpc { code, message },
+        }
+    }
+}

@@ -1,0 +1,398 @@
+//! Durable state: an fsync'd append-only log of commands plus snapshot compaction.
+//!
+//! Layout of `--data-dir`:
+//! - `snapshot`: `RSRUNSN1` magic, last included sequence number (u64 LE), payload length (u64 LE),
+//!   CRC-32 of the payload (u32 LE), payload = postcard-encoded [`State`].
+//! - `journal-<first seq, 20 digits>.log`: records `[len u32 LE][crc32 u32 LE][postcard Entry]`.
+//! - `lock`: held with `flock` so two daemons never share a directory.
+//!
+//! Every record carries its sequence number; recovery loads the snapshot and replays the records
+//! after the snapshot's sequence, so a crash between writing a snapshot and deleting the older logs
+//! replays nothing twice. A torn record at the very end of the last log (a write the crash cut short,
+//! which was therefore never acknowledged) is truncated; damage anywhere else is an error naming the
+//! file and offset, never silently skipped.
+//!
+//! Snapshots and log switches are written atomically: temp file, fsync, rename, fsync of the directory.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::RdzvError;
+use crate::state::{Command, Ms, State};
+use crate::validate::Limits;
+
+const SNAPSHOT_MAGIC: &[u8; 8] = b"RSRUNSN1";
+/// Largest record accepted when reading (a longer length field is damage, not data).
+const MAX_RECORD: u32 = 512 << 20;
+
+/// One journaled command.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Entry {
+    /// Sequence number, 1-based and contiguous.
+    pub seq: u64,
+    /// When it was applied.
+    pub at: Ms,
+    /// What was applied.
+    pub cmd: Command,
+}
+
+/// Encodes one entry as a framed record.
+pub fn encode(entry: &Entry) -> Result<Vec<u8>, RdzvError> {
+    let payload = postcard::to_allocvec(entry)
+        .map_err(|e| RdzvError::Storage { path: "journal".into(), message: format!("cannot encode entry: {e}") })?;
+    let mut out = Vec::with_capacity(payload.len() + 8);
+    out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
+    out.extend_from_slice(&crc32fast::hash(&payload).to_le_bytes());
+    out.extend_from_slice(&payload);
+    Ok(out)
+}
+
+fn storage(path: &Path, what: &str, e: impl std::fmt::Display) -> RdzvError {
+    RdzvError::Storage { path: path.display().to_string(), message: format!("{what}: {e}") }
+}
+
+/// The open journal of a data directory.
+#[derive(Debug)]
+pub struct Journal {
+    dir: PathBuf,
+    log: File,
+    log_path: PathBuf,
+    log_bytes: u64,
+    _lock: nix::fcntl::Flock<File>,
+}
+
+/// What recovery found.
+#[derive(Debug)]
+pub struct Recovered {
+    /// The rebuilt state.
+    pub state: State,
+    /// The last sequence number in it.
+    pub seq: u64,
+    /// Records replayed from logs (after the snapshot).
+    pub replayed: u64,
+    /// Bytes cut off a torn tail.
+    pub truncated_bytes: u64,
+}
+
+fn log_name(first_seq: u64) -> String {
+    format!("journal-{first_seq:020}.log")
+}
+
+fn fsync_dir(dir: &Path) -> Result<(), RdzvError> {
+    File::open(dir).and_then(|d| d.sync_all()).map_err(|e| storage(dir, "cannot fsync directory", e))
+}
+
+/// Writes `bytes` to `path` atomically: temp file, fsync, rename, directory fsync.
+fn write_atomic(dir: &Path, path: &Path, bytes: &[u8]) -> Result<(), RdzvError> {
+    let tmp = path.with_extension("tmp");
+    let mut f = File::create(&tmp).map_err(|e| storage(&tmp, "cannot create", e))?;
+    f.write_all(bytes).map_err(|e| storage(&tmp, "cannot write", e))?;
+    f.sync_all().map_err(|e| storage(&tmp, "cannot fsync", e))?;
+    drop(f);
+    fs::rename(&tmp, path).map_err(|e| storage(path, "cannot rename into place", e))?;
+    fsync_dir(dir)
+}
+
+fn logs_in(dir: &Path) -> Result<Vec<(u64, PathBuf)>, RdzvError> {
+    let mut logs = Vec::new();
+    for entry in fs::read_dir(dir).map_err(|e| storage(dir, "cannot list", e))? {
+        let entry = entry.map_err(|e| storage(dir, "cannot list", e))?;
+        let name = entry.file_name().to_string_lossy().to_string();
+        if let Some(seq) = name.strip_prefix("journal-").and_then(|s| s.strip_suffix(".log")) {
+            if let Ok(seq) = seq.parse::<u64>() {
+                logs.push((seq, entry.path()));
+            }
+        }
+    }
+    logs.sort();
+    Ok(logs)
+}
+
+fn read_snapshot(path: &Path) -> Result<Option<(State, u64)>, RdzvError> {
+    let bytes = match fs::read(path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(storage(path, "cannot read snapshot", e)),
+    };
+    if bytes.len() < 28 || &bytes[..8] != SNAPSHOT_MAGIC {
+        return Err(storage(path, "not an rsrun snapshot", "bad magic or too short"));
+    }
+    let word = |at: usize| u64::from_le_bytes(bytes[at..at + 8].try_into().unwrap_or([0; 8]));
+    let seq = word(8);
+    let len = word(16) as usize;
+    let crc = u32::from_le_bytes(bytes[24..28].try_into().unwrap_or([0; 4]));
+    let payload = bytes.get(28..28 + len).ok_or_else(|| storage(path, "snapshot is truncated", format!("{len} payload bytes announced")))?;
+    if crc32fast::hash(payload) != crc {
+        return Err(storage(path, "snapshot checksum mismatch", "the file is damaged"));
+    }
+    let state = postcard::from_bytes(payload).map_err(|e| storage(path, "cannot decode snapshot", e))?;
+    Ok(Some((state, seq)))
+}
+
+fn snapshot_bytes(state: &State, seq: u64) -> Result<Vec<u8>, RdzvError> {
+    let payload = postcard::to_allocvec(state)
+        .map_err(|e| RdzvError::Storage { path: "snapshot".into(), message: format!("cannot encode state: {e}") })?;
+    let mut out = Vec::with_capacity(payload.len() + 28);
+    out.extend_from_slice(SNAPSHOT_MAGIC);
+    out.extend_from_slice(&seq.to_le_bytes());
+    out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+    out.extend_from_slice(&crc32fast::hash(&payload).to_le_bytes());
+    out.extend_from_slice(&payload);
+    Ok(out)
+}
+
+/// Reads the records of one log. Returns the entries and the length of the valid prefix.
+fn read_log(path: &Path, is_last: bool) -> Result<(Vec<Entry>, u64, u64), RdzvError> {
+    let mut bytes = Vec::new();
+    File::open(path)
+        .and_then(|mut f| f.read_to_end(&mut bytes))
+        .map_err(|e| storage(path, "cannot read journal", e))?;
+    let mut entries = Vec::new();
+    let mut at = 0usize;
+    while at < bytes.len() {
+        let torn = |why: &str| -> Result<(Vec<Entry>, u64, u64), RdzvError> {
+            Err(storage(path, &format!("journal damaged at offset {at}"), why))
+        };
+        if bytes.len() - at < 8 {
+            if is_last {
+                break;
+            }
+            return torn("record header cut short");
+        }
+        let len = u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]]);
+        let crc = u32::from_le_bytes([bytes[at + 4], bytes[at + 5], bytes[at + 6], bytes[at + 7]]);
+        let end = at + 8 + len as usize;
+        if len > MAX_RECORD || end > bytes.len() {
+            if is_last {
+                break;
+            }
+            return torn("record cut short");
+        }
+        let payload = &bytes[at + 8..end];
+        if crc32fast::hash(payload) != crc {
+            // Only the final record of the final log can be a torn write.
+            if is_last && end == bytes.len() {
+                break;
+            }
+            return torn("checksum mismatch");
+        }
+        let entry: Entry = match postcard::from_bytes(payload) {
+            Ok(e) => e,
+            Err(e) => return torn(&format!("undecodable record: {e}")),
+        };
+        entries.push(entry);
+        at = end;
+    }
+    Ok((entries, at as u64, (bytes.len() - at) as u64))
+}
+
+impl Journal {
+    /// Opens (creating if needed) a data directory, recovers its state, compacts it into a fresh
+    /// snapshot and starts a new log.
+    ///
+    /// # Errors
+    /// The directory cannot be created or locked (another daemon uses it), or its files are damaged
+    /// anywhere but a torn tail.
+    pub fn open(dir: &Path, limits: &Limits) -> Result<(Journal, Recovered), RdzvError> {
+        fs::create_dir_all(dir).map_err(|e| storage(dir, "cannot create data directory", e))?;
+        let lock_path = dir.join("lock");
+        let lock_file = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&lock_path)
+            .map_err(|e| storage(&lock_path, "cannot open lock file", e))?;
+        let lock = nix::fcntl::Flock::lock(lock_file, nix::fcntl::FlockArg::LockExclusiveNonblock).map_err(|(_, e)| {
+            storage(&lock_path, "data directory is in use by another rsrun-rendezvous", e)
+        })?;
+        let snap_path = dir.join("snapshot");
+        let (mut state, mut seq) = read_snapshot(&snap_path)?.unwrap_or_default();
+        let logs = logs_in(dir)?;
+        let mut replayed = 0;
+        let mut truncated_bytes = 0;
+        for (i, (_, path)) in logs.iter().enumerate() {
+            let is_last = i + 1 == logs.len();
+            let (entries, valid, torn) = read_log(path, is_last)?;
+            if torn > 0 {
+                tracing::warn!(path = %path.display(), torn_bytes = torn, "truncating a torn journal tail (an unacknowledged write)");
+                truncated_bytes = torn;
+                let f = OpenOptions::new().write(true).open(path).map_err(|e| storage(path, "cannot open", e))?;
+                f.set_len(valid).and_then(|_| f.sync_all()).map_err(|e| storage(path, "cannot truncate", e))?;
+            }
+            for entry in entries {
+                if entry.seq <= seq {
+                    continue;
+                }
+                if entry.seq != seq + 1 {
+                    return Err(storage(path, "journal has a gap", format!("expected sequence {}, found {}", seq + 1, entry.seq)));
+                }
+                if let Err(e) = state.apply(&entry.cmd, entry.at, limits) {
+                    // A command that succeeded when it was journaled must succeed again; say so loudly.
+                    tracing::error!(seq = entry.seq, error = %e, "journal replay diverged");
+                }
+                seq = entry.seq;
+                replayed += 1;
+            }
+        }
+        // Compact: one snapshot holding everything, then a fresh log.
+        write_atomic(dir, &snap_path, &snapshot_bytes(&state, seq)?)?;
+        let log_path = dir.join(log_name(seq + 1));
+        let log = Self::create_log(dir, &log_path)?;
+        for (_, path) in logs {
+            if path != log_path {
+                fs::remove_file(&path).map_err(|e| storage(&path, "cannot remove old journal", e))?;
+            }
+        }
+        fsync_dir(dir)?;
+        let journal = Journal { dir: dir.to_path_buf(), log, log_path, log_bytes: 0, _lock: lock };
+        Ok((journal, Recovered { state, seq, replayed, truncated_bytes }))
+    }
+
+    fn create_log(dir: &Path, path: &Path) -> Result<File, RdzvError> {
+        let f = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .map_err(|e| storage(path, "cannot create journal", e))?;
+        fsync_dir(dir)?;
+        Ok(f)
+    }
+
+    /// Appends framed records and makes them durable (fdatasync).
+    ///
+    /// # Errors
+    /// The write or the sync failed (e.g. the disk is full). A failed append may have left a partial
+    /// record; the caller retries the same bytes, and recovery truncates a torn tail.
+    pub fn append(&mut self, records: &[u8]) -> Result<(), RdzvError> {
+        if let Err(e) = self.log.write_all(records).and_then(|_| self.log.sync_data()) {
+            // Undo a partial write so a retry does not leave garbage in the middle of the log.
+            let _ = self.log.set_len(self.log_bytes);
+            return Err(storage(&self.log_path, "cannot append to journal", e));
+        }
+        self.log_bytes += records.len() as u64;
+        Ok(())
+    }
+
+    /// Bytes in the current log.
+    pub fn log_bytes(&self) -> u64 {
+        self.log_bytes
+    }
+
+    /// Writes a snapshot of `state` (which includes every record up to `seq`), switches to a new log
+    /// starting at `seq + 1` and removes the older logs.
+    pub fn compact(&mut self, state: &State, seq: u64) -> Result<(), RdzvError> {
+        write_atomic(&self.dir, &self.dir.join("snapshot"), &snapshot_bytes(state, seq)?)?;
+        let path = self.dir.join(log_name(seq + 1));
+        if path != self.log_path {
+            self.log = Self::create_log(&self.dir, &path)?;
+            self.log_path = path;
+            self.log_bytes = 0;
+        }
+        for (_, old) in logs_in(&self.dir)? {
+            if old != self.log_path {
+                fs::remove_file(&old).map_err(|e| storage(&old, "cannot remove old journal", e))?;
+            }
+        }
+        fsync_dir(&self.dir)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::state::{JobSpec, JoinCmd, Scope};
+
+    fn join(node: &str) -> Command {
+        Command::Join(JoinCmd {
+            job: "j".into(),
+            node: node.into(),
+            addrs: vec!["127.0.0.1".into()],
+            hostname: "h".into(),
+            local_world_size: 1,
+            rank_hint: None,
+            master_port: 1,
+            spec: JobSpec { min_nodes: 2, max_nodes: 2, last_call_ms: 0, lease_ms: 1000, max_restarts: 0 },
+        })
+    }
+
+    fn set(key: &str) -> Command {
+        Command::StoreSet { scope: Scope { job: "j".into(), round: 1, round_scoped: false }, key: key.into(), value: b"v".to_vec() }
+    }
+
+    fn write(j: &mut Journal, first: u64, cmds: &[Command]) {
+        let mut buf = Vec::new();
+        for (i, cmd) in cmds.iter().enumerate() {
+            buf.extend(encode(&Entry { seq: first + i as u64, at: 10, cmd: cmd.clone() }).unwrap());
+        }
+        j.append(&buf).unwrap();
+    }
+
+    #[test]
+    fn recovers_snapshot_plus_log_and_truncates_torn_tail() {
+        let dir = tempfile::tempdir().unwrap();
+        let limits = Limits::default();
+        {
+            let (mut j, rec) = Journal::open(dir.path(), &limits).unwrap();
+            assert_eq!(rec.seq, 0);
+            write(&mut j, 1, &[join("a"), join("b"), set("k1")]);
+            let mut state = State::default();
+            for c in [join("a"), join("b"), set("k1")] {
+                state.apply(&c, 10, &limits).unwrap();
+            }
+            j.compact(&state, 3).unwrap();
+            write(&mut j, 4, &[set("k2")]);
+            // A torn record at the tail: half of one more entry.
+            let rec = encode(&Entry { seq: 5, at: 10, cmd: set("k3") }).unwrap();
+            j.log.write_all(&rec[..rec.len() / 2]).unwrap();
+        }
+        let (_j, rec) = Journal::open(dir.path(), &limits).unwrap();
+        assert_eq!(rec.seq, 4);
+        assert_eq!(rec.replayed, 1);
+        assert!(rec.truncated_bytes > 0);
+        let job = rec.state.job("j").unwrap();
+        assert!(job.store.contains_key("k1") && job.store.contains_key("k2") && !job.store.contains_key("k3"));
+    }
+
+    #[test]
+    fn damage_in_the_middle_is_an_error_naming_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let limits = Limits::default();
+        let log_path;
+        {
+            let (mut j, _) = Journal::open(dir.path(), &limits).unwrap();
+            write(&mut j, 1, &[join("a"), join("b"), set("k1")]);
+            log_path = j.log_path.clone();
+        }
+        let mut bytes = fs::read(&log_path).unwrap();
+        bytes[12] ^= 0xff; // inside the first record
+        fs::write(&log_path, bytes).unwrap();
+        let err = Journal::open(dir.path(), &limits).unwrap_err().to_string();
+        assert!(err.contains("journal-") && err.contains("damaged at offset 0"), "{err}");
+    }
+
+    #[test]
+    fn second_daemon_on_same_dir_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let limits = Limits::default();
+        let (_j, _) = Journal::open(dir.path(), &limits).unwrap();
+        let err = Journal::open(dir.path(), &limits).unwrap_err().to_string();
+        assert!(err.contains("in use by another rsrun-rendezvous"), "{err}");
+    }
+
+    #[test]
+    fn damaged_snapshot_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let limits = Limits::default();
+        drop(Journal::open(dir.path(), &limits).unwrap());
+        let p = dir.path().join("snapshot");
+        let mut b = fs::read(&p).unwrap();
+        let n = b.len();
+        b[n - 1] ^= 1;
+        fs::write(&p, b).unwrap();
+        let err = Journal::open(dir.path(), &limits).unwrap_err().to_string();
+        assert!(err.contains("checksum mismatch"), "{err}");
+    }
+}

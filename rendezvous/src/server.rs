@@ -1,0 +1,204 @@
+//! Serving: listener, token auth, TLS, metrics endpoint, graceful shutdown; and the embedded
+//! in-memory service the launcher runs for `--standalone`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rsrun_proto::v1::rendezvous_server::RendezvousServer;
+use tokio::net::TcpListener;
+use tokio_stream::wrappers::TcpListenerStream;
+use tokio_util::sync::CancellationToken;
+use tokio_util::task::TaskTracker;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::{Identity, Server, ServerTlsConfig};
+
+use crate::RdzvError;
+use crate::auth::{AuthInterceptor, TokenTable};
+use crate::metrics::Metrics;
+use crate::service::{Core, CoreConfig, Service};
+use crate::validate::Limits;
+
+/// Everything `rsrun-rendezvous serve` needs, validated.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// gRPC listen address (port 0 picks a free port).
+    pub listen: SocketAddr,
+    /// Durable state directory; `None` keeps state in memory.
+    pub data_dir: Option<PathBuf>,
+    /// Token file; `None` accepts every caller.
+    pub token_file: Option<PathBuf>,
+    /// TLS certificate and key (PEM).
+    pub tls: Option<(PathBuf, PathBuf)>,
+    /// Prometheus text endpoint.
+    pub metrics_listen: Option<SocketAddr>,
+    /// Allow a non-loopback listener without a token.
+    pub insecure: bool,
+    /// Limits.
+    pub limits: Limits,
+}
+
+impl ServerConfig {
+    /// An in-memory, unauthenticated configuration listening on `listen`.
+    pub fn in_memory(listen: SocketAddr) -> Self {
+        ServerConfig {
+            listen,
+            data_dir: None,
+            token_file: None,
+            tls: None,
+            metrics_listen: None,
+            insecure: false,
+            limits: Limits::default(),
+        }
+    }
+}
+
+/// Where the server ended up listening.
+#[derive(Debug, Clone, Copy)]
+pub struct Bound {
+    /// The gRPC address.
+    pub addr: SocketAddr,
+    /// The metrics address, when enabled.
+    pub metrics_addr: Option<SocketAddr>,
+}
+
+/// Binds, recovers state and serves until `shutdown` is cancelled. `on_bound` is called once the
+/// listeners are bound (the binary prints the address there).
+///
+/// # Errors
+/// Bad configuration (a non-loopback address without a token, unreadable token or TLS files), a
+/// listener that cannot bind, or a data directory that cannot be recovered.
+pub async fn serve(config: ServerConfig, shutdown: CancellationToken, on_bound: impl FnOnce(Bound)) -> Result<(), RdzvError> {
+    let tokens = config.token_file.as_deref().map(TokenTable::load).transpose()?;
+    if !config.listen.ip().is_loopback() && tokens.is_none() && !config.insecure {
+        return Err(RdzvError::invalid(
+            "listen",
+            format!(
+                "{} is not a loopback address and no --token-file was given: anyone who can reach it could join jobs \
+                 and read their keys. Give --token-file (and --tls-cert/--tls-key), or --insecure to accept the risk",
+                config.listen
+            ),
+        ));
+    }
+    if !config.listen.ip().is_loopback() && config.tls.is_none() {
+        tracing::warn!(listen = %config.listen, "serving without TLS on a non-loopback address: tokens travel in clear text");
+    }
+    let tls = match &config.tls {
+        None => None,
+        Some((cert, key)) => {
+            let read = |p: &PathBuf| std::fs::read(p).map_err(|e| RdzvError::invalid("tls", format!("cannot read {}: {e}", p.display())));
+            Some(ServerTlsConfig::new().identity(Identity::from_pem(read(cert)?, read(key)?)))
+        }
+    };
+    let listener = TcpListener::bind(config.listen)
+        .await
+        .map_err(|e| RdzvError::invalid("listen", format!("cannot bind {}: {e}", config.listen)))?;
+    let addr = listener.local_addr().map_err(|e| RdzvError::Unavailable(format!("listener address: {e}")))?;
+    let tracker = TaskTracker::new();
+    let core = Core::start(CoreConfig { data_dir: config.data_dir.clone(), limits: config.limits.clone() }, shutdown.clone(), &tracker)?;
+    let metrics_addr = match config.metrics_listen {
+        None => None,
+        Some(m) => Some(spawn_metrics(m, core.metrics.clone(), shutdown.clone(), &tracker).await?),
+    };
+    on_bound(Bound { addr, metrics_addr });
+    tracing::info!(%addr, durable = config.data_dir.is_some(), auth = tokens.is_some(), tls = tls.is_some(), "rendezvous service listening");
+    let decode_limit = (config.limits.max_value_bytes + (1 << 20)).max(4 << 20);
+    let svc = RendezvousServer::new(Service::new(core))
+        .max_decoding_message_size(decode_limit)
+        .max_encoding_message_size(usize::MAX);
+    let svc = InterceptedService::new(svc, AuthInterceptor::new(tokens));
+    let mut builder = Server::builder()
+        .tcp_nodelay(true)
+        .max_concurrent_streams(Some(4096))
+        .http2_keepalive_interval(Some(Duration::from_secs(10)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+        .trace_fn(|req| tracing::debug_span!("rpc", path = %req.uri().path()));
+    if let Some(tls) = tls {
+        builder = builder.tls_config(tls).map_err(|e| RdzvError::invalid("tls", format!("unusable certificate or key: {e}")))?;
+    }
+    let stop = shutdown.clone();
+    let result = builder
+        .add_service(svc)
+        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move { stop.cancelled().await })
+        .await
+        .map_err(|e| RdzvError::Unavailable(format!("server failed: {e}")));
+    shutdown.cancel();
+    tracker.close();
+    tracker.wait().await;
+    result
+}
+
+async fn spawn_metrics(addr: SocketAddr, metrics: Arc<Metrics>, shutdown: CancellationToken, tracker: &TaskTracker) -> Result<SocketAddr, RdzvError> {
+    let listener = TcpListener::bind(addr)
+        .await
+        .map_err(|e| RdzvError::invalid("metrics_listen", format!("cannot bind {addr}: {e}")))?;
+    let bound = listener.local_addr().map_err(|e| RdzvError::Unavailable(format!("metrics address: {e}")))?;
+    let app = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let m = metrics.clone();
+            async move { ([(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], m.render()) }
+        }),
+    );
+    tracker.spawn(async move {
+        let r = axum::serve(listener, app).with_graceful_shutdown(async move { shutdown.cancelled().await }).await;
+        if let Err(e) = r {
+            tracing::error!(error = %e, "metrics endpoint failed");
+        }
+    });
+    Ok(bound)
+}
+
+/// An in-memory rendezvous service running inside this process (the launcher's `--standalone`).
+/// It stops when dropped.
+#[derive(Debug)]
+pub struct EmbeddedServer {
+    /// Where it listens.
+    pub addr: SocketAddr,
+    cancel: CancellationToken,
+    handle: Option<tokio::task::JoinHandle<Result<(), RdzvError>>>,
+}
+
+impl EmbeddedServer {
+    /// Stops the service and waits for it.
+    pub async fn shutdown(mut self) -> Result<(), RdzvError> {
+        self.cancel.cancel();
+        match self.handle.take() {
+            Some(h) => h.await.map_err(|e| RdzvError::Unavailable(format!("embedded server task: {e}")))?,
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for EmbeddedServer {
+    fn drop(&mut self) {
+        self.cancel.cancel();
+    }
+}
+
+/// Starts an in-memory service on `listen` (use port 0 for a free port) and returns once it listens.
+pub async fn spawn_embedded(listen: SocketAddr) -> Result<EmbeddedServer, RdzvError> {
+    spawn_with(ServerConfig::in_memory(listen)).await
+}
+
+/// Starts a service with any configuration inside this process and returns once it listens.
+pub async fn spawn_with(config: ServerConfig) -> Result<EmbeddedServer, RdzvError> {
+    let cancel = CancellationToken::new();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let c = cancel.clone();
+    let handle = tokio::spawn(async move {
+        serve(config, c, move |b| {
+            let _ = tx.send(b.addr);
+        })
+        .await
+    });
+    match rx.await {
+        Ok(addr) => Ok(EmbeddedServer { addr, cancel, handle: Some(handle) }),
+        Err(_) => match handle.await {
+            Ok(Err(e)) => Err(e),
+            Ok(Ok(())) => Err(RdzvError::Unavailable("embedded server stopped before listening".into())),
+            Err(e) => Err(RdzvError::Unavailable(format!("embedded server task: {e}"))),
+        },
+    }
+}

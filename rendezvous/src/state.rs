@@ -1,0 +1,1318 @@
+//! The rendezvous state machine: pure functions of (state, command, time).
+//!
+//! Nothing here does I/O, reads a clock or draws random numbers. The executor ([`crate::service`])
+//! stamps each [`Command`] with the time, applies it under a lock, journals it, and wakes waiters.
+//! Replaying the journal's commands with their recorded times rebuilds the same state, which is what
+//! makes the service durable across `kill -9`.
+//!
+//! # Job lifecycle ([`Phase`])
+//!
+//! ```text
+//!             join (max reached) / last call over / every expected node back
+//!   Forming(r) ────────────────────────────────────────────────────────────▶ Running(r)
+//!      ▲                                                                        │
+//!      │  member left or lease expired · worker failure within budget ·         │
+//!      └──── new node arrived below max (scale-up) ◀────────────────────────────┤
+//!                                                                               │
+//!   Completed ◀── every member finished                                         │
+//!   Failed    ◀── failure over budget · not restartable · FailJob ◀─────────────┘ (also from Forming)
+//! ```
+//!
+//! A round ends by moving to `Forming(r + 1)`: its surviving members become *rejoining* and must call
+//! `Join` again; nodes that waited are joined at once. A forming round closes when `max_nodes` have
+//! joined, when at least `min_nodes` joined and the last-call window passed, or (after a round ended)
+//! as soon as every surviving member is back and at least `min_nodes` joined — so restarts do not sit
+//! out a last-call window.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+
+use rsrun_proto::v1 as pb;
+use serde::{Deserialize, Serialize};
+
+use crate::RdzvError;
+use crate::validate::{self, Limits};
+
+/// Milliseconds since the Unix epoch.
+pub type Ms = u64;
+
+/// How many failures a job remembers (oldest dropped first).
+const MAX_FAILURES: usize = 64;
+/// How many request ids a job remembers for de-duplicating retried calls.
+const MAX_DEDUP: usize = 8192;
+/// Shortest and longest lease a job may ask for.
+const LEASE_RANGE_MS: (u64, u64) = (100, 3_600_000);
+/// Longest last-call window.
+const MAX_LAST_CALL_MS: u64 = 24 * 3_600_000;
+/// Most restarts a job may budget.
+const MAX_RESTARTS: u32 = 1_000_000;
+/// Most participants of one barrier.
+const MAX_BARRIER_PARTICIPANTS: u32 = 10_000_000;
+
+/// A job's membership configuration, fixed by its first joiner.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobSpec {
+    /// Fewest nodes a round may have.
+    pub min_nodes: u32,
+    /// Most nodes a round may have.
+    pub max_nodes: u32,
+    /// Wait after `min_nodes` joined, for more.
+    pub last_call_ms: u64,
+    /// A node not renewed for this long is dead.
+    pub lease_ms: u64,
+    /// Global restart budget for worker failures.
+    pub max_restarts: u32,
+}
+
+impl JobSpec {
+    /// Checks the spec against the limits.
+    pub fn validate(&self, limits: &Limits) -> Result<(), RdzvError> {
+        if self.min_nodes == 0 {
+            return Err(RdzvError::invalid("config.min_nodes", "0; at least 1 node is required"));
+        }
+        if self.min_nodes > self.max_nodes {
+            return Err(RdzvError::invalid(
+                "config.max_nodes",
+                format!("min_nodes {} is greater than max_nodes {}", self.min_nodes, self.max_nodes),
+            ));
+        }
+        if self.max_nodes > limits.max_nodes_per_job {
+            return Err(RdzvError::invalid(
+                "config.max_nodes",
+                format!("{} exceeds the service limit of {} nodes per job", self.max_nodes, limits.max_nodes_per_job),
+            ));
+        }
+        if !(LEASE_RANGE_MS.0..=LEASE_RANGE_MS.1).contains(&self.lease_ms) {
+            return Err(RdzvError::invalid(
+                "config.lease_ms",
+                format!("{} ms; expected {} to {} ms", self.lease_ms, LEASE_RANGE_MS.0, LEASE_RANGE_MS.1),
+            ));
+        }
+        if self.last_call_ms > MAX_LAST_CALL_MS {
+            return Err(RdzvError::invalid(
+                "config.last_call_ms",
+                format!("{} ms; at most {MAX_LAST_CALL_MS} ms", self.last_call_ms),
+            ));
+        }
+        if self.max_restarts > MAX_RESTARTS {
+            return Err(RdzvError::invalid(
+                "config.max_restarts",
+                format!("{}; at most {MAX_RESTARTS}", self.max_restarts),
+            ));
+        }
+        Ok(())
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "nnodes {}:{}, max_restarts {}, last_call {} ms, lease {} ms",
+            self.min_nodes, self.max_nodes, self.max_restarts, self.last_call_ms, self.lease_ms
+        )
+    }
+}
+
+/// A node (one launcher) known to a job.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Node {
+    /// Node id, unique within the job.
+    pub id: String,
+    /// Host name, for people.
+    pub hostname: String,
+    /// Addresses others can reach it at, preferred first.
+    pub addrs: Vec<String>,
+    /// Workers it runs.
+    pub local_world_size: u32,
+    /// Preferred node rank.
+    pub rank_hint: Option<u32>,
+    /// Port it reserved for MASTER_PORT.
+    pub master_port: u32,
+    /// When its lease runs out unless renewed.
+    pub lease_expires: Ms,
+    /// Last join or keep-alive.
+    pub last_heartbeat: Ms,
+    /// Its node rank in the last round it took part in (sticky ranks).
+    pub last_rank: Option<u32>,
+}
+
+/// A participant of a running round.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Member {
+    /// Node rank (GROUP_RANK).
+    pub node_rank: u32,
+    /// Workers on the node.
+    pub local_world_size: u32,
+    /// Global rank of its local rank 0.
+    pub rank_offset: u32,
+}
+
+/// Where a job is in its lifecycle; transitions are drawn in the module documentation.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum Phase {
+    /// Nodes are joining the job's current round.
+    Forming {
+        /// Nodes that joined this round.
+        joined: BTreeSet<String>,
+        /// Members of the previous round that are alive but have not joined again yet.
+        rejoining: BTreeSet<String>,
+        /// Set when `min_nodes` joined: the round closes at this time at the latest.
+        last_call_deadline: Option<Ms>,
+        /// True when the round follows an ended one: it closes once every rejoining node is back.
+        early_close: bool,
+    },
+    /// The round is formed and its workers run.
+    Running {
+        /// Participants by node id.
+        members: BTreeMap<String, Member>,
+        /// Members whose workers all succeeded.
+        finished: BTreeSet<String>,
+        /// Total workers.
+        world_size: u32,
+        /// Address of the group-rank-0 node.
+        master_addr: String,
+        /// Port reserved by the group-rank-0 node.
+        master_port: u32,
+    },
+    /// Every member finished.
+    Completed {
+        /// When.
+        at: Ms,
+    },
+    /// The job failed; `Job::reason` says why.
+    Failed {
+        /// When.
+        at: Ms,
+    },
+}
+
+/// A worker or node failure, as reported by a launcher.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Failure {
+    /// Reporting node.
+    pub node_id: String,
+    /// Round it happened in.
+    pub round: u64,
+    /// Global rank, -1 when not a worker's.
+    pub rank: i32,
+    /// Local rank, -1 when not a worker's.
+    pub local_rank: i32,
+    /// Exit code.
+    pub exit_code: i32,
+    /// Signal number, 0 when none.
+    pub signal: i32,
+    /// What happened.
+    pub message: String,
+    /// When (reporter's clock).
+    pub time_unix_ms: u64,
+    /// Reporter's host name.
+    pub hostname: String,
+}
+
+impl Failure {
+    /// From the wire, with text cut to size.
+    pub fn from_pb(f: &pb::FailureInfo) -> Self {
+        Failure {
+            node_id: validate::text(&f.node_id),
+            round: f.round,
+            rank: f.rank,
+            local_rank: f.local_rank,
+            exit_code: f.exit_code,
+            signal: f.signal,
+            message: validate::text(&f.message),
+            time_unix_ms: f.time_unix_ms,
+            hostname: validate::text(&f.hostname),
+        }
+    }
+
+    /// To the wire.
+    pub fn to_pb(&self) -> pb::FailureInfo {
+        pb::FailureInfo {
+            node_id: self.node_id.clone(),
+            round: self.round,
+            rank: self.rank,
+            local_rank: self.local_rank,
+            exit_code: self.exit_code,
+            signal: self.signal,
+            message: self.message.clone(),
+            time_unix_ms: self.time_unix_ms,
+            hostname: self.hostname.clone(),
+        }
+    }
+
+    fn describe(&self) -> String {
+        let what = if self.signal != 0 {
+            format!("signal {}", self.signal)
+        } else {
+            format!("exit code {}", self.exit_code)
+        };
+        if self.rank >= 0 {
+            format!("rank {} on node {} failed with {what}", self.rank, self.node_id)
+        } else {
+            format!("node {} failed: {}", self.node_id, self.message)
+        }
+    }
+}
+
+/// A reusable barrier.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Barrier {
+    /// Completed generations.
+    pub generation: u64,
+    /// Members that arrived in the current generation.
+    pub arrived: BTreeSet<String>,
+    /// Participants, fixed by the first arrival of a generation.
+    pub participants: u32,
+}
+
+/// A remembered answer to a call that carried a request id.
+#[allow(missing_docs)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Dedup {
+    /// `StoreAdd`'s result.
+    Add(i64),
+    /// `StoreCompareSet`'s result.
+    Cas { swapped: bool, current: Option<Vec<u8>> },
+    /// `Barrier`'s arrival generation.
+    Barrier(u64),
+}
+
+/// One job.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Job {
+    /// Job (run) id.
+    pub id: String,
+    /// Membership configuration.
+    pub spec: JobSpec,
+    /// Creation time.
+    pub created: Ms,
+    /// Last change, for forgetting abandoned jobs.
+    pub last_activity: Ms,
+    /// Current round (the forming one while forming). Starts at 1.
+    pub round: u64,
+    /// Lifecycle.
+    pub phase: Phase,
+    /// Every live node of the job.
+    pub nodes: BTreeMap<String, Node>,
+    /// Nodes that wait for the next round (arrived while one ran, or beyond `max_nodes`).
+    pub waiting: BTreeSet<String>,
+    /// Failure restarts consumed.
+    pub restart_count: u32,
+    /// Why the last round ended, or why the job ended.
+    pub reason: String,
+    /// The first failure of the round the job failed in (or last restarted for).
+    pub root_cause: Option<Failure>,
+    /// Recent failures, oldest first.
+    pub failures: VecDeque<Failure>,
+    /// Job-scoped keys.
+    pub store: BTreeMap<String, Vec<u8>>,
+    /// Keys of the current round; dropped when it ends.
+    pub round_store: BTreeMap<String, Vec<u8>>,
+    /// Bytes of keys plus values in both stores.
+    pub store_bytes: usize,
+    /// Barriers by (round scoped, name).
+    pub barriers: BTreeMap<(bool, String), Barrier>,
+    /// NCCL unique ids of the current round, by name.
+    pub unique_ids: BTreeMap<String, Vec<u8>>,
+    /// Answers to recent calls that carried a request id.
+    pub dedup: BTreeMap<String, Dedup>,
+    /// Insertion order of `dedup`, for eviction.
+    pub dedup_order: VecDeque<String>,
+}
+
+/// Every job.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct State {
+    /// Jobs by id.
+    pub jobs: BTreeMap<String, Job>,
+}
+
+/// Addresses the store of a job: job-wide or the current round's namespace.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Scope {
+    /// Job id.
+    pub job: String,
+    /// The caller's round.
+    pub round: u64,
+    /// Round namespace instead of the job's.
+    pub round_scoped: bool,
+}
+
+impl Scope {
+    /// From the wire.
+    pub fn from_pb(scope: Option<&pb::StoreScope>) -> Result<Self, RdzvError> {
+        let s = scope.ok_or_else(|| RdzvError::invalid("scope", "missing; job_id and round are required"))?;
+        validate::id("scope.job_id", &s.job_id)?;
+        Ok(Scope { job: s.job_id.clone(), round: s.round, round_scoped: s.round_scoped })
+    }
+
+    fn tag(&self) -> String {
+        if self.round_scoped { format!("r{}", self.round) } else { "j".to_string() }
+    }
+
+    /// The wake-up topic of a key in this scope.
+    pub fn key_topic(&self, key: &str) -> String {
+        format!("k/{}/{key}", self.tag())
+    }
+
+    /// The wake-up topic of a barrier in this scope.
+    pub fn barrier_topic(&self, name: &str) -> String {
+        format!("b/{}/{name}", self.tag())
+    }
+}
+
+/// The wake-up topic of a unique id.
+pub fn unique_id_topic(round: u64, name: &str) -> String {
+    format!("u/{round}/{name}")
+}
+
+/// A join, as journaled.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JoinCmd {
+    /// Job id.
+    pub job: String,
+    /// Node id.
+    pub node: String,
+    /// Advertised addresses.
+    pub addrs: Vec<String>,
+    /// Host name.
+    pub hostname: String,
+    /// Workers on the node.
+    pub local_world_size: u32,
+    /// Preferred node rank.
+    pub rank_hint: Option<u32>,
+    /// Reserved port.
+    pub master_port: u32,
+    /// The job configuration the node expects.
+    pub spec: JobSpec,
+}
+
+/// Every change to the state. Each is journaled with the time it was applied at.
+///
+/// Fields carry the request's values after validation; they are named as in the protobuf requests.
+#[allow(missing_docs)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Command {
+    /// A node joins the next round.
+    Join(JoinCmd),
+    /// A node renews its lease (not journaled: leases restart in full after recovery).
+    KeepAlive { job: String, node: String },
+    /// A node leaves.
+    Leave { job: String, node: String, reason: String },
+    /// A worker failed on a node.
+    ReportFailure { job: String, round: u64, node: String, failure: Failure, restartable: bool },
+    /// Fail the job now.
+    FailJob { job: String, node: String, reason: String },
+    /// A node's workers all succeeded.
+    Finish { job: String, round: u64, node: String },
+    /// Store set.
+    StoreSet { scope: Scope, key: String, value: Vec<u8> },
+    /// Store atomic add.
+    StoreAdd { scope: Scope, key: String, delta: i64, request_id: String },
+    /// Store compare-and-set.
+    StoreCas { scope: Scope, key: String, expected: Option<Vec<u8>>, desired: Vec<u8>, request_id: String },
+    /// Store delete.
+    StoreDelete { scope: Scope, key: String },
+    /// Store multi-set.
+    StoreMultiSet { scope: Scope, entries: Vec<(String, Vec<u8>)> },
+    /// Arrival at a barrier.
+    BarrierArrive { scope: Scope, name: String, member: String, participants: u32, request_id: String },
+    /// Rank 0 publishes the round's NCCL unique id.
+    PublishUniqueId { job: String, round: u64, rank: u32, name: String, id: Vec<u8> },
+    /// Time: a node's lease ran out.
+    ExpireNode { job: String, node: String },
+    /// Time: the last-call window of a forming round passed.
+    CloseRound { job: String },
+    /// Time: a job is forgotten.
+    RemoveJob { job: String },
+}
+
+impl Command {
+    /// The job the command is about.
+    pub fn job(&self) -> &str {
+        match self {
+            Command::Join(j) => &j.job,
+            Command::KeepAlive { job, .. }
+            | Command::Leave { job, .. }
+            | Command::ReportFailure { job, .. }
+            | Command::FailJob { job, .. }
+            | Command::Finish { job, .. }
+            | Command::PublishUniqueId { job, .. }
+            | Command::ExpireNode { job, .. }
+            | Command::CloseRound { job }
+            | Command::RemoveJob { job } => job,
+            Command::StoreSet { scope, .. }
+            | Command::StoreAdd { scope, .. }
+            | Command::StoreCas { scope, .. }
+            | Command::StoreDelete { scope, .. }
+            | Command::StoreMultiSet { scope, .. }
+            | Command::BarrierArrive { scope, .. } => &scope.job,
+        }
+    }
+
+    /// False for commands whose effect need not survive a restart.
+    pub fn is_durable(&self) -> bool {
+        !matches!(self, Command::KeepAlive { .. })
+    }
+}
+
+/// What a command answered.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Outcome {
+    /// Nothing to return.
+    Done,
+    /// A join was recorded; the node waits for its round (use [`State::assignment`]).
+    Joined,
+    /// A failure report's decision.
+    Decision(pb::FailureDecision),
+    /// `StoreAdd`'s new value.
+    Added(i64),
+    /// `StoreCompareSet`'s result: whether it swapped, and the value after the call.
+    #[allow(missing_docs)]
+    Cas { swapped: bool, current: Option<Vec<u8>> },
+    /// `StoreDelete`: whether the key existed.
+    Deleted(bool),
+    /// Barrier arrival: the generation arrived in (released once `generation` grows past it).
+    Arrived(u64),
+}
+
+/// What a command changed, for waking waiters.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Effects {
+    /// The state changed (journal it when durable).
+    pub changed: bool,
+    /// Store, barrier and unique-id topics that changed.
+    pub topics: Vec<String>,
+}
+
+impl Effects {
+    fn changed() -> Self {
+        Effects { changed: true, topics: Vec::new() }
+    }
+    fn topic(topic: String) -> Self {
+        Effects { changed: true, topics: vec![topic] }
+    }
+}
+
+/// Assigns node ranks `0..n` to the participants of a round.
+///
+/// In order: a node's rank hint when in range and free (conflicts go to the smaller node id); then its
+/// rank in the previous round when still in range and free (sticky ranks); then the free ranks in
+/// ascending order to the remaining nodes sorted by id. The result depends only on the set of nodes,
+/// their hints and their previous ranks — never on arrival order.
+pub fn assign_ranks<'a>(nodes: impl IntoIterator<Item = &'a Node>) -> Vec<(String, u32)> {
+    let mut nodes: Vec<&Node> = nodes.into_iter().collect();
+    nodes.sort_by(|a, b| a.id.cmp(&b.id));
+    let n = nodes.len();
+    let mut slot: Vec<Option<usize>> = vec![None; n];
+    let mut assigned: Vec<Option<u32>> = vec![None; n];
+    for pass in 0..2 {
+        for (i, node) in nodes.iter().enumerate() {
+            if assigned[i].is_some() {
+                continue;
+            }
+            let want = if pass == 0 { node.rank_hint } else { node.last_rank };
+            if let Some(r) = want.filter(|r| (*r as usize) < n) {
+                if slot[r as usize].is_none() {
+                    slot[r as usize] = Some(i);
+                    assigned[i] = Some(r);
+                }
+            }
+        }
+    }
+    let mut free = (0..n).filter(|r| slot[*r].is_none());
+    for a in assigned.iter_mut() {
+        if a.is_none() {
+            // Invariant: there are exactly as many free slots as unassigned nodes.
+            *a = free.next().map(|r| r as u32);
+        }
+    }
+    let mut out: Vec<(String, u32)> =
+        nodes.iter().zip(assigned).map(|(node, r)| (node.id.clone(), r.unwrap_or(0))).collect();
+    out.sort_by_key(|(_, r)| *r);
+    out
+}
+
+impl Job {
+    fn new(id: String, spec: JobSpec, now: Ms) -> Self {
+        Job {
+            id,
+            spec,
+            created: now,
+            last_activity: now,
+            round: 1,
+            phase: Phase::Forming {
+                joined: BTreeSet::new(),
+                rejoining: BTreeSet::new(),
+                last_call_deadline: None,
+                early_close: false,
+            },
+            nodes: BTreeMap::new(),
+            waiting: BTreeSet::new(),
+            restart_count: 0,
+            reason: String::new(),
+            root_cause: None,
+            failures: VecDeque::new(),
+            store: BTreeMap::new(),
+            round_store: BTreeMap::new(),
+            store_bytes: 0,
+            barriers: BTreeMap::new(),
+            unique_ids: BTreeMap::new(),
+            dedup: BTreeMap::new(),
+            dedup_order: VecDeque::new(),
+        }
+    }
+
+    /// Completed or failed.
+    pub fn is_terminal(&self) -> bool {
+        matches!(self.phase, Phase::Completed { .. } | Phase::Failed { .. })
+    }
+
+    fn ended_error(&self) -> Option<RdzvError> {
+        let state = match self.phase {
+            Phase::Completed { .. } => "completed",
+            Phase::Failed { .. } => "failed",
+            _ => return None,
+        };
+        Some(RdzvError::JobEnded { job: self.id.clone(), state, reason: self.reason.clone() })
+    }
+
+    fn check_round(&self, round: u64) -> Result<(), RdzvError> {
+        if round != self.round {
+            return Err(RdzvError::StaleRound { job: self.id.clone(), given: round, current: self.round });
+        }
+        Ok(())
+    }
+
+    /// The wire view of the job.
+    pub fn view(&self) -> pb::JobView {
+        let (state, joined_count) = match &self.phase {
+            Phase::Forming { joined, .. } => (pb::JobState::Forming, joined.len() as u32),
+            Phase::Running { .. } => (pb::JobState::Running, 0),
+            Phase::Completed { .. } => (pb::JobState::Completed, 0),
+            Phase::Failed { .. } => (pb::JobState::Failed, 0),
+        };
+        pb::JobView {
+            job_id: self.id.clone(),
+            state: state as i32,
+            round: self.round,
+            nodes_waiting: self.waiting.len() as u32,
+            reason: self.reason.clone(),
+            restart_count: self.restart_count,
+            max_restarts: self.spec.max_restarts,
+            joined_count,
+            min_nodes: self.spec.min_nodes,
+            max_nodes: self.spec.max_nodes,
+            root_cause: self.root_cause.as_ref().map(Failure::to_pb),
+        }
+    }
+
+    /// The round assignment of `node` if it takes part in the running round.
+    pub fn assignment(&self, node: &str) -> Option<pb::JoinResponse> {
+        let Phase::Running { members, world_size, master_addr, master_port, .. } = &self.phase else {
+            return None;
+        };
+        let m = members.get(node)?;
+        let n = self.nodes.get(node);
+        Some(pb::JoinResponse {
+            round: Some(pb::RoundInfo {
+                round: self.round,
+                world_size: *world_size,
+                num_nodes: members.len() as u32,
+                master_addr: master_addr.clone(),
+                master_port: *master_port,
+                restart_count: self.restart_count,
+                max_restarts: self.spec.max_restarts,
+            }),
+            node: Some(pb::NodeAssignment {
+                node_id: node.to_string(),
+                node_rank: m.node_rank,
+                local_world_size: m.local_world_size,
+                rank_offset: m.rank_offset,
+                addrs: n.map(|n| n.addrs.clone()).unwrap_or_default(),
+                hostname: n.map(|n| n.hostname.clone()).unwrap_or_default(),
+            }),
+        })
+    }
+
+    fn remember(&mut self, request_id: &str, answer: Dedup) {
+        if request_id.is_empty() {
+            return;
+        }
+        if self.dedup.insert(request_id.to_string(), answer).is_none() {
+            self.dedup_order.push_back(request_id.to_string());
+        }
+        while self.dedup_order.len() > MAX_DEDUP {
+            if let Some(old) = self.dedup_order.pop_front() {
+                self.dedup.remove(&old);
+            }
+        }
+    }
+
+    fn recall(&self, request_id: &str) -> Option<&Dedup> {
+        if request_id.is_empty() { None } else { self.dedup.get(request_id) }
+    }
+
+    fn num_keys(&self) -> usize {
+        self.store.len() + self.round_store.len()
+    }
+
+    /// Closes the forming round if its conditions hold. Returns true if it closed.
+    fn maybe_close(&mut self, now: Ms) -> bool {
+        let Phase::Forming { joined, rejoining, last_call_deadline, early_close } = &mut self.phase else {
+            return false;
+        };
+        let n = joined.len() as u32;
+        if n < self.spec.min_nodes {
+            *last_call_deadline = None;
+            return false;
+        }
+        let deadline = *last_call_deadline.get_or_insert(now.saturating_add(self.spec.last_call_ms));
+        let close = n >= self.spec.max_nodes || now >= deadline || (*early_close && rejoining.is_empty());
+        if !close {
+            return false;
+        }
+        let joined = std::mem::take(joined);
+        let ranks = assign_ranks(joined.iter().filter_map(|id| self.nodes.get(id)));
+        let mut members = BTreeMap::new();
+        let mut offset: u32 = 0;
+        let mut master = (String::new(), 0);
+        for (id, rank) in ranks {
+            // Invariant: `joined` only holds ids present in `nodes` (removal takes them out of both).
+            let Some(node) = self.nodes.get_mut(&id) else { continue };
+            node.last_rank = Some(rank);
+            if rank == 0 {
+                let addr = node.addrs.first().cloned().unwrap_or_else(|| node.hostname.clone());
+                master = (addr, node.master_port);
+            }
+            members.insert(id, Member { node_rank: rank, local_world_size: node.local_world_size, rank_offset: offset });
+            offset = offset.saturating_add(node.local_world_size);
+        }
+        self.phase = Phase::Running {
+            members,
+            finished: BTreeSet::new(),
+            world_size: offset,
+            master_addr: master.0,
+            master_port: master.1,
+        };
+        true
+    }
+
+    /// Ends the running round: `Forming(round + 1)`. Waiters on the old round notice through the job
+    /// view, whose round moves.
+    fn end_round(&mut self, reason: String, now: Ms) {
+        let mut previous: BTreeSet<String> = match &mut self.phase {
+            Phase::Running { members, .. } => members.keys().cloned().collect(),
+            Phase::Forming { joined, rejoining, .. } => {
+                let mut all = std::mem::take(joined);
+                all.append(rejoining);
+                all
+            }
+            Phase::Completed { .. } | Phase::Failed { .. } => return,
+        };
+        previous.retain(|id| self.nodes.contains_key(id));
+        self.round += 1;
+        self.reason = reason;
+        for (k, v) in std::mem::take(&mut self.round_store) {
+            self.store_bytes = self.store_bytes.saturating_sub(k.len() + v.len());
+        }
+        self.unique_ids.clear();
+        self.barriers.retain(|(round_scoped, _), _| !round_scoped);
+        let mut joined = BTreeSet::new();
+        while (joined.len() as u32) < self.spec.max_nodes {
+            let Some(id) = self.waiting.pop_first() else { break };
+            joined.insert(id);
+        }
+        self.phase = Phase::Forming { joined, rejoining: previous, last_call_deadline: None, early_close: true };
+        self.maybe_close(now);
+    }
+
+    fn fail(&mut self, reason: String, now: Ms) {
+        if self.is_terminal() {
+            return;
+        }
+        self.reason = reason;
+        self.phase = Phase::Failed { at: now };
+    }
+
+    fn remove_node(&mut self, node: &str, reason: String, now: Ms) -> Result<Effects, RdzvError> {
+        if self.nodes.remove(node).is_none() {
+            return Err(RdzvError::NotMember {
+                job: self.id.clone(),
+                node: node.to_string(),
+                reason: "it never joined, already left, or its lease expired".into(),
+            });
+        }
+        self.waiting.remove(node);
+        let end = match &mut self.phase {
+            Phase::Forming { joined, rejoining, .. } => {
+                joined.remove(node);
+                rejoining.remove(node);
+                false
+            }
+            Phase::Running { members, finished, .. } => members.contains_key(node) && !finished.contains(node),
+            Phase::Completed { .. } | Phase::Failed { .. } => false,
+        };
+        if end {
+            self.end_round(reason, now);
+        } else {
+            self.maybe_close(now);
+        }
+        Ok(Effects::changed())
+    }
+
+    fn store_map(&mut self, round_scoped: bool) -> &mut BTreeMap<String, Vec<u8>> {
+        if round_scoped { &mut self.round_store } else { &mut self.store }
+    }
+
+    fn check_write(&self, scope: &Scope) -> Result<(), RdzvError> {
+        if let Some(e) = self.ended_error() {
+            return Err(e);
+        }
+        self.check_round(scope.round)
+    }
+
+    /// Sets a key, enforcing the per-job limits.
+    fn put(&mut self, limits: &Limits, round_scoped: bool, key: String, value: Vec<u8>) -> Result<(), RdzvError> {
+        let old = self.store_map(round_scoped).get(&key).map(|v| v.len());
+        let added = key.len() + value.len();
+        let removed = old.map(|len| key.len() + len).unwrap_or(0);
+        if old.is_none() && self.num_keys() >= limits.max_keys_per_job {
+            return Err(RdzvError::ResourceExhausted(format!(
+                "job {:?} holds {} keys, the limit is {}",
+                self.id,
+                self.num_keys(),
+                limits.max_keys_per_job
+            )));
+        }
+        let bytes = self.store_bytes.saturating_sub(removed) + added;
+        if bytes > limits.max_store_bytes_per_job {
+            return Err(RdzvError::ResourceExhausted(format!(
+                "job {:?} store would hold {bytes} bytes, the limit is {}",
+                self.id, limits.max_store_bytes_per_job
+            )));
+        }
+        self.store_bytes = bytes;
+        self.store_map(round_scoped).insert(key, value);
+        Ok(())
+    }
+
+    /// Reads a key (no fencing for job-scoped reads; round-scoped reads need the current round).
+    pub fn get(&self, scope: &Scope, key: &str) -> Result<Option<&Vec<u8>>, RdzvError> {
+        if scope.round_scoped {
+            self.check_round(scope.round)?;
+            Ok(self.round_store.get(key))
+        } else {
+            Ok(self.store.get(key))
+        }
+    }
+
+    /// Keys in the scope.
+    pub fn scope_len(&self, scope: &Scope) -> Result<usize, RdzvError> {
+        if scope.round_scoped {
+            self.check_round(scope.round)?;
+            Ok(self.round_store.len())
+        } else {
+            Ok(self.store.len())
+        }
+    }
+
+    /// The generation of a barrier (0 when it never released).
+    pub fn barrier_generation(&self, scope: &Scope, name: &str) -> Result<u64, RdzvError> {
+        if scope.round_scoped {
+            self.check_round(scope.round)?;
+        }
+        Ok(self.barriers.get(&(scope.round_scoped, name.to_string())).map(|b| b.generation).unwrap_or(0))
+    }
+}
+
+impl State {
+    /// The job, or `JobNotFound`.
+    pub fn job(&self, id: &str) -> Result<&Job, RdzvError> {
+        self.jobs.get(id).ok_or_else(|| RdzvError::JobNotFound { job: id.to_string() })
+    }
+
+    fn job_mut(&mut self, id: &str) -> Result<&mut Job, RdzvError> {
+        self.jobs.get_mut(id).ok_or_else(|| RdzvError::JobNotFound { job: id.to_string() })
+    }
+
+    /// Applies one command at time `now`. On error nothing changed.
+    pub fn apply(&mut self, cmd: &Command, now: Ms, limits: &Limits) -> Result<(Outcome, Effects), RdzvError> {
+        let result = self.apply_inner(cmd, now, limits);
+        if let Ok((_, effects)) = &result {
+            if effects.changed {
+                if let Some(job) = self.jobs.get_mut(cmd.job()) {
+                    job.last_activity = now;
+                }
+            }
+        }
+        result
+    }
+
+    fn apply_inner(&mut self, cmd: &Command, now: Ms, limits: &Limits) -> Result<(Outcome, Effects), RdzvError> {
+        match cmd {
+            Command::Join(j) => self.join(j, now, limits),
+            Command::KeepAlive { job, node } => {
+                let job = self.job_mut(job)?;
+                let lease = job.spec.lease_ms;
+                let n = job.nodes.get_mut(node).ok_or_else(|| RdzvError::NotMember {
+                    job: job.id.clone(),
+                    node: node.clone(),
+                    reason: "it never joined, left, or its lease expired; join again".into(),
+                })?;
+                n.last_heartbeat = now;
+                n.lease_expires = now.saturating_add(lease);
+                Ok((Outcome::Done, Effects { changed: false, topics: Vec::new() }))
+            }
+            Command::Leave { job, node, reason } => {
+                let job = self.job_mut(job)?;
+                let why = if reason.is_empty() { format!("node {node} left") } else { format!("node {node} left: {reason}") };
+                let effects = job.remove_node(node, why, now)?;
+                Ok((Outcome::Done, effects))
+            }
+            Command::ExpireNode { job, node } => {
+                let job = self.job_mut(job)?;
+                let lease = job.spec.lease_ms;
+                let effects = job.remove_node(node, format!("node {node} lost its lease (no keep-alive for {lease} ms)"), now)?;
+                Ok((Outcome::Done, effects))
+            }
+            Command::CloseRound { job } => {
+                let job = self.job_mut(job)?;
+                let closed = job.maybe_close(now);
+                Ok((Outcome::Done, Effects { changed: closed, topics: Vec::new() }))
+            }
+            Command::RemoveJob { job } => {
+                self.jobs.remove(job).ok_or_else(|| RdzvError::JobNotFound { job: job.clone() })?;
+                Ok((Outcome::Done, Effects::changed()))
+            }
+            Command::ReportFailure { job, round, node, failure, restartable } => {
+                let job = self.job_mut(job)?;
+                if let Some(e) = job.ended_error() {
+                    return Err(e);
+                }
+                job.check_round(*round)?;
+                let is_member = matches!(&job.phase, Phase::Running { members, .. } if members.contains_key(node));
+                if !is_member {
+                    return Err(RdzvError::NotMember {
+                        job: job.id.clone(),
+                        node: node.clone(),
+                        reason: format!("it is not a participant of running round {round}"),
+                    });
+                }
+                let mut failure = failure.clone();
+                failure.round = *round;
+                failure.node_id = node.clone();
+                if job.root_cause.as_ref().is_none_or(|r| r.round != *round) {
+                    job.root_cause = Some(failure.clone());
+                }
+                job.failures.push_back(failure.clone());
+                if job.failures.len() > MAX_FAILURES {
+                    job.failures.pop_front();
+                }
+                let what = failure.describe();
+                if !restartable {
+                    job.fail(format!("{what} (not restartable)"), now);
+                    return Ok((Outcome::Decision(pb::FailureDecision::Failed), Effects::changed()));
+                }
+                if job.restart_count >= job.spec.max_restarts {
+                    job.fail(
+                        format!("{what}; restart budget exhausted ({} of {} used)", job.restart_count, job.spec.max_restarts),
+                        now,
+                    );
+                    return Ok((Outcome::Decision(pb::FailureDecision::Failed), Effects::changed()));
+                }
+                job.restart_count += 1;
+                let reason = format!("{what}; restart {} of {}", job.restart_count, job.spec.max_restarts);
+                job.end_round(reason, now);
+                Ok((Outcome::Decision(pb::FailureDecision::Restart), Effects::changed()))
+            }
+            Command::FailJob { job, node, reason } => {
+                let job = self.job_mut(job)?;
+                if let Some(e) = job.ended_error() {
+                    return Err(e);
+                }
+                let why = if reason.is_empty() { format!("failed by node {node}") } else { format!("failed by node {node}: {reason}") };
+                if job.root_cause.as_ref().is_none_or(|r| r.round != job.round) {
+                    job.root_cause = Some(Failure {
+                        node_id: node.clone(),
+                        round: job.round,
+                        rank: -1,
+                        local_rank: -1,
+                        exit_code: 0,
+                        signal: 0,
+                        message: reason.clone(),
+                        time_unix_ms: now,
+                        hostname: job.nodes.get(node).map(|n| n.hostname.clone()).unwrap_or_default(),
+                    });
+                }
+                job.fail(why, now);
+                Ok((Outcome::Done, Effects::changed()))
+            }
+            Command::Finish { job, round, node } => {
+                let job = self.job_mut(job)?;
+                if let Some(e) = job.ended_error() {
+                    // Finishing twice (a retry after completion) is not an error.
+                    if matches!(job.phase, Phase::Completed { .. }) {
+                        return Ok((Outcome::Done, Effects::default()));
+                    }
+                    return Err(e);
+                }
+                job.check_round(*round)?;
+                let Phase::Running { members, finished, .. } = &mut job.phase else {
+                    return Err(RdzvError::FailedPrecondition(format!("round {round} of job {:?} is not running", job.id)));
+                };
+                if !members.contains_key(node) {
+                    return Err(RdzvError::NotMember {
+                        job: job.id.clone(),
+                        node: node.clone(),
+                        reason: format!("it is not a participant of round {round}"),
+                    });
+                }
+                finished.insert(node.clone());
+                if finished.len() == members.len() {
+                    let n = members.len();
+                    job.reason = format!("all {n} nodes finished");
+                    job.phase = Phase::Completed { at: now };
+                }
+                Ok((Outcome::Done, Effects::changed()))
+            }
+            Command::StoreSet { scope, key, value } => {
+                let job = self.job_mut(&scope.job)?;
+                job.check_write(scope)?;
+                job.put(limits, scope.round_scoped, key.clone(), value.clone())?;
+                Ok((Outcome::Done, Effects::topic(scope.key_topic(key))))
+            }
+            Command::StoreMultiSet { scope, entries } => {
+                let job = self.job_mut(&scope.job)?;
+                job.check_write(scope)?;
+                // All or nothing: check every limit on a copy first.
+                let mut trial = job.clone();
+                for (k, v) in entries {
+                    trial.put(limits, scope.round_scoped, k.clone(), v.clone())?;
+                }
+                *job = trial;
+                let topics = entries.iter().map(|(k, _)| scope.key_topic(k)).collect();
+                Ok((Outcome::Done, Effects { changed: true, topics }))
+            }
+            Command::StoreAdd { scope, key, delta, request_id } => {
+                let job = self.job_mut(&scope.job)?;
+                job.check_write(scope)?;
+                if let Some(Dedup::Add(v)) = job.recall(request_id) {
+                    return Ok((Outcome::Added(*v), Effects::default()));
+                }
+                let current = match job.store_map(scope.round_scoped).get(key) {
+                    None => 0,
+                    Some(bytes) => std::str::from_utf8(bytes)
+                        .ok()
+                        .and_then(|s| s.parse::<i64>().ok())
+                        .ok_or_else(|| RdzvError::invalid("key", format!("{key:?} holds a value that is not a decimal integer; add needs one")))?,
+                };
+                let value = current.checked_add(*delta).ok_or_else(|| {
+                    RdzvError::invalid("delta", format!("{current} + {delta} overflows a 64-bit integer"))
+                })?;
+                job.put(limits, scope.round_scoped, key.clone(), value.to_string().into_bytes())?;
+                job.remember(request_id, Dedup::Add(value));
+                Ok((Outcome::Added(value), Effects::topic(scope.key_topic(key))))
+            }
+            Command::StoreCas { scope, key, expected, desired, request_id } => {
+                let job = self.job_mut(&scope.job)?;
+                job.check_write(scope)?;
+                if let Some(Dedup::Cas { swapped, current }) = job.recall(request_id) {
+                    return Ok((Outcome::Cas { swapped: *swapped, current: current.clone() }, Effects::default()));
+                }
+                let current = job.store_map(scope.round_scoped).get(key).cloned();
+                let (swapped, after) = if current == *expected {
+                    job.put(limits, scope.round_scoped, key.clone(), desired.clone())?;
+                    (true, Some(desired.clone()))
+                } else {
+                    (false, current)
+                };
+                job.remember(request_id, Dedup::Cas { swapped, current: after.clone() });
+                let effects = if swapped { Effects::topic(scope.key_topic(key)) } else { Effects::changed() };
+                Ok((Outcome::Cas { swapped, current: after }, effects))
+            }
+            Command::StoreDelete { scope, key } => {
+                let job = self.job_mut(&scope.job)?;
+                job.check_write(scope)?;
+                let removed = job.store_map(scope.round_scoped).remove(key);
+                let existed = removed.is_some();
+                if let Some(v) = removed {
+                    job.store_bytes = job.store_bytes.saturating_sub(key.len() + v.len());
+                }
+                let effects = if existed { Effects::topic(scope.key_topic(key)) } else { Effects::default() };
+                Ok((Outcome::Deleted(existed), effects))
+            }
+            Command::BarrierArrive { scope, name, member, participants, request_id } => {
+                let job = self.job_mut(&scope.job)?;
+                job.check_write(scope)?;
+                if let Some(Dedup::Barrier(g)) = job.recall(request_id) {
+                    return Ok((Outcome::Arrived(*g), Effects::default()));
+                }
+                if *participants == 0 || *participants > MAX_BARRIER_PARTICIPANTS {
+                    return Err(RdzvError::invalid(
+                        "participants",
+                        format!("{participants}; expected 1 to {MAX_BARRIER_PARTICIPANTS}"),
+                    ));
+                }
+                let barrier = job.barriers.entry((scope.round_scoped, name.clone())).or_default();
+                if barrier.arrived.is_empty() {
+                    barrier.participants = *participants;
+                } else if barrier.participants != *participants {
+                    return Err(RdzvError::invalid(
+                        "participants",
+                        format!(
+                            "barrier {name:?} is waiting for {} participants, this call says {participants}",
+                            barrier.participants
+                        ),
+                    ));
+                }
+                let generation = barrier.generation;
+                barrier.arrived.insert(member.clone());
+                let released = barrier.arrived.len() as u32 >= barrier.participants;
+                if released {
+                    barrier.generation += 1;
+                    barrier.arrived.clear();
+                }
+                job.remember(request_id, Dedup::Barrier(generation));
+                let effects = if released { Effects::topic(scope.barrier_topic(name)) } else { Effects::changed() };
+                Ok((Outcome::Arrived(generation), effects))
+            }
+            Command::PublishUniqueId { job, round, rank, name, id } => {
+                let job = self.job_mut(job)?;
+                if let Some(e) = job.ended_error() {
+                    return Err(e);
+                }
+                job.check_round(*round)?;
+                if !matches!(job.phase, Phase::Running { .. }) {
+                    return Err(RdzvError::FailedPrecondition(format!(
+                        "round {round} of job {:?} is not running; the unique id is published after the round forms",
+                        job.id
+                    )));
+                }
+                if *rank != 0 {
+                    return Err(RdzvError::PermissionDenied(format!(
+                        "only global rank 0 may publish the unique id of round {round}; the caller is rank {rank}"
+                    )));
+                }
+                if id.len() != validate::UNIQUE_ID_LEN {
+                    return Err(RdzvError::invalid(
+                        "unique_id",
+                        format!("{} bytes; an NCCL unique id is exactly {} bytes", id.len(), validate::UNIQUE_ID_LEN),
+                    ));
+                }
+                match job.unique_ids.get(name) {
+                    // A retry of the same publication is not a second write.
+                    Some(existing) if existing == id => Ok((Outcome::Done, Effects::default())),
+                    Some(_) => Err(RdzvError::AlreadyExists(format!(
+                        "the unique id {name:?} of round {round} was already published and is write-once"
+                    ))),
+                    None => {
+                        job.unique_ids.insert(name.clone(), id.clone());
+                        Ok((Outcome::Done, Effects::topic(unique_id_topic(*round, name))))
+                    }
+                }
+            }
+        }
+    }
+
+    fn join(&mut self, j: &JoinCmd, now: Ms, limits: &Limits) -> Result<(Outcome, Effects), RdzvError> {
+        j.spec.validate(limits)?;
+        if j.local_world_size == 0 || j.local_world_size > validate::MAX_LOCAL_WORLD_SIZE {
+            return Err(RdzvError::invalid(
+                "local_world_size",
+                format!("{}; expected 1 to {}", j.local_world_size, validate::MAX_LOCAL_WORLD_SIZE),
+            ));
+        }
+        if j.addrs.is_empty() {
+            return Err(RdzvError::invalid("addrs", "no address given; at least one is required"));
+        }
+        if j.master_port > u32::from(u16::MAX) {
+            return Err(RdzvError::invalid("master_port", format!("{}; expected 0 to 65535", j.master_port)));
+        }
+        if !self.jobs.contains_key(&j.job) {
+            if self.jobs.len() >= limits.max_jobs {
+                return Err(RdzvError::ResourceExhausted(format!(
+                    "the service holds {} jobs, the limit is {}",
+                    self.jobs.len(),
+                    limits.max_jobs
+                )));
+            }
+            self.jobs.insert(j.job.clone(), Job::new(j.job.clone(), j.spec.clone(), now));
+        }
+        let job = self.job_mut(&j.job)?;
+        if let Some(e) = job.ended_error() {
+            return Err(e);
+        }
+        if job.spec != j.spec {
+            return Err(RdzvError::FailedPrecondition(format!(
+                "job {:?} was created with {}; node {:?} asks for {}",
+                job.id,
+                job.spec.describe(),
+                j.node,
+                j.spec.describe()
+            )));
+        }
+        let lease_expires = now.saturating_add(job.spec.lease_ms);
+        // A node already placed (a retried join) keeps its place.
+        let placed = job.waiting.contains(&j.node)
+            || match &job.phase {
+                Phase::Forming { joined, .. } => joined.contains(&j.node),
+                Phase::Running { members, .. } => members.contains_key(&j.node),
+                _ => false,
+            };
+        let known = job.nodes.contains_key(&j.node);
+        if !known && job.nodes.len() as u64 >= 2 * u64::from(job.spec.max_nodes) {
+            return Err(RdzvError::ResourceExhausted(format!(
+                "job {:?} already has {} nodes (max_nodes {} plus as many spares)",
+                job.id,
+                job.nodes.len(),
+                job.spec.max_nodes
+            )));
+        }
+        let last_rank = job.nodes.get(&j.node).and_then(|n| n.last_rank);
+        let node = Node {
+            id: j.node.clone(),
+            hostname: j.hostname.clone(),
+            addrs: j.addrs.clone(),
+            local_world_size: j.local_world_size,
+            rank_hint: j.rank_hint,
+            master_port: j.master_port,
+            lease_expires,
+            last_heartbeat: now,
+            last_rank,
+        };
+        if placed {
+            if let Some(n) = job.nodes.get_mut(&j.node) {
+                n.lease_expires = lease_expires;
+                n.last_heartbeat = now;
+            }
+            return Ok((Outcome::Joined, Effects::default()));
+        }
+        job.nodes.insert(j.node.clone(), node);
+        let max = job.spec.max_nodes as usize;
+        match &mut job.phase {
+            Phase::Forming { joined, rejoining, .. } => {
+                rejoining.remove(&j.node);
+                if joined.len() < max {
+                    joined.insert(j.node.clone());
+                } else {
+                    job.waiting.insert(j.node.clone());
+                }
+                job.maybe_close(now);
+            }
+            Phase::Running { members, finished, .. } => {
+                let scale_up = finished.is_empty() && members.len() < max;
+                job.waiting.insert(j.node.clone());
+                if scale_up {
+                    job.end_round(format!("scale-up: node {} arrived", j.node), now);
+                }
+            }
+            Phase::Completed { .. } | Phase::Failed { .. } => {}
+        }
+        Ok((Outcome::Joined, Effects::changed()))
+    }
+
+    /// The commands time makes due at `now`: expired leases, passed last calls, forgotten jobs.
+    pub fn due(&self, now: Ms, limits: &Limits) -> Vec<Command> {
+        let mut out = Vec::new();
+        for job in self.jobs.values() {
+            let forget_at = match job.phase {
+                Phase::Completed { at } | Phase::Failed { at } => Some(at.saturating_add(limits.retention_ms)),
+                _ if job.nodes.is_empty() => Some(job.last_activity.saturating_add(limits.retention_ms)),
+                _ => None,
+            };
+            if forget_at.is_some_and(|t| t <= now) {
+                out.push(Command::RemoveJob { job: job.id.clone() });
+                continue;
+            }
+            for node in job.nodes.values() {
+                if node.lease_expires <= now {
+                    out.push(Command::ExpireNode { job: job.id.clone(), node: node.id.clone() });
+                }
+            }
+            if let Phase::Forming { last_call_deadline: Some(d), .. } = job.phase {
+                if d <= now {
+                    out.push(Command::CloseRound { job: job.id.clone() });
+                }
+            }
+        }
+        out
+    }
+
+    /// The earliest time at which [`State::due`] may return something.
+    pub fn next_deadline(&self, limits: &Limits) -> Option<Ms> {
+        let mut next: Option<Ms> = None;
+        let mut consider = |t: Ms| next = Some(next.map_or(t, |n| n.min(t)));
+        for job in self.jobs.values() {
+            match job.phase {
+                Phase::Completed { at } | Phase::Failed { at } => consider(at.saturating_add(limits.retention_ms)),
+                _ if job.nodes.is_empty() => consider(job.last_activity.saturating_add(limits.retention_ms)),
+                _ => {}
+            }
+            for node in job.nodes.values() {
+                consider(node.lease_expires);
+            }
+            if let Phase::Forming { last_call_deadline: Some(d), .. } = job.phase {
+                consider(d);
+            }
+        }
+        next
+    }
+
+    /// Gives every node a full lease from `now`. Used after recovery, when leases could not be renewed
+    /// while the service was down.
+    pub fn renew_all_leases(&mut self, now: Ms) {
+        for job in self.jobs.values_mut() {
+            let lease = job.spec.lease_ms;
+            for node in job.nodes.values_mut() {
+                node.lease_expires = now.saturating_add(lease);
+            }
+        }
+    }
+
+    /// The assignment of `node` in the job's running round, if it has one.
+    pub fn assignment(&self, job: &str, node: &str) -> Result<Option<pb::JoinResponse>, RdzvError> {
+        let job = self.job(job)?;
+        Ok(job.assignment(node))
+    }
+
+    /// The operator view of one job.
+    pub fn job_status(&self, job: &Job) -> pb::JobStatus {
+        let (members, finished, world_size) = match &job.phase {
+            Phase::Running { members, finished, world_size, .. } => (Some(members), Some(finished), *world_size),
+            _ => (None, None, 0),
+        };
+        let nodes = job
+            .nodes
+            .values()
+            .map(|n| {
+                let member = members.and_then(|m| m.get(&n.id));
+                let state = match (&job.phase, member) {
+                    (_, Some(_)) if finished.is_some_and(|f| f.contains(&n.id)) => pb::NodeState::Finished,
+                    (_, Some(_)) => pb::NodeState::Running,
+                    _ if job.waiting.contains(&n.id) => pb::NodeState::Waiting,
+                    (Phase::Forming { joined, .. }, _) if joined.contains(&n.id) => pb::NodeState::Joined,
+                    _ => pb::NodeState::Rejoining,
+                };
+                pb::NodeStatus {
+                    node_id: n.id.clone(),
+                    hostname: n.hostname.clone(),
+                    addrs: n.addrs.clone(),
+                    state: state as i32,
+                    node_rank: member.map(|m| m.node_rank as i32).unwrap_or(-1),
+                    local_world_size: n.local_world_size,
+                    rank_offset: member.map(|m| m.rank_offset as i32).unwrap_or(-1),
+                    last_heartbeat_unix_ms: n.last_heartbeat,
+                }
+            })
+            .collect();
+        pb::JobStatus {
+            view: Some(job.view()),
+            nodes,
+            world_size,
+            num_keys: job.num_keys() as u64,
+            store_bytes: job.store_bytes as u64,
+            created_unix_ms: job.created,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,632 @@
+//! State-machine tests. Time is a plain number here: every test controls it exactly.
+
+use super::*;
+use proptest::prelude::*;
+
+const LEASE: u64 = 1_000;
+const LAST_CALL: u64 = 500;
+
+fn spec(min: u32, max: u32, restarts: u32) -> JobSpec {
+    JobSpec { min_nodes: min, max_nodes: max, last_call_ms: LAST_CALL, lease_ms: LEASE, max_restarts: restarts }
+}
+
+fn join_cmd(node: &str, lws: u32, hint: Option<u32>, spec: &JobSpec) -> Command {
+    Command::Join(JoinCmd {
+        job: "job".into(),
+        node: node.into(),
+        addrs: vec![format!("10.0.0.{}", node.len())],
+        hostname: format!("host-{node}"),
+        local_world_size: lws,
+        rank_hint: hint,
+        master_port: 29500,
+        spec: spec.clone(),
+    })
+}
+
+struct World {
+    state: State,
+    limits: Limits,
+    spec: JobSpec,
+    now: Ms,
+}
+
+impl World {
+    fn new(min: u32, max: u32, restarts: u32) -> Self {
+        World { state: State::default(), limits: Limits::default(), spec: spec(min, max, restarts), now: 1_000_000 }
+    }
+
+    fn apply(&mut self, cmd: Command) -> Result<Outcome, RdzvError> {
+        self.state.apply(&cmd, self.now, &self.limits).map(|(o, _)| o)
+    }
+
+    fn join(&mut self, node: &str) -> Result<Outcome, RdzvError> {
+        self.join_with(node, 1, None)
+    }
+
+    fn join_with(&mut self, node: &str, lws: u32, hint: Option<u32>) -> Result<Outcome, RdzvError> {
+        let cmd = join_cmd(node, lws, hint, &self.spec);
+        self.apply(cmd)
+    }
+
+    /// Advances time and applies whatever became due, as the executor does.
+    fn advance(&mut self, ms: u64) {
+        let end = self.now + ms;
+        loop {
+            let next = self.state.next_deadline(&self.limits).filter(|d| *d <= end);
+            let Some(next) = next else { break };
+            self.now = self.now.max(next);
+            for cmd in self.state.due(self.now, &self.limits) {
+                let _ = self.apply(cmd);
+            }
+        }
+        self.now = end;
+    }
+
+    fn keep_alive(&mut self, nodes: &[&str]) {
+        for n in nodes {
+            self.apply(Command::KeepAlive { job: "job".into(), node: (*n).into() }).unwrap();
+        }
+    }
+
+    fn job(&self) -> &Job {
+        self.state.job("job").unwrap()
+    }
+
+    fn ranks(&self) -> Vec<(String, u32)> {
+        match &self.job().phase {
+            Phase::Running { members, .. } => {
+                let mut v: Vec<_> = members.iter().map(|(id, m)| (id.clone(), m.node_rank)).collect();
+                v.sort_by_key(|(_, r)| *r);
+                v
+            }
+            p => panic!("not running: {p:?}"),
+        }
+    }
+
+    fn state_name(&self) -> pb::JobState {
+        pb::JobState::try_from(self.job().view().state).unwrap()
+    }
+}
+
+fn scope(round: u64) -> Scope {
+    Scope { job: "job".into(), round, round_scoped: false }
+}
+
+#[test]
+fn closes_at_max_immediately() {
+    let mut w = World::new(2, 3, 0);
+    w.join("a").unwrap();
+    w.join("b").unwrap();
+    assert_eq!(w.state_name(), pb::JobState::Forming);
+    w.join("c").unwrap();
+    assert_eq!(w.state_name(), pb::JobState::Running);
+    assert_eq!(w.ranks().len(), 3);
+    let a = w.state.assignment("job", "a").unwrap().unwrap();
+    assert_eq!(a.round.as_ref().unwrap().round, 1);
+    assert_eq!(a.round.as_ref().unwrap().world_size, 3);
+}
+
+#[test]
+fn last_call_waits_after_min_then_closes() {
+    let mut w = World::new(2, 4, 0);
+    w.join("a").unwrap();
+    for _ in 0..10 {
+        w.advance(LEASE - 1); // below min: nothing happens, however long
+        w.keep_alive(&["a"]);
+    }
+    assert_eq!(w.state_name(), pb::JobState::Forming);
+    w.join("b").unwrap();
+    w.advance(LAST_CALL - 1);
+    assert_eq!(w.state_name(), pb::JobState::Forming, "closed before the last call ended");
+    w.join("c").unwrap(); // arrives during last call and gets in
+    w.advance(1);
+    assert_eq!(w.state_name(), pb::JobState::Running);
+    assert_eq!(w.ranks().len(), 3);
+}
+
+#[test]
+fn below_min_never_closes_and_last_call_resets_when_a_node_leaves() {
+    let mut w = World::new(2, 4, 0);
+    w.join("a").unwrap();
+    w.join("b").unwrap();
+    w.advance(LAST_CALL / 2);
+    w.apply(Command::Leave { job: "job".into(), node: "b".into(), reason: String::new() }).unwrap();
+    w.advance(LAST_CALL);
+    assert_eq!(w.state_name(), pb::JobState::Forming);
+    assert_eq!(w.job().view().joined_count, 1);
+}
+
+#[test]
+fn lease_expiry_ends_round_and_survivors_reform_without_last_call() {
+    let mut w = World::new(1, 3, 0);
+    for n in ["a", "b", "c"] {
+        w.join(n).unwrap();
+    }
+    assert_eq!(w.state_name(), pb::JobState::Running);
+    let before = w.ranks();
+    w.advance(LEASE / 2);
+    w.keep_alive(&["a", "b"]);
+    w.advance(LEASE / 2); // c expires now
+    assert_eq!(w.state_name(), pb::JobState::Forming);
+    assert_eq!(w.job().round, 2);
+    assert!(w.job().reason.contains("node c lost its lease"), "{}", w.job().reason);
+    // Restarts are free for membership changes.
+    assert_eq!(w.job().restart_count, 0);
+    w.join("a").unwrap();
+    assert_eq!(w.state_name(), pb::JobState::Forming, "must wait for b, an expected survivor");
+    w.join("b").unwrap();
+    assert_eq!(w.state_name(), pb::JobState::Running, "every survivor is back: no last-call wait");
+    // Sticky: a and b keep their ranks where possible.
+    let after = w.ranks();
+    for (id, r) in &after {
+        let old = before.iter().find(|(i, _)| i == id).unwrap().1;
+        if old < 2 {
+            assert_eq!(*r, old, "{id} moved from {old} to {r}");
+        }
+    }
+}
+
+#[test]
+fn survivor_below_min_waits_for_replacement() {
+    let mut w = World::new(2, 2, 0);
+    w.join("a").unwrap();
+    w.join("b").unwrap();
+    w.apply(Command::Leave { job: "job".into(), node: "b".into(), reason: "preempted".into() }).unwrap();
+    assert!(w.job().reason.contains("node b left: preempted"));
+    w.join("a").unwrap();
+    assert_eq!(w.state_name(), pb::JobState::Forming);
+    w.join("z").unwrap();
+    assert_eq!(w.state_name(), pb::JobState::Running);
+    assert_eq!(w.job().round, 2);
+}
+
+#[test]
+fn late_joiner_triggers_scale_up_and_spare_waits_at_max() {
+    let mut w = World::new(1, 2, 0);
+    w.join("a").unwrap();
+    w.advance(LAST_CALL);
+    assert_eq!(w.state_name(), pb::JobState::Running);
+    assert_eq!(w.job().round, 1);
+    w.join("b").unwrap();
+    // Round 1 ended for the scale-up; b is already in round 2, a must re-join.
+    assert_eq!(w.job().round, 2);
+    assert!(w.job().reason.contains("scale-up"));
+    assert_eq!(w.state_name(), pb::JobState::Forming);
+    w.join("a").unwrap();
+    assert_eq!(w.state_name(), pb::JobState::Running);
+    assert_eq!(w.ranks(), vec![("a".to_string(), 0), ("b".to_string(), 1)]);
+    // At max, a third node is a spare: no restart.
+    w.join("c").unwrap();
+    assert_eq!(w.job().round, 2);
+    assert_eq!(w.job().view().nodes_waiting, 1);
+    assert_eq!(w.state_name(), pb::JobState::Running);
+    // When b dies, c takes its place in round 3.
+    w.apply(Command::Leave { job: "job".into(), node: "b".into(), reason: String::new() }).unwrap();
+    assert_eq!(w.job().round, 3);
+    w.join("a").unwrap();
+    assert_eq!(w.state_name(), pb::JobState::Running);
+    assert_eq!(w.ranks(), vec![("a".to_string(), 0), ("c".to_string(), 1)]);
+}
+
+#[test]
+fn hints_are_honoured_and_conflicts_go_to_smaller_id() {
+    let mut w = World::new(3, 3, 0);
+    w.join_with("n1", 1, Some(2)).unwrap();
+    w.join_with("n0", 1, Some(2)).unwrap();
+    w.join_with("n2", 1, Some(7)).unwrap(); // out of range: ignored
+    assert_eq!(
+        w.ranks(),
+        vec![("n1".to_string(), 0), ("n2".to_string(), 1), ("n0".to_string(), 2)],
+    );
+}
+
+#[test]
+fn ranks_do_not_depend_on_arrival_order() {
+    let mut a = World::new(3, 3, 0);
+    let mut b = World::new(3, 3, 0);
+    for n in ["x", "y", "z"] {
+        a.join(n).unwrap();
+    }
+    for n in ["z", "x", "y"] {
+        b.join(n).unwrap();
+    }
+    assert_eq!(a.ranks(), b.ranks());
+}
+
+#[test]
+fn heterogeneous_worker_counts_give_offsets_and_world_size() {
+    let mut w = World::new(3, 3, 0);
+    w.join_with("a", 4, Some(0)).unwrap();
+    w.join_with("b", 2, Some(1)).unwrap();
+    w.join_with("c", 3, Some(2)).unwrap();
+    let ra = w.state.assignment("job", "a").unwrap().unwrap();
+    let rb = w.state.assignment("job", "b").unwrap().unwrap();
+    let rc = w.state.assignment("job", "c").unwrap().unwrap();
+    assert_eq!(ra.round.as_ref().unwrap().world_size, 9);
+    assert_eq!(ra.round.as_ref().unwrap().num_nodes, 3);
+    assert_eq!(ra.node.as_ref().unwrap().rank_offset, 0);
+    assert_eq!(rb.node.as_ref().unwrap().rank_offset, 4);
+    assert_eq!(rc.node.as_ref().unwrap().rank_offset, 6);
+    // Master is the group-rank-0 node's first address and reserved port.
+    assert_eq!(ra.round.as_ref().unwrap().master_addr, "10.0.0.1");
+    assert_eq!(ra.round.as_ref().unwrap().master_port, 29500);
+}
+
+#[test]
+fn failure_restarts_within_global_budget_then_fails() {
+    let mut w = World::new(2, 2, 1);
+    w.join("a").unwrap();
+    w.join("b").unwrap();
+    let failure = Failure {
+        node_id: "b".into(),
+        round: 1,
+        rank: 1,
+        local_rank: 0,
+        exit_code: 7,
+        signal: 0,
+        message: "boom".into(),
+        time_unix_ms: 5,
+        hostname: "host-b".into(),
+    };
+    let out = w
+        .apply(Command::ReportFailure { job: "job".into(), round: 1, node: "b".into(), failure: failure.clone(), restartable: true })
+        .unwrap();
+    assert_eq!(out, Outcome::Decision(pb::FailureDecision::Restart));
+    assert_eq!(w.job().restart_count, 1);
+    assert_eq!(w.job().round, 2);
+    // The peer's report for the ended round is fenced off and costs nothing.
+    let err = w
+        .apply(Command::ReportFailure { job: "job".into(), round: 1, node: "a".into(), failure: failure.clone(), restartable: true })
+        .unwrap_err();
+    assert!(matches!(err, RdzvError::StaleRound { given: 1, current: 2, .. }), "{err}");
+    w.join("a").unwrap();
+    w.join("b").unwrap();
+    assert_eq!(w.state.assignment("job", "a").unwrap().unwrap().round.unwrap().restart_count, 1);
+    let out = w
+        .apply(Command::ReportFailure { job: "job".into(), round: 2, node: "a".into(), failure, restartable: true })
+        .unwrap();
+    assert_eq!(out, Outcome::Decision(pb::FailureDecision::Failed));
+    assert_eq!(w.state_name(), pb::JobState::Failed);
+    let view = w.job().view();
+    assert!(view.reason.contains("restart budget exhausted (1 of 1 used)"), "{}", view.reason);
+    assert_eq!(view.root_cause.unwrap().node_id, "a");
+    // A failed job refuses joins with its reason.
+    let err = w.join("c").unwrap_err().to_string();
+    assert!(err.contains("has failed") && err.contains("rank 1 on node a failed with exit code 7"), "{err}");
+}
+
+#[test]
+fn not_restartable_failure_fails_at_once() {
+    let mut w = World::new(1, 1, 5);
+    w.join("a").unwrap();
+    let f = Failure { node_id: "a".into(), round: 1, rank: 0, local_rank: 0, exit_code: 1, signal: 0, message: String::new(), time_unix_ms: 0, hostname: String::new() };
+    let out = w
+        .apply(Command::ReportFailure { job: "job".into(), round: 1, node: "a".into(), failure: f, restartable: false })
+        .unwrap();
+    assert_eq!(out, Outcome::Decision(pb::FailureDecision::Failed));
+}
+
+#[test]
+fn fail_job_is_fail_fast_from_any_node() {
+    let mut w = World::new(2, 2, 3);
+    w.join("a").unwrap();
+    w.join("b").unwrap();
+    w.apply(Command::FailJob { job: "job".into(), node: "b".into(), reason: "out of memory".into() }).unwrap();
+    assert_eq!(w.state_name(), pb::JobState::Failed);
+    assert!(w.job().reason.contains("out of memory"));
+}
+
+#[test]
+fn finish_completes_when_every_member_finished_even_after_leave() {
+    let mut w = World::new(2, 2, 0);
+    w.join("a").unwrap();
+    w.join("b").unwrap();
+    w.apply(Command::Finish { job: "job".into(), round: 1, node: "a".into() }).unwrap();
+    // a leaves after finishing: the round does not end.
+    w.apply(Command::Leave { job: "job".into(), node: "a".into(), reason: String::new() }).unwrap();
+    assert_eq!(w.state_name(), pb::JobState::Running);
+    // A newcomer while nodes finish does not restart anybody.
+    w.join("late").unwrap();
+    assert_eq!(w.job().round, 1);
+    w.apply(Command::Finish { job: "job".into(), round: 1, node: "b".into() }).unwrap();
+    assert_eq!(w.state_name(), pb::JobState::Completed);
+    let err = w.join("other").unwrap_err().to_string();
+    assert!(err.contains("has completed"), "{err}");
+    // Completed jobs are forgotten after the retention time.
+    w.advance(w.limits.retention_ms + 1);
+    assert!(w.state.jobs.is_empty());
+}
+
+#[test]
+fn stale_round_writes_are_fenced() {
+    let mut w = World::new(1, 1, 0);
+    w.join("a").unwrap();
+    w.apply(Command::StoreSet { scope: scope(1), key: "k".into(), value: b"v".to_vec() }).unwrap();
+    w.apply(Command::Leave { job: "job".into(), node: "a".into(), reason: String::new() }).unwrap();
+    let err = w.apply(Command::StoreSet { scope: scope(1), key: "k".into(), value: b"w".to_vec() }).unwrap_err();
+    assert!(matches!(err, RdzvError::StaleRound { given: 1, current: 2, .. }));
+    // Job-scoped data survives the round change; reads are not fenced.
+    assert_eq!(w.job().get(&scope(1), "k").unwrap(), Some(&b"v".to_vec()));
+}
+
+#[test]
+fn round_scoped_keys_and_unique_ids_are_dropped_with_the_round() {
+    let mut w = World::new(1, 2, 1);
+    w.join("a").unwrap();
+    w.advance(LAST_CALL);
+    let rs = Scope { job: "job".into(), round: 1, round_scoped: true };
+    w.apply(Command::StoreSet { scope: rs.clone(), key: "k".into(), value: b"v".to_vec() }).unwrap();
+    w.apply(Command::PublishUniqueId { job: "job".into(), round: 1, rank: 0, name: String::new(), id: vec![7; 128] }).unwrap();
+    assert_eq!(w.job().store_bytes, 2);
+    w.join("b").unwrap(); // scale-up ends round 1
+    assert_eq!(w.job().round_store.len(), 0);
+    assert_eq!(w.job().store_bytes, 0);
+    assert!(w.job().unique_ids.is_empty());
+    assert!(w.job().get(&rs, "k").is_err());
+}
+
+#[test]
+fn unique_id_is_write_once_and_rank_zero_only() {
+    let mut w = World::new(1, 1, 0);
+    w.join("a").unwrap();
+    let publish = |rank, byte, len| Command::PublishUniqueId { job: "job".into(), round: 1, rank, name: String::new(), id: vec![byte; len] };
+    let err = w.apply(publish(3, 1, 128)).unwrap_err();
+    assert_eq!(err.code(), tonic::Code::PermissionDenied);
+    let err = w.apply(publish(0, 1, 127)).unwrap_err();
+    assert!(err.to_string().contains("127 bytes"), "{err}");
+    w.apply(publish(0, 1, 128)).unwrap();
+    w.apply(publish(0, 1, 128)).unwrap(); // idempotent retry
+    let err = w.apply(publish(0, 2, 128)).unwrap_err();
+    assert_eq!(err.code(), tonic::Code::AlreadyExists);
+    let err = w
+        .apply(Command::PublishUniqueId { job: "job".into(), round: 9, rank: 0, name: String::new(), id: vec![1; 128] })
+        .unwrap_err();
+    assert!(matches!(err, RdzvError::StaleRound { .. }));
+}
+
+#[test]
+fn store_ops_add_cas_delete_and_dedup() {
+    let mut w = World::new(1, 1, 0);
+    w.join("a").unwrap();
+    let add = |d, id: &str| Command::StoreAdd { scope: scope(1), key: "n".into(), delta: d, request_id: id.into() };
+    assert_eq!(w.apply(add(5, "r1")).unwrap(), Outcome::Added(5));
+    assert_eq!(w.apply(add(5, "r1")).unwrap(), Outcome::Added(5), "a retried add is not applied twice");
+    assert_eq!(w.apply(add(-2, "")).unwrap(), Outcome::Added(3));
+    assert_eq!(w.apply(add(i64::MAX, "")).unwrap_err().code(), tonic::Code::InvalidArgument);
+    w.apply(Command::StoreSet { scope: scope(1), key: "s".into(), value: b"text".to_vec() }).unwrap();
+    let err = w.apply(Command::StoreAdd { scope: scope(1), key: "s".into(), delta: 1, request_id: String::new() }).unwrap_err();
+    assert!(err.to_string().contains("not a decimal integer"));
+    let cas = |exp: Option<&[u8]>, des: &[u8], id: &str| Command::StoreCas {
+        scope: scope(1),
+        key: "c".into(),
+        expected: exp.map(<[u8]>::to_vec),
+        desired: des.to_vec(),
+        request_id: id.into(),
+    };
+    assert_eq!(w.apply(cas(None, b"1", "c1")).unwrap(), Outcome::Cas { swapped: true, current: Some(b"1".to_vec()) });
+    assert_eq!(w.apply(cas(None, b"1", "c1")).unwrap(), Outcome::Cas { swapped: true, current: Some(b"1".to_vec()) });
+    assert_eq!(w.apply(cas(None, b"2", "")).unwrap(), Outcome::Cas { swapped: false, current: Some(b"1".to_vec()) });
+    assert_eq!(w.apply(cas(Some(b"1"), b"2", "")).unwrap(), Outcome::Cas { swapped: true, current: Some(b"2".to_vec()) });
+    assert_eq!(w.apply(Command::StoreDelete { scope: scope(1), key: "c".into() }).unwrap(), Outcome::Deleted(true));
+    assert_eq!(w.apply(Command::StoreDelete { scope: scope(1), key: "c".into() }).unwrap(), Outcome::Deleted(false));
+}
+
+#[test]
+fn store_limits_are_enforced_and_multiset_is_atomic() {
+    let mut w = World::new(1, 1, 0);
+    w.limits.max_keys_per_job = 2;
+    w.join("a").unwrap();
+    let entries = vec![("a".to_string(), b"1".to_vec()), ("b".to_string(), b"2".to_vec()), ("c".to_string(), b"3".to_vec())];
+    let err = w.apply(Command::StoreMultiSet { scope: scope(1), entries }).unwrap_err();
+    assert_eq!(err.code(), tonic::Code::ResourceExhausted);
+    assert_eq!(w.job().store.len(), 0, "a failed multi-set writes nothing");
+    w.limits.max_store_bytes_per_job = 5;
+    let err = w.apply(Command::StoreSet { scope: scope(1), key: "k".into(), value: vec![0; 5] }).unwrap_err();
+    assert!(err.to_string().contains("would hold 6 bytes"), "{err}");
+}
+
+#[test]
+fn barrier_releases_once_per_generation() {
+    let mut w = World::new(1, 1, 0);
+    w.join("a").unwrap();
+    let arrive = |m: &str, p, id: &str| Command::BarrierArrive {
+        scope: scope(1),
+        name: "b".into(),
+        member: m.into(),
+        participants: p,
+        request_id: id.into(),
+    };
+    assert_eq!(w.apply(arrive("0", 3, "x0")).unwrap(), Outcome::Arrived(0));
+    assert_eq!(w.apply(arrive("0", 3, "x0b")).unwrap(), Outcome::Arrived(0), "same member twice counts once");
+    assert_eq!(w.apply(arrive("1", 4, "")).unwrap_err().code(), tonic::Code::InvalidArgument);
+    assert_eq!(w.apply(arrive("1", 3, "x1")).unwrap(), Outcome::Arrived(0));
+    assert_eq!(w.job().barrier_generation(&scope(1), "b").unwrap(), 0);
+    assert_eq!(w.apply(arrive("2", 3, "x2")).unwrap(), Outcome::Arrived(0));
+    assert_eq!(w.job().barrier_generation(&scope(1), "b").unwrap(), 1);
+    // A retried arrival after release is answered from memory, not counted in generation 1.
+    assert_eq!(w.apply(arrive("2", 3, "x2")).unwrap(), Outcome::Arrived(0));
+    assert!(w.job().barriers.values().all(|b| b.arrived.is_empty()));
+}
+
+#[test]
+fn spec_mismatch_and_bad_specs_are_rejected() {
+    let mut w = World::new(2, 2, 0);
+    w.join("a").unwrap();
+    w.spec.max_restarts = 3;
+    let err = w.join("b").unwrap_err().to_string();
+    assert!(err.contains("was created with nnodes 2:2, max_restarts 0"), "{err}");
+    let mut w = World::new(3, 2, 0);
+    let err = w.join("a").unwrap_err().to_string();
+    assert_eq!(err, "invalid config.max_nodes: min_nodes 3 is greater than max_nodes 2");
+    let mut w = World::new(0, 2, 0);
+    assert!(w.join("a").unwrap_err().to_string().contains("min_nodes"));
+    let mut w = World::new(1, 1, 0);
+    assert!(w.join_with("a", 0, None).unwrap_err().to_string().contains("local_world_size"));
+}
+
+#[test]
+fn keep_alive_of_an_expired_node_says_join_again() {
+    let mut w = World::new(1, 2, 0);
+    w.join("a").unwrap();
+    w.advance(LEASE);
+    let err = w.apply(Command::KeepAlive { job: "job".into(), node: "a".into() }).unwrap_err();
+    assert!(err.to_string().contains("join again"), "{err}");
+}
+
+#[test]
+fn retried_join_is_idempotent() {
+    let mut w = World::new(2, 2, 0);
+    w.join("a").unwrap();
+    w.join("a").unwrap();
+    assert_eq!(w.job().view().joined_count, 1);
+    w.join("b").unwrap();
+    w.join("b").unwrap();
+    assert_eq!(w.job().round, 1);
+    assert_eq!(w.state_name(), pb::JobState::Running);
+}
+
+#[test]
+fn abandoned_jobs_are_forgotten() {
+    let mut w = World::new(2, 2, 0);
+    w.join("a").unwrap();
+    w.advance(LEASE); // a expires; job has no nodes
+    assert_eq!(w.job().nodes.len(), 0);
+    w.advance(w.limits.retention_ms);
+    assert!(w.state.jobs.is_empty());
+}
+
+// ------------------------------------------------------------------------------------------------
+// Property test: arbitrary sequences of commands from several nodes keep the invariants.
+
+#[derive(Debug, Clone)]
+enum Step {
+    Join(u8, u8, Option<u8>),
+    Leave(u8),
+    KeepAlive(u8),
+    Fail(u8, bool),
+    Finish(u8),
+    Set(u8, u8),
+    Arrive(u8),
+    Publish(u8),
+    Advance(u16),
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        (0u8..6, 1u8..4, proptest::option::of(0u8..6)).prop_map(|(n, l, h)| Step::Join(n, l, h)),
+        (0u8..6).prop_map(Step::Leave),
+        (0u8..6).prop_map(Step::KeepAlive),
+        (0u8..6, any::<bool>()).prop_map(|(n, r)| Step::Fail(n, r)),
+        (0u8..6).prop_map(Step::Finish),
+        (0u8..6, any::<u8>()).prop_map(|(n, v)| Step::Set(n, v)),
+        (0u8..6).prop_map(Step::Arrive),
+        (0u8..3).prop_map(Step::Publish),
+        (0u16..1500).prop_map(Step::Advance),
+    ]
+}
+
+fn check_invariants(state: &State) {
+    for job in state.jobs.values() {
+        match &job.phase {
+            Phase::Running { members, world_size, finished, .. } => {
+                let mut ranks: Vec<u32> = members.values().map(|m| m.node_rank).collect();
+                ranks.sort();
+                assert_eq!(ranks, (0..members.len() as u32).collect::<Vec<_>>(), "ranks unique and dense");
+                assert!(members.len() as u32 >= job.spec.min_nodes && members.len() as u32 <= job.spec.max_nodes);
+                let sum: u32 = members.values().map(|m| m.local_world_size).sum();
+                assert_eq!(sum, *world_size);
+                let mut by_rank: Vec<&Member> = members.values().collect();
+                by_rank.sort_by_key(|m| m.node_rank);
+                let mut off = 0;
+                for m in by_rank {
+                    assert_eq!(m.rank_offset, off);
+                    off += m.local_world_size;
+                }
+                assert!(finished.iter().all(|f| members.contains_key(f)));
+                for id in members.keys() {
+                    assert!(!job.waiting.contains(id), "a member is not also waiting");
+                }
+            }
+            Phase::Forming { joined, rejoining, .. } => {
+                assert!(joined.len() as u32 <= job.spec.max_nodes);
+                assert!(joined.iter().all(|id| job.nodes.contains_key(id)));
+                assert!(rejoining.iter().all(|id| job.nodes.contains_key(id)));
+                assert!(joined.is_disjoint(rejoining));
+                assert!(joined.is_disjoint(&job.waiting));
+            }
+            _ => {}
+        }
+        assert!(job.waiting.iter().all(|id| job.nodes.contains_key(id)));
+        assert!(job.restart_count <= job.spec.max_restarts);
+        let bytes: usize = job.store.iter().chain(job.round_store.iter()).map(|(k, v)| k.len() + v.len()).sum();
+        assert_eq!(bytes, job.store_bytes);
+        for b in job.barriers.values() {
+            assert!((b.arrived.len() as u32) < b.participants.max(1));
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, .. ProptestConfig::default() })]
+    #[test]
+    fn random_sequences_keep_invariants_and_replay_identically(steps in proptest::collection::vec(step(), 1..80)) {
+        let mut w = World::new(2, 4, 2);
+        let mut journal: Vec<(Command, Ms)> = Vec::new();
+        for s in steps {
+            let node = |n: u8| format!("n{n}");
+            let round = w.state.jobs.get("job").map(|j| j.round).unwrap_or(1);
+            let cmd = match s {
+                Step::Join(n, l, h) => join_cmd(&node(n), l as u32, h.map(u32::from), &w.spec),
+                Step::Leave(n) => Command::Leave { job: "job".into(), node: node(n), reason: String::new() },
+                Step::KeepAlive(n) => Command::KeepAlive { job: "job".into(), node: node(n) },
+                Step::Fail(n, r) => Command::ReportFailure {
+                    job: "job".into(), round, node: node(n), restartable: r,
+                    failure: Failure { node_id: node(n), round, rank: 0, local_rank: 0, exit_code: 1, signal: 0, message: String::new(), time_unix_ms: 0, hostname: String::new() },
+                },
+                Step::Finish(n) => Command::Finish { job: "job".into(), round, node: node(n) },
+                Step::Set(n, v) => Command::StoreSet { scope: scope(round), key: node(n), value: vec![v; v as usize % 7] },
+                Step::Arrive(n) => Command::BarrierArrive { scope: scope(round), name: "b".into(), member: node(n), participants: 3, request_id: String::new() },
+                Step::Publish(r) => Command::PublishUniqueId { job: "job".into(), round, rank: r as u32, name: String::new(), id: vec![r; 128] },
+                Step::Advance(ms) => {
+                    let end = w.now + u64::from(ms);
+                    loop {
+                        let Some(next) = w.state.next_deadline(&w.limits).filter(|d| *d <= end) else { break };
+                        w.now = w.now.max(next);
+                        for cmd in w.state.due(w.now, &w.limits) {
+                            if w.state.apply(&cmd, w.now, &w.limits).is_ok_and(|(_, e)| e.changed) {
+                                journal.push((cmd, w.now));
+                            }
+                        }
+                        check_invariants(&w.state);
+                    }
+                    w.now = end;
+                    continue;
+                }
+            };
+            if let Ok((_, effects)) = w.state.apply(&cmd, w.now, &w.limits) {
+                if effects.changed && cmd.is_durable() {
+                    journal.push((cmd, w.now));
+                }
+            }
+            check_invariants(&w.state);
+        }
+        // Replaying the journal (without keep-alives) rebuilds the same membership and store.
+        let mut replayed = State::default();
+        for (cmd, at) in &journal {
+            replayed.apply(cmd, *at, &w.limits).unwrap();
+        }
+        let a = postcard::to_allocvec(&strip_leases(w.state.clone())).unwrap();
+        let b = postcard::to_allocvec(&strip_leases(replayed)).unwrap();
+        prop_assert_eq!(a, b);
+    }
+}
+
+fn strip_leases(mut s: State) -> State {
+    for job in s.jobs.values_mut() {
+        for n in job.nodes.values_mut() {
+            n.lease_expires = 0;
+            n.last_heartbeat = 0;
+        }
+    }
+    s
+}
