@@ -1,0 +1,528 @@
+//! The service over real sockets (127.0.0.1, port 0): membership, store, auth, bad input, durability
+//! across `kill -9` of the real daemon binary.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use rsrun_rendezvous::RdzvError;
+use rsrun_rendezvous::client::{ClientConfig, JobSpec, JoinSpec, RdzvClient};
+use rsrun_rendezvous::proto::{self as pb, JobState};
+use rsrun_rendezvous::server::{self, EmbeddedServer, ServerConfig};
+use tonic::Code;
+
+const WAIT: Duration = Duration::from_secs(20);
+
+fn spec(min: u32, max: u32, lease_ms: u64) -> JobSpec {
+    JobSpec { min_nodes: min, max_nodes: max, last_call: Duration::from_millis(200), lease: Duration::from_millis(lease_ms), max_restarts: 1 }
+}
+
+fn join_spec(job: &str, node: &str, spec: &JobSpec) -> JoinSpec {
+    JoinSpec {
+        job_id: job.into(),
+        node_id: node.into(),
+        addrs: vec!["127.0.0.1".into()],
+        local_world_size: 2,
+        rank_hint: None,
+        config: spec.clone(),
+        timeout: WAIT,
+        master_port: 29_500,
+        hostname: format!("host-{node}"),
+    }
+}
+
+async fn embedded() -> (EmbeddedServer, RdzvClient) {
+    let srv = server::spawn_embedded("127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let client = RdzvClient::connect(ClientConfig::new(srv.addr.to_string())).unwrap();
+    (srv, client)
+}
+
+/// Waits until the watched view satisfies `pred`.
+async fn until(rx: &mut tokio::sync::watch::Receiver<Option<pb::JobView>>, pred: impl Fn(&pb::JobView) -> bool) -> pb::JobView {
+    tokio::time::timeout(WAIT, async {
+        loop {
+            if let Some(v) = rx.borrow_and_update().clone() {
+                if pred(&v) {
+                    return v;
+                }
+            }
+            rx.changed().await.expect("watch ended");
+        }
+    })
+    .await
+    .expect("the view never reached the expected state")
+}
+
+#[tokio::test]
+async fn nodes_form_one_round_with_consistent_assignment() {
+    let (_srv, client) = embedded().await;
+    let s = spec(4, 4, 5_000);
+    let joins = (0..4).map(|i| {
+        let c = client.clone();
+        let js = join_spec("job", &format!("n{i}"), &s);
+        tokio::spawn(async move { c.join(js).await })
+    })
+    .collect::<Vec<_>>();
+    let mut results = Vec::new();
+    for j in joins {
+        results.push(j.await.unwrap().unwrap());
+    }
+    let round = results[0].round.clone().unwrap();
+    assert_eq!(round.world_size, 8);
+    assert_eq!(round.num_nodes, 4);
+    let mut ranks: Vec<u32> = results.iter().map(|r| r.node.as_ref().unwrap().node_rank).collect();
+    ranks.sort();
+    assert_eq!(ranks, vec![0, 1, 2, 3]);
+    for r in &results {
+        assert_eq!(r.round.as_ref().unwrap(), &round, "every participant gets the same round");
+        let n = r.node.as_ref().unwrap();
+        assert_eq!(n.rank_offset, n.node_rank * 2);
+    }
+    let status = client.status(Some("job")).await.unwrap();
+    assert_eq!(status.jobs[0].nodes.len(), 4);
+    assert_eq!(status.jobs[0].world_size, 8);
+}
+
+#[tokio::test]
+async fn dead_node_ends_round_survivors_are_pushed_and_reform() {
+    let (_srv, client) = embedded().await;
+    let s = spec(2, 3, 600);
+    let mut handles = Vec::new();
+    for n in ["a", "b", "c"] {
+        let c = client.clone();
+        let js = join_spec("job", n, &s);
+        handles.push(tokio::spawn(async move { c.join(js).await }));
+    }
+    for h in handles {
+        h.await.unwrap().unwrap();
+    }
+    // a and b keep alive; c goes silent (as if kill -9'd).
+    let ka = client.spawn_keep_alive("job", "a", Duration::from_millis(150));
+    let kb = client.spawn_keep_alive("job", "b", Duration::from_millis(150));
+    let mut watch = client.watch("job", "a");
+    let v = until(&mut watch, |v| v.round == 2).await;
+    assert_eq!(v.state, JobState::Forming as i32);
+    assert!(v.reason.contains("node c lost its lease"), "{}", v.reason);
+    assert_eq!(v.restart_count, 0, "membership changes are free");
+    let (ra, rb) = tokio::join!(client.join(join_spec("job", "a", &s)), client.join(join_spec("job", "b", &s)));
+    let (ra, rb) = (ra.unwrap(), rb.unwrap());
+    assert_eq!(ra.round.as_ref().unwrap().round, 2);
+    assert_eq!(ra.round.as_ref().unwrap().num_nodes, 2);
+    assert_eq!(rb.round.as_ref().unwrap().world_size, 4);
+    drop((ka, kb));
+}
+
+#[tokio::test]
+async fn late_node_triggers_scale_up() {
+    let (_srv, client) = embedded().await;
+    let s = spec(1, 2, 5_000);
+    let r1 = client.join(join_spec("job", "a", &s)).await.unwrap();
+    assert_eq!(r1.round.unwrap().num_nodes, 1);
+    let mut watch = client.watch("job", "a");
+    let c = client.clone();
+    let s2 = s.clone();
+    let b = tokio::spawn(async move { c.join(join_spec("job", "b", &s2)).await });
+    let v = until(&mut watch, |v| v.round == 2).await;
+    assert!(v.reason.contains("scale-up"), "{}", v.reason);
+    let ra = client.join(join_spec("job", "a", &s)).await.unwrap();
+    let rb = b.await.unwrap().unwrap();
+    assert_eq!(ra.round.as_ref().unwrap().num_nodes, 2);
+    assert_eq!(ra.node.unwrap().node_rank, 0, "a keeps its rank (sticky)");
+    assert_eq!(rb.node.unwrap().node_rank, 1);
+}
+
+#[tokio::test]
+async fn failure_restart_budget_and_fail_fast() {
+    let (_srv, client) = embedded().await;
+    let s = spec(2, 2, 5_000);
+    let (a, b) = tokio::join!(client.join(join_spec("job", "a", &s)), client.join(join_spec("job", "b", &s)));
+    let round = a.unwrap().round.unwrap().round;
+    b.unwrap();
+    let failure = pb::FailureInfo { rank: 3, local_rank: 1, exit_code: 7, message: "boom".into(), ..Default::default() };
+    let r = client.report_failure("job", round, "b", failure.clone(), true).await.unwrap();
+    assert_eq!(r.decision, pb::FailureDecision::Restart as i32);
+    // Stale reports are fenced.
+    let e = client.report_failure("job", round, "a", failure.clone(), true).await.unwrap_err();
+    assert!(e.to_string().contains("stale round 1"), "{e}");
+    let (a, b) = tokio::join!(client.join(join_spec("job", "a", &s)), client.join(join_spec("job", "b", &s)));
+    let ra = a.unwrap().round.unwrap();
+    b.unwrap();
+    assert_eq!(ra.restart_count, 1);
+    let mut watch = client.watch("job", "a");
+    client.fail_job("job", "b", "cuda error").await.unwrap();
+    let v = until(&mut watch, |v| v.state == JobState::Failed as i32).await;
+    assert!(v.reason.contains("cuda error"));
+    let e = client.join(join_spec("job", "z", &s)).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition);
+    assert!(e.to_string().contains("has failed"), "{e}");
+}
+
+#[tokio::test]
+async fn finish_and_exit_barrier() {
+    let (_srv, client) = embedded().await;
+    let s = spec(2, 2, 5_000);
+    let (a, b) = tokio::join!(client.join(join_spec("job", "a", &s)), client.join(join_spec("job", "b", &s)));
+    let round = a.unwrap().round.unwrap().round;
+    b.unwrap();
+    client.finish("job", round, "a").await.unwrap();
+    let (_, ended) = client.await_job_end("job", Duration::from_millis(100)).await.unwrap();
+    assert!(!ended, "b has not finished");
+    let c = client.clone();
+    let waiter = tokio::spawn(async move { c.await_job_end("job", WAIT).await });
+    client.finish("job", round, "b").await.unwrap();
+    let (view, ended) = waiter.await.unwrap().unwrap();
+    assert!(ended);
+    assert_eq!(view.state, JobState::Completed as i32);
+}
+
+#[tokio::test]
+async fn store_barrier_and_unique_id() {
+    let (_srv, client) = embedded().await;
+    let s = spec(1, 1, 5_000);
+    let round = client.join(join_spec("job", "a", &s)).await.unwrap().round.unwrap().round;
+    let store = client.store("job", round);
+    // Blocking get wakes when the key is set.
+    let st = store.clone();
+    let getter = tokio::spawn(async move { st.get("k", WAIT).await });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    store.set("k", b"v").await.unwrap();
+    assert_eq!(getter.await.unwrap().unwrap(), b"v");
+    assert_eq!(store.try_get("missing").await.unwrap(), None);
+    let e = store.get("missing", Duration::from_millis(50)).await.unwrap_err();
+    assert_eq!(e.code(), Code::DeadlineExceeded);
+    assert!(e.to_string().contains("\"missing\" did not appear"), "{e}");
+    assert_eq!(store.add("n", 2).await.unwrap(), 2);
+    assert_eq!(store.add("n", 3).await.unwrap(), 5);
+    assert_eq!(store.compare_set("c", None, b"1").await.unwrap(), (true, Some(b"1".to_vec())));
+    assert_eq!(store.compare_set("c", Some(b"0"), b"2").await.unwrap(), (false, Some(b"1".to_vec())));
+    store.multi_set(&[("x", b"1"), ("y", b"2")]).await.unwrap();
+    assert_eq!(store.multi_get(&["x", "y"], Duration::ZERO).await.unwrap(), vec![b"1".to_vec(), b"2".to_vec()]);
+    store.wait(&["x", "y"], WAIT).await.unwrap();
+    assert!(store.delete("x").await.unwrap());
+    assert_eq!(store.num_keys().await.unwrap(), 4);
+    // Barrier of 4 members.
+    let mut hs = Vec::new();
+    for m in 0..4 {
+        let st = store.clone();
+        hs.push(tokio::spawn(async move { st.barrier("b", &m.to_string(), 4, WAIT).await }));
+    }
+    for h in hs {
+        assert_eq!(h.await.unwrap().unwrap(), 1);
+    }
+    // Unique id: others block until rank 0 publishes; write-once; rank 0 only.
+    let st = store.clone();
+    let waiter = tokio::spawn(async move { st.get_unique_id("", WAIT).await });
+    let e = store.publish_unique_id("", 1, &[1; 128]).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied);
+    store.publish_unique_id("", 0, &[9; 128]).await.unwrap();
+    assert_eq!(waiter.await.unwrap().unwrap(), vec![9; 128]);
+    let e = store.publish_unique_id("", 0, &[8; 128]).await.unwrap_err();
+    assert_eq!(e.code(), Code::AlreadyExists);
+}
+
+#[tokio::test]
+async fn bad_requests_get_precise_statuses() {
+    let (srv, client) = embedded().await;
+    let s = spec(1, 1, 5_000);
+    // Malformed ids, bad configs.
+    let mut js = join_spec("bad job", "a", &s);
+    let e = client.join(js.clone()).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    assert!(e.to_string().contains("\"bad job\" contains ' '"), "{e}");
+    js.job_id = "job".into();
+    js.config.min_nodes = 3;
+    let e = client.join(js.clone()).await.unwrap_err();
+    assert!(e.to_string().contains("min_nodes 3 is greater than max_nodes 1"), "{e}");
+    js.config.min_nodes = 1;
+    js.local_world_size = 0;
+    assert_eq!(client.join(js.clone()).await.unwrap_err().code(), Code::InvalidArgument);
+    js.local_world_size = 1;
+    js.addrs = vec![];
+    assert_eq!(client.join(js).await.unwrap_err().code(), Code::InvalidArgument);
+    // Store on a job that does not exist; oversized value; stale round.
+    let e = client.store("nojob", 1).set("k", b"v").await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound);
+    let round = client.join(join_spec("job", "a", &s)).await.unwrap().round.unwrap().round;
+    let e = client.store("job", round).set("k", &vec![0u8; (1 << 20) + 1]).await.unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted);
+    assert!(e.to_string().contains("exceeds the limit"), "{e}");
+    let e = client.store("job", round + 5).set("k", b"v").await.unwrap_err();
+    assert!(e.to_string().contains("stale round 6"), "{e}");
+    // A message over the transport limit is refused by the server, which keeps serving.
+    let e = client.store("job", round).set("k", &vec![0u8; 8 << 20]).await.unwrap_err();
+    assert!(matches!(e.code(), Code::OutOfRange | Code::ResourceExhausted | Code::Internal | Code::Unknown), "{e:?}");
+    // Raw requests with missing fields and absurd values.
+    let mut raw = pb::rendezvous_client::RendezvousClient::connect(format!("http://{}", srv.addr)).await.unwrap();
+    let st = raw.store_set(pb::StoreSetRequest { scope: None, key: "k".into(), value: vec![] }).await.unwrap_err();
+    assert_eq!(st.code(), Code::InvalidArgument);
+    let st = raw.join(pb::JoinRequest { job_id: "j2".into(), node_id: "n".into(), config: None, ..Default::default() }).await.unwrap_err();
+    assert_eq!(st.code(), Code::InvalidArgument);
+    let st = raw
+        .store_get(pb::StoreGetRequest {
+            scope: Some(pb::StoreScope { job_id: "job".into(), round, round_scoped: false }),
+            key: "k".into(),
+            timeout_ms: u64::MAX,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(st.code(), Code::InvalidArgument);
+    let st = raw
+        .barrier(pb::BarrierRequest {
+            scope: Some(pb::StoreScope { job_id: "job".into(), round, round_scoped: false }),
+            name: "b".into(),
+            member: "m".into(),
+            participants: 0,
+            timeout_ms: 10,
+            request_id: String::new(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(st.code(), Code::InvalidArgument);
+    // Fuzz-ish: random bytes in every string field never crash the service.
+    use rand::Rng;
+    let mut rng = rand::rng();
+    for _ in 0..300 {
+        let junk = |rng: &mut rand::rngs::ThreadRng| -> String { (0..rng.random_range(0..40)).map(|_| rng.random::<char>()).collect() };
+        let req = pb::JoinRequest {
+            job_id: junk(&mut rng),
+            node_id: junk(&mut rng),
+            addrs: vec![junk(&mut rng)],
+            local_world_size: rng.random(),
+            rank_hint: Some(rng.random()),
+            config: Some(pb::JobConfig { min_nodes: rng.random(), max_nodes: rng.random(), last_call_ms: rng.random(), lease_ms: rng.random(), max_restarts: rng.random() }),
+            timeout_ms: rng.random_range(0..50),
+            master_port: rng.random(),
+            hostname: junk(&mut rng),
+        };
+        let _ = raw.join(req).await;
+        let _ = raw
+            .store_add(pb::StoreAddRequest {
+                scope: Some(pb::StoreScope { job_id: junk(&mut rng), round: rng.random(), round_scoped: rng.random() }),
+                key: junk(&mut rng),
+                delta: rng.random(),
+                request_id: junk(&mut rng),
+            })
+            .await;
+    }
+    // Still healthy.
+    client.store("job", round).set("after", b"ok").await.unwrap();
+}
+
+fn token_file(dir: &Path, text: &str) -> std::path::PathBuf {
+    let p = dir.join("tokens");
+    std::fs::write(&p, text).unwrap();
+    p
+}
+
+#[tokio::test]
+async fn tokens_are_required_and_scoped_per_job() {
+    let dir = tempfile::tempdir().unwrap();
+    let admin = "admin-token-0123456789";
+    let team = "team-a-token-0123456789";
+    let mut cfg = ServerConfig::in_memory("127.0.0.1:0".parse().unwrap());
+    cfg.token_file = Some(token_file(dir.path(), &format!("{admin}\n{team} teamA-*\n")));
+    let srv = server::spawn_with(cfg).await.unwrap();
+    let connect = |token: Option<&str>| {
+        let mut c = ClientConfig::new(srv.addr.to_string());
+        c.token = token.map(str::to_string);
+        RdzvClient::connect(c).unwrap()
+    };
+    let s = spec(1, 1, 5_000);
+    for bad in [None, Some("wrong-token-0123456789")] {
+        let e = connect(bad).join(join_spec("teamA-1", "a", &s)).await.unwrap_err();
+        assert_eq!(e.code(), Code::Unauthenticated, "{e}");
+    }
+    // Nothing changed.
+    assert!(connect(Some(admin)).status(None).await.unwrap().jobs.is_empty());
+    let team_client = connect(Some(team));
+    let round = team_client.join(join_spec("teamA-1", "a", &s)).await.unwrap().round.unwrap().round;
+    team_client.store("teamA-1", round).set("k", b"v").await.unwrap();
+    // Another job's keys are out of reach of the team token.
+    let admin_client = connect(Some(admin));
+    let r2 = admin_client.join(join_spec("other", "x", &s)).await.unwrap().round.unwrap().round;
+    admin_client.store("other", r2).set("secret", b"s").await.unwrap();
+    let e = team_client.store("other", r2).get("secret", Duration::ZERO).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied);
+    let e = team_client.store("other", r2).set("secret", b"x").await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied);
+    assert_eq!(admin_client.store("other", r2).get("secret", Duration::ZERO).await.unwrap(), b"s");
+    // Status shows the team only its own jobs.
+    let st = team_client.status(None).await.unwrap();
+    assert_eq!(st.jobs.len(), 1);
+    assert_eq!(st.jobs[0].view.as_ref().unwrap().job_id, "teamA-1");
+}
+
+#[tokio::test]
+async fn non_loopback_without_token_is_refused() {
+    let cfg = ServerConfig::in_memory("0.0.0.0:0".parse().unwrap());
+    let e = server::spawn_with(cfg).await.unwrap_err().to_string();
+    assert!(e.contains("not a loopback address and no --token-file"), "{e}");
+}
+
+#[tokio::test]
+async fn tls_service_accepts_tls_clients_only() {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+    let dir = tempfile::tempdir().unwrap();
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = Issuer::new(ca_params, ca_key);
+    let leaf_key = KeyPair::generate().unwrap();
+    let leaf = CertificateParams::new(vec!["localhost".to_string()]).unwrap().signed_by(&leaf_key, &issuer).unwrap();
+    let (ca, cert, key) = (dir.path().join("ca.pem"), dir.path().join("cert.pem"), dir.path().join("key.pem"));
+    std::fs::write(&ca, ca_cert.pem()).unwrap();
+    std::fs::write(&cert, leaf.pem()).unwrap();
+    std::fs::write(&key, leaf_key.serialize_pem()).unwrap();
+    let mut cfg = ServerConfig::in_memory("127.0.0.1:0".parse().unwrap());
+    cfg.tls = Some((cert, key));
+    let srv = server::spawn_with(cfg).await.unwrap();
+    let mut c = ClientConfig::new(format!("localhost:{}", srv.addr.port()));
+    c.tls_ca = Some(ca);
+    let tls_client = RdzvClient::connect(c).unwrap();
+    assert!(tls_client.status(None).await.unwrap().jobs.is_empty());
+    let mut plain = ClientConfig::new(srv.addr.to_string());
+    plain.rpc_timeout = Duration::from_millis(500);
+    let e = RdzvClient::connect(plain).unwrap().status(None).await.unwrap_err();
+    assert!(matches!(e.code(), Code::Unavailable | Code::Unknown | Code::Internal | Code::DeadlineExceeded), "{e:?}");
+}
+
+#[tokio::test]
+async fn metrics_endpoint_serves_prometheus_text() {
+    let mut cfg = ServerConfig::in_memory("127.0.0.1:0".parse().unwrap());
+    cfg.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
+    let cancel = tokio_util::sync::CancellationToken::new();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let c = cancel.clone();
+    let h = tokio::spawn(server::serve(cfg, c, move |b| {
+        let _ = tx.send(b);
+    }));
+    let bound = rx.await.unwrap();
+    let client = RdzvClient::connect(ClientConfig::new(bound.addr.to_string())).unwrap();
+    client.join(join_spec("job", "a", &spec(1, 1, 5_000))).await.unwrap();
+    let m = bound.metrics_addr.unwrap();
+    let body = tokio::task::spawn_blocking(move || http_get(m, "/metrics")).await.unwrap();
+    assert!(body.contains("rsrun_rendezvous_rpc_duration_seconds_bucket"), "{body}");
+    assert!(body.contains("method=\"Join\""), "{body}");
+    assert!(body.contains("rsrun_rendezvous_rounds_formed_total 1"), "{body}");
+    cancel.cancel();
+    h.await.unwrap().unwrap();
+}
+
+fn http_get(addr: SocketAddr, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: x\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+// ------------------------------------------------------------------------------------------------
+// The real daemon binary, killed with SIGKILL and restarted on the same data directory.
+
+struct Daemon {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Daemon {
+    fn start(listen: &str, data_dir: &Path) -> Daemon {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_rsrun-rendezvous"))
+            .args(["serve", "--listen", listen, "--data-dir"])
+            .arg(data_dir)
+            .env("RSRUN_LOG", "warn")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let addr = line.trim().strip_prefix("listening on ").unwrap_or_else(|| panic!("unexpected first line {line:?}")).parse().unwrap();
+        Daemon { child, addr }
+    }
+
+    fn kill9(&mut self) {
+        self.child.kill().unwrap();
+        self.child.wait().unwrap();
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_and_restart_loses_nothing_acknowledged() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut daemon = Daemon::start("127.0.0.1:0", dir.path());
+    let addr = daemon.addr;
+    let mut cfg = ClientConfig::new(addr.to_string());
+    cfg.rpc_timeout = Duration::from_secs(30);
+    let client = RdzvClient::connect(cfg).unwrap();
+    let s = spec(2, 2, 3_000);
+    let (a, b) = tokio::join!(client.join(join_spec("job", "a", &s)), client.join(join_spec("job", "b", &s)));
+    let (a, b) = (a.unwrap(), b.unwrap());
+    let round = a.round.as_ref().unwrap().round;
+    let store = client.store("job", round);
+    // Writers keep going through the crash; every acknowledged add must survive, none twice.
+    let writer = {
+        let store = store.clone();
+        tokio::spawn(async move {
+            let mut acked = 0i64;
+            for i in 0..400 {
+                store.set(&format!("key{i}"), format!("value{i}").as_bytes()).await.unwrap();
+                assert_eq!(store.add("counter", 1).await.unwrap(), acked + 1);
+                acked += 1;
+            }
+            acked
+        })
+    };
+    // A waiter blocked across the crash gets its key after the restart.
+    let waiter = {
+        let store = store.clone();
+        tokio::spawn(async move { store.get("late", Duration::from_secs(30)).await })
+    };
+    let ka = client.spawn_keep_alive("job", "a", Duration::from_millis(300));
+    let kb = client.spawn_keep_alive("job", "b", Duration::from_millis(300));
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    daemon.kill9();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let _daemon = Daemon::start(&addr.to_string(), dir.path());
+    let acked = writer.await.unwrap();
+    assert_eq!(acked, 400);
+    store.set("late", b"here").await.unwrap();
+    assert_eq!(waiter.await.unwrap().unwrap(), b"here");
+    for i in 0..400 {
+        assert_eq!(store.get(&format!("key{i}"), Duration::ZERO).await.unwrap(), format!("value{i}").as_bytes());
+    }
+    assert_eq!(store.get("counter", Duration::ZERO).await.unwrap(), b"400");
+    // Membership survived: same round, same assignment, nodes still alive (leases renewed on recovery).
+    let again = client.join(join_spec("job", "a", &s)).await.unwrap();
+    assert_eq!(again, a);
+    let st = client.status(Some("job")).await.unwrap();
+    assert_eq!(st.jobs[0].view.as_ref().unwrap().state, JobState::Running as i32);
+    assert_eq!(st.jobs[0].nodes.len(), 2);
+    assert_eq!(b.round.unwrap().round, round);
+    drop((ka, kb));
+}
+
+#[tokio::test]
+async fn client_reports_unreachable_service_within_its_deadline() {
+    // Bind and drop a listener to find a port nobody listens on.
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut cfg = ClientConfig::new(format!("127.0.0.1:{port}"));
+    cfg.rpc_timeout = Duration::from_millis(400);
+    let e = RdzvClient::connect(cfg).unwrap().status(None).await.unwrap_err();
+    assert!(matches!(e, RdzvError::Unavailable(_)), "{e:?}");
+    assert!(e.to_string().contains("unreachable after"), "{e}");
+    for bad in ["nohost", "host:", ":99", "http://"] {
+        let e = RdzvClient::connect(ClientConfig::new(bad)).unwrap_err();
+        assert!(matches!(e, RdzvError::Connect { .. }), "{bad}: {e:?}");
+    }
+}
