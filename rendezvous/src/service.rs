@@ -582,28 +582,43 @@ impl pb::rendezvous_server::Rendezvous for Service {
             let (job, node) = (r.job_id.as_str(), r.node_id.as_str());
             let span = tracing::info_span!("join", job, node);
             let _e = span.enter();
-            self.core
-                .wait_for(
-                    job,
-                    None,
-                    deadline,
-                    |s| {
-                        let j = s.job(job)?;
-                        if let Phase::Failed { .. } = j.phase {
-                            return Err(RdzvError::JobEnded { job: job.into(), state: "failed", reason: j.reason.clone() });
-                        }
-                        if !j.nodes.contains_key(node) {
-                            return Err(RdzvError::NotMember {
-                                job: job.into(),
-                                node: node.into(),
-                                reason: "it left or its lease expired while waiting; keep-alives must continue during join".into(),
-                            });
-                        }
-                        Ok(j.assignment(node))
-                    },
-                    |s| forming_summary(s, job),
-                )
-                .await
+            // A pending join holds the node's lease: it is renewed every third of the lease while the
+            // call waits, and lapses when the caller goes away (the call is cancelled).
+            let lease = self.core.read(|s| Ok(s.job(job)?.spec.lease_ms)).await?;
+            let renew_every = Duration::from_millis((lease / 3).max(10));
+            loop {
+                let step = deadline.min(Instant::now() + renew_every);
+                let waited = self
+                    .core
+                    .wait_for(
+                        job,
+                        None,
+                        step,
+                        |s| {
+                            let j = s.job(job)?;
+                            if let Phase::Failed { .. } = j.phase {
+                                return Err(RdzvError::JobEnded { job: job.into(), state: "failed", reason: j.reason.clone() });
+                            }
+                            if !j.nodes.contains_key(node) {
+                                return Err(RdzvError::NotMember {
+                                    job: job.into(),
+                                    node: node.into(),
+                                    reason: "it left or its lease expired while waiting".into(),
+                                });
+                            }
+                            Ok(j.assignment(node))
+                        },
+                        |s| forming_summary(s, job),
+                    )
+                    .await;
+                match waited {
+                    Err(RdzvError::Timeout(_)) if Instant::now() < deadline => {
+                        // Renewal failure shows up as NotMember on the next check.
+                        let _ = self.core.execute(Command::KeepAlive { job: job.into(), node: node.into() }).await;
+                    }
+                    other => return other,
+                }
+            }
         })
         .await
     }
