@@ -1,1 +1,164 @@
-fn main() {}
+//! `rsrun`: parse arguments, resolve the plan, start the guardian and the runtime, run, print the
+//! console stream and the failure summary, exit with the root cause's code.
+
+use std::io::{IsTerminal, Write};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Parser;
+use rsrun_launcher::cli::LaunchArgs;
+use rsrun_launcher::logs::ConsoleEvent;
+use rsrun_launcher::signals::Signals;
+use rsrun_launcher::worker::Guardian;
+use rsrun_launcher::{HostInfo, LaunchPlan, RunContext};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+fn main() -> ExitCode {
+    // clap prints usage errors itself and exits 2.
+    let args = LaunchArgs::parse();
+    init_tracing();
+    let plan = match LaunchPlan::resolve(&args, &HostInfo::probe()) {
+        Ok(plan) => plan,
+        Err(err) => {
+            eprintln!("rsrun: error: {err}");
+            return ExitCode::from(2);
+        }
+    };
+    if plan.dry_run {
+        let mut out = std::io::stdout().lock();
+        for note in &plan.notes {
+            let _ = writeln!(out, "rsrun: {note}");
+        }
+        let _ = out.write_all(rsrun_launcher::dry_run::render(&plan).as_bytes());
+        return ExitCode::SUCCESS;
+    }
+    for note in &plan.notes {
+        eprintln!("rsrun: {note}");
+    }
+    match launch(plan) {
+        Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
+        Err(err) => {
+            eprintln!("rsrun: error: {err:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn launch(plan: LaunchPlan) -> anyhow::Result<i32> {
+    // SAFETY: no thread has been started yet (tracing's subscriber starts none): the runtime and the
+    // console thread are created below.
+    let guardian = match unsafe { Guardian::start() } {
+        Ok(g) => Some(Arc::new(g)),
+        Err(err) => {
+            tracing::warn!(%err, "no guardian process: workers are still covered by PDEATHSIG");
+            None
+        }
+    };
+    // One thread: workers are forked from it, and PR_SET_PDEATHSIG follows the forking thread.
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the tokio runtime")?;
+    let (tx, rx) = mpsc::channel(1024);
+    let console = std::thread::Builder::new()
+        .name("console".into())
+        .spawn(move || console_loop(rx))
+        .context("cannot start the console thread")?;
+    let policy = plan.signals.clone();
+    let outcome = runtime.block_on(async move {
+        let signals = Signals::install(&policy).context("cannot install signal handlers")?;
+        let cx = RunContext { console: tx, shutdown: CancellationToken::new(), signals, guardian };
+        rsrun_launcher::run(plan, cx).await
+    });
+    // Every console sender is gone once run returns: the thread drains and ends.
+    drop(runtime);
+    let _ = console.join();
+    let outcome = outcome?;
+    if let Some(report) = &outcome.report {
+        let mut err = std::io::stderr().lock();
+        let _ = err.write_all(report.render().as_bytes());
+    }
+    Ok(outcome.exit_code)
+}
+
+fn init_tracing() {
+    let filter = std::env::var("RSRUN_LOG")
+        .or_else(|_| std::env::var("RUST_LOG"))
+        // The embedded rendezvous service logs every failure report; the launcher's summary says it.
+        .unwrap_or_else(|_| "warn,rsrun_rendezvous=error".to_owned());
+    let filter = tracing_subscriber::EnvFilter::try_new(&filter)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_target(false)
+        .init();
+}
+
+/// Writes console events: worker stdout lines to stdout, everything else to stderr. On a terminal the
+/// rendezvous status is one line updated in place; otherwise it is printed when it changes, at most
+/// every few seconds.
+fn console_loop(mut rx: mpsc::Receiver<ConsoleEvent>) {
+    const PLAIN_STATUS_EVERY: Duration = Duration::from_secs(5);
+    let tty = std::io::stderr().is_terminal();
+    let mut out = std::io::BufWriter::with_capacity(64 * 1024, std::io::stdout());
+    let mut status_shown = false;
+    let mut last_plain: Option<(String, Instant)> = None;
+    while let Some(first) = rx.blocking_recv() {
+        let mut ev = Some(first);
+        while let Some(e) = ev.take() {
+            let mut err = std::io::stderr().lock();
+            if status_shown && matches!(e, ConsoleEvent::StatusDone) {
+                // Keep the final status visible.
+                let _ = err.write_all(b"\n");
+                status_shown = false;
+            }
+            if status_shown && !matches!(e, ConsoleEvent::Status(_)) {
+                let _ = err.write_all(b"\r\x1b[2K");
+                status_shown = false;
+            }
+            match e {
+                ConsoleEvent::Stdout(line) => {
+                    let _ = out.write_all(&line);
+                }
+                ConsoleEvent::Stderr(line) => {
+                    let _ = out.flush();
+                    let _ = err.write_all(&line);
+                }
+                ConsoleEvent::Note(text) => {
+                    let _ = out.flush();
+                    let _ = writeln!(err, "{text}");
+                }
+                ConsoleEvent::Status(text) => {
+                    if tty {
+                        let _ = write!(err, "\r\x1b[2K{text}");
+                        status_shown = true;
+                    } else {
+                        // Compare without the trailing elapsed time "(12s)".
+                        let key = text.rsplit_once(" (").map(|(k, _)| k.to_owned()).unwrap_or_else(|| text.clone());
+                        let due = match &last_plain {
+                            Some((prev, at)) => *prev != key || at.elapsed() >= PLAIN_STATUS_EVERY,
+                            None => true,
+                        };
+                        if due {
+                            let _ = writeln!(err, "{text}");
+                            last_plain = Some((key, Instant::now()));
+                        }
+                    }
+                }
+                ConsoleEvent::StatusDone => {
+                    last_plain = None;
+                }
+            }
+            let _ = err.flush();
+            drop(err);
+            ev = rx.try_recv().ok();
+        }
+        let _ = out.flush();
+    }
+    let _ = out.flush();
+}

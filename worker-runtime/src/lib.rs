@@ -1,1 +1,420 @@
-//! Worker runtime (see ARCHITECTURE.md).
+//! The library a trainer embeds to run under `rsrun` (or `torchrun`).
+//!
+//! # Brief overview
+//!
+//! - [`WorkerContext::from_env`] reads the launcher's environment once into typed fields: rank, local
+//!   rank, world sizes, node rank, restart count, job id, round.
+//! - [`WorkerContext::store`] is a client of the job's key-value store in the rendezvous service
+//!   (RSRUN_RDZV_ENDPOINT, authenticated with the token file in RSRUN_TOKEN_FILE);
+//!   [`WorkerContext::barrier`] and [`WorkerContext::unique_id`] (the 128-byte NCCL id exchange) are
+//!   built on it.
+//! - [`WorkerContext::progress`] is the hang detector's heartbeat: one datagram on the socket rsrun
+//!   passed as RSRUN_PROGRESS_FD. It never blocks and costs about a microsecond. rsrun's
+//!   `--hang-timeout` applies to workers that have reported progress at least once.
+//! - [`WorkerContext::install_panic_hook`] and [`WorkerContext::report_error`] write
+//!   TORCHELASTIC_ERROR_FILE in torchelastic's schema, so rsrun's (and torchrun's) failure summary shows
+//!   the message and the backtrace.
+//!
+//! ```no_run
+//! # async fn train() -> Result<(), rsrun_worker_runtime::WorkerError> {
+//! use rsrun_worker_runtime::WorkerContext;
+//! let ctx = WorkerContext::from_env()?;
+//! ctx.install_panic_hook();
+//! ctx.barrier("start", std::time::Duration::from_secs(60)).await?;
+//! for step in 0..100 {
+//!     // ... one training step ...
+//!     ctx.progress(step);
+//! }
+//! # Ok(()) }
+//! ```
+//!
+//! The progress protocol, for workers in other languages: RSRUN_PROGRESS_FD names an inherited
+//! `AF_UNIX`/`SOCK_DGRAM` socket; send one datagram per step whose first 8 bytes are the step number
+//! (little-endian u64). In Python: `os.write(int(os.environ["RSRUN_PROGRESS_FD"]),
+//! step.to_bytes(8, "little"))`.
+
+use std::os::fd::{FromRawFd, RawFd};
+use std::os::unix::net::UnixDatagram;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use rsrun_rendezvous::RdzvError;
+use rsrun_rendezvous::client::{ClientConfig, RdzvClient, StoreClient};
+
+/// Everything that can go wrong in the worker runtime.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum WorkerError {
+    /// A variable the launcher sets is missing.
+    #[error("environment variable {name} is not set (is this process started by rsrun or torchrun?)")]
+    MissingVar {
+        /// The variable.
+        name: &'static str,
+    },
+    /// A variable holds something unexpected.
+    #[error("environment variable {name}={value:?} is malformed: expected {expected}")]
+    BadVar {
+        /// The variable.
+        name: &'static str,
+        /// Its value.
+        value: String,
+        /// What was expected.
+        expected: &'static str,
+    },
+    /// The store needs the rendezvous service (rsrun's c10d backend or `--standalone`).
+    #[error("no rendezvous service: RSRUN_RDZV_ENDPOINT is not set (static backend or torchrun)")]
+    NoRendezvous,
+    /// A file could not be read or written.
+    #[error("cannot access {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The cause.
+        source: std::io::Error,
+    },
+    /// A rendezvous call failed.
+    #[error(transparent)]
+    Rdzv(#[from] RdzvError),
+    /// No unique id could be produced or received.
+    #[error("unique id: {0}")]
+    UniqueId(String),
+}
+
+/// A worker's place in the job, read from the environment.
+#[derive(Debug, Clone)]
+pub struct WorkerContext {
+    /// Global rank (RANK).
+    pub rank: u32,
+    /// Rank on this node (LOCAL_RANK).
+    pub local_rank: u32,
+    /// Workers in the job (WORLD_SIZE).
+    pub world_size: u32,
+    /// Workers on this node (LOCAL_WORLD_SIZE).
+    pub local_world_size: u32,
+    /// This node's rank (GROUP_RANK).
+    pub node_rank: u32,
+    /// Nodes in the job (GROUP_WORLD_SIZE).
+    pub num_nodes: u32,
+    /// Failure restarts so far (TORCHELASTIC_RESTART_COUNT).
+    pub restart_count: u32,
+    /// Restart budget (TORCHELASTIC_MAX_RESTARTS).
+    pub max_restarts: u32,
+    /// Job id (RSRUN_JOB_ID, else TORCHELASTIC_RUN_ID).
+    pub job_id: String,
+    /// Rendezvous round (RSRUN_ROUND; `None` under torchrun).
+    pub round: Option<u64>,
+    /// MASTER_ADDR.
+    pub master_addr: String,
+    /// MASTER_PORT.
+    pub master_port: u16,
+    /// RSRUN_RDZV_ENDPOINT.
+    pub rdzv_endpoint: Option<String>,
+    /// RSRUN_TOKEN_FILE.
+    pub token_file: Option<PathBuf>,
+    /// TORCHELASTIC_ERROR_FILE (`None` when unset or empty).
+    pub error_file: Option<PathBuf>,
+    progress: Option<Arc<UnixDatagram>>,
+}
+
+fn required(get: &dyn Fn(&str) -> Option<String>, name: &'static str) -> Result<String, WorkerError> {
+    get(name).ok_or(WorkerError::MissingVar { name })
+}
+
+fn number<T: std::str::FromStr>(
+    get: &dyn Fn(&str) -> Option<String>,
+    name: &'static str,
+) -> Result<T, WorkerError> {
+    let v = required(get, name)?;
+    v.trim().parse().map_err(|_| WorkerError::BadVar { name, value: v, expected: "a non-negative integer" })
+}
+
+fn optional_number<T: std::str::FromStr>(
+    get: &dyn Fn(&str) -> Option<String>,
+    name: &'static str,
+    default: T,
+) -> Result<T, WorkerError> {
+    match get(name) {
+        None => Ok(default),
+        Some(_) => number(get, name),
+    }
+}
+
+impl WorkerContext {
+    /// Reads the process environment.
+    ///
+    /// # Errors
+    /// A missing or malformed variable, named in the error.
+    pub fn from_env() -> Result<Self, WorkerError> {
+        let ctx = Self::from_vars(&|k| std::env::var(k).ok())?;
+        Ok(WorkerContext { progress: progress_socket(), ..ctx })
+    }
+
+    /// Reads variables through `get` (tests, embedding). No progress socket is attached.
+    ///
+    /// # Errors
+    /// A missing or malformed variable, named in the error.
+    pub fn from_vars(get: &dyn Fn(&str) -> Option<String>) -> Result<Self, WorkerError> {
+        let rank: u32 = number(get, "RANK")?;
+        let world_size: u32 = number(get, "WORLD_SIZE")?;
+        if rank >= world_size {
+            return Err(WorkerError::BadVar {
+                name: "RANK",
+                value: rank.to_string(),
+                expected: "a rank below WORLD_SIZE",
+            });
+        }
+        let local_rank: u32 = number(get, "LOCAL_RANK")?;
+        let local_world_size: u32 = optional_number(get, "LOCAL_WORLD_SIZE", 1)?;
+        let master_port: u16 = number(get, "MASTER_PORT")?;
+        let round = match get("RSRUN_ROUND") {
+            Some(_) => Some(number(get, "RSRUN_ROUND")?),
+            None => None,
+        };
+        let job_id = get("RSRUN_JOB_ID").or_else(|| get("TORCHELASTIC_RUN_ID")).unwrap_or_else(|| "none".into());
+        Ok(WorkerContext {
+            rank,
+            local_rank,
+            world_size,
+            local_world_size,
+            node_rank: optional_number(get, "GROUP_RANK", 0)?,
+            num_nodes: optional_number(get, "GROUP_WORLD_SIZE", 1)?,
+            restart_count: optional_number(get, "TORCHELASTIC_RESTART_COUNT", 0)?,
+            max_restarts: optional_number(get, "TORCHELASTIC_MAX_RESTARTS", 0)?,
+            job_id,
+            round,
+            master_addr: required(get, "MASTER_ADDR")?,
+            master_port,
+            rdzv_endpoint: get("RSRUN_RDZV_ENDPOINT").filter(|s| !s.is_empty()),
+            token_file: get("RSRUN_TOKEN_FILE").filter(|s| !s.is_empty()).map(PathBuf::from),
+            error_file: get("TORCHELASTIC_ERROR_FILE").filter(|s| !s.is_empty()).map(PathBuf::from),
+            progress: None,
+        })
+    }
+
+    /// Whether this is global rank 0.
+    pub fn is_rank0(&self) -> bool {
+        self.rank == 0
+    }
+
+    /// A client of the job's store, fenced to this round. Call it inside a tokio runtime.
+    ///
+    /// # Errors
+    /// No rendezvous service (static backend, torchrun), an unreadable token file, or a bad endpoint.
+    pub fn store(&self) -> Result<StoreClient, WorkerError> {
+        let endpoint = self.rdzv_endpoint.clone().ok_or(WorkerError::NoRendezvous)?;
+        let mut cfg = ClientConfig::new(endpoint);
+        if let Some(path) = &self.token_file {
+            cfg.token = Some(rsrun_rendezvous::auth::read_client_token(path)?);
+        }
+        let client = RdzvClient::connect(cfg)?;
+        Ok(client.store(&self.job_id, self.round.unwrap_or(0)))
+    }
+
+    /// Waits until every rank of the job reached barrier `name`.
+    ///
+    /// # Errors
+    /// Not every rank arrived within `timeout`, or the store is unavailable.
+    pub async fn barrier(&self, name: &str, timeout: Duration) -> Result<(), WorkerError> {
+        let store = self.store()?;
+        store.barrier(name, &self.rank.to_string(), self.world_size, timeout).await?;
+        Ok(())
+    }
+
+    /// The round's 128-byte NCCL unique id under `name` ("" for the default communicator).
+    ///
+    /// Rank 0 publishes `own` when given, else (with the `cuda` feature and a loadable NCCL) one it
+    /// generates; every other rank waits up to `timeout` for it.
+    ///
+    /// # Errors
+    /// Rank 0 has no id to publish, or the id did not arrive in time.
+    pub async fn unique_id(&self, name: &str, own: Option<[u8; 128]>, timeout: Duration) -> Result<[u8; 128], WorkerError> {
+        let store = self.store()?;
+        if self.is_rank0() {
+            let id = match own {
+                Some(id) => id,
+                None => generate_unique_id()?,
+            };
+            store.publish_unique_id(name, self.rank, &id).await?;
+            return Ok(id);
+        }
+        let bytes = store.get_unique_id(name, timeout).await?;
+        bytes
+            .try_into()
+            .map_err(|b: Vec<u8>| WorkerError::UniqueId(format!("received {} bytes, expected 128", b.len())))
+    }
+
+    /// Reports progress (a heartbeat for `--hang-timeout`). Never blocks; a no-op when rsrun gave no
+    /// progress socket.
+    pub fn progress(&self, step: u64) {
+        if let Some(sock) = &self.progress {
+            // A full socket buffer means the launcher has plenty of recent heartbeats: drop this one.
+            let _ = sock.send(&step.to_le_bytes());
+        }
+    }
+
+    /// Writes the error file (TORCHELASTIC_ERROR_FILE) with `message` and an optional traceback.
+    /// A no-op when the launcher set no error file.
+    ///
+    /// # Errors
+    /// The file cannot be written.
+    pub fn report_error(&self, message: &str, traceback: Option<&str>) -> Result<(), WorkerError> {
+        match &self.error_file {
+            Some(path) => write_error_file(path, message, traceback),
+            None => Ok(()),
+        }
+    }
+
+    /// Installs a panic hook that writes the error file (message, location, backtrace) before the
+    /// previous hook runs.
+    pub fn install_panic_hook(&self) {
+        let Some(path) = self.error_file.clone() else { return };
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            let payload = info
+                .payload()
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| info.payload().downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "Box<dyn Any>".to_owned());
+            let location = info.location().map(|l| format!(" at {}:{}", l.file(), l.line())).unwrap_or_default();
+            let backtrace = std::backtrace::Backtrace::force_capture().to_string();
+            let _ = write_error_file(&path, &format!("panic: {payload}{location}"), Some(&backtrace));
+            previous(info);
+        }));
+    }
+}
+
+/// Writes an error file in torchelastic's schema (what PyTorch's `@record` writes).
+///
+/// # Errors
+/// The file cannot be written.
+pub fn write_error_file(path: &Path, message: &str, traceback: Option<&str>) -> Result<(), WorkerError> {
+    let timestamp = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let body = serde_json::json!({
+        "message": {
+            "message": message,
+            "extraInfo": {
+                "py_callstack": traceback.unwrap_or(""),
+                "timestamp": timestamp.to_string(),
+            }
+        }
+    });
+    let io = |source| WorkerError::Io { path: path.to_owned(), source };
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(io)?;
+    }
+    std::fs::write(path, body.to_string()).map_err(io)
+}
+
+fn generate_unique_id() -> Result<[u8; 128], WorkerError> {
+    #[cfg(feature = "cuda")]
+    {
+        // cudarc panics when libnccl cannot be loaded: treat that as "no CUDA".
+        let id = std::panic::catch_unwind(cudarc::nccl::safe::Id::new)
+            .map_err(|_| WorkerError::UniqueId("NCCL cannot be loaded on this machine".into()))?
+            .map_err(|e| WorkerError::UniqueId(format!("ncclGetUniqueId failed: {e:?}")))?;
+        let mut out = [0u8; 128];
+        for (o, c) in out.iter_mut().zip(id.internal().iter()) {
+            *o = *c as u8;
+        }
+        Ok(out)
+    }
+    #[cfg(not(feature = "cuda"))]
+    Err(WorkerError::UniqueId(
+        "rank 0 has no id to publish: pass one, or build with the `cuda` feature on a machine with NCCL".into(),
+    ))
+}
+
+/// The progress socket named by RSRUN_PROGRESS_FD, adopted once per process.
+fn progress_socket() -> Option<Arc<UnixDatagram>> {
+    static SOCKET: OnceLock<Option<Arc<UnixDatagram>>> = OnceLock::new();
+    SOCKET
+        .get_or_init(|| {
+            let fd: RawFd = std::env::var("RSRUN_PROGRESS_FD").ok()?.parse().ok()?;
+            if fd < 3 || !is_datagram_socket(fd) {
+                return None;
+            }
+            // SAFETY: the launcher passed this descriptor for this purpose; it is checked to be a
+            // datagram socket and adopted exactly once (OnceLock).
+            let sock = unsafe { UnixDatagram::from_raw_fd(fd) };
+            // Keep it from leaking into the trainer's own children.
+            // SAFETY: plain fcntl on a descriptor we own.
+            unsafe {
+                let flags = libc::fcntl(fd, libc::F_GETFD);
+                if flags >= 0 {
+                    libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC);
+                }
+            }
+            sock.set_nonblocking(true).ok()?;
+            Some(Arc::new(sock))
+        })
+        .clone()
+}
+
+fn is_datagram_socket(fd: RawFd) -> bool {
+    let mut ty: libc::c_int = 0;
+    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    // SAFETY: ty and len are valid for writes of the sizes given.
+    let rc = unsafe {
+        libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_TYPE, (&mut ty as *mut libc::c_int).cast(), &mut len)
+    };
+    rc == 0 && ty == libc::SOCK_DGRAM
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn vars(pairs: &[(&str, &str)]) -> impl Fn(&str) -> Option<String> {
+        let map: HashMap<String, String> = pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        move |k| map.get(k).cloned()
+    }
+
+    const BASE: &[(&str, &str)] = &[
+        ("RANK", "3"),
+        ("LOCAL_RANK", "1"),
+        ("WORLD_SIZE", "4"),
+        ("LOCAL_WORLD_SIZE", "2"),
+        ("GROUP_RANK", "1"),
+        ("GROUP_WORLD_SIZE", "2"),
+        ("MASTER_ADDR", "10.0.0.1"),
+        ("MASTER_PORT", "29500"),
+        ("TORCHELASTIC_RESTART_COUNT", "2"),
+        ("RSRUN_JOB_ID", "j"),
+        ("RSRUN_ROUND", "5"),
+    ];
+
+    #[test]
+    fn typed_context() {
+        let ctx = WorkerContext::from_vars(&vars(BASE)).unwrap();
+        assert_eq!((ctx.rank, ctx.local_rank, ctx.world_size, ctx.local_world_size), (3, 1, 4, 2));
+        assert_eq!((ctx.node_rank, ctx.num_nodes, ctx.restart_count), (1, 2, 2));
+        assert_eq!(ctx.job_id, "j");
+        assert_eq!(ctx.round, Some(5));
+        assert!(matches!(ctx.store(), Err(WorkerError::NoRendezvous)));
+    }
+
+    #[test]
+    fn errors_name_the_variable() {
+        let missing: Vec<_> = BASE.iter().copied().filter(|(k, _)| *k != "RANK").collect();
+        let e = WorkerContext::from_vars(&vars(&missing)).unwrap_err().to_string();
+        assert!(e.contains("RANK is not set"), "{e}");
+        let mut bad: Vec<_> = BASE.iter().copied().filter(|(k, _)| *k != "WORLD_SIZE").collect();
+        bad.push(("WORLD_SIZE", "four"));
+        let e = WorkerContext::from_vars(&vars(&bad)).unwrap_err().to_string();
+        assert!(e.contains("WORLD_SIZE=\"four\""), "{e}");
+    }
+
+    #[test]
+    fn error_file_schema() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("a/error.json");
+        write_error_file(&path, "panic: boom", Some("frame 0")).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(v["message"]["message"], "panic: boom");
+        assert_eq!(v["message"]["extraInfo"]["py_callstack"], "frame 0");
+        assert!(v["message"]["extraInfo"]["timestamp"].as_str().unwrap().parse::<u64>().is_ok());
+    }
+}

@@ -105,7 +105,14 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
-            ExitCode::from(1)
+            // Bad input (flags, files, endpoints) exits 2; a failure while serving exits 1.
+            let bad_input = e.chain().any(|c| {
+                matches!(
+                    c.downcast_ref::<rsrun_rendezvous::RdzvError>(),
+                    Some(rsrun_rendezvous::RdzvError::InvalidArgument { .. } | rsrun_rendezvous::RdzvError::Connect { .. })
+                )
+            });
+            ExitCode::from(if bad_input { 2 } else { 1 })
         }
     }
 }

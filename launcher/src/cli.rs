@@ -1,0 +1,283 @@
+//! Command-line arguments: torchrun's flags (with their `_` aliases and `PET_*` environment fallbacks)
+//! plus rsrun's own additions.
+//!
+//! This is the first, pure phase of configuration: [`LaunchArgs`] holds what the user typed, mostly as
+//! strings. [`crate::plan::LaunchPlan::resolve`] validates it and turns it into a plan; that is where
+//! every semantic error (bad `--nnodes`, unknown program, ...) is reported.
+
+use std::path::PathBuf;
+
+use clap::Parser;
+use clap::builder::BoolishValueParser;
+
+/// `rsrun [OPTIONS] PROGRAM [ARGS...]`: a torchrun-compatible launcher.
+///
+/// Every option also reads `PET_<NAME>` from the environment when it is not given (for example
+/// `PET_NPROC_PER_NODE=4`), and every `--long-option` has an underscore alias (`--nproc_per_node`).
+/// Everything after PROGRAM is passed to it unchanged; `${local_rank}` in ARGS is replaced by each
+/// worker's local rank.
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "rsrun",
+    version,
+    about = "Launch and supervise distributed training workers (torchrun-compatible)",
+    infer_long_args = true,
+    max_term_width = 100
+)]
+pub struct LaunchArgs {
+    // ------------------------------------------------------------------------------------------------
+    // torchrun: topology
+    /// Number of nodes: `N` or an elastic range `MIN:MAX`.
+    #[arg(long, env = "PET_NNODES", default_value = "1:1", value_name = "N|MIN:MAX",
+          help_heading = "Topology")]
+    pub nnodes: String,
+
+    /// Workers per node: a number, `cpu` (usable cores), `gpu` (visible GPUs) or `auto` (GPUs if any,
+    /// else cores).
+    #[arg(long = "nproc-per-node", alias = "nproc_per_node", env = "PET_NPROC_PER_NODE",
+          default_value = "1", value_name = "N|auto|cpu|gpu", help_heading = "Topology")]
+    pub nproc_per_node: String,
+
+    /// This node's rank. Static backend: required for multi-node; elastic backends: a preference the
+    /// rendezvous honours when that rank is free.
+    #[arg(long = "node-rank", alias = "node_rank", env = "PET_NODE_RANK", value_name = "RANK",
+          help_heading = "Topology")]
+    pub node_rank: Option<u32>,
+
+    /// Worker role name (ROLE_NAME).
+    #[arg(long, env = "PET_ROLE", default_value = "default", help_heading = "Topology")]
+    pub role: String,
+
+    // ------------------------------------------------------------------------------------------------
+    // torchrun: rendezvous
+    /// Rendezvous backend: `c10d` (the rsrun-rendezvous daemon at --rdzv-endpoint; `rsrun` is an
+    /// alias) or `static` (--node-rank, --master-addr/--master-port, no elasticity).
+    #[arg(long = "rdzv-backend", alias = "rdzv_backend", env = "PET_RDZV_BACKEND",
+          default_value = "static", value_name = "BACKEND", help_heading = "Rendezvous")]
+    pub rdzv_backend: String,
+
+    /// Rendezvous endpoint `HOST[:PORT]` (IPv6 as `[ADDR]:PORT`; default port 29400).
+    #[arg(long = "rdzv-endpoint", alias = "rdzv_endpoint", env = "PET_RDZV_ENDPOINT",
+          default_value = "", value_name = "HOST[:PORT]", help_heading = "Rendezvous")]
+    pub rdzv_endpoint: String,
+
+    /// Job id shared by all nodes of one job (TORCHELASTIC_RUN_ID).
+    #[arg(long = "rdzv-id", alias = "rdzv_id", env = "PET_RDZV_ID", value_name = "ID",
+          help_heading = "Rendezvous")]
+    pub rdzv_id: Option<String>,
+
+    /// Rendezvous settings `k=v,...`: join_timeout, last_call_timeout, keep_alive_interval,
+    /// keep_alive_max_attempt, lease_timeout, read_timeout, is_host (seconds unless noted).
+    #[arg(long = "rdzv-conf", alias = "rdzv_conf", env = "PET_RDZV_CONF", default_value = "",
+          value_name = "K=V,...", help_heading = "Rendezvous")]
+    pub rdzv_conf: String,
+
+    /// Single-node job: an in-memory rendezvous inside rsrun on a loopback port, random job id.
+    #[arg(long, env = "PET_STANDALONE", value_parser = BoolishValueParser::new(),
+          action = clap::ArgAction::SetTrue, help_heading = "Rendezvous")]
+    pub standalone: bool,
+
+    /// Static backend: address of node rank 0, given to workers as MASTER_ADDR.
+    #[arg(long = "master-addr", alias = "master_addr", env = "PET_MASTER_ADDR", value_name = "ADDR",
+          help_heading = "Rendezvous")]
+    pub master_addr: Option<String>,
+
+    /// Static backend: port for PyTorch's store on node rank 0 (MASTER_PORT).
+    #[arg(long = "master-port", alias = "master_port", env = "PET_MASTER_PORT", value_name = "PORT",
+          help_heading = "Rendezvous")]
+    pub master_port: Option<u16>,
+
+    /// This node's address as other nodes reach it (default: the local address that routes to the
+    /// rendezvous endpoint).
+    #[arg(long = "local-addr", alias = "local_addr", env = "PET_LOCAL_ADDR", value_name = "ADDR",
+          help_heading = "Rendezvous")]
+    pub local_addr: Option<String>,
+
+    /// File holding the token that authenticates this node (and its workers) to the rendezvous daemon.
+    #[arg(long = "rdzv-token-file", alias = "rdzv_token_file", env = "PET_RDZV_TOKEN_FILE",
+          value_name = "PATH", help_heading = "Rendezvous")]
+    pub rdzv_token_file: Option<PathBuf>,
+
+    // ------------------------------------------------------------------------------------------------
+    // torchrun: supervision
+    /// Restarts of the whole job after worker failures (one global budget; membership changes are
+    /// free).
+    #[arg(long = "max-restarts", alias = "max_restarts", env = "PET_MAX_RESTARTS", default_value_t = 0,
+          value_name = "N", help_heading = "Supervision")]
+    pub max_restarts: u32,
+
+    /// Period of the hang detector's check. Worker exits are seen at once, without polling.
+    #[arg(long = "monitor-interval", alias = "monitor_interval", env = "PET_MONITOR_INTERVAL",
+          default_value = "0.1", value_name = "SECONDS", help_heading = "Supervision")]
+    pub monitor_interval: String,
+
+    /// Grace between the stop signal and SIGKILL when stopping workers (falls back to
+    /// TORCH_ELASTIC_SHUTDOWN_TIMEOUT, then 30 s).
+    #[arg(long = "shutdown-timeout", alias = "shutdown_timeout", env = "PET_SHUTDOWN_TIMEOUT",
+          value_name = "SECONDS", help_heading = "Supervision")]
+    pub shutdown_timeout: Option<String>,
+
+    /// torchrun's list of signals that stop the job (same as `--signal-policy SIG=stop,...`).
+    #[arg(long = "signals-to-handle", alias = "signals_to_handle", env = "PET_SIGNALS_TO_HANDLE",
+          value_name = "SIG,...", help_heading = "Supervision")]
+    pub signals_to_handle: Option<String>,
+
+    /// What a signal received by rsrun does: `SIG=stop` (forward, grace, kill, exit 128+sig),
+    /// `SIG=forward` (forward to all workers and keep supervising) or `SIG=ignore`.
+    /// Default: INT,TERM,HUP,QUIT=stop and USR1,USR2=forward.
+    #[arg(long = "signal-policy", alias = "signal_policy", env = "PET_SIGNAL_POLICY",
+          value_name = "SIG=ACTION,...", help_heading = "Supervision")]
+    pub signal_policy: Option<String>,
+
+    /// Restart (or fail) when workers that report progress through the worker runtime report none for
+    /// this long.
+    #[arg(long = "hang-timeout", alias = "hang_timeout", env = "PET_HANG_TIMEOUT",
+          value_name = "DURATION", help_heading = "Supervision")]
+    pub hang_timeout: Option<String>,
+
+    /// How long a node whose workers succeeded waits for the other nodes to finish.
+    #[arg(long = "exit-barrier-timeout", alias = "exit_barrier_timeout",
+          env = "PET_EXIT_BARRIER_TIMEOUT", default_value = "300", value_name = "DURATION",
+          help_heading = "Supervision")]
+    pub exit_barrier_timeout: String,
+
+    // ------------------------------------------------------------------------------------------------
+    // torchrun: program
+    /// Run PROGRAM as a Python module (`python -u -m PROGRAM`).
+    #[arg(short = 'm', long, env = "PET_MODULE", value_parser = BoolishValueParser::new(),
+          action = clap::ArgAction::SetTrue, help_heading = "Program")]
+    pub module: bool,
+
+    /// Run PROGRAM directly, without a Python interpreter.
+    #[arg(long = "no-python", alias = "no_python", env = "PET_NO_PYTHON",
+          value_parser = BoolishValueParser::new(), action = clap::ArgAction::SetTrue,
+          help_heading = "Program")]
+    pub no_python: bool,
+
+    /// Run PROGRAM as a Python script (torchrun's runpy entrypoint; rsrun runs `python -u PROGRAM`).
+    #[arg(long = "run-path", alias = "run_path", env = "PET_RUN_PATH",
+          value_parser = BoolishValueParser::new(), action = clap::ArgAction::SetTrue,
+          help_heading = "Program")]
+    pub run_path: bool,
+
+    /// Each worker gets LOCAL_RANK=0 and CUDA_VISIBLE_DEVICES set to its own device.
+    #[arg(long = "virtual-local-rank", alias = "virtual_local_rank", env = "PET_VIRTUAL_LOCAL_RANK",
+          value_parser = BoolishValueParser::new(), action = clap::ArgAction::SetTrue,
+          help_heading = "Program")]
+    pub virtual_local_rank: bool,
+
+    /// CUDA_VISIBLE_DEVICES per worker: `none` (inherited) or `local-rank` (the local rank's entry of
+    /// the inherited list, or the local rank).
+    #[arg(long = "gpu-bind", alias = "gpu_bind", env = "PET_GPU_BIND", default_value = "none",
+          value_name = "none|local-rank", help_heading = "Program")]
+    pub gpu_bind: String,
+
+    /// CPU affinity per worker: `none`, `cores` (an equal share of the usable cores) or `numa` (the
+    /// cores of one NUMA node).
+    #[arg(long = "cpu-bind", alias = "cpu_bind", env = "PET_CPU_BIND", default_value = "none",
+          value_name = "none|cores|numa", help_heading = "Program")]
+    pub cpu_bind: String,
+
+    // ------------------------------------------------------------------------------------------------
+    // torchrun: logs
+    /// Base log directory; files go to `<dir>/<job>/attempt_<round>/<rank>/{stdout,stderr}.log`
+    /// (default `.rsrun/logs` under the current directory).
+    #[arg(long = "log-dir", alias = "log_dir", env = "PET_LOG_DIR", value_name = "DIR",
+          help_heading = "Logs")]
+    pub log_dir: Option<PathBuf>,
+
+    /// Keep streams off the console (files only): `0` none, `1` stdout, `2` stderr, `3` both, or per
+    /// local rank `0:1,1:2`.
+    #[arg(short = 'r', long, env = "PET_REDIRECTS", value_name = "N|LR:N,...", help_heading = "Logs")]
+    pub redirects: Option<String>,
+
+    /// Streams shown on the console as well as written to files (rsrun's default is all of them).
+    #[arg(short = 't', long, env = "PET_TEE", value_name = "N|LR:N,...", help_heading = "Logs")]
+    pub tee: Option<String>,
+
+    /// Console line prefix template; macros `${rank}`, `${local_rank}`, `${node_rank}`,
+    /// `${role_name}`, `${hostname}`, `${round}`. Default `[rank ${rank}] `.
+    #[arg(long = "log-prefix", alias = "log_prefix", env = "PET_LOG_PREFIX", value_name = "TEMPLATE",
+          help_heading = "Logs")]
+    pub log_prefix: Option<String>,
+
+    /// torchrun's spelling of --log-prefix (also read from TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE).
+    #[arg(long = "log-line-prefix-template", alias = "log_line_prefix_template",
+          env = "PET_LOG_LINE_PREFIX_TEMPLATE", value_name = "TEMPLATE", help_heading = "Logs")]
+    pub log_line_prefix_template: Option<String>,
+
+    /// Console output only for these local ranks, e.g. `0` or `0,2-3`.
+    #[arg(long = "local-ranks-filter", alias = "local_ranks_filter", env = "PET_LOCAL_RANKS_FILTER",
+          value_name = "RANKS", help_heading = "Logs")]
+    pub local_ranks_filter: Option<String>,
+
+    /// Console output only for these global ranks, e.g. `0` or `0,8-15`.
+    #[arg(long = "ranks-filter", alias = "ranks_filter", env = "PET_RANKS_FILTER",
+          value_name = "RANKS", help_heading = "Logs")]
+    pub ranks_filter: Option<String>,
+
+    /// Stdout lines containing any of these comma-separated substrings (`,,` escapes a comma) are also
+    /// written to `attempt_<n>/filtered_stdout.log`.
+    #[arg(long = "duplicate-stdout-filters", alias = "duplicate_stdout_filters",
+          env = "PET_DUPLICATE_STDOUT_FILTERS", value_name = "S,...", help_heading = "Logs")]
+    pub duplicate_stdout_filters: Option<String>,
+
+    /// Same as --duplicate-stdout-filters for stderr (`filtered_stderr.log`).
+    #[arg(long = "duplicate-stderr-filters", alias = "duplicate_stderr_filters",
+          env = "PET_DUPLICATE_STDERR_FILTERS", value_name = "S,...", help_heading = "Logs")]
+    pub duplicate_stderr_filters: Option<String>,
+
+    // ------------------------------------------------------------------------------------------------
+    // Accepted for torchrun compatibility; each prints a one-line warning saying what rsrun does.
+    /// torchrun: multiprocessing start method for function entrypoints (no effect: rsrun runs
+    /// programs).
+    #[arg(long = "start-method", alias = "start_method", env = "PET_START_METHOD",
+          value_name = "METHOD", help_heading = "Accepted for compatibility")]
+    pub start_method: Option<String>,
+
+    /// torchrun: events handler (no effect: rsrun logs its events through RSRUN_LOG).
+    #[arg(long = "event-log-handler", alias = "event_log_handler", env = "PET_EVENT_LOG_HANDLER",
+          value_name = "HANDLER", help_heading = "Accepted for compatibility")]
+    pub event_log_handler: Option<String>,
+
+    /// torchrun: LogsSpecs plugin (no effect: rsrun has one log layout).
+    #[arg(long = "logs-specs", alias = "logs_specs", value_name = "NAME",
+          help_heading = "Accepted for compatibility")]
+    pub logs_specs: Option<String>,
+
+    /// torchrun: numactl wrapping (use --cpu-bind numa).
+    #[arg(long = "numa-binding", alias = "numa_binding", value_name = "MODE",
+          help_heading = "Accepted for compatibility")]
+    pub numa_binding: Option<String>,
+
+    /// torchrun: shell completion script (not provided by rsrun).
+    #[arg(long = "print-completion", alias = "print_completion", value_name = "SHELL",
+          help_heading = "Accepted for compatibility")]
+    pub print_completion: Option<String>,
+
+    // ------------------------------------------------------------------------------------------------
+    // rsrun
+    /// Print the resolved plan (nodes, ranks, environment and command line per worker) and exit.
+    #[arg(long = "dry-run", alias = "dry_run", env = "PET_DRY_RUN",
+          value_parser = BoolishValueParser::new(), action = clap::ArgAction::SetTrue)]
+    pub dry_run: bool,
+
+    /// PROGRAM and its arguments. PROGRAM is a `.py` script or a module (run under `python -u`), or an
+    /// executable path or a name on PATH (run directly). The arguments are passed unchanged
+    /// (`${local_rank}` is substituted); rsrun options after PROGRAM belong to PROGRAM.
+    #[arg(value_name = "PROGRAM [ARGS]", required = true, num_args = 1.., trailing_var_arg = true,
+          allow_hyphen_values = true)]
+    pub command: Vec<String>,
+}
+
+impl LaunchArgs {
+    /// The program (first word of the command).
+    pub fn program(&self) -> &str {
+        self.command.first().map(String::as_str).unwrap_or("")
+    }
+
+    /// The program's arguments.
+    pub fn program_args(&self) -> &[String] {
+        self.command.get(1..).unwrap_or(&[])
+    }
+}

@@ -1,0 +1,542 @@
+//! The rsrun-rendezvous backend: this node as a member of a job kept by the rendezvous service.
+//!
+//! The service is, by plan:
+//! - `--standalone`: an in-memory service embedded in this launcher on `127.0.0.1:0`;
+//! - `--rdzv-endpoint HOST:PORT`: the `rsrun-rendezvous` daemon there. torchrun's convenience is kept:
+//!   when HOST is this machine and nothing listens at the port, this launcher hosts an embedded service
+//!   there for everyone (`is_host` in `--rdzv-conf` forces either way). That service lives and dies
+//!   with this launcher, so the other nodes lose the job when it exits: a separately started daemon is
+//!   the robust choice.
+//!
+//! Membership, as the agent drives it: `Join` (blocks until the round forms; while waiting the console
+//! shows who joined), start the workers, keep-alive every lease/3 in the background, watch the job —
+//! when the view's round moves past ours or the job fails, the round ended here too. A local failure is
+//! reported (`ReportFailure`: restart or failed); success is `Finish` and then the exit barrier (the
+//! watch, up to `--exit-barrier-timeout`); every exit path calls `Leave`.
+
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+use std::time::{Duration, Instant, UNIX_EPOCH};
+
+use anyhow::{Context, bail};
+use rsrun_rendezvous::RdzvError;
+use rsrun_rendezvous::client::{ClientConfig, JobSpec, JoinSpec, KeepAliveHandle, RdzvClient, proto};
+use rsrun_rendezvous::server::{EmbeddedServer, ServerConfig, spawn_with};
+use tokio::sync::watch;
+use tracing::{debug, info, warn};
+
+use crate::env::RoundAssignment;
+use crate::logs::{ConsoleEvent, ConsoleTx};
+use crate::plan::{HostMode, LaunchPlan, RdzvPlan};
+use crate::rdzv::{Decision, RoundEnd, RoundEndFuture, free_port};
+use crate::report::{ExitKind, WorkerFailure};
+
+/// Deadline of the best-effort calls made on the way out (leave, failure report).
+const EXIT_CALL_TIMEOUT: Duration = Duration::from_secs(3);
+/// Waits shorter than this show no rendezvous status (no flicker on fast joins).
+const STATUS_AFTER: Duration = Duration::from_millis(700);
+/// Period of the rendezvous status while waiting.
+const STATUS_EVERY: Duration = Duration::from_secs(1);
+
+/// This node's membership in a job kept by the rendezvous service.
+#[derive(Debug)]
+pub struct DaemonRdzv {
+    client: RdzvClient,
+    /// The service embedded in this launcher, if any (stops when dropped).
+    embedded: Option<EmbeddedServer>,
+    /// True when the embedded service also serves other nodes (not `--standalone`).
+    hosting_for_others: bool,
+    /// `host:port` workers use for the store.
+    endpoint: String,
+    job: String,
+    node: String,
+    addrs: Vec<String>,
+    watch: Option<watch::Receiver<Option<proto::JobView>>>,
+    keep_alive: Option<KeepAliveHandle>,
+    left: bool,
+}
+
+impl DaemonRdzv {
+    /// Starts or finds the service, and prepares the client.
+    ///
+    /// # Errors
+    /// The embedded service cannot bind; the endpoint cannot be resolved; the token file is unusable.
+    pub async fn connect(plan: &LaunchPlan, console: &ConsoleTx) -> anyhow::Result<Self> {
+        let node = format!("{}-{}", plan.hostname, std::process::id());
+        let token = match &plan.token_file {
+            Some(p) => Some(rsrun_rendezvous::auth::read_client_token(p)?),
+            None => None,
+        };
+        let (endpoint, embedded, hosting_for_others, addrs) = match &plan.rdzv {
+            RdzvPlan::Standalone => {
+                let server = spawn_with(ServerConfig::in_memory(SocketAddr::from(([127, 0, 0, 1], 0))))
+                    .await
+                    .context("cannot start the embedded rendezvous service")?;
+                (server.addr.to_string(), Some(server), false, vec!["127.0.0.1".to_owned()])
+            }
+            RdzvPlan::Daemon { endpoint, host } => {
+                let target = resolve(&endpoint.host, endpoint.port)
+                    .with_context(|| format!("cannot resolve the rendezvous endpoint {endpoint}"))?;
+                let addrs = advertised_addrs(plan, target);
+                let host_here = match host {
+                    HostMode::Never => false,
+                    HostMode::Always => true,
+                    HostMode::Auto => is_local_ip(target.ip()) && !listening(target).await,
+                };
+                let mut embedded = None;
+                if host_here {
+                    let mut cfg = ServerConfig::in_memory(target);
+                    cfg.token_file = plan.token_file.clone();
+                    cfg.insecure = true;
+                    match spawn_with(cfg).await {
+                        Ok(server) => {
+                            let _ = console
+                                .send(ConsoleEvent::Note(format!(
+                                    "rsrun: hosting the rendezvous service at {target} for this job (it ends with this launcher; `rsrun-rendezvous serve` is the robust choice){}",
+                                    if plan.token_file.is_none() && !target.ip().is_loopback() {
+                                        "; no --rdzv-token-file: anyone who reaches it can join"
+                                    } else {
+                                        ""
+                                    }
+                                )))
+                                .await;
+                            embedded = Some(server);
+                        }
+                        // Another launcher on this host won the race: use its service.
+                        Err(err) => debug!(%err, "not hosting the rendezvous service"),
+                    }
+                }
+                let hosting = embedded.is_some();
+                (endpoint.to_string(), embedded, hosting, addrs)
+            }
+            RdzvPlan::Static { .. } => bail!("the static backend has no rendezvous service"),
+        };
+        let mut cfg = ClientConfig::new(endpoint.clone());
+        cfg.token = token;
+        cfg.rpc_timeout = plan.timeouts.rpc.min(Duration::from_secs(30)).max(Duration::from_secs(1));
+        let client = RdzvClient::connect(cfg)?;
+        Ok(DaemonRdzv {
+            client,
+            embedded,
+            hosting_for_others,
+            endpoint,
+            job: plan.job_id.clone(),
+            node,
+            addrs,
+            watch: None,
+            keep_alive: None,
+            left: false,
+        })
+    }
+
+    /// Joins the next round (showing who joined while waiting) and returns this node's assignment.
+    pub(crate) async fn next_round(&mut self, plan: &LaunchPlan, console: &ConsoleTx) -> anyhow::Result<RoundAssignment> {
+        let master_port = free_port().context("cannot reserve a port for MASTER_PORT")?;
+        let spec = JoinSpec {
+            job_id: self.job.clone(),
+            node_id: self.node.clone(),
+            addrs: self.addrs.clone(),
+            local_world_size: plan.nproc_per_node,
+            rank_hint: plan.rank_hint,
+            config: JobSpec {
+                min_nodes: plan.nodes.min,
+                max_nodes: plan.nodes.max,
+                last_call: plan.timeouts.last_call,
+                lease: plan.timeouts.lease,
+                max_restarts: plan.max_restarts,
+            },
+            timeout: plan.timeouts.join,
+            master_port,
+            hostname: plan.hostname.clone(),
+        };
+        let started = Instant::now();
+        let join = self.client.join(spec);
+        tokio::pin!(join);
+        let mut shown = false;
+        let mut last_status: Option<String> = None;
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + STATUS_AFTER, STATUS_EVERY);
+        let result = loop {
+            tokio::select! {
+                r = &mut join => break r,
+                _ = tick.tick() => {
+                    if let Ok(st) = self.client.status(Some(&self.job)).await {
+                        let text = waiting_text(&st, plan, started.elapsed());
+                        let _ = console.send(ConsoleEvent::Status(text.clone())).await;
+                        last_status = Some(text);
+                        shown = true;
+                    }
+                }
+            }
+        };
+        if shown {
+            let _ = console.send(ConsoleEvent::StatusDone).await;
+        }
+        let resp = match result {
+            Ok(r) => r,
+            Err(RdzvError::Timeout(msg)) => {
+                let who = match self.client.status(Some(&self.job)).await {
+                    Ok(st) => timeout_text(&st, plan),
+                    Err(_) => last_status.unwrap_or_default(),
+                };
+                bail!("rendezvous timed out after {:?} (join_timeout): {who} ({msg})", plan.timeouts.join);
+            }
+            Err(err) => return Err(err).context(format!("joining job '{}' at {}", self.job, self.endpoint)),
+        };
+        let round = resp.round.context("join answer without a round")?;
+        let me = resp.node.context("join answer without this node's assignment")?;
+        let assignment = RoundAssignment {
+            round: round.round,
+            node_rank: me.node_rank,
+            num_nodes: round.num_nodes,
+            rank_offset: me.rank_offset,
+            local_world_size: me.local_world_size,
+            world_size: round.world_size,
+            master_addr: round.master_addr.clone(),
+            master_port: u16::try_from(round.master_port).context("master port out of range")?,
+            restart_count: round.restart_count,
+            max_restarts: round.max_restarts,
+            node_id: self.node.clone(),
+            rdzv_endpoint: Some(self.endpoint.clone()),
+        };
+        info!(
+            job = %self.job, round = round.round, node = %self.node, node_rank = me.node_rank,
+            world_size = round.world_size,
+            "node '{}' joined round {} of job '{}' as node rank {} in a world of {} workers",
+            self.node, round.round, self.job, me.node_rank, round.world_size
+        );
+        if self.keep_alive.is_none() {
+            let interval = (plan.timeouts.lease / 3).max(Duration::from_millis(30));
+            self.keep_alive = Some(self.client.spawn_keep_alive(&self.job, &self.node, interval));
+        }
+        if self.watch.is_none() {
+            self.watch = Some(self.client.watch(&self.job, &self.node));
+        }
+        Ok(assignment)
+    }
+
+    /// Resolves when the round ends elsewhere: the job's round moved on, the job failed, or this node
+    /// lost its membership.
+    pub(crate) fn round_end(&self, a: &RoundAssignment) -> RoundEndFuture {
+        let round = a.round;
+        let watch = self.watch.clone();
+        let lost = self.keep_alive.as_ref().map(|k| k.lost.clone());
+        Box::pin(async move {
+            let Some(mut watch) = watch else { return std::future::pending().await };
+            let mut lost = lost;
+            loop {
+                if let Some(v) = watch.borrow_and_update().as_ref() {
+                    if v.state() == proto::JobState::Failed {
+                        return format!("the job failed: {}", v.reason);
+                    }
+                    if v.round > round {
+                        return if v.reason.is_empty() { "a new round started".to_owned() } else { v.reason.clone() };
+                    }
+                }
+                tokio::select! {
+                    changed = watch.changed() => {
+                        if changed.is_err() {
+                            return "lost contact with the job at the rendezvous".to_owned();
+                        }
+                    }
+                    Some(reason) = async {
+                        match lost.as_mut() {
+                            Some(l) => {
+                                if l.changed().await.is_err() {
+                                    return std::future::pending().await;
+                                }
+                                l.borrow().as_ref().map(|e| format!("this node lost its membership: {e}"))
+                            }
+                            None => std::future::pending().await,
+                        }
+                    } => return reason,
+                }
+            }
+        })
+    }
+
+    /// Reports a local failure; RESTART or FAILED comes back.
+    pub(crate) async fn report_failure(&mut self, a: &RoundAssignment, root: &WorkerFailure, hang: bool) -> Decision {
+        let (exit_code, signal) = match &root.exit {
+            ExitKind::Code(c) => (*c, 0),
+            ExitKind::Signal(s) => (128 + s, *s),
+            other => (other.exit_code(), 0),
+        };
+        let mut message = root.remote_message();
+        if hang && message.is_empty() {
+            message = "no progress (hang timeout)".into();
+        }
+        let info = proto::FailureInfo {
+            node_id: self.node.clone(),
+            round: a.round,
+            rank: root.rank.map(|r| r as i32).unwrap_or(-1),
+            local_rank: root.local_rank.map(|r| r as i32).unwrap_or(-1),
+            exit_code,
+            signal,
+            message,
+            time_unix_ms: root.time.duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0),
+            hostname: root.hostname.clone(),
+        };
+        match self.client.report_failure(&self.job, a.round, &self.node, info, true).await {
+            Ok(resp) => match resp.decision() {
+                proto::FailureDecision::Restart => Decision::Restart,
+                _ => {
+                    let view = resp.view.unwrap_or_default();
+                    let remote_root = view
+                        .root_cause
+                        .as_ref()
+                        .filter(|rc| rc.node_id != self.node || rc.round != a.round || rc.rank != root.rank.map(|r| r as i32).unwrap_or(-1))
+                        .map(|rc| Box::new(failure_from_proto(rc)));
+                    Decision::Failed { remote_root, reason: nonempty(view.reason, "the job failed") }
+                }
+            },
+            // The round ended before our report (a peer's failure or a membership change): re-join.
+            Err(RdzvError::FailedPrecondition(msg)) if msg.contains("stale round") => Decision::Restart,
+            Err(err) => Decision::Failed {
+                remote_root: None,
+                reason: format!("cannot report the failure to the rendezvous: {err}"),
+            },
+        }
+    }
+
+    /// This node's workers succeeded: `Finish`, then wait (up to the exit barrier) until the job
+    /// completes, fails, or starts a new round.
+    pub(crate) async fn finish(&mut self, plan: &LaunchPlan, a: &RoundAssignment, console: &ConsoleTx) -> RoundEnd {
+        let view = match self.client.finish(&self.job, a.round, &self.node).await {
+            Ok(v) => v,
+            Err(RdzvError::FailedPrecondition(msg)) if msg.contains("stale round") => return RoundEnd::Rejoin,
+            Err(err) => {
+                warn!(%err, "cannot tell the rendezvous that this node finished");
+                return RoundEnd::Completed;
+            }
+        };
+        if view.state() == proto::JobState::Completed {
+            return RoundEnd::Completed;
+        }
+        let _ = console
+            .send(ConsoleEvent::Note(format!(
+                "rsrun: workers on this node succeeded; waiting up to {:?} for the other nodes (exit barrier)",
+                plan.timeouts.exit_barrier
+            )))
+            .await;
+        let Some(mut watch) = self.watch.clone() else { return RoundEnd::Completed };
+        let deadline = tokio::time::Instant::now() + plan.timeouts.exit_barrier;
+        loop {
+            if let Some(v) = watch.borrow_and_update().as_ref() {
+                match v.state() {
+                    proto::JobState::Completed => return RoundEnd::Completed,
+                    proto::JobState::Failed => return job_failed(v),
+                    _ if v.round > a.round => return RoundEnd::Rejoin,
+                    _ => {}
+                }
+            }
+            tokio::select! {
+                changed = watch.changed() => {
+                    if changed.is_err() {
+                        // The watch ends after a terminal view; ask once more.
+                        return match self.client.await_job_end(&self.job, Duration::ZERO).await {
+                            Ok((v, _)) if v.state() == proto::JobState::Failed => job_failed(&v),
+                            _ => RoundEnd::Completed,
+                        };
+                    }
+                }
+                _ = tokio::time::sleep_until(deadline) => {
+                    let _ = console
+                        .send(ConsoleEvent::Note(format!(
+                            "rsrun: exit barrier timed out after {:?}; exiting with this node's success",
+                            plan.timeouts.exit_barrier
+                        )))
+                        .await;
+                    return RoundEnd::Completed;
+                }
+            }
+        }
+    }
+
+    /// After the round ended elsewhere: re-join unless the job is over.
+    pub(crate) async fn after_round_end(&mut self, _a: &RoundAssignment) -> RoundEnd {
+        let view = self.watch.as_ref().and_then(|w| w.borrow().clone());
+        match view {
+            Some(v) if v.state() == proto::JobState::Failed => job_failed(&v),
+            Some(v) if v.state() == proto::JobState::Completed => RoundEnd::Completed,
+            _ => {
+                let lost = self.keep_alive.as_ref().and_then(|k| k.lost.borrow().clone());
+                if let Some(err) = lost {
+                    // Out of the job (lease expired): a new keep-alive starts with the next join.
+                    warn!(%err, "membership lost; re-joining");
+                    self.keep_alive = None;
+                }
+                RoundEnd::Rejoin
+            }
+        }
+    }
+
+    /// Leaves the job (best effort).
+    pub(crate) async fn leave(&mut self, reason: &str) {
+        if self.left {
+            return;
+        }
+        self.left = true;
+        self.keep_alive = None;
+        match tokio::time::timeout(EXIT_CALL_TIMEOUT, self.client.leave(&self.job, &self.node, reason)).await {
+            Ok(Ok(())) => {}
+            Ok(Err(err)) => debug!(%err, "leave failed"),
+            Err(_) => debug!("leave timed out"),
+        }
+    }
+
+    /// Leaves (if not yet) and stops an embedded service. A service hosted for other nodes gets a
+    /// moment so that they see the job's end.
+    pub(crate) async fn close(mut self) {
+        self.leave("launcher exiting").await;
+        // Close our own streams first: a graceful server shutdown waits for open calls.
+        self.watch = None;
+        self.keep_alive = None;
+        if let Some(server) = self.embedded.take() {
+            if self.hosting_for_others {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                let _ = tokio::time::timeout(EXIT_CALL_TIMEOUT, server.shutdown()).await;
+            } else {
+                // --standalone: nobody else uses it; dropping it cancels it without a graceful drain.
+                drop(server);
+            }
+        }
+    }
+}
+
+fn nonempty(s: String, default: &str) -> String {
+    if s.is_empty() { default.to_owned() } else { s }
+}
+
+fn job_failed(v: &proto::JobView) -> RoundEnd {
+    RoundEnd::Failed {
+        root: v.root_cause.as_ref().map(|rc| Box::new(failure_from_proto(rc))),
+        reason: nonempty(v.reason.clone(), "the job failed"),
+    }
+}
+
+/// A failure recorded by the daemon (possibly another node's) as a report entry.
+pub fn failure_from_proto(f: &proto::FailureInfo) -> WorkerFailure {
+    let exit = if f.signal != 0 {
+        ExitKind::Signal(f.signal)
+    } else if f.rank < 0 {
+        ExitKind::Other
+    } else if f.exit_code == 124 && f.message.contains("hang") {
+        ExitKind::Hang { idle: Duration::ZERO, last_step: 0 }
+    } else {
+        ExitKind::Code(f.exit_code)
+    };
+    WorkerFailure {
+        rank: u32::try_from(f.rank).ok(),
+        local_rank: u32::try_from(f.local_rank).ok(),
+        node_id: f.node_id.clone(),
+        hostname: f.hostname.clone(),
+        pid: 0,
+        exit,
+        time: UNIX_EPOCH + Duration::from_millis(f.time_unix_ms),
+        error_file: None,
+        error: None,
+        stderr_tail: Vec::new(),
+        message: (!f.message.is_empty()).then(|| f.message.clone()),
+        stopped_by_rsrun: false,
+    }
+}
+
+fn node_label(n: &proto::NodeStatus) -> String {
+    let name = if n.hostname.is_empty() { &n.node_id } else { &n.hostname };
+    match n.addrs.first() {
+        Some(a) if a != name => format!("{name} ({a})"),
+        _ => name.clone(),
+    }
+}
+
+fn waiting_text(st: &proto::StatusResponse, plan: &LaunchPlan, waited: Duration) -> String {
+    let Some(job) = st.jobs.first() else {
+        return format!("rsrun: waiting at the rendezvous ({:.0}s)", waited.as_secs_f64());
+    };
+    let joined: Vec<String> = job
+        .nodes
+        .iter()
+        .filter(|n| n.state() == proto::NodeState::Joined)
+        .map(node_label)
+        .collect();
+    let (min, max) = (plan.nodes.min as usize, plan.nodes.max as usize);
+    let missing = min.saturating_sub(joined.len());
+    let round = job.view.as_ref().map(|v| v.round).unwrap_or(0);
+    let need = if missing > 0 {
+        format!("waiting for {missing} more")
+    } else if joined.len() < max {
+        "min reached, last call for more".to_owned()
+    } else {
+        "complete".to_owned()
+    };
+    format!(
+        "rsrun: rendezvous round {round}: {}/{} nodes joined{}{} — {need} ({:.0}s)",
+        joined.len(),
+        if min == max { max.to_string() } else { format!("{min}..{max}") },
+        if joined.is_empty() { "" } else { ": " },
+        joined.join(", "),
+        waited.as_secs_f64()
+    )
+}
+
+fn timeout_text(st: &proto::StatusResponse, plan: &LaunchPlan) -> String {
+    let Some(job) = st.jobs.first() else { return "no node joined".to_owned() };
+    let joined: Vec<String> =
+        job.nodes.iter().filter(|n| n.state() == proto::NodeState::Joined).map(node_label).collect();
+    let absent: Vec<String> =
+        job.nodes.iter().filter(|n| n.state() == proto::NodeState::Rejoining).map(node_label).collect();
+    let missing = (plan.nodes.min as usize).saturating_sub(joined.len());
+    let mut s = format!(
+        "{} of at least {} nodes joined ({})",
+        joined.len(),
+        plan.nodes.min,
+        if joined.is_empty() { "none".to_owned() } else { joined.join(", ") }
+    );
+    if !absent.is_empty() {
+        s.push_str(&format!("; never came back: {}", absent.join(", ")));
+    }
+    if missing > absent.len() {
+        s.push_str(&format!("; {} more node(s) never came", missing - absent.len()));
+    }
+    s
+}
+
+fn resolve(host: &str, port: u16) -> std::io::Result<SocketAddr> {
+    (host, port)
+        .to_socket_addrs()?
+        .next()
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, format!("no address for {host}")))
+}
+
+/// Whether `ip` belongs to this machine (a socket can bind it).
+fn is_local_ip(ip: IpAddr) -> bool {
+    ip.is_loopback() || std::net::UdpSocket::bind(SocketAddr::new(ip, 0)).is_ok()
+}
+
+/// Whether something accepts connections at `addr` (short deadline).
+async fn listening(addr: SocketAddr) -> bool {
+    matches!(
+        tokio::time::timeout(Duration::from_millis(500), tokio::net::TcpStream::connect(addr)).await,
+        Ok(Ok(_))
+    )
+}
+
+/// The addresses this node advertises: `--local-addr`, else the local address that routes to the
+/// rendezvous service (reachable by whoever reaches the service), then the host name.
+fn advertised_addrs(plan: &LaunchPlan, target: SocketAddr) -> Vec<String> {
+    if let Some(a) = &plan.local_addr {
+        return vec![a.clone()];
+    }
+    let mut addrs = Vec::new();
+    let bind: SocketAddr = if target.is_ipv4() { ([0, 0, 0, 0], 0).into() } else { (std::net::Ipv6Addr::UNSPECIFIED, 0).into() };
+    if let Ok(sock) = std::net::UdpSocket::bind(bind)
+        && sock.connect(target).is_ok()
+        && let Ok(local) = sock.local_addr()
+    {
+        addrs.push(local.ip().to_string());
+    }
+    if !plan.hostname.is_empty() && !addrs.contains(&plan.hostname) {
+        addrs.push(plan.hostname.clone());
+    }
+    addrs
+}
+

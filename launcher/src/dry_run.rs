@@ -1,0 +1,177 @@
+//! `--dry-run`: the resolved plan as text — nodes, ranks, and per worker the command line and the
+//! environment rsrun sets. Nothing is started.
+
+use std::fmt::Write as _;
+
+use crate::env::{RoundAssignment, worker_env};
+use crate::plan::{GpuBind, HostMode, LaunchPlan, RdzvPlan};
+
+/// Renders the plan. For elastic backends, ranks are only known once the round forms; the text shows
+/// this node as node rank `--node-rank` (or 0) of MAX nodes and says so.
+pub fn render(plan: &LaunchPlan) -> String {
+    let mut s = String::new();
+    let nproc = plan.nproc_per_node;
+    let (node_rank, num_nodes, exact) = match &plan.rdzv {
+        RdzvPlan::Static { node_rank, .. } => (*node_rank, plan.nodes.max, true),
+        RdzvPlan::Standalone => (0, 1, true),
+        RdzvPlan::Daemon { .. } => (plan.rank_hint.unwrap_or(0).min(plan.nodes.max - 1), plan.nodes.max, false),
+    };
+    let _ = writeln!(s, "rsrun dry run (nothing is started)");
+    let _ = writeln!(s, "job          : {}", plan.job_id);
+    let rdzv = match &plan.rdzv {
+        RdzvPlan::Standalone => "standalone: in-memory rendezvous inside rsrun on a loopback ephemeral port".to_owned(),
+        RdzvPlan::Daemon { endpoint, host } => format!(
+            "rsrun-rendezvous daemon at {endpoint}{}",
+            match host {
+                HostMode::Auto => " (hosted by this launcher if the endpoint is this host and nothing listens)",
+                HostMode::Always => " (hosted by this launcher: is_host=true)",
+                HostMode::Never => "",
+            }
+        ),
+        RdzvPlan::Static { master_addr, master_port, .. } => {
+            format!("static: MASTER_ADDR={master_addr} MASTER_PORT={master_port}, no elasticity")
+        }
+    };
+    let _ = writeln!(s, "rendezvous   : {rdzv}");
+    let _ = writeln!(
+        s,
+        "nodes        : {}{}",
+        plan.nodes,
+        if exact {
+            format!(" (this node: rank {node_rank})")
+        } else {
+            format!(" (ranks are assigned when the round forms; shown as node rank {node_rank} of {num_nodes})")
+        }
+    );
+    let _ = writeln!(
+        s,
+        "workers      : {nproc} per node, world size {}{}",
+        num_nodes * nproc,
+        if exact { "" } else { " (at MAX nodes)" }
+    );
+    let _ = writeln!(s, "restarts     : {} (one budget for the whole job)", plan.max_restarts);
+    let t = &plan.timeouts;
+    let _ = writeln!(
+        s,
+        "timeouts     : shutdown {:?}, hang {}, exit barrier {:?}, join {:?}, last call {:?}, lease {:?}",
+        t.shutdown,
+        t.hang.map(|h| format!("{h:?}")).unwrap_or_else(|| "off".into()),
+        t.exit_barrier,
+        t.join,
+        t.last_call,
+        t.lease
+    );
+    let _ = writeln!(s, "signals      : {}", plan.signals);
+    match &plan.logs.dir {
+        Some(d) => {
+            let _ = writeln!(
+                s,
+                "logs         : {}/attempt_<round>/<rank>/{{stdout,stderr}}.log",
+                d.join(&plan.job_id).display()
+            );
+        }
+        None => {
+            let _ = writeln!(s, "logs         : disabled (--log-dir /dev/null)");
+        }
+    }
+    let _ = writeln!(s, "prefix       : {:?}", plan.logs.prefix);
+    for n in &plan.notes {
+        let _ = writeln!(s, "note         : {n}");
+    }
+    let a = RoundAssignment {
+        round: 0,
+        node_rank,
+        num_nodes,
+        rank_offset: node_rank * nproc,
+        local_world_size: nproc,
+        world_size: num_nodes * nproc,
+        master_addr: String::new(),
+        master_port: 0,
+        restart_count: 0,
+        max_restarts: plan.max_restarts,
+        node_id: format!("{}:<pid>", plan.hostname),
+        rdzv_endpoint: match &plan.rdzv {
+            RdzvPlan::Static { .. } => None,
+            RdzvPlan::Standalone => Some("127.0.0.1:<port>".into()),
+            RdzvPlan::Daemon { endpoint, .. } => Some(endpoint.to_string()),
+        },
+    };
+    for local_rank in 0..nproc {
+        let rank = a.rank(local_rank);
+        let error_file = plan.logs.worker_dir(&plan.job_id, 0, rank).map(|d| d.join("error.json"));
+        let _ = writeln!(s);
+        let _ = writeln!(s, "worker rank {rank} (local_rank {local_rank}, node_rank {node_rank}):");
+        let argv = plan.program.argv(local_rank);
+        let cmd: Vec<String> =
+            std::iter::once(plan.program.exe.display().to_string()).chain(argv).map(|a| shell_quote(&a)).collect();
+        let _ = writeln!(s, "  command : {}", cmd.join(" "));
+        if let Some(sets) = &plan.cpu_sets {
+            let _ = writeln!(s, "  cpus    : {}", cpu_list(&sets[local_rank as usize]));
+        }
+        if let GpuBind::LocalRank(_) = plan.gpu_bind {
+            let _ = writeln!(s, "  gpu     : bound by CUDA_VISIBLE_DEVICES");
+        }
+        let _ = writeln!(s, "  env     :");
+        for (k, v) in worker_env(plan, &a, local_rank, error_file.as_deref()) {
+            let v = match k.as_str() {
+                "MASTER_ADDR" => match &plan.rdzv {
+                    RdzvPlan::Static { master_addr, .. } => master_addr.clone(),
+                    RdzvPlan::Standalone => "127.0.0.1".into(),
+                    RdzvPlan::Daemon { .. } => "<address of node rank 0>".into(),
+                },
+                "MASTER_PORT" => match &plan.rdzv {
+                    RdzvPlan::Static { master_port, .. } => master_port.to_string(),
+                    _ => "<free port chosen by node rank 0>".into(),
+                },
+                _ => v,
+            };
+            let _ = writeln!(s, "    {k}={v}");
+        }
+        let _ = writeln!(s, "    RSRUN_PROGRESS_FD=<fd of the progress socket>");
+    }
+    s
+}
+
+fn shell_quote(s: &str) -> String {
+    if !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric() || "-_./=:,+@%".contains(c)) {
+        s.to_owned()
+    } else {
+        format!("'{}'", s.replace('\'', r"'\''"))
+    }
+}
+
+fn cpu_list(cpus: &[usize]) -> String {
+    let mut out: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < cpus.len() {
+        let start = cpus[i];
+        let mut end = start;
+        while i + 1 < cpus.len() && cpus[i + 1] == end + 1 {
+            i += 1;
+            end = cpus[i];
+        }
+        out.push(if start == end { start.to_string() } else { format!("{start}-{end}") });
+        i += 1;
+    }
+    out.join(",")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::tests::{host, parse};
+
+    #[test]
+    fn shows_ranks_env_and_commands() {
+        let args = parse(&["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.1.1.1", "--nproc-per-node", "2", "--cpu-bind", "cores", "true", "x y", "${local_rank}"]);
+        let plan = LaunchPlan::resolve(&args, &host()).unwrap();
+        let text = render(&plan);
+        assert!(text.contains("worker rank 3 (local_rank 1, node_rank 1)"), "{text}");
+        assert!(text.contains("command : /usr/bin/true 'x y' 1") || text.contains("command : /bin/true 'x y' 1"), "{text}");
+        assert!(text.contains("    WORLD_SIZE=4"), "{text}");
+        assert!(text.contains("    MASTER_ADDR=10.1.1.1"), "{text}");
+        assert!(text.contains("    MASTER_PORT=29500"), "{text}");
+        assert!(text.contains("  cpus    : 2-3"), "{text}");
+        assert_eq!(cpu_list(&[0, 1, 2, 5, 7, 8]), "0-2,5,7-8");
+    }
+}

@@ -1,0 +1,172 @@
+//! The environment of each worker: exactly torchrun's variables (reference §2) plus rsrun's own.
+//!
+//! Workers inherit rsrun's whole environment; [`worker_env`] lists the variables rsrun sets on top of
+//! it, in a stable order (the dry run prints them).
+
+use std::path::Path;
+
+use crate::plan::{GpuBind, LaunchPlan};
+
+/// One round of the job as seen by this node: what the rendezvous decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RoundAssignment {
+    /// Round number (attempt directory `attempt_<round>`, RSRUN_ROUND).
+    pub round: u64,
+    /// This node's rank (GROUP_RANK).
+    pub node_rank: u32,
+    /// Nodes in the round (GROUP_WORLD_SIZE).
+    pub num_nodes: u32,
+    /// Global rank of this node's local rank 0.
+    pub rank_offset: u32,
+    /// Workers on this node (LOCAL_WORLD_SIZE).
+    pub local_world_size: u32,
+    /// Workers in the round (WORLD_SIZE).
+    pub world_size: u32,
+    /// MASTER_ADDR: an address of the group-rank-0 node that the other nodes reach.
+    pub master_addr: String,
+    /// MASTER_PORT: a free port reserved by the group-rank-0 node.
+    pub master_port: u16,
+    /// Failure restarts the job consumed so far (TORCHELASTIC_RESTART_COUNT).
+    pub restart_count: u32,
+    /// The job's restart budget (TORCHELASTIC_MAX_RESTARTS).
+    pub max_restarts: u32,
+    /// This node's id at the rendezvous (RSRUN_NODE_ID).
+    pub node_id: String,
+    /// The daemon workers reach for the store (RSRUN_RDZV_ENDPOINT); `None` for the static backend.
+    pub rdzv_endpoint: Option<String>,
+}
+
+impl RoundAssignment {
+    /// Global rank of `local_rank`.
+    pub fn rank(&self, local_rank: u32) -> u32 {
+        self.rank_offset + local_rank
+    }
+}
+
+/// Variable carrying the path of the token file (never the token itself).
+pub const TOKEN_FILE_VAR: &str = "RSRUN_TOKEN_FILE";
+/// Variable carrying the number of the inherited progress socket.
+pub const PROGRESS_FD_VAR: &str = "RSRUN_PROGRESS_FD";
+
+/// The variables rsrun sets for the worker with `local_rank`, in display order.
+///
+/// `error_file` is the worker's TORCHELASTIC_ERROR_FILE (`None` when log files are disabled: the
+/// variable is then empty, as in torchrun).
+pub fn worker_env(
+    plan: &LaunchPlan,
+    a: &RoundAssignment,
+    local_rank: u32,
+    error_file: Option<&Path>,
+) -> Vec<(String, String)> {
+    let rank = a.rank(local_rank);
+    let visible_local_rank = if plan.virtual_local_rank { 0 } else { local_rank };
+    let mut env: Vec<(String, String)> = vec![
+        ("LOCAL_RANK".into(), visible_local_rank.to_string()),
+        ("RANK".into(), rank.to_string()),
+        ("GROUP_RANK".into(), a.node_rank.to_string()),
+        // One role per job: role rank and world are the global ones.
+        ("ROLE_RANK".into(), rank.to_string()),
+        ("ROLE_NAME".into(), plan.role.clone()),
+        ("LOCAL_WORLD_SIZE".into(), a.local_world_size.to_string()),
+        ("WORLD_SIZE".into(), a.world_size.to_string()),
+        ("GROUP_WORLD_SIZE".into(), a.num_nodes.to_string()),
+        ("ROLE_WORLD_SIZE".into(), a.world_size.to_string()),
+        ("MASTER_ADDR".into(), a.master_addr.clone()),
+        ("MASTER_PORT".into(), a.master_port.to_string()),
+        ("TORCHELASTIC_RESTART_COUNT".into(), a.restart_count.to_string()),
+        ("TORCHELASTIC_MAX_RESTARTS".into(), a.max_restarts.to_string()),
+        ("TORCHELASTIC_RUN_ID".into(), plan.job_id.clone()),
+        // rsrun hosts no TCPStore: rank 0 hosts PyTorch's store on MASTER_PORT (env:// default).
+        ("TORCHELASTIC_USE_AGENT_STORE".into(), "False".into()),
+        (
+            "TORCHELASTIC_ERROR_FILE".into(),
+            error_file.map(|p| p.display().to_string()).unwrap_or_default(),
+        ),
+    ];
+    env.extend(plan.extra_env.iter().cloned());
+    if let GpuBind::LocalRank(devices) = &plan.gpu_bind
+        && let Some(d) = devices.get(local_rank as usize)
+    {
+        env.push(("CUDA_VISIBLE_DEVICES".into(), d.clone()));
+    }
+    if let Some(ep) = &a.rdzv_endpoint {
+        env.push(("RSRUN_RDZV_ENDPOINT".into(), ep.clone()));
+    }
+    env.push(("RSRUN_JOB_ID".into(), plan.job_id.clone()));
+    env.push(("RSRUN_ROUND".into(), a.round.to_string()));
+    env.push(("RSRUN_NODE_ID".into(), a.node_id.clone()));
+    if a.rdzv_endpoint.is_some()
+        && let Some(tf) = &plan.token_file
+    {
+        env.push((TOKEN_FILE_VAR.into(), tf.display().to_string()));
+    }
+    env
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cli::LaunchArgs;
+    use crate::plan::tests::{host, parse};
+
+    fn assignment() -> RoundAssignment {
+        RoundAssignment {
+            round: 3,
+            node_rank: 1,
+            num_nodes: 2,
+            rank_offset: 4,
+            local_world_size: 4,
+            world_size: 8,
+            master_addr: "10.0.0.1".into(),
+            master_port: 41234,
+            restart_count: 1,
+            max_restarts: 3,
+            node_id: "n1".into(),
+            rdzv_endpoint: Some("10.0.0.9:29400".into()),
+        }
+    }
+
+    fn plan(extra: &[&str]) -> LaunchPlan {
+        let args: LaunchArgs = parse(&[&["--nproc-per-node", "4"], extra, &["--no-python", "true"]].concat());
+        LaunchPlan::resolve(&args, &host()).unwrap()
+    }
+
+    #[test]
+    fn torchrun_variables() {
+        let p = plan(&["--rdzv-id", "job7", "--max-restarts", "3"]);
+        let env = worker_env(&p, &assignment(), 2, Some(Path::new("/l/attempt_3/6/error.json")));
+        let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+        assert_eq!(get("LOCAL_RANK"), Some("2"));
+        assert_eq!(get("RANK"), Some("6"));
+        assert_eq!(get("GROUP_RANK"), Some("1"));
+        assert_eq!(get("ROLE_RANK"), Some("6"));
+        assert_eq!(get("ROLE_NAME"), Some("default"));
+        assert_eq!(get("LOCAL_WORLD_SIZE"), Some("4"));
+        assert_eq!(get("WORLD_SIZE"), Some("8"));
+        assert_eq!(get("GROUP_WORLD_SIZE"), Some("2"));
+        assert_eq!(get("ROLE_WORLD_SIZE"), Some("8"));
+        assert_eq!(get("MASTER_ADDR"), Some("10.0.0.1"));
+        assert_eq!(get("MASTER_PORT"), Some("41234"));
+        assert_eq!(get("TORCHELASTIC_RESTART_COUNT"), Some("1"));
+        assert_eq!(get("TORCHELASTIC_MAX_RESTARTS"), Some("3"));
+        assert_eq!(get("TORCHELASTIC_RUN_ID"), Some("job7"));
+        assert_eq!(get("TORCHELASTIC_USE_AGENT_STORE"), Some("False"));
+        assert_eq!(get("TORCHELASTIC_ERROR_FILE"), Some("/l/attempt_3/6/error.json"));
+        assert_eq!(get("TORCH_NCCL_ASYNC_ERROR_HANDLING"), Some("1"));
+        assert_eq!(get("OMP_NUM_THREADS"), Some("1"));
+        assert_eq!(get("RSRUN_RDZV_ENDPOINT"), Some("10.0.0.9:29400"));
+        assert_eq!(get("RSRUN_ROUND"), Some("3"));
+        assert_eq!(get("RSRUN_NODE_ID"), Some("n1"));
+        assert_eq!(get("CUDA_VISIBLE_DEVICES"), None);
+    }
+
+    #[test]
+    fn virtual_local_rank_binds_gpu() {
+        let p = plan(&["--virtual-local-rank"]);
+        let env = worker_env(&p, &assignment(), 3, None);
+        let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+        assert_eq!(get("LOCAL_RANK"), Some("0"));
+        assert_eq!(get("CUDA_VISIBLE_DEVICES"), Some("3"));
+        assert_eq!(get("TORCHELASTIC_ERROR_FILE"), Some(""));
+    }
+}

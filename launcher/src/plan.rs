@@ -1,0 +1,1108 @@
+//! The resolved, validated launch plan: the second phase of configuration.
+//!
+//! [`LaunchPlan::resolve`] turns [`LaunchArgs`] plus a snapshot of the host ([`HostInfo`]: environment,
+//! usable CPUs, NUMA nodes, GPUs) into a [`LaunchPlan`]. Every user error is found here, before any
+//! process starts, and reported as a [`PlanError`] naming the flag, the bad value and what was expected
+//! (the binary exits 2 on it).
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use crate::cli::LaunchArgs;
+use crate::signals::SignalPolicy;
+
+/// The default port of the rendezvous daemon (torchrun's c10d default).
+pub const DEFAULT_RDZV_PORT: u16 = 29400;
+/// The static backend's default MASTER_PORT (torchrun's).
+pub const DEFAULT_MASTER_PORT: u16 = 29500;
+
+/// A user error in the command line or the `PET_*` environment.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    /// A flag's value is malformed or out of range.
+    #[error("invalid value '{value}' for {flag}: expected {expected}")]
+    Invalid {
+        /// The flag, e.g. `--nnodes`.
+        flag: &'static str,
+        /// What the user gave.
+        value: String,
+        /// What is accepted.
+        expected: String,
+    },
+    /// Flags that cannot be used together, or a missing requirement.
+    #[error("{0}")]
+    Conflict(String),
+    /// The program cannot be found or run.
+    #[error("{0}")]
+    Program(String),
+}
+
+fn invalid(flag: &'static str, value: &str, expected: impl Into<String>) -> PlanError {
+    PlanError::Invalid { flag, value: value.to_owned(), expected: expected.into() }
+}
+
+/// What the launcher needs to know about the machine it runs on. [`HostInfo::probe`] reads the real
+/// one; tests build their own.
+#[derive(Debug, Clone)]
+pub struct HostInfo {
+    /// The launcher's environment (workers inherit it).
+    pub env: HashMap<String, String>,
+    /// The current directory (default log directory base, relative program paths).
+    pub cwd: PathBuf,
+    /// CPUs this process may run on (sched_getaffinity), ascending.
+    pub cpus: Vec<usize>,
+    /// CPUs of each NUMA node, restricted to `cpus`; empty when unknown.
+    pub numa_nodes: Vec<Vec<usize>>,
+    /// Number of NVIDIA GPUs visible (CUDA_VISIBLE_DEVICES, else /proc/driver/nvidia/gpus).
+    pub gpus: u32,
+    /// This host's name.
+    pub hostname: String,
+}
+
+impl HostInfo {
+    /// Reads the real host.
+    pub fn probe() -> Self {
+        let env: HashMap<String, String> = std::env::vars().collect();
+        let cwd = std::env::current_dir().unwrap_or_else(|_| PathBuf::from("."));
+        let cpus = crate::worker::allowed_cpus();
+        let numa_nodes = read_numa_nodes(&cpus);
+        let gpus = count_gpus(&env);
+        let hostname = hostname::get()
+            .ok()
+            .and_then(|h| h.into_string().ok())
+            .unwrap_or_else(|| "localhost".to_owned());
+        HostInfo { env, cwd, cpus, numa_nodes, gpus, hostname }
+    }
+
+    fn var(&self, name: &str) -> Option<&str> {
+        self.env.get(name).map(String::as_str)
+    }
+}
+
+fn read_numa_nodes(allowed: &[usize]) -> Vec<Vec<usize>> {
+    let Ok(dir) = std::fs::read_dir("/sys/devices/system/node") else { return Vec::new() };
+    let mut nodes: Vec<(usize, Vec<usize>)> = dir
+        .filter_map(Result::ok)
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            let idx: usize = name.strip_prefix("node")?.parse().ok()?;
+            let list = std::fs::read_to_string(e.path().join("cpulist")).ok()?;
+            let cpus: Vec<usize> =
+                parse_cpu_list(list.trim()).ok()?.into_iter().filter(|c| allowed.contains(c)).collect();
+            (!cpus.is_empty()).then_some((idx, cpus))
+        })
+        .collect();
+    nodes.sort();
+    nodes.into_iter().map(|(_, c)| c).collect()
+}
+
+fn count_gpus(env: &HashMap<String, String>) -> u32 {
+    if let Some(list) = env.get("CUDA_VISIBLE_DEVICES") {
+        return list.split(',').filter(|s| !s.trim().is_empty() && s.trim() != "-1").count() as u32;
+    }
+    std::fs::read_dir("/proc/driver/nvidia/gpus").map(|d| d.count() as u32).unwrap_or(0)
+}
+
+/// Parses a Linux CPU list (`0-3,8,10-11`).
+///
+/// # Errors
+/// A malformed list.
+pub fn parse_cpu_list(s: &str) -> Result<Vec<usize>, String> {
+    let mut out = Vec::new();
+    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        match part.split_once('-') {
+            Some((a, b)) => {
+                let a: usize = a.parse().map_err(|_| format!("bad cpu '{a}'"))?;
+                let b: usize = b.parse().map_err(|_| format!("bad cpu '{b}'"))?;
+                if a > b {
+                    return Err(format!("bad range '{part}'"));
+                }
+                out.extend(a..=b);
+            }
+            None => out.push(part.parse().map_err(|_| format!("bad cpu '{part}'"))?),
+        }
+    }
+    Ok(out)
+}
+
+/// `MIN:MAX` nodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeRange {
+    /// The round forms once this many nodes joined (after the last-call wait).
+    pub min: u32,
+    /// The round forms at once when this many joined.
+    pub max: u32,
+}
+
+impl NodeRange {
+    /// Parses `N` or `MIN:MAX` with `0 < MIN <= MAX`.
+    ///
+    /// # Errors
+    /// Anything else.
+    pub fn parse(s: &str) -> Result<Self, PlanError> {
+        const EXPECTED: &str = "N or MIN:MAX with 0 < MIN <= MAX";
+        let bad = || invalid("--nnodes", s, EXPECTED);
+        let (min, max) = match s.trim().split_once(':') {
+            Some((a, b)) => (a.trim().parse::<u32>().map_err(|_| bad())?, b.trim().parse::<u32>().map_err(|_| bad())?),
+            None => {
+                let n = s.trim().parse::<u32>().map_err(|_| bad())?;
+                (n, n)
+            }
+        };
+        if min == 0 || min > max {
+            return Err(bad());
+        }
+        Ok(NodeRange { min, max })
+    }
+
+    /// Whether the job is elastic (MIN < MAX).
+    pub fn is_elastic(&self) -> bool {
+        self.min < self.max
+    }
+}
+
+impl fmt::Display for NodeRange {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.min == self.max { write!(f, "{}", self.min) } else { write!(f, "{}:{}", self.min, self.max) }
+    }
+}
+
+/// A `HOST:PORT` endpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Endpoint {
+    /// Host name or IP literal (IPv6 without brackets).
+    pub host: String,
+    /// Port; 0 means "any free port" (single-node only).
+    pub port: u16,
+}
+
+impl Endpoint {
+    /// Parses `host`, `host:port`, `[v6]` or `[v6]:port`; the port defaults to `default_port`.
+    ///
+    /// # Errors
+    /// An empty host, a bad port, or unbalanced brackets.
+    pub fn parse(s: &str, flag: &'static str, default_port: u16) -> Result<Self, PlanError> {
+        let expected = "HOST[:PORT] (IPv6 as [ADDR]:PORT) with PORT in 0..65535";
+        let bad = || invalid(flag, s, expected);
+        let s_trim = s.trim();
+        let (host, port) = if let Some(rest) = s_trim.strip_prefix('[') {
+            let (host, after) = rest.split_once(']').ok_or_else(bad)?;
+            let port = match after {
+                "" => None,
+                p => Some(p.strip_prefix(':').ok_or_else(bad)?),
+            };
+            (host, port)
+        } else {
+            match s_trim.rsplit_once(':') {
+                // A bare IPv6 literal without brackets: no port.
+                Some((h, _)) if h.contains(':') => (s_trim, None),
+                Some((h, p)) => (h, Some(p)),
+                None => (s_trim, None),
+            }
+        };
+        if host.is_empty() || host.contains(char::is_whitespace) || host.contains('/') {
+            return Err(bad());
+        }
+        let port = match port {
+            Some(p) => p.parse::<u16>().map_err(|_| bad())?,
+            None => default_port,
+        };
+        Ok(Endpoint { host: host.to_owned(), port })
+    }
+}
+
+impl fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.host.contains(':') {
+            write!(f, "[{}]:{}", self.host, self.port)
+        } else {
+            write!(f, "{}:{}", self.host, self.port)
+        }
+    }
+}
+
+/// How this node finds its peers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RdzvPlan {
+    /// An in-memory rendezvous inside this launcher on a loopback ephemeral port (`--standalone`, or
+    /// torchrun's implicit single-node mode).
+    Standalone,
+    /// The rsrun-rendezvous daemon at `endpoint`.
+    Daemon {
+        /// Where the daemon listens.
+        endpoint: Endpoint,
+        /// Host an embedded service if the endpoint is this host and nothing listens there.
+        host: HostMode,
+    },
+    /// torchrun's static backend: fixed node rank, MASTER_ADDR/MASTER_PORT given, no elasticity.
+    Static {
+        /// This node's rank.
+        node_rank: u32,
+        /// MASTER_ADDR.
+        master_addr: String,
+        /// MASTER_PORT.
+        master_port: u16,
+    },
+}
+
+/// Whether this launcher hosts the rendezvous service itself (torchrun's `is_host`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HostMode {
+    /// Host one when the endpoint is a local address and nothing listens there.
+    Auto,
+    /// Always host one (`is_host=true`).
+    Always,
+    /// Never host one (`is_host=false`).
+    Never,
+}
+
+/// How the program is run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ProgramKind {
+    /// `python -u SCRIPT ARGS`.
+    PythonScript,
+    /// `python -u -m MODULE ARGS`.
+    PythonModule,
+    /// `PROGRAM ARGS`.
+    Executable,
+}
+
+/// The worker command line, before `${local_rank}` substitution.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ProgramPlan {
+    /// How it runs.
+    pub kind: ProgramKind,
+    /// What is exec'd: the interpreter or the resolved executable.
+    pub exe: PathBuf,
+    /// Arguments before the user's (`-u [-m] script`).
+    pub lead_args: Vec<String>,
+    /// The user's arguments, unsubstituted.
+    pub args: Vec<String>,
+    /// The program as the user named it (for messages).
+    pub name: String,
+}
+
+impl ProgramPlan {
+    /// argv\[1..\] for the worker with `local_rank` (`${local_rank}` substituted in user arguments, as
+    /// torchrun does).
+    pub fn argv(&self, local_rank: u32) -> Vec<String> {
+        let lr = local_rank.to_string();
+        self.lead_args
+            .iter()
+            .cloned()
+            .chain(self.args.iter().map(|a| a.replace("${local_rank}", &lr)))
+            .collect()
+    }
+}
+
+/// Which standard streams a setting applies to (torchrun's `Std`: 0 none, 1 out, 2 err, 3 both).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StdMask(pub u8);
+
+impl StdMask {
+    /// Includes stdout.
+    pub fn out(self) -> bool {
+        self.0 & 1 != 0
+    }
+    /// Includes stderr.
+    pub fn err(self) -> bool {
+        self.0 & 2 != 0
+    }
+}
+
+/// A `--redirects`/`--tee` value: one mask for all local ranks, or per local rank.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct StdSpec {
+    /// Applies to local ranks not in `per_rank`.
+    pub all: StdMask,
+    /// Per local rank.
+    pub per_rank: BTreeMap<u32, StdMask>,
+}
+
+impl StdSpec {
+    /// Parses `N` or `LR:N,LR:N` with N in 0..=3.
+    ///
+    /// # Errors
+    /// Anything else.
+    pub fn parse(s: &str, flag: &'static str) -> Result<Self, PlanError> {
+        let expected = "0..3 (0 none, 1 stdout, 2 stderr, 3 both) or LOCAL_RANK:N,...";
+        let bad = || invalid(flag, s, expected);
+        let mask = |v: &str| match v.trim().parse::<u8>() {
+            Ok(n) if n <= 3 => Ok(StdMask(n)),
+            _ => Err(bad()),
+        };
+        let s = s.trim();
+        if s.is_empty() {
+            return Ok(StdSpec::default());
+        }
+        if !s.contains(':') {
+            return Ok(StdSpec { all: mask(s)?, per_rank: BTreeMap::new() });
+        }
+        let mut per_rank = BTreeMap::new();
+        for part in s.split(',') {
+            let (lr, v) = part.split_once(':').ok_or_else(bad)?;
+            per_rank.insert(lr.trim().parse::<u32>().map_err(|_| bad())?, mask(v)?);
+        }
+        Ok(StdSpec { all: StdMask(0), per_rank })
+    }
+
+    /// The mask for `local_rank`.
+    pub fn for_local_rank(&self, local_rank: u32) -> StdMask {
+        self.per_rank.get(&local_rank).copied().unwrap_or(self.all)
+    }
+}
+
+/// A set of ranks given as `0,2-5`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankSet(Vec<(u32, u32)>);
+
+impl RankSet {
+    /// Parses `R`, `A-B` and comma lists of them.
+    ///
+    /// # Errors
+    /// Anything else (an empty list included).
+    pub fn parse(s: &str, flag: &'static str) -> Result<Self, PlanError> {
+        let bad = || invalid(flag, s, "ranks like 0,2-5");
+        let mut ranges = Vec::new();
+        for part in s.split(',').map(str::trim) {
+            let (a, b) = match part.split_once('-') {
+                Some((a, b)) => (a.trim().parse().map_err(|_| bad())?, b.trim().parse().map_err(|_| bad())?),
+                None => {
+                    let r: u32 = part.parse().map_err(|_| bad())?;
+                    (r, r)
+                }
+            };
+            if a > b {
+                return Err(bad());
+            }
+            ranges.push((a, b));
+        }
+        Ok(RankSet(ranges))
+    }
+
+    /// Whether `rank` is in the set.
+    pub fn contains(&self, rank: u32) -> bool {
+        self.0.iter().any(|&(a, b)| (a..=b).contains(&rank))
+    }
+}
+
+/// Per-rank files and the console stream.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogPlan {
+    /// Base directory; `None` when disabled with `--log-dir /dev/null`.
+    pub dir: Option<PathBuf>,
+    /// Streams kept off the console (`--redirects`), unless tee'd.
+    pub redirects: StdSpec,
+    /// Streams shown on the console and written to files (`--tee`).
+    pub tee: StdSpec,
+    /// Console line prefix template.
+    pub prefix: String,
+    /// Console only for these local ranks.
+    pub local_ranks: Option<RankSet>,
+    /// Console only for these global ranks.
+    pub ranks: Option<RankSet>,
+    /// Substrings copied to `filtered_stdout.log`.
+    pub dup_stdout: Vec<String>,
+    /// Substrings copied to `filtered_stderr.log`.
+    pub dup_stderr: Vec<String>,
+}
+
+impl LogPlan {
+    /// Whether `stream` (1 = stdout, 2 = stderr) of this worker is shown on the console.
+    pub fn on_console(&self, local_rank: u32, rank: u32, stream: u8) -> bool {
+        if self.local_ranks.as_ref().is_some_and(|s| !s.contains(local_rank)) {
+            return false;
+        }
+        if self.ranks.as_ref().is_some_and(|s| !s.contains(rank)) {
+            return false;
+        }
+        let redirected = self.redirects.for_local_rank(local_rank).0 & stream != 0;
+        let teed = self.tee.for_local_rank(local_rank).0 & stream != 0;
+        !redirected || teed
+    }
+
+    /// The directory of one worker's files in one attempt.
+    pub fn worker_dir(&self, job_id: &str, round: u64, rank: u32) -> Option<PathBuf> {
+        self.attempt_dir(job_id, round).map(|d| d.join(rank.to_string()))
+    }
+
+    /// `<dir>/<job>/attempt_<round>`.
+    pub fn attempt_dir(&self, job_id: &str, round: u64) -> Option<PathBuf> {
+        self.dir.as_ref().map(|d| d.join(sanitize_path_component(job_id)).join(format!("attempt_{round}")))
+    }
+}
+
+fn sanitize_path_component(s: &str) -> String {
+    let s: String = s.chars().map(|c| if c == '/' || c == '\0' { '_' } else { c }).collect();
+    if s == "." || s == ".." || s.is_empty() { format!("_{s}") } else { s }
+}
+
+/// The prefix macros accepted in `--log-prefix`.
+pub const PREFIX_MACROS: &[&str] = &["rank", "local_rank", "node_rank", "role_name", "hostname", "round"];
+
+/// Expands a prefix template.
+pub fn expand_prefix(template: &str, vars: &[(&str, &str)]) -> String {
+    let mut out = template.to_owned();
+    for (k, v) in vars {
+        out = out.replace(&format!("${{{k}}}"), v);
+    }
+    out
+}
+
+fn check_prefix(template: &str, flag: &'static str) -> Result<(), PlanError> {
+    let mut rest = template;
+    while let Some(i) = rest.find("${") {
+        let after = &rest[i + 2..];
+        let Some(end) = after.find('}') else {
+            return Err(invalid(flag, template, "a template with ${...} macros closed by '}'"));
+        };
+        let name = &after[..end];
+        if !PREFIX_MACROS.contains(&name) {
+            return Err(invalid(flag, template, format!("macros among ${{{}}}", PREFIX_MACROS.join("}, ${"))));
+        }
+        rest = &after[end + 1..];
+    }
+    Ok(())
+}
+
+/// CUDA_VISIBLE_DEVICES per worker.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum GpuBind {
+    /// Inherited unchanged.
+    None,
+    /// Worker `i` sees only the `i`-th device of this list.
+    LocalRank(Vec<String>),
+}
+
+/// Timeouts and periods, all validated.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Timeouts {
+    /// Hang-detector tick (`--monitor-interval`).
+    pub monitor_interval: Duration,
+    /// Grace between the stop signal and SIGKILL.
+    pub shutdown: Duration,
+    /// No progress for this long = hung.
+    pub hang: Option<Duration>,
+    /// Exit barrier after this node's success.
+    pub exit_barrier: Duration,
+    /// Waiting for a round to form.
+    pub join: Duration,
+    /// After MIN nodes joined, wait this long for more.
+    pub last_call: Duration,
+    /// A node that has not renewed its lease for this long is dead.
+    pub lease: Duration,
+    /// Per-RPC deadline for store operations and control calls (`read_timeout`).
+    pub rpc: Duration,
+}
+
+/// Everything needed to run the job on this node, validated.
+#[derive(Debug, Clone)]
+pub struct LaunchPlan {
+    /// Job id shared by all nodes (TORCHELASTIC_RUN_ID, RSRUN_JOB_ID).
+    pub job_id: String,
+    /// How nodes find each other.
+    pub rdzv: RdzvPlan,
+    /// Node count range.
+    pub nodes: NodeRange,
+    /// Workers on this node.
+    pub nproc_per_node: u32,
+    /// Preferred node rank for elastic backends.
+    pub rank_hint: Option<u32>,
+    /// ROLE_NAME.
+    pub role: String,
+    /// What each worker runs.
+    pub program: ProgramPlan,
+    /// The job's restart budget.
+    pub max_restarts: u32,
+    /// Timeouts.
+    pub timeouts: Timeouts,
+    /// Logs and console.
+    pub logs: LogPlan,
+    /// Signal actions.
+    pub signals: SignalPolicy,
+    /// CUDA_VISIBLE_DEVICES per worker.
+    pub gpu_bind: GpuBind,
+    /// `--virtual-local-rank`: LOCAL_RANK=0 for every worker.
+    pub virtual_local_rank: bool,
+    /// CPU affinity per local rank (`None`: inherited).
+    pub cpu_sets: Option<Vec<Vec<usize>>>,
+    /// Addresses advertised to peers (`--local-addr`); empty means "detect".
+    pub local_addr: Option<String>,
+    /// This host's name.
+    pub hostname: String,
+    /// Token file for the rendezvous daemon.
+    pub token_file: Option<PathBuf>,
+    /// Token read from `token_file`.
+    pub token: Option<String>,
+    /// Environment rsrun adds for every worker besides the rank variables (OMP_NUM_THREADS=1,
+    /// TORCH_NCCL_ASYNC_ERROR_HANDLING=1 when unset).
+    pub extra_env: Vec<(String, String)>,
+    /// One-line notes and warnings for the console, in order.
+    pub notes: Vec<String>,
+    /// Print the plan and exit.
+    pub dry_run: bool,
+}
+
+/// Parses `30`, `2.5`, `500ms`, `30s`, `5m`, `1h`.
+///
+/// # Errors
+/// Anything else, or a negative value.
+pub fn parse_duration(s: &str, flag: &'static str) -> Result<Duration, PlanError> {
+    let bad = || invalid(flag, s, "a duration like 30, 2.5, 500ms, 30s, 5m or 1h");
+    let t = s.trim();
+    let (num, scale) = if let Some(n) = t.strip_suffix("ms") {
+        (n, 0.001)
+    } else if let Some(n) = t.strip_suffix('s') {
+        (n, 1.0)
+    } else if let Some(n) = t.strip_suffix('m') {
+        (n, 60.0)
+    } else if let Some(n) = t.strip_suffix('h') {
+        (n, 3600.0)
+    } else {
+        (t, 1.0)
+    };
+    let v: f64 = num.trim().parse().map_err(|_| bad())?;
+    if !v.is_finite() || v < 0.0 || v * scale > 1e9 {
+        return Err(bad());
+    }
+    Ok(Duration::from_secs_f64(v * scale))
+}
+
+fn parse_nproc(s: &str, host: &HostInfo) -> Result<u32, PlanError> {
+    let cpus = host.cpus.len().max(1) as u32;
+    match s.trim() {
+        "cpu" => Ok(cpus),
+        "gpu" | "cuda" => {
+            if host.gpus == 0 {
+                Err(PlanError::Conflict(
+                    "--nproc-per-node gpu: no GPU is visible (CUDA_VISIBLE_DEVICES, /proc/driver/nvidia)".into(),
+                ))
+            } else {
+                Ok(host.gpus)
+            }
+        }
+        "auto" => Ok(if host.gpus > 0 { host.gpus } else { cpus }),
+        other => match other.parse::<u32>() {
+            Ok(n) if n > 0 => Ok(n),
+            _ => Err(invalid("--nproc-per-node", s, "a number > 0, auto, cpu or gpu")),
+        },
+    }
+}
+
+/// Random 128-bit hex id (like torchrun's uuid4 run ids).
+pub fn random_id() -> String {
+    use std::io::Read;
+    let mut buf = [0u8; 16];
+    let ok = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut buf)).is_ok();
+    if !ok {
+        // Not cryptographic: only needs to differ between jobs on this host.
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        buf[..8].copy_from_slice(&(t.as_nanos() as u64).to_le_bytes());
+        buf[8..12].copy_from_slice(&std::process::id().to_le_bytes());
+    }
+    buf.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Finds `name` on `PATH` (or checks it when it contains a `/`).
+pub fn find_executable(name: &str, host: &HostInfo) -> Option<PathBuf> {
+    if name.contains('/') {
+        let p = host.cwd.join(name);
+        return is_executable(&p).then_some(p);
+    }
+    let path = host.var("PATH").unwrap_or("/usr/local/bin:/usr/bin:/bin");
+    path.split(':').filter(|d| !d.is_empty()).map(|d| Path::new(d).join(name)).find(|p| is_executable(p))
+}
+
+fn is_executable(p: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::metadata(p).map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0).unwrap_or(false)
+}
+
+fn python(host: &HostInfo) -> Result<PathBuf, PlanError> {
+    if let Some(exec) = host.var("PYTHON_EXEC").filter(|s| !s.is_empty()) {
+        return find_executable(exec, host).ok_or_else(|| {
+            PlanError::Program(format!("PYTHON_EXEC={exec} is not an executable file or a name on PATH"))
+        });
+    }
+    find_executable("python3", host).or_else(|| find_executable("python", host)).ok_or_else(|| {
+        PlanError::Program(
+            "no Python interpreter found on PATH (set PYTHON_EXEC, or use --no-python for a binary)".into(),
+        )
+    })
+}
+
+fn resolve_program(args: &LaunchArgs, host: &HostInfo, notes: &mut Vec<String>) -> Result<ProgramPlan, PlanError> {
+    let name = args.program().to_owned();
+    if name.is_empty() {
+        return Err(PlanError::Program("missing PROGRAM: nothing to run".into()));
+    }
+    if name.starts_with('-') {
+        return Err(PlanError::Program(format!(
+            "unknown option '{name}' (see rsrun --help; PROGRAM cannot start with '-')"
+        )));
+    }
+    let user_args = args.program_args().to_vec();
+    if args.module && args.no_python {
+        return Err(PlanError::Conflict("-m/--module and --no-python cannot be used together".into()));
+    }
+    let python_script = |notes: &mut Vec<String>| -> Result<ProgramPlan, PlanError> {
+        let _ = notes;
+        let script = host.cwd.join(&name);
+        if !script.is_file() {
+            return Err(PlanError::Program(format!("program '{name}' not found: no such file")));
+        }
+        Ok(ProgramPlan {
+            kind: ProgramKind::PythonScript,
+            exe: python(host)?,
+            lead_args: vec!["-u".into(), name.clone()],
+            args: user_args.clone(),
+            name: name.clone(),
+        })
+    };
+    if args.run_path {
+        if args.no_python {
+            notes.push("--run-path takes precedence over --no-python (as in torchrun)".into());
+        }
+        notes.push("--run-path: rsrun runs the script with `python -u`".into());
+        return python_script(notes);
+    }
+    if args.module {
+        return Ok(ProgramPlan {
+            kind: ProgramKind::PythonModule,
+            exe: python(host)?,
+            lead_args: vec!["-u".into(), "-m".into(), name.clone()],
+            args: user_args.clone(),
+            name,
+        });
+    }
+    let direct = |exe: PathBuf| ProgramPlan {
+        kind: ProgramKind::Executable,
+        exe,
+        lead_args: Vec::new(),
+        args: user_args.clone(),
+        name: name.clone(),
+    };
+    if args.no_python {
+        return find_executable(&name, host).map(direct).ok_or_else(|| {
+            PlanError::Program(format!("program '{name}' not found: not an executable file or a name on PATH"))
+        });
+    }
+    if name.ends_with(".py") {
+        return python_script(notes);
+    }
+    if let Some(exe) = find_executable(&name, host) {
+        return Ok(direct(exe));
+    }
+    // torchrun runs any other file under Python (scripts without the .py suffix).
+    if host.cwd.join(&name).is_file() {
+        return python_script(notes);
+    }
+    Err(PlanError::Program(format!(
+        "program '{name}' not found: not a file, and no executable of that name on PATH"
+    )))
+}
+
+struct RdzvConf {
+    join: Duration,
+    last_call: Duration,
+    lease: Duration,
+    rpc: Duration,
+    host: HostMode,
+}
+
+fn parse_rdzv_conf(s: &str, notes: &mut Vec<String>) -> Result<RdzvConf, PlanError> {
+    const FLAG: &str = "--rdzv-conf";
+    let mut conf = RdzvConf {
+        join: Duration::from_secs(600),
+        last_call: Duration::from_secs(30),
+        lease: Duration::ZERO,
+        rpc: Duration::from_secs(60),
+        host: HostMode::Auto,
+    };
+    let mut keep_alive = Duration::from_secs(5);
+    let mut attempts: u32 = 3;
+    for entry in s.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+        let Some((k, v)) = entry.split_once('=') else {
+            return Err(invalid(FLAG, entry, "KEY=VALUE"));
+        };
+        let (k, v) = (k.trim(), v.trim());
+        if v.is_empty() {
+            return Err(invalid(FLAG, entry, "KEY=VALUE with a non-empty value"));
+        }
+        match k {
+            "join_timeout" => conf.join = parse_duration(v, FLAG)?,
+            "last_call_timeout" => conf.last_call = parse_duration(v, FLAG)?,
+            "keep_alive_interval" => keep_alive = parse_duration(v, FLAG)?,
+            "keep_alive_max_attempt" => {
+                attempts = v.parse().ok().filter(|n| *n > 0).ok_or_else(|| invalid(FLAG, entry, "a count > 0"))?
+            }
+            "lease_timeout" | "heartbeat_timeout" => conf.lease = parse_duration(v, FLAG)?,
+            "read_timeout" => conf.rpc = parse_duration(v, FLAG)?,
+            "is_host" => {
+                conf.host = match v.to_ascii_lowercase().as_str() {
+                    "1" | "true" | "yes" | "y" | "on" => HostMode::Always,
+                    "0" | "false" | "no" | "n" | "off" => HostMode::Never,
+                    _ => return Err(invalid(FLAG, entry, "is_host=true|false")),
+                }
+            }
+            "timeout" => {}
+            "close_timeout" | "store_type" | "cas_backoff_max_seconds" | "rank" => {
+                notes.push(format!("--rdzv-conf {k}: not used by rsrun's rendezvous"));
+            }
+            other => notes.push(format!("--rdzv-conf: unknown key '{other}' ignored")),
+        }
+    }
+    if conf.lease.is_zero() {
+        conf.lease = keep_alive * attempts;
+    }
+    if conf.lease < Duration::from_millis(100) {
+        return Err(invalid(FLAG, s, "a lease (keep_alive_interval x keep_alive_max_attempt) of at least 100ms"));
+    }
+    Ok(conf)
+}
+
+fn split_escaped(s: &str) -> Vec<String> {
+    // torchrun: comma-separated, ",," escapes a comma.
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    let mut chars = s.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c == ',' {
+            if chars.peek() == Some(&',') {
+                chars.next();
+                cur.push(',');
+            } else {
+                out.push(std::mem::take(&mut cur));
+            }
+        } else {
+            cur.push(c);
+        }
+    }
+    out.push(cur);
+    out.into_iter().filter(|s| !s.is_empty()).collect()
+}
+
+fn cpu_sets(mode: &str, nproc: u32, host: &HostInfo, notes: &mut Vec<String>) -> Result<Option<Vec<Vec<usize>>>, PlanError> {
+    let n = nproc as usize;
+    let cpus = &host.cpus;
+    match mode {
+        "none" => Ok(None),
+        "cores" => {
+            if cpus.is_empty() {
+                return Err(PlanError::Conflict("--cpu-bind cores: cannot read this process's CPU set".into()));
+            }
+            if n > cpus.len() {
+                notes.push(format!(
+                    "--cpu-bind cores: {n} workers share {} cores (one core each, round-robin)",
+                    cpus.len()
+                ));
+                return Ok(Some((0..n).map(|i| vec![cpus[i % cpus.len()]]).collect()));
+            }
+            Ok(Some((0..n).map(|i| cpus[i * cpus.len() / n..(i + 1) * cpus.len() / n].to_vec()).collect()))
+        }
+        "numa" => {
+            if host.numa_nodes.is_empty() {
+                return Err(PlanError::Conflict(
+                    "--cpu-bind numa: no NUMA topology under /sys/devices/system/node".into(),
+                ));
+            }
+            let nodes = &host.numa_nodes;
+            if nodes.len() == 1 {
+                notes.push("--cpu-bind numa: one NUMA node; every worker gets all its cores".into());
+            }
+            Ok(Some((0..n).map(|i| nodes[i * nodes.len() / n].clone()).collect()))
+        }
+        other => Err(invalid("--cpu-bind", other, "none, cores or numa")),
+    }
+}
+
+impl LaunchPlan {
+    /// Validates `args` against `host` and resolves every default.
+    ///
+    /// # Errors
+    /// The first user error found.
+    pub fn resolve(args: &LaunchArgs, host: &HostInfo) -> Result<LaunchPlan, PlanError> {
+        let mut notes = Vec::new();
+        let nodes = NodeRange::parse(&args.nnodes)?;
+        let nproc_per_node = parse_nproc(&args.nproc_per_node, host)?;
+        let program = resolve_program(args, host, &mut notes)?;
+        let rconf = parse_rdzv_conf(&args.rdzv_conf, &mut notes)?;
+
+        // Rendezvous: --standalone, implicit single-node standalone, static, or the daemon.
+        let backend = args.rdzv_backend.trim().to_ascii_lowercase();
+        let endpoint = (!args.rdzv_endpoint.trim().is_empty())
+            .then(|| Endpoint::parse(&args.rdzv_endpoint, "--rdzv-endpoint", DEFAULT_RDZV_PORT))
+            .transpose()?;
+        let mut rank_hint = None;
+        let (rdzv, job_id) = if args.standalone {
+            if nodes.max > 1 {
+                return Err(PlanError::Conflict(format!(
+                    "--standalone runs a single node, but --nnodes is {nodes}"
+                )));
+            }
+            if endpoint.is_some() || args.rdzv_id.is_some() || backend != "static" {
+                notes.push("--standalone overrides --rdzv-backend/--rdzv-endpoint/--rdzv-id".into());
+            }
+            (RdzvPlan::Standalone, random_id())
+        } else {
+            match backend.as_str() {
+                "static" => {
+                    if endpoint.is_none() && args.master_port.is_none() && nodes.max == 1 {
+                        // torchrun 2.15: single node without a port → c10d on localhost:0.
+                        (RdzvPlan::Standalone, args.rdzv_id.clone().unwrap_or_else(random_id))
+                    } else {
+                        if nodes.is_elastic() {
+                            notes.push(format!(
+                                "--rdzv-backend static is not elastic: running {} nodes (MAX of --nnodes {nodes})",
+                                nodes.max
+                            ));
+                        }
+                        let node_rank = args.node_rank.unwrap_or(0);
+                        if node_rank >= nodes.max {
+                            return Err(invalid(
+                                "--node-rank",
+                                &node_rank.to_string(),
+                                format!("a rank below the number of nodes ({})", nodes.max),
+                            ));
+                        }
+                        let master_addr = args
+                            .master_addr
+                            .clone()
+                            .or_else(|| endpoint.as_ref().map(|e| e.host.clone()))
+                            .unwrap_or_else(|| "127.0.0.1".into());
+                        let master_port = args
+                            .master_port
+                            .or_else(|| endpoint.as_ref().map(|e| e.port))
+                            .unwrap_or(DEFAULT_MASTER_PORT);
+                        if master_port == 0 {
+                            return Err(invalid("--master-port", "0", "a port in 1..65535"));
+                        }
+                        (
+                            RdzvPlan::Static { node_rank, master_addr, master_port },
+                            args.rdzv_id.clone().unwrap_or_else(|| "none".into()),
+                        )
+                    }
+                }
+                "c10d" | "rsrun" => {
+                    let Some(endpoint) = endpoint else {
+                        return Err(PlanError::Conflict(format!(
+                            "--rdzv-backend {backend} needs --rdzv-endpoint HOST[:PORT] (the rsrun-rendezvous daemon), or use --standalone"
+                        )));
+                    };
+                    if args.master_addr.is_some() || args.master_port.is_some() {
+                        notes.push(format!(
+                            "--master-addr/--master-port are ignored with --rdzv-backend {backend}: the rank-0 node picks them"
+                        ));
+                    }
+                    rank_hint = args.node_rank;
+                    if let Some(r) = rank_hint {
+                        notes.push(format!("--node-rank {r}: used as this node's preferred rank"));
+                    }
+                    if endpoint.port == 0 {
+                        if nodes.max > 1 {
+                            return Err(invalid(
+                                "--rdzv-endpoint",
+                                &args.rdzv_endpoint,
+                                "a fixed port (port 0 only works for a single node)",
+                            ));
+                        }
+                        (RdzvPlan::Standalone, args.rdzv_id.clone().unwrap_or_else(random_id))
+                    } else {
+                        let id = match &args.rdzv_id {
+                            Some(id) => id.clone(),
+                            None => {
+                                notes.push(
+                                    "no --rdzv-id: using job id 'none'; jobs sharing a daemon without distinct ids merge"
+                                        .into(),
+                                );
+                                "none".into()
+                            }
+                        };
+                        (RdzvPlan::Daemon { endpoint, host: rconf.host }, id)
+                    }
+                }
+                "etcd" | "etcd-v2" => {
+                    return Err(PlanError::Conflict(format!(
+                        "--rdzv-backend {backend} is not supported: run `rsrun-rendezvous serve` and use --rdzv-backend c10d --rdzv-endpoint HOST:PORT"
+                    )));
+                }
+                other => return Err(invalid("--rdzv-backend", other, "c10d (alias rsrun) or static")),
+            }
+        };
+        if job_id.is_empty() || job_id.len() > 256 {
+            return Err(invalid("--rdzv-id", &job_id, "a non-empty id of at most 256 characters"));
+        }
+
+        let shutdown = match &args.shutdown_timeout {
+            Some(s) => parse_duration(s, "--shutdown-timeout")?,
+            None => match host.var("TORCH_ELASTIC_SHUTDOWN_TIMEOUT") {
+                Some(s) => parse_duration(s, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")?,
+                None => Duration::from_secs(30),
+            },
+        };
+        let monitor_interval = parse_duration(&args.monitor_interval, "--monitor-interval")?;
+        if monitor_interval.is_zero() {
+            return Err(invalid("--monitor-interval", &args.monitor_interval, "a period > 0"));
+        }
+        let hang = args.hang_timeout.as_deref().map(|s| parse_duration(s, "--hang-timeout")).transpose()?;
+        if hang.is_some_and(|h| h.is_zero()) {
+            return Err(invalid("--hang-timeout", args.hang_timeout.as_deref().unwrap_or(""), "a duration > 0"));
+        }
+        let timeouts = Timeouts {
+            monitor_interval,
+            shutdown,
+            hang,
+            exit_barrier: parse_duration(&args.exit_barrier_timeout, "--exit-barrier-timeout")?,
+            join: rconf.join,
+            last_call: rconf.last_call,
+            lease: rconf.lease,
+            rpc: rconf.rpc,
+        };
+
+        // Logs.
+        let dir = match &args.log_dir {
+            Some(d) if d == Path::new("/dev/null") => {
+                notes.push("--log-dir /dev/null: no per-rank log files or error files".into());
+                None
+            }
+            Some(d) => Some(host.cwd.join(d)),
+            None => Some(host.cwd.join(".rsrun").join("logs")),
+        };
+        let (prefix, prefix_flag) = match (&args.log_prefix, &args.log_line_prefix_template) {
+            (Some(p), _) => (p.clone(), "--log-prefix"),
+            (None, Some(p)) => (p.clone(), "--log-line-prefix-template"),
+            (None, None) => match host.var("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") {
+                Some(p) => (p.to_owned(), "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"),
+                None => ("[rank ${rank}] ".to_owned(), "--log-prefix"),
+            },
+        };
+        check_prefix(&prefix, prefix_flag)?;
+        let filter = |v: &Option<String>, flag| -> Result<Option<RankSet>, PlanError> {
+            match v.as_deref().map(str::trim) {
+                None | Some("") => Ok(None),
+                Some(s) => RankSet::parse(s, flag).map(Some),
+            }
+        };
+        let logs = LogPlan {
+            dir,
+            redirects: StdSpec::parse(args.redirects.as_deref().unwrap_or(""), "--redirects")?,
+            tee: StdSpec::parse(args.tee.as_deref().unwrap_or(""), "--tee")?,
+            prefix,
+            local_ranks: filter(&args.local_ranks_filter, "--local-ranks-filter")?,
+            ranks: filter(&args.ranks_filter, "--ranks-filter")?,
+            dup_stdout: args.duplicate_stdout_filters.as_deref().map(split_escaped).unwrap_or_default(),
+            dup_stderr: args.duplicate_stderr_filters.as_deref().map(split_escaped).unwrap_or_default(),
+        };
+
+        // Signals.
+        let mut signals = SignalPolicy::default_policy();
+        if let Some(list) = &args.signals_to_handle {
+            signals = signals
+                .with_stop_signals(list)
+                .map_err(|e| invalid("--signals-to-handle", list, format!("signal names ({e})")))?;
+        }
+        if let Some(spec) = &args.signal_policy {
+            signals = signals
+                .with_overrides(spec)
+                .map_err(|e| invalid("--signal-policy", spec, format!("SIG=stop|forward|ignore,... ({e})")))?;
+        }
+
+        // Devices.
+        let gpu_mode = args.gpu_bind.trim().to_ascii_lowercase().replace('_', "-");
+        let gpu_bind = match (gpu_mode.as_str(), args.virtual_local_rank) {
+            ("none", false) => GpuBind::None,
+            ("none" | "local-rank", _) => {
+                let devices: Vec<String> = match host.var("CUDA_VISIBLE_DEVICES") {
+                    Some(list) => list.split(',').map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect(),
+                    None => (0..nproc_per_node).map(|i| i.to_string()).collect(),
+                };
+                if (devices.len() as u32) < nproc_per_node {
+                    return Err(PlanError::Conflict(format!(
+                        "--gpu-bind local-rank: {nproc_per_node} workers but CUDA_VISIBLE_DEVICES lists {} devices",
+                        devices.len()
+                    )));
+                }
+                GpuBind::LocalRank(devices)
+            }
+            (other, _) => return Err(invalid("--gpu-bind", other, "none or local-rank")),
+        };
+        let cpu_sets = cpu_sets(args.cpu_bind.trim(), nproc_per_node, host, &mut notes)?;
+
+        // Token.
+        let token = match &args.rdzv_token_file {
+            Some(path) => {
+                let p = host.cwd.join(path);
+                let text = std::fs::read_to_string(&p).map_err(|e| {
+                    invalid("--rdzv-token-file", &path.display().to_string(), format!("a readable file ({e})"))
+                })?;
+                let t = text.trim().to_owned();
+                if t.is_empty() {
+                    return Err(invalid("--rdzv-token-file", &path.display().to_string(), "a file holding a token"));
+                }
+                Some(t)
+            }
+            None => None,
+        };
+        if token.is_some() && matches!(rdzv, RdzvPlan::Static { .. }) {
+            notes.push("--rdzv-token-file is not used by the static backend".into());
+        }
+
+        // Compatibility flags without an effect.
+        if let Some(m) = &args.start_method {
+            notes.push(format!("--start-method {m} has no effect: rsrun starts PROGRAM as a process"));
+        }
+        if let Some(h) = &args.event_log_handler {
+            notes.push(format!("--event-log-handler {h} has no effect: rsrun's events go to its log (RSRUN_LOG)"));
+        }
+        if let Some(s) = &args.logs_specs {
+            notes.push(format!("--logs-specs {s} has no effect: rsrun has one log layout (--log-dir)"));
+        }
+        if let Some(n) = &args.numa_binding {
+            notes.push(format!("--numa-binding {n} has no effect: use --cpu-bind numa"));
+        }
+        if let Some(s) = &args.print_completion {
+            notes.push(format!("--print-completion {s} is not provided by rsrun"));
+        }
+
+        // Environment defaults (torchrun's).
+        let mut extra_env = Vec::new();
+        if nproc_per_node > 1 && !host.env.contains_key("OMP_NUM_THREADS") {
+            notes.push(format!(
+                "OMP_NUM_THREADS=1 for each of the {nproc_per_node} workers (set OMP_NUM_THREADS to choose)"
+            ));
+            extra_env.push(("OMP_NUM_THREADS".to_owned(), "1".to_owned()));
+        }
+        if !host.env.contains_key("TORCH_NCCL_ASYNC_ERROR_HANDLING") {
+            extra_env.push(("TORCH_NCCL_ASYNC_ERROR_HANDLING".to_owned(), "1".to_owned()));
+        }
+
+        Ok(LaunchPlan {
+            job_id,
+            rdzv,
+            nodes,
+            nproc_per_node,
+            rank_hint,
+            role: args.role.clone(),
+            program,
+            max_restarts: args.max_restarts,
+            timeouts,
+            logs,
+            signals,
+            gpu_bind,
+            virtual_local_rank: args.virtual_local_rank,
+            cpu_sets,
+            local_addr: args.local_addr.clone(),
+            hostname: host.hostname.clone(),
+            token_file: args.rdzv_token_file.as_ref().map(|p| host.cwd.join(p)),
+            token,
+            extra_env,
+            notes,
+            dry_run: args.dry_run,
+        })
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests;

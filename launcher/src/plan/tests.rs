@@ -1,0 +1,190 @@
+use super::*;
+use clap::Parser;
+
+/// A host with 4 CPUs, 2 NUMA nodes, no GPU, and PATH containing /bin and /usr/bin.
+pub(crate) fn host() -> HostInfo {
+    let mut env = HashMap::new();
+    env.insert("PATH".to_owned(), "/usr/bin:/bin".to_owned());
+    HostInfo {
+        env,
+        cwd: std::env::temp_dir(),
+        cpus: vec![0, 1, 2, 3],
+        numa_nodes: vec![vec![0, 1], vec![2, 3]],
+        gpus: 0,
+        hostname: "testhost".into(),
+    }
+}
+
+/// Parses argv (without the program name) with a clean `PET_*`-free environment.
+pub(crate) fn parse(args: &[&str]) -> LaunchArgs {
+    LaunchArgs::try_parse_from(std::iter::once("rsrun").chain(args.iter().copied())).unwrap()
+}
+
+fn resolve(args: &[&str]) -> Result<LaunchPlan, PlanError> {
+    LaunchPlan::resolve(&parse(args), &host())
+}
+
+fn err(args: &[&str]) -> String {
+    resolve(args).unwrap_err().to_string()
+}
+
+#[test]
+fn nnodes() {
+    assert_eq!(NodeRange::parse("2").unwrap(), NodeRange { min: 2, max: 2 });
+    assert_eq!(NodeRange::parse("1:4").unwrap(), NodeRange { min: 1, max: 4 });
+    for bad in ["0", "3:2", "abc", "0:1", "", "1:", "-1"] {
+        let e = NodeRange::parse(bad).unwrap_err().to_string();
+        assert!(e.contains("--nnodes") && e.contains(&format!("'{bad}'")), "{e}");
+    }
+}
+
+#[test]
+fn nproc() {
+    assert_eq!(resolve(&["--nproc-per-node", "cpu", "true"]).unwrap().nproc_per_node, 4);
+    assert_eq!(resolve(&["--nproc-per-node", "auto", "true"]).unwrap().nproc_per_node, 4);
+    assert!(err(&["--nproc-per-node", "0", "true"]).contains("invalid value '0' for --nproc-per-node"));
+    assert!(err(&["--nproc-per-node", "gpu", "true"]).contains("no GPU"));
+}
+
+#[test]
+fn endpoints() {
+    let ep = |s| Endpoint::parse(s, "--rdzv-endpoint", 29400);
+    assert_eq!(ep("host").unwrap(), Endpoint { host: "host".into(), port: 29400 });
+    assert_eq!(ep("host:1234").unwrap().port, 1234);
+    assert_eq!(ep("[::1]:5").unwrap(), Endpoint { host: "::1".into(), port: 5 });
+    assert_eq!(ep("::1").unwrap().host, "::1");
+    assert_eq!(ep("[::1]:5").unwrap().to_string(), "[::1]:5");
+    for bad in ["", ":29400", "host:abc", "host:70000", "[::1", "a b:1"] {
+        assert!(ep(bad).is_err(), "{bad}");
+    }
+}
+
+#[test]
+fn program_resolution() {
+    let p = resolve(&["true", "a", "${local_rank}"]).unwrap();
+    assert_eq!(p.program.kind, ProgramKind::Executable);
+    assert_eq!(p.program.argv(3), vec!["a", "3"]);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("train.py"), "print(1)").unwrap();
+    let mut h = host();
+    h.cwd = dir.path().to_owned();
+    let plan = LaunchPlan::resolve(&parse(&["train.py", "--lr", "1"]), &h);
+    if let Ok(plan) = plan {
+        assert_eq!(plan.program.kind, ProgramKind::PythonScript);
+        assert_eq!(plan.program.argv(0), vec!["-u", "train.py", "--lr", "1"]);
+    }
+    let e = LaunchPlan::resolve(&parse(&["nope.py"]), &h).unwrap_err().to_string();
+    assert!(e.contains("nope.py") && e.contains("not found"), "{e}");
+    let e = err(&["definitely-not-a-program-xyz"]);
+    assert!(e.contains("not found"), "{e}");
+    assert!(err(&["-m", "--no-python", "x"]).contains("cannot be used together"));
+}
+
+#[test]
+fn implicit_standalone_and_static() {
+    let p = resolve(&["true"]).unwrap();
+    assert_eq!(p.rdzv, RdzvPlan::Standalone);
+    assert_eq!(p.job_id.len(), 32);
+    let p = resolve(&["--master-port", "1234", "true"]).unwrap();
+    assert_eq!(
+        p.rdzv,
+        RdzvPlan::Static { node_rank: 0, master_addr: "127.0.0.1".into(), master_port: 1234 }
+    );
+    assert_eq!(p.job_id, "none");
+    let p = resolve(&["--nnodes", "2", "--node-rank", "1", "--master-addr", "h", "true"]).unwrap();
+    assert_eq!(p.rdzv, RdzvPlan::Static { node_rank: 1, master_addr: "h".into(), master_port: 29500 });
+    assert!(err(&["--nnodes", "2", "--node-rank", "2", "true"]).contains("--node-rank"));
+}
+
+#[test]
+fn daemon() {
+    let p = resolve(&["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-id", "j", "--nnodes", "1:3", "true"])
+        .unwrap();
+    assert_eq!(
+        p.rdzv,
+        RdzvPlan::Daemon { endpoint: Endpoint { host: "h".into(), port: 1 }, host: HostMode::Auto }
+    );
+    assert_eq!(p.nodes, NodeRange { min: 1, max: 3 });
+    assert!(err(&["--rdzv-backend", "c10d", "true"]).contains("--rdzv-endpoint"));
+    assert!(err(&["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:x", "true"]).contains("'h:x'"));
+    assert!(err(&["--rdzv-backend", "etcd", "--rdzv-endpoint", "h", "true"]).contains("not supported"));
+    assert!(err(&["--rdzv-backend", "zk", "true"]).contains("--rdzv-backend"));
+    let p = resolve(&[
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=h",
+        "--rdzv-conf",
+        "join_timeout=5,last_call_timeout=1.5,keep_alive_interval=1,keep_alive_max_attempt=2,foo=1",
+        "true",
+    ])
+    .unwrap();
+    assert_eq!(p.timeouts.join, Duration::from_secs(5));
+    assert_eq!(p.timeouts.last_call, Duration::from_millis(1500));
+    assert_eq!(p.timeouts.lease, Duration::from_secs(2));
+    assert!(p.notes.iter().any(|n| n.contains("'foo'")));
+    assert!(err(&["--rdzv-conf", "join_timeout=", "true"]).contains("non-empty"));
+}
+
+#[test]
+fn aliases_and_abbreviations() {
+    let p = resolve(&["--nproc_per_node", "2", "--nnode", "1", "--max_restarts=2", "true"]).unwrap();
+    assert_eq!(p.nproc_per_node, 2);
+    assert_eq!(p.max_restarts, 2);
+    assert_eq!(p.extra_env[0], ("OMP_NUM_THREADS".to_owned(), "1".to_owned()));
+}
+
+#[test]
+fn trailing_args_go_to_the_program() {
+    let a = parse(&["--nproc-per-node", "2", "prog", "--nproc-per-node", "7", "-m"]);
+    assert_eq!(a.program(), "prog");
+    assert_eq!(a.program_args(), ["--nproc-per-node", "7", "-m"]);
+    let e = LaunchPlan::resolve(&parse(&["--bogus", "prog"]), &host()).unwrap_err().to_string();
+    assert!(e.contains("unknown option '--bogus'"), "{e}");
+}
+
+#[test]
+fn logs_and_filters() {
+    let p = resolve(&["-r", "0:1,1:3", "--tee", "1:2", "--ranks-filter", "0,1,2-3", "true"]).unwrap();
+    assert!(!p.logs.on_console(0, 0, 1));
+    assert!(p.logs.on_console(0, 0, 2));
+    assert!(p.logs.on_console(1, 1, 2));
+    assert!(!p.logs.on_console(1, 1, 1));
+    assert!(p.logs.on_console(0, 2, 2));
+    assert!(!p.logs.on_console(4, 4, 2));
+    assert!(err(&["-r", "4", "true"]).contains("--redirects"));
+    assert!(err(&["--ranks-filter", "3-1", "true"]).contains("--ranks-filter"));
+    assert!(err(&["--log-prefix", "${nope}", "true"]).contains("--log-prefix"));
+    let p = resolve(&["--log-prefix", "${hostname}:${rank}| ", "true"]).unwrap();
+    assert_eq!(expand_prefix(&p.logs.prefix, &[("hostname", "h"), ("rank", "3")]), "h:3| ");
+    assert_eq!(split_escaped("a,,b,c"), vec!["a,b", "c"]);
+}
+
+#[test]
+fn durations_and_signals() {
+    assert_eq!(parse_duration("500ms", "x").unwrap(), Duration::from_millis(500));
+    assert_eq!(parse_duration("2m", "x").unwrap(), Duration::from_secs(120));
+    assert_eq!(parse_duration("1.5", "x").unwrap(), Duration::from_millis(1500));
+    assert!(parse_duration("-1", "x").is_err());
+    assert!(parse_duration("soon", "x").is_err());
+    let p = resolve(&["--signal-policy", "USR1=stop", "--shutdown-timeout", "3", "true"]).unwrap();
+    assert_eq!(p.timeouts.shutdown, Duration::from_secs(3));
+    assert!(err(&["--signal-policy", "USR1=explode", "true"]).contains("--signal-policy"));
+}
+
+#[test]
+fn binding() {
+    let p = resolve(&["--nproc-per-node", "2", "--cpu-bind", "cores", "true"]).unwrap();
+    assert_eq!(p.cpu_sets, Some(vec![vec![0, 1], vec![2, 3]]));
+    let p = resolve(&["--nproc-per-node", "4", "--cpu-bind", "numa", "true"]).unwrap();
+    assert_eq!(p.cpu_sets, Some(vec![vec![0, 1], vec![0, 1], vec![2, 3], vec![2, 3]]));
+    let p = resolve(&["--nproc-per-node", "2", "--gpu-bind", "local-rank", "true"]).unwrap();
+    assert_eq!(p.gpu_bind, GpuBind::LocalRank(vec!["0".into(), "1".into()]));
+    assert!(err(&["--cpu-bind", "sockets", "true"]).contains("--cpu-bind"));
+    assert_eq!(parse_cpu_list("0-2,5").unwrap(), vec![0, 1, 2, 5]);
+}
+
+#[test]
+fn compat_flags_warn() {
+    let p = resolve(&["--start-method", "fork", "--numa-binding", "node", "true"]).unwrap();
+    assert!(p.notes.iter().any(|n| n.contains("--start-method")));
+    assert!(p.notes.iter().any(|n| n.contains("--cpu-bind numa")));
+}

@@ -1,0 +1,275 @@
+//! Starting worker processes so that none outlives rsrun.
+//!
+//! Every worker:
+//! - runs in its own process group (`setpgid(0, 0)`), so the group — the worker and whatever it started
+//!   — is signalled as one (`killpg`);
+//! - has `PR_SET_PDEATHSIG = SIGKILL`, so it dies with rsrun even on `kill -9`. rsrun forks workers
+//!   only from the runtime's one thread (a current-thread runtime on the main thread): the death signal
+//!   follows the *thread* that forked, and the main thread lives as long as the process;
+//! - is owned by a [`WorkerProcess`] whose drop kills its group;
+//! - gets stdin from /dev/null and stdout/stderr as pipes (see [`crate::logs`]);
+//! - optionally gets a datagram socket for progress reports (`RSRUN_PROGRESS_FD`) and a CPU affinity.
+//!
+//! Grandchildren that outlive their worker would escape PDEATHSIG; the [`Guardian`] covers them: a
+//! small process forked at startup, in its own session, that holds the read end of a pipe from rsrun.
+//! rsrun tells it each worker's process group; when the pipe reaches EOF — rsrun exited, however it
+//! exited, `kill -9` included — the guardian SIGKILLs every group it was told about and exits.
+
+use std::io::{self, BufRead, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::net::UnixDatagram as StdUnixDatagram;
+use std::path::Path;
+use std::process::Stdio;
+use std::sync::Mutex;
+
+use nix::sys::signal::{Signal, killpg};
+use nix::unistd::Pid;
+use tokio::process::{Child, ChildStderr, ChildStdout, Command};
+
+/// CPUs this process may run on, ascending (empty when unreadable).
+pub fn allowed_cpus() -> Vec<usize> {
+    match nix::sched::sched_getaffinity(Pid::from_raw(0)) {
+        Ok(set) => (0..nix::sched::CpuSet::count()).filter(|&c| set.is_set(c).unwrap_or(false)).collect(),
+        Err(_) => Vec::new(),
+    }
+}
+
+/// What to start.
+#[derive(Debug)]
+pub struct SpawnSpec<'a> {
+    /// Executable (absolute or relative to the current directory).
+    pub exe: &'a Path,
+    /// argv\[1..\].
+    pub argv: Vec<String>,
+    /// Variables set on top of rsrun's environment.
+    pub env: Vec<(String, String)>,
+    /// CPU affinity; `None` inherits rsrun's.
+    pub cpus: Option<&'a [usize]>,
+    /// Give the worker a progress socket (RSRUN_PROGRESS_FD).
+    pub progress: bool,
+}
+
+/// A started worker: the process handle and its pipes.
+#[derive(Debug)]
+pub struct Spawned {
+    /// Owns the process group.
+    pub process: WorkerProcess,
+    /// The child, for `wait`. Dropping it kills the worker process itself (`kill_on_drop`).
+    pub child: Child,
+    /// The worker's stdout.
+    pub stdout: ChildStdout,
+    /// The worker's stderr.
+    pub stderr: ChildStderr,
+    /// rsrun's end of the progress socket.
+    pub progress: Option<tokio::net::UnixDatagram>,
+}
+
+/// Owns a worker's process group: dropping it SIGKILLs the group (unless [`WorkerProcess::disarm`]ed).
+#[derive(Debug)]
+pub struct WorkerProcess {
+    pid: i32,
+    armed: bool,
+}
+
+impl WorkerProcess {
+    /// The worker's pid, which is also its process group id.
+    pub fn pid(&self) -> i32 {
+        self.pid
+    }
+
+    /// Sends `sig` to the worker's whole process group. Errors (the group is gone) are ignored.
+    pub fn signal_group(&self, sig: Signal) {
+        if self.armed {
+            let _ = killpg(Pid::from_raw(self.pid), sig);
+        }
+    }
+
+    /// Stops signalling the group: it was torn down (SIGKILLed and the leader reaped), and its id may
+    /// be reused by an unrelated process group from now on.
+    pub fn disarm(&mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for WorkerProcess {
+    fn drop(&mut self) {
+        self.signal_group(Signal::SIGKILL);
+    }
+}
+
+/// Starts a worker.
+///
+/// # Errors
+/// The fork or exec failed (missing executable, permission, affinity refused, ...).
+pub fn spawn(spec: SpawnSpec<'_>) -> io::Result<Spawned> {
+    let parent = std::process::id() as libc::pid_t;
+    let (progress_parent, progress_child) = if spec.progress {
+        let (a, b) = StdUnixDatagram::pair()?;
+        (Some(a), Some(b))
+    } else {
+        (None, None)
+    };
+    let child_fd = progress_child.as_ref().map(|s| s.as_raw_fd());
+
+    let cpuset = spec.cpus.map(|cpus| {
+        // SAFETY: cpu_set_t is a plain bit array; all-zero is the empty set.
+        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        for &c in cpus {
+            if c < libc::CPU_SETSIZE as usize {
+                // SAFETY: c is below CPU_SETSIZE, so the bit is inside `set`.
+                unsafe { libc::CPU_SET(c, &mut set) };
+            }
+        }
+        set
+    });
+
+    let mut cmd = Command::new(spec.exe);
+    cmd.args(&spec.argv)
+        .envs(spec.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0)
+        .kill_on_drop(true);
+    if let Some(fd) = child_fd {
+        cmd.env(crate::env::PROGRESS_FD_VAR, fd.to_string());
+    }
+    // SAFETY: the closure runs in the forked child before exec and only makes async-signal-safe
+    // system calls (prctl, getppid, fcntl, sched_setaffinity, _exit); it allocates nothing.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
+                return Err(io::Error::last_os_error());
+            }
+            // rsrun died between fork and prctl: the death signal will never come.
+            if libc::getppid() != parent {
+                libc::_exit(137);
+            }
+            if let Some(fd) = child_fd {
+                let flags = libc::fcntl(fd, libc::F_GETFD);
+                if flags < 0 || libc::fcntl(fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC) < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            if let Some(set) = &cpuset
+                && libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), set) != 0
+            {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn()?;
+    drop(progress_child);
+    let pid = child.id().ok_or_else(|| io::Error::other("worker exited before rsrun saw its pid"))? as i32;
+    let process = WorkerProcess { pid, armed: true };
+    let stdout = child.stdout.take().ok_or_else(|| io::Error::other("worker stdout not piped"))?;
+    let stderr = child.stderr.take().ok_or_else(|| io::Error::other("worker stderr not piped"))?;
+    let progress = match progress_parent {
+        Some(s) => {
+            s.set_nonblocking(true)?;
+            Some(tokio::net::UnixDatagram::from_std(s)?)
+        }
+        None => None,
+    };
+    Ok(Spawned { process, child, stdout, stderr, progress })
+}
+
+/// The process that kills every worker group when rsrun goes away (see the module docs).
+#[derive(Debug)]
+pub struct Guardian {
+    pipe: Mutex<std::fs::File>,
+}
+
+impl Guardian {
+    /// Forks the guardian.
+    ///
+    /// # Safety
+    /// The process must be single-threaded (call it first thing in `main`, before any runtime or
+    /// thread starts): the forked child keeps running Rust code that allocates.
+    pub unsafe fn start() -> io::Result<Guardian> {
+        let mut fds = [0 as libc::c_int; 2];
+        // SAFETY: fds is a valid two-element array.
+        if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: pipe2 succeeded, so both descriptors are open and owned by nobody else.
+        let (read_end, write_end) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+        // SAFETY: the caller guarantees that the process is single-threaded.
+        match unsafe { libc::fork() } {
+            -1 => Err(io::Error::last_os_error()),
+            0 => {
+                drop(write_end);
+                guardian_main(read_end)
+            }
+            _ => {
+                drop(read_end);
+                Ok(Guardian { pipe: Mutex::new(std::fs::File::from(write_end)) })
+            }
+        }
+    }
+
+    /// Adds a process group to kill if rsrun dies.
+    pub fn watch(&self, pgid: i32) {
+        self.send(&format!("+{pgid}\n"));
+    }
+
+    /// Removes a process group (it was torn down).
+    pub fn unwatch(&self, pgid: i32) {
+        self.send(&format!("-{pgid}\n"));
+    }
+
+    fn send(&self, line: &str) {
+        // A poisoned lock still holds a usable file; writes below PIPE_BUF are atomic.
+        let mut pipe = self.pipe.lock().unwrap_or_else(|e| e.into_inner());
+        if let Err(err) = pipe.write_all(line.as_bytes()) {
+            tracing::warn!(%err, "the guardian process is gone; workers are still covered by PDEATHSIG");
+        }
+    }
+}
+
+fn guardian_main(read_end: OwnedFd) -> ! {
+    // SAFETY: plain system calls in a single-threaded child; the descriptors are our own.
+    unsafe {
+        libc::setsid();
+        for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT, libc::SIGUSR1, libc::SIGUSR2, libc::SIGPIPE] {
+            libc::signal(sig, libc::SIG_IGN);
+        }
+        let null = libc::open(c"/dev/null".as_ptr(), libc::O_RDWR);
+        if null >= 0 {
+            for fd in 0..3 {
+                libc::dup2(null, fd);
+            }
+            if null > 2 {
+                libc::close(null);
+            }
+        }
+    }
+    let mut groups = std::collections::BTreeSet::new();
+    let reader = io::BufReader::new(std::fs::File::from(read_end));
+    for line in reader.lines() {
+        let Ok(line) = line else { break };
+        let (op, n) = line.split_at(line.len().min(1));
+        if let Ok(pgid) = n.parse::<i32>() {
+            match op {
+                "+" => {
+                    groups.insert(pgid);
+                }
+                "-" => {
+                    groups.remove(&pgid);
+                }
+                _ => {}
+            }
+        }
+    }
+    for pgid in groups {
+        if pgid > 1 {
+            // SAFETY: a plain system call.
+            unsafe {
+                libc::killpg(pgid, libc::SIGKILL);
+            }
+        }
+    }
+    // SAFETY: exit without running the parent's atexit handlers or destructors.
+    unsafe { libc::_exit(0) }
+}

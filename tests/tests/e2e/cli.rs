@@ -1,0 +1,98 @@
+//! Bad command lines exit 2 with a message naming the bad value; `--dry-run` prints the plan.
+
+use rsrun_tests::{code, rsrun, run, text};
+
+fn expect_usage_error(args: &[&str], needle: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(rsrun(dir.path()).args(args));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(code(&out.status), 2, "{args:?}\n{}", text(&out));
+    assert!(stderr.contains(needle), "{args:?}: expected {needle:?} in\n{}", text(&out));
+    assert!(!dir.path().join(".rsrun").exists(), "nothing may start on a usage error");
+}
+
+#[test]
+fn bad_input_exits_2_with_a_clear_message() {
+    expect_usage_error(&["--nnodes", "0", "true"], "invalid value '0' for --nnodes");
+    expect_usage_error(&["--nnodes", "3:2", "true"], "invalid value '3:2' for --nnodes");
+    expect_usage_error(&["--nnodes", "abc", "true"], "invalid value 'abc' for --nnodes");
+    expect_usage_error(&["--nproc-per-node", "0", "true"], "invalid value '0' for --nproc-per-node");
+    expect_usage_error(
+        &["--rdzv-backend", "c10d", "--rdzv-endpoint", "host:notaport", "true"],
+        "invalid value 'host:notaport' for --rdzv-endpoint",
+    );
+    expect_usage_error(&["--rdzv-backend", "c10d", "--rdzv-endpoint", "[::1", "true"], "--rdzv-endpoint");
+    expect_usage_error(&["--nproc-per-node", "2"], "<PROGRAM [ARGS]>");
+    expect_usage_error(&["no-such-program-xyz"], "program 'no-such-program-xyz' not found");
+    expect_usage_error(&["missing.py"], "program 'missing.py' not found");
+    expect_usage_error(&["--max-restarts", "-1", "true"], "--max-restarts");
+    expect_usage_error(&["--bogus-flag", "true"], "unknown option '--bogus-flag'");
+}
+
+#[test]
+fn pet_environment_fallbacks() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(rsrun(dir.path())
+        .env("PET_NPROC_PER_NODE", "3")
+        .env("PET_NO_PYTHON", "1")
+        .args(["--dry-run", "sh", "-c", "true"]));
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("worker rank 2 (local_rank 2"), "{stdout}");
+    let out = run(rsrun(dir.path()).env("PET_NNODES", "0").args(["true"]));
+    assert_eq!(code(&out.status), 2, "{}", text(&out));
+}
+
+#[test]
+fn dry_run_prints_the_plan_and_starts_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let marker = dir.path().join("ran");
+    let out = run(rsrun(dir.path()).args([
+        "--dry-run",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--master-addr",
+        "10.0.0.1",
+        "--master-port",
+        "29555",
+        "--nproc_per_node",
+        "2",
+        "--rdzv-id",
+        "job9",
+        "touch",
+        marker.to_str().unwrap(),
+        "lr=${local_rank}",
+    ]));
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    assert!(!marker.exists(), "--dry-run must not start workers");
+    let s = String::from_utf8_lossy(&out.stdout);
+    for needle in [
+        "job          : job9",
+        "static: MASTER_ADDR=10.0.0.1 MASTER_PORT=29555",
+        "worker rank 2 (local_rank 0, node_rank 1)",
+        "worker rank 3 (local_rank 1, node_rank 1)",
+        "lr=1",
+        "    RANK=3",
+        "    WORLD_SIZE=4",
+        "    GROUP_RANK=1",
+        "    LOCAL_WORLD_SIZE=2",
+        "    MASTER_ADDR=10.0.0.1",
+        "    MASTER_PORT=29555",
+        "    TORCHELASTIC_RUN_ID=job9",
+        "    OMP_NUM_THREADS=1",
+    ] {
+        assert!(s.contains(needle), "missing {needle:?} in\n{s}");
+    }
+}
+
+#[test]
+fn compat_flags_warn_in_one_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(rsrun(dir.path()).args(["--start-method", "fork", "--logs-specs", "x", "true"]));
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.lines().any(|l| l.starts_with("rsrun: --start-method fork has no effect")), "{stderr}");
+    assert!(stderr.lines().any(|l| l.starts_with("rsrun: --logs-specs x has no effect")), "{stderr}");
+}

@@ -1,0 +1,134 @@
+//! Environment parity with torchrun (reference §2): every worker gets exactly torchrun's variables,
+//! with values an unmodified PyTorch script accepts, plus rsrun's own.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use rsrun_tests::{code, rsrun, run, text};
+
+fn read_env(path: &Path) -> BTreeMap<String, String> {
+    let raw = std::fs::read(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    raw.split(|b| *b == 0)
+        .filter(|s| !s.is_empty())
+        .filter_map(|kv| {
+            let kv = String::from_utf8_lossy(kv);
+            kv.split_once('=').map(|(k, v)| (k.to_owned(), v.to_owned()))
+        })
+        .collect()
+}
+
+const TORCHRUN_VARS: &[&str] = &[
+    "LOCAL_RANK",
+    "RANK",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "ROLE_NAME",
+    "LOCAL_WORLD_SIZE",
+    "WORLD_SIZE",
+    "GROUP_WORLD_SIZE",
+    "ROLE_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_ERROR_FILE",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "OMP_NUM_THREADS",
+];
+
+#[test]
+fn worker_environment_matches_torchrun() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(rsrun(dir.path())
+        .env("RSRUN_TEST_INHERITED", "yes")
+        .args(["--standalone", "--nproc-per-node", "3", "--max-restarts", "2", "--role", "trainer"])
+        .args(["sh", "-c", "cat /proc/self/environ > env.$RANK"]));
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    let envs: Vec<_> = (0..3).map(|r| read_env(&dir.path().join(format!("env.{r}")))).collect();
+    let launcher: BTreeMap<String, String> = std::env::vars().collect();
+    let mut ports = Vec::new();
+    for (rank, env) in envs.iter().enumerate() {
+        for k in TORCHRUN_VARS {
+            assert!(env.contains_key(*k), "rank {rank}: {k} missing");
+        }
+        let get = |k: &str| env.get(k).map(String::as_str).unwrap_or("");
+        assert_eq!(get("RANK"), rank.to_string());
+        assert_eq!(get("LOCAL_RANK"), rank.to_string());
+        assert_eq!(get("ROLE_RANK"), rank.to_string());
+        assert_eq!(get("GROUP_RANK"), "0");
+        assert_eq!(get("ROLE_NAME"), "trainer");
+        assert_eq!(get("LOCAL_WORLD_SIZE"), "3");
+        assert_eq!(get("WORLD_SIZE"), "3");
+        assert_eq!(get("ROLE_WORLD_SIZE"), "3");
+        assert_eq!(get("GROUP_WORLD_SIZE"), "1");
+        assert_eq!(get("MASTER_ADDR"), "127.0.0.1");
+        assert_eq!(get("TORCHELASTIC_RESTART_COUNT"), "0");
+        assert_eq!(get("TORCHELASTIC_MAX_RESTARTS"), "2");
+        assert_eq!(get("TORCHELASTIC_USE_AGENT_STORE"), "False");
+        assert_eq!(get("TORCH_NCCL_ASYNC_ERROR_HANDLING"), "1");
+        assert_eq!(get("OMP_NUM_THREADS"), "1");
+        assert_eq!(get("RSRUN_TEST_INHERITED"), "yes", "the launcher's environment is inherited");
+        assert_eq!(get("TORCHELASTIC_RUN_ID"), get("RSRUN_JOB_ID"));
+        assert!(get("TORCHELASTIC_RUN_ID").len() >= 16, "standalone run ids are random");
+        let error_file = get("TORCHELASTIC_ERROR_FILE");
+        assert!(
+            error_file.ends_with(&format!("/{rank}/error.json")) && error_file.contains("/attempt_"),
+            "error file {error_file}"
+        );
+        assert!(get("RSRUN_RDZV_ENDPOINT").starts_with("127.0.0.1:"));
+        assert!(!get("RSRUN_ROUND").is_empty() && !get("RSRUN_NODE_ID").is_empty());
+        assert!(get("RSRUN_PROGRESS_FD").parse::<i32>().is_ok());
+        let port: u16 = get("MASTER_PORT").parse().expect("MASTER_PORT is a port");
+        assert_ne!(port, 0);
+        ports.push(port);
+        // Nothing torchrun does not set leaks in: no PET_*, no NODE_RANK/LOCAL_SIZE, and nothing
+        // else that is not rsrun's own or inherited.
+        for k in env.keys() {
+            let allowed = TORCHRUN_VARS.contains(&k.as_str())
+                || k.starts_with("RSRUN_")
+                || launcher.contains_key(k)
+                || k == "PWD"
+                || k == "SHLVL"
+                || k == "_";
+            assert!(allowed, "rank {rank}: unexpected variable {k}");
+            assert!(!k.starts_with("PET_"), "rank {rank}: {k}");
+        }
+        for k in ["NODE_RANK", "LOCAL_SIZE", "CROSS_RANK"] {
+            assert!(!env.contains_key(k) || launcher.contains_key(k), "rank {rank}: {k}");
+        }
+    }
+    assert!(ports.windows(2).all(|w| w[0] == w[1]), "one MASTER_PORT for the round: {ports:?}");
+    // No token in argv or env (the token travels as a file path only).
+    for env in &envs {
+        assert!(!env.keys().any(|k| k.contains("TOKEN") && k != "RSRUN_TOKEN_FILE"));
+    }
+}
+
+#[test]
+fn user_omp_num_threads_is_kept_and_single_worker_gets_none() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(rsrun(dir.path())
+        .env("OMP_NUM_THREADS", "7")
+        .args(["--nproc-per-node", "2", "sh", "-c", "cat /proc/self/environ > env.$RANK"]));
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    assert_eq!(read_env(&dir.path().join("env.1")).get("OMP_NUM_THREADS").map(String::as_str), Some("7"));
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("OMP_NUM_THREADS=1"));
+    let out = run(rsrun(dir.path()).args(["sh", "-c", "cat /proc/self/environ > single.$RANK"]));
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    assert!(!read_env(&dir.path().join("single.0")).contains_key("OMP_NUM_THREADS"));
+}
+
+#[test]
+fn static_backend_uses_master_addr_and_port() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(rsrun(dir.path())
+        .args(["--rdzv-backend", "static", "--master-addr", "127.0.0.1", "--master-port", "29777"])
+        .args(["--nproc-per-node", "2", "sh", "-c", "cat /proc/self/environ > env.$RANK"]));
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    let env = read_env(&dir.path().join("env.1"));
+    assert_eq!(env["MASTER_PORT"], "29777");
+    assert_eq!(env["TORCHELASTIC_RUN_ID"], "none");
+    assert!(!env.contains_key("RSRUN_RDZV_ENDPOINT"));
+}

@@ -1,0 +1,42 @@
+//! rsrun exits with the root-cause worker's code, or 128 + its signal.
+
+use rsrun_tests::{code, rsrun, run, text};
+
+#[test]
+fn success_is_zero() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(rsrun(dir.path()).args(["--nproc-per-node", "2", "true"]));
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+}
+
+#[test]
+fn exit_code_of_the_failing_worker() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(rsrun(dir.path()).args(["--nproc-per-node", "3", "sh", "-c", "[ $RANK = 2 ] && exit 7; sleep 30"]));
+    assert_eq!(code(&out.status), 7, "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("Root cause"), "{stderr}");
+    assert!(stderr.contains("rank       : 2 (local_rank 2)"), "{stderr}");
+    assert!(stderr.contains("exit code 7 -> rsrun exits 7"), "{stderr}");
+    assert!(stderr.contains("Other ranks affected"), "{stderr}");
+}
+
+#[test]
+fn sigsegv_is_139() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(rsrun(dir.path()).args(["sh", "-c", "kill -SEGV $$"]));
+    assert_eq!(code(&out.status), 139, "{}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("killed by SIGSEGV (signal 11)"), "{}", text(&out));
+}
+
+#[test]
+fn panic_writes_the_error_file_and_the_report_shows_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let hello = rsrun_tests::bin("hello");
+    let out = run(rsrun(dir.path()).args(["--nproc-per-node", "2"]).arg(&hello).args(["--panic-rank", "1", "--steps", "50"]));
+    assert_eq!(code(&out.status), 101, "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("error      : panic: rank 1 failed on purpose at step 1"), "{stderr}");
+    assert!(stderr.contains("error_file : ") && stderr.contains("/1/error.json"), "{stderr}");
+    assert!(stderr.contains("traceback  :"), "{stderr}");
+}

@@ -1,0 +1,80 @@
+//! Signals: SIGTERM is forwarded and rsrun exits 128+15; `kill -9` of rsrun leaves no process alive;
+//! `--signal-policy SIGUSR1=forward` keeps supervising.
+
+use std::time::Duration;
+
+use rsrun_tests::{KillOnDrop, alive, code, read_pids, rsrun, text, wait_until};
+
+#[test]
+fn sigterm_is_forwarded_then_rsrun_exits_143() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = "trap 'echo got-term > term.$RANK; exit 0' TERM; echo $$ >> pids; while true; do sleep 0.05; done";
+    let child = KillOnDrop::spawn(rsrun(dir.path()).args(["--nproc-per-node", "2", "sh", "-c", script]));
+    let pids_file = dir.path().join("pids");
+    assert!(wait_until(Duration::from_secs(20), || read_pids(&pids_file).len() == 2), "workers did not start");
+    nix_kill(child.pid(), libc::SIGTERM);
+    let out = child.output_within(Duration::from_secs(30));
+    assert_eq!(code(&out.status), 143, "{}", text(&out));
+    for rank in 0..2 {
+        let f = dir.path().join(format!("term.{rank}"));
+        assert_eq!(std::fs::read_to_string(&f).unwrap_or_default(), "got-term\n", "rank {rank} got no SIGTERM");
+    }
+    for pid in read_pids(&pids_file) {
+        assert!(!alive(pid), "worker {pid} survived");
+    }
+}
+
+#[test]
+fn workers_ignoring_sigterm_are_killed_after_the_grace() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = "trap '' TERM; echo $$ >> pids; while true; do sleep 0.05; done";
+    let child = KillOnDrop::spawn(rsrun(dir.path()).args(["--shutdown-timeout", "0.5", "sh", "-c", script]));
+    let pids_file = dir.path().join("pids");
+    assert!(wait_until(Duration::from_secs(20), || read_pids(&pids_file).len() == 1));
+    nix_kill(child.pid(), libc::SIGTERM);
+    let out = child.output_within(Duration::from_secs(30));
+    assert_eq!(code(&out.status), 143, "{}", text(&out));
+    assert!(!alive(read_pids(&pids_file)[0]));
+}
+
+#[test]
+fn kill_9_of_rsrun_leaves_no_survivors() {
+    let dir = tempfile::tempdir().unwrap();
+    // Each worker also starts a grandchild in its process group.
+    let script = "sleep 300 & echo $! >> pids; echo $$ >> pids; wait";
+    let mut child = KillOnDrop::spawn(rsrun(dir.path()).args(["--nproc-per-node", "3", "sh", "-c", script]));
+    let pids_file = dir.path().join("pids");
+    assert!(wait_until(Duration::from_secs(20), || read_pids(&pids_file).len() == 6), "workers did not start");
+    let pids = read_pids(&pids_file);
+    assert!(pids.iter().all(|&p| alive(p)));
+    nix_kill(child.pid(), libc::SIGKILL);
+    let _ = child.0.wait();
+    let gone = wait_until(Duration::from_secs(1), || pids.iter().all(|&p| !alive(p)));
+    let survivors: Vec<i32> = pids.iter().copied().filter(|&p| alive(p)).collect();
+    for &p in &survivors {
+        nix_kill(p, libc::SIGKILL);
+    }
+    assert!(gone, "processes alive 1 s after kill -9 of rsrun: {survivors:?}");
+}
+
+#[test]
+fn sigusr1_forward_policy_keeps_supervising() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = "trap 'echo usr1 >> usr1.$RANK' USR1; echo $$ >> pids; i=0; while [ ! -f usr1.$RANK ] && [ $i -lt 400 ]; do sleep 0.05; i=$((i+1)); done; sleep 0.2; exit 0";
+    let child = KillOnDrop::spawn(rsrun(dir.path()).args(["--signal-policy", "SIGUSR1=forward", "--nproc-per-node", "2", "sh", "-c", script]));
+    let pids_file = dir.path().join("pids");
+    assert!(wait_until(Duration::from_secs(20), || read_pids(&pids_file).len() == 2));
+    nix_kill(child.pid(), libc::SIGUSR1);
+    let out = child.output_within(Duration::from_secs(30));
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    for rank in 0..2 {
+        assert!(dir.path().join(format!("usr1.{rank}")).exists(), "rank {rank} got no SIGUSR1");
+    }
+}
+
+fn nix_kill(pid: i32, sig: i32) {
+    // SAFETY: plain kill(2).
+    unsafe {
+        libc::kill(pid, sig);
+    }
+}
