@@ -1,0 +1,269 @@
+//! Collective benchmark with the nccl-tests conventions.
+//!
+//! Run under the launcher (reads RANK, WORLD_SIZE, MASTER_PORT and TORCHELASTIC_RUN_ID /
+//! RSRUN_RUN_ID from the environment and bootstraps through a file store on the local host):
+//!
+//!     rsrun --standalone --nproc-per-node 2 target/release/collectives-bench
+//!
+//! or standalone, spawning its own ranks:
+//!
+//!     target/release/collectives-bench --spawn 2
+//!
+//! Prints one line per (backend, op, size):
+//! `op=all_reduce backend=shm world=2 bytes=67108864 time_us=... algbw_GBps=... busbw_GBps=...`
+//! with `algbw = bytes / time` and `busbw = algbw · 2(N−1)/N` (all_reduce) or `· (N−1)/N`
+//! (reduce_scatter: bytes = input; all_gather: bytes = output), then a `summary:` line.
+
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use rsrun_training_engine::comm::{BackendKind, CommOptions, FileStore, ProcessGroup, ReduceOp};
+
+const DEFAULT_SIZES: &[usize] = &[
+    1 << 10,
+    4 << 10,
+    16 << 10,
+    64 << 10,
+    256 << 10,
+    1 << 20,
+    4 << 20,
+    16 << 20,
+    64 << 20,
+];
+
+struct Args {
+    spawn: Option<usize>,
+    sizes: Vec<usize>,
+    backends: Vec<String>,
+    ops: Vec<String>,
+    store_dir: Option<PathBuf>,
+    chunk: Option<usize>,
+}
+
+fn parse_args() -> Result<Args> {
+    let mut a = Args {
+        spawn: None,
+        sizes: DEFAULT_SIZES.to_vec(),
+        backends: vec!["auto".into(), "tcp".into()],
+        ops: vec![
+            "all_reduce".into(),
+            "reduce_scatter".into(),
+            "all_gather".into(),
+        ],
+        store_dir: None,
+        chunk: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(k) = it.next() {
+        let mut v = || it.next().with_context(|| format!("{k} needs a value"));
+        match k.as_str() {
+            "--spawn" => a.spawn = Some(v()?.parse()?),
+            "--sizes" => {
+                a.sizes = v()?
+                    .split(',')
+                    .map(|s| s.parse())
+                    .collect::<Result<_, _>>()?
+            }
+            "--backends" => a.backends = v()?.split(',').map(String::from).collect(),
+            "--ops" => a.ops = v()?.split(',').map(String::from).collect(),
+            "--store-dir" => a.store_dir = Some(v()?.into()),
+            "--shm-chunk-bytes" => a.chunk = Some(v()?.parse()?),
+            "-h" | "--help" => {
+                writeln!(
+                    std::io::stdout(),
+                    "collectives-bench [--spawn N] [--sizes B,..] [--backends auto,shm,tcp,hierarchical] [--ops all_reduce,reduce_scatter,all_gather,broadcast] [--store-dir DIR] [--shm-chunk-bytes B]"
+                )?;
+                std::process::exit(0);
+            }
+            other => bail!("unknown argument {other:?}"),
+        }
+    }
+    Ok(a)
+}
+
+fn env_usize(k: &str) -> Result<usize> {
+    std::env::var(k)
+        .with_context(|| format!("{k} is not set (run under rsrun, or use --spawn N)"))?
+        .parse()
+        .with_context(|| format!("{k} is not a number"))
+}
+
+/// Spawns `n` ranks of this binary with the launcher's environment variables.
+fn spawn(n: usize) -> Result<()> {
+    let dir = std::env::temp_dir().join(format!("collectives-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let exe = std::env::current_exe()?;
+    let args: Vec<String> = {
+        let mut out = Vec::new();
+        let mut it = std::env::args().skip(1);
+        while let Some(a) = it.next() {
+            if a == "--spawn" {
+                it.next();
+            } else {
+                out.push(a);
+            }
+        }
+        out
+    };
+    let children: Vec<_> = (0..n)
+        .map(|rank| {
+            std::process::Command::new(&exe)
+                .args(&args)
+                .env("RANK", rank.to_string())
+                .env("LOCAL_RANK", rank.to_string())
+                .env("WORLD_SIZE", n.to_string())
+                .env("LOCAL_WORLD_SIZE", n.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .arg("--store-dir")
+                .arg(&dir)
+                .spawn()
+        })
+        .collect::<Result<_, _>>()?;
+    let mut ok = true;
+    for mut c in children {
+        ok &= c.wait()?.success();
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    if !ok {
+        bail!("a rank failed");
+    }
+    Ok(())
+}
+
+fn busbw_factor(op: &str, n: usize) -> f64 {
+    let n = n as f64;
+    match op {
+        "all_reduce" => 2.0 * (n - 1.0) / n,
+        "reduce_scatter" | "all_gather" => (n - 1.0) / n,
+        _ => 1.0,
+    }
+}
+
+/// Times `iters` calls of `op` at `bytes` bytes; returns the slowest rank's mean seconds.
+fn time_op(pg: &ProcessGroup, op: &str, bytes: usize) -> Result<f64> {
+    let n = pg.world_size();
+    let elems = (bytes / 4).max(1);
+    let per = (elems / n).max(1);
+    let mut buf = vec![1.0f32; elems];
+    let mut shard = vec![1.0f32; per];
+    let mut full = vec![0.0f32; per * n];
+    let mut run = |pg: &ProcessGroup| -> Result<()> {
+        match op {
+            "all_reduce" => pg.all_reduce(&mut buf, ReduceOp::Sum)?,
+            "reduce_scatter" => pg.reduce_scatter(&full, &mut shard, ReduceOp::Sum)?,
+            "all_gather" => pg.all_gather(&shard, &mut full)?,
+            "broadcast" => pg.broadcast(&mut buf, 0)?,
+            other => bail!("unknown op {other}"),
+        }
+        Ok(())
+    };
+    let iters = (2e9 / bytes as f64).clamp(5.0, 5000.0) as usize;
+    for _ in 0..iters.min(20) {
+        run(pg)?;
+    }
+    pg.barrier()?;
+    let t0 = Instant::now();
+    for _ in 0..iters {
+        run(pg)?;
+    }
+    let mut dt = [t0.elapsed().as_secs_f64() / iters as f64];
+    pg.all_reduce(&mut dt, ReduceOp::Max)?;
+    Ok(dt[0])
+}
+
+fn main() -> Result<()> {
+    let args = parse_args()?;
+    if let Some(n) = args.spawn {
+        return spawn(n);
+    }
+    let rank = env_usize("RANK")?;
+    let world = env_usize("WORLD_SIZE")?;
+    let dir = match &args.store_dir {
+        Some(d) => d.clone(),
+        None => {
+            let run = std::env::var("RSRUN_RUN_ID")
+                .or_else(|_| std::env::var("TORCHELASTIC_RUN_ID"))
+                .unwrap_or_else(|_| "none".into());
+            let port = std::env::var("MASTER_PORT").unwrap_or_else(|_| "0".into());
+            std::env::temp_dir().join(format!("collectives-bench-{run}-{port}"))
+        }
+    };
+    let store = Arc::new(FileStore::new(&dir)?);
+    let mut out = std::io::stdout().lock();
+    let mut results: BTreeMap<(String, String, usize), (f64, f64)> = BTreeMap::new();
+    for backend in &args.backends {
+        let kind: BackendKind = backend.parse()?;
+        let mut opts = CommOptions {
+            backend: kind,
+            timeout: Duration::from_secs(120),
+            ..CommOptions::default()
+        };
+        if let Some(c) = args.chunk {
+            opts.shm_chunk_bytes = c;
+        }
+        let pg = ProcessGroup::new(
+            rank,
+            world,
+            store.clone(),
+            &format!("bench/{backend}"),
+            opts,
+        )?;
+        let name = pg.backend();
+        for op in &args.ops {
+            for &bytes in &args.sizes {
+                let t = time_op(&pg, op, bytes)?;
+                let algbw = bytes as f64 / t / 1e9;
+                let busbw = algbw * busbw_factor(op, world);
+                if rank == 0 {
+                    writeln!(
+                        out,
+                        "op={op} backend={name} world={world} bytes={bytes} time_us={:.1} algbw_GBps={algbw:.3} busbw_GBps={busbw:.3}",
+                        t * 1e6
+                    )?;
+                    out.flush()?;
+                }
+                results.insert((backend.clone(), op.clone(), bytes), (t, busbw));
+            }
+        }
+        pg.barrier()?;
+    }
+    if rank == 0 {
+        let get = |b: &str, op: &str, bytes: usize, us: bool| {
+            results.get(&(b.to_string(), op.to_string(), bytes)).map_or(
+                "n/a".to_string(),
+                |(t, bw)| {
+                    if us {
+                        format!("{:.1}", t * 1e6)
+                    } else {
+                        format!("{bw:.3}")
+                    }
+                },
+            )
+        };
+        let main = args
+            .backends
+            .iter()
+            .find(|b| b.as_str() != "tcp")
+            .cloned()
+            .unwrap_or_else(|| "auto".into());
+        writeln!(
+            out,
+            "summary: world={world} allreduce_64MiB_busbw_GBps={} allreduce_1KiB_us={} reduce_scatter_64MiB_busbw_GBps={} all_gather_64MiB_busbw_GBps={} tcp_allreduce_64MiB_busbw_GBps={}",
+            get(&main, "all_reduce", 64 << 20, false),
+            get(&main, "all_reduce", 1 << 10, true),
+            get(&main, "reduce_scatter", 64 << 20, false),
+            get(&main, "all_gather", 64 << 20, false),
+            get("tcp", "all_reduce", 64 << 20, false),
+        )?;
+        if args.store_dir.is_none() {
+            // Give the other ranks a moment to finish reading, then clean up the store.
+            std::thread::sleep(Duration::from_millis(200));
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,497 @@
+//! Element types and the reduction kernels.
+//!
+//! Reductions are computed tile by tile (1024 elements) into an accumulator in the element's
+//! accumulation type, so that the loops vectorize and sources may alias the destination.
+//!
+//! Numerics:
+//! - `f32`, `f64`: accumulate in the element type.
+//! - `bf16`, `f16`: accumulate in `f32`, round once when the tile is stored. A fold of N
+//!   inputs in one kernel call (shared memory, deterministic TCP, small TCP messages) therefore
+//!   rounds once; the pipelined TCP ring folds one peer per step and rounds at every step.
+//! - integers: wrapping arithmetic; `Avg` is the wrapped sum divided by N, truncating toward zero.
+//! - `Max`/`Min` use `>`/`<` comparisons (a NaN in the accumulator is kept, a NaN source is not).
+
+use half::slice::HalfFloatSliceExt;
+use half::{bf16, f16};
+
+use super::error::{CommError, Result};
+
+/// The element types collectives accept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum DType {
+    F32 = 1,
+    F64 = 2,
+    BF16 = 3,
+    F16 = 4,
+    I32 = 5,
+    I64 = 6,
+    U8 = 7,
+}
+
+impl DType {
+    /// Size of one element in bytes.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 | DType::I32 => 4,
+            DType::F64 | DType::I64 => 8,
+            DType::BF16 | DType::F16 => 2,
+            DType::U8 => 1,
+        }
+    }
+
+    /// Lower-case name, as in error messages.
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F64 => "f64",
+            DType::BF16 => "bf16",
+            DType::F16 => "f16",
+            DType::I32 => "i32",
+            DType::I64 => "i64",
+            DType::U8 => "u8",
+        }
+    }
+
+    pub(crate) fn from_u8(v: u8) -> Option<DType> {
+        Some(match v {
+            1 => DType::F32,
+            2 => DType::F64,
+            3 => DType::BF16,
+            4 => DType::F16,
+            5 => DType::I32,
+            6 => DType::I64,
+            7 => DType::U8,
+            _ => return None,
+        })
+    }
+}
+
+/// Reduction operators. `Avg` is `Sum` followed by a division by the group size (as Gloo does).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum ReduceOp {
+    Sum = 1,
+    Avg = 2,
+    Max = 3,
+    Min = 4,
+}
+
+impl ReduceOp {
+    pub(crate) fn from_u8(v: u8) -> Option<ReduceOp> {
+        Some(match v {
+            1 => ReduceOp::Sum,
+            2 => ReduceOp::Avg,
+            3 => ReduceOp::Max,
+            4 => ReduceOp::Min,
+            _ => return None,
+        })
+    }
+
+    /// Lower-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Avg => "avg",
+            ReduceOp::Max => "max",
+            ReduceOp::Min => "min",
+        }
+    }
+}
+
+/// A plain-old-data element type that collectives can move and reduce.
+pub trait Element: bytemuck::Pod + Send + Sync + 'static {
+    /// The runtime tag of this type.
+    const DTYPE: DType;
+}
+
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+}
+impl Element for f64 {
+    const DTYPE: DType = DType::F64;
+}
+impl Element for bf16 {
+    const DTYPE: DType = DType::BF16;
+}
+impl Element for f16 {
+    const DTYPE: DType = DType::F16;
+}
+impl Element for i32 {
+    const DTYPE: DType = DType::I32;
+}
+impl Element for i64 {
+    const DTYPE: DType = DType::I64;
+}
+impl Element for u8 {
+    const DTYPE: DType = DType::U8;
+}
+
+const TILE: usize = 1024;
+
+/// Arithmetic on the accumulation type.
+trait Acc: Copy + Default + Send + Sync + 'static {
+    fn add(a: Self, b: Self) -> Self;
+    fn max(a: Self, b: Self) -> Self;
+    fn min(a: Self, b: Self) -> Self;
+    fn div_n(a: Self, n: usize) -> Self;
+}
+
+macro_rules! acc_float {
+    ($t:ty) => {
+        impl Acc for $t {
+            #[inline(always)]
+            fn add(a: Self, b: Self) -> Self {
+                a + b
+            }
+            #[inline(always)]
+            fn max(a: Self, b: Self) -> Self {
+                if b > a { b } else { a }
+            }
+            #[inline(always)]
+            fn min(a: Self, b: Self) -> Self {
+                if b < a { b } else { a }
+            }
+            #[inline(always)]
+            fn div_n(a: Self, n: usize) -> Self {
+                a / (n as $t)
+            }
+        }
+    };
+}
+acc_float!(f32);
+acc_float!(f64);
+
+macro_rules! acc_int {
+    ($t:ty) => {
+        impl Acc for $t {
+            #[inline(always)]
+            fn add(a: Self, b: Self) -> Self {
+                a.wrapping_add(b)
+            }
+            #[inline(always)]
+            fn max(a: Self, b: Self) -> Self {
+                if b > a { b } else { a }
+            }
+            #[inline(always)]
+            fn min(a: Self, b: Self) -> Self {
+                if b < a { b } else { a }
+            }
+            #[inline(always)]
+            fn div_n(a: Self, n: usize) -> Self {
+                // n is a group size (>= 1); it fits every integer type we use except u8 for
+                // groups larger than 255, where the average of u8 values is always 0.
+                match <$t>::try_from(n) {
+                    Ok(d) => a / d,
+                    Err(_) => 0,
+                }
+            }
+        }
+    };
+}
+acc_int!(i32);
+acc_int!(i64);
+acc_int!(u8);
+
+/// Element ↔ accumulator conversion.
+trait Kern: bytemuck::Pod + Send + Sync {
+    type A: Acc;
+    fn load(src: &[Self], acc: &mut [Self::A]);
+    fn combine(src: &[Self], acc: &mut [Self::A], op: ReduceOp);
+    fn store(acc: &[Self::A], dst: &mut [Self]);
+}
+
+#[inline(always)]
+fn combine_acc<A: Acc>(src: &[A], acc: &mut [A], op: ReduceOp) {
+    match op {
+        ReduceOp::Sum | ReduceOp::Avg => {
+            for (a, s) in acc.iter_mut().zip(src) {
+                *a = A::add(*a, *s);
+            }
+        }
+        ReduceOp::Max => {
+            for (a, s) in acc.iter_mut().zip(src) {
+                *a = A::max(*a, *s);
+            }
+        }
+        ReduceOp::Min => {
+            for (a, s) in acc.iter_mut().zip(src) {
+                *a = A::min(*a, *s);
+            }
+        }
+    }
+}
+
+macro_rules! kern_native {
+    ($t:ty) => {
+        impl Kern for $t {
+            type A = $t;
+            #[inline(always)]
+            fn load(src: &[Self], acc: &mut [Self::A]) {
+                acc.copy_from_slice(src);
+            }
+            #[inline(always)]
+            fn combine(src: &[Self], acc: &mut [Self::A], op: ReduceOp) {
+                combine_acc(src, acc, op);
+            }
+            #[inline(always)]
+            fn store(acc: &[Self::A], dst: &mut [Self]) {
+                dst.copy_from_slice(acc);
+            }
+        }
+    };
+}
+kern_native!(f32);
+kern_native!(f64);
+kern_native!(i32);
+kern_native!(i64);
+kern_native!(u8);
+
+macro_rules! kern_half {
+    ($t:ty) => {
+        impl Kern for $t {
+            type A = f32;
+            #[inline(always)]
+            fn load(src: &[Self], acc: &mut [f32]) {
+                src.convert_to_f32_slice(acc);
+            }
+            #[inline(always)]
+            fn combine(src: &[Self], acc: &mut [f32], op: ReduceOp) {
+                let mut tmp = [0f32; TILE];
+                let tmp = &mut tmp[..src.len()];
+                src.convert_to_f32_slice(tmp);
+                combine_acc(tmp, acc, op);
+            }
+            #[inline(always)]
+            fn store(acc: &[f32], dst: &mut [Self]) {
+                dst.convert_from_f32_slice(acc);
+            }
+        }
+    };
+}
+kern_half!(bf16);
+kern_half!(f16);
+
+fn misaligned(what: &str) -> CommError {
+    CommError::InvalidArgument(format!("{what} buffer is not aligned for its element type"))
+}
+
+/// `out = fold(srcs[0], srcs[1], ...)` in order, then `/ avg_n` when given.
+///
+/// # Safety
+/// `out` must be valid for writes and every `srcs[i]` valid for reads of `n` elements of `K`,
+/// all suitably aligned; no other thread may write those bytes during the call. `out` may be
+/// equal to (alias exactly) one of the sources, but must not partially overlap any of them.
+unsafe fn fold_raw<K: Kern>(
+    op: ReduceOp,
+    out: *mut K,
+    srcs: &[*const K],
+    n: usize,
+    avg_n: Option<usize>,
+) {
+    let mut acc = [<K::A as Default>::default(); TILE];
+    let mut off = 0;
+    while off < n {
+        let len = TILE.min(n - off);
+        let acc = &mut acc[..len];
+        for (i, src) in srcs.iter().enumerate() {
+            // SAFETY: the caller guarantees `src` is valid for `n` reads; `off + len <= n`.
+            let s = unsafe { std::slice::from_raw_parts(src.add(off), len) };
+            if i == 0 {
+                K::load(s, acc);
+            } else {
+                K::combine(s, acc, op);
+            }
+        }
+        if let Some(d) = avg_n {
+            for a in acc.iter_mut() {
+                *a = K::A::div_n(*a, d);
+            }
+        }
+        // SAFETY: the caller guarantees `out` is valid for `n` writes; the source slices of this
+        // tile are no longer used, so an `out` that aliases a source is fine.
+        let dst = unsafe { std::slice::from_raw_parts_mut(out.add(off), len) };
+        K::store(acc, dst);
+        off += len;
+    }
+}
+
+/// Byte-level entry point: folds `srcs` (each `nbytes` long) into `out` in source order.
+///
+/// # Safety
+/// As [`fold_raw`], with `nbytes` bytes per pointer; `nbytes` must be a multiple of the element size.
+pub(crate) unsafe fn fold_bytes_raw(
+    dt: DType,
+    op: ReduceOp,
+    out: *mut u8,
+    srcs: &[*const u8],
+    nbytes: usize,
+    avg_n: Option<usize>,
+) -> Result<()> {
+    let sz = dt.size();
+    if !nbytes.is_multiple_of(sz) {
+        return Err(CommError::InvalidArgument(format!(
+            "{nbytes} bytes is not a whole number of {} elements",
+            dt.name()
+        )));
+    }
+    if !(out as usize).is_multiple_of(sz) || srcs.iter().any(|p| !(*p as usize).is_multiple_of(sz))
+    {
+        return Err(misaligned(dt.name()));
+    }
+    if srcs.is_empty() {
+        return Ok(());
+    }
+    let n = nbytes / sz;
+    macro_rules! go {
+        ($t:ty) => {{
+            let s: Vec<*const $t> = srcs.iter().map(|p| *p as *const $t).collect();
+            // SAFETY: forwarded from the caller; alignment checked above.
+            unsafe { fold_raw::<$t>(op, out as *mut $t, &s, n, avg_n) }
+        }};
+    }
+    match dt {
+        DType::F32 => go!(f32),
+        DType::F64 => go!(f64),
+        DType::BF16 => go!(bf16),
+        DType::F16 => go!(f16),
+        DType::I32 => go!(i32),
+        DType::I64 => go!(i64),
+        DType::U8 => go!(u8),
+    }
+    Ok(())
+}
+
+/// `acc = acc op x` elementwise.
+pub(crate) fn fold_into(dt: DType, op: ReduceOp, acc: &mut [u8], x: &[u8]) -> Result<()> {
+    if acc.len() != x.len() {
+        return Err(CommError::InvalidArgument(format!(
+            "reduce operands differ in length: {} vs {} bytes",
+            acc.len(),
+            x.len()
+        )));
+    }
+    let p = acc.as_mut_ptr();
+    // SAFETY: both slices are valid for their length; `out` aliases exactly source 0.
+    unsafe { fold_bytes_raw(dt, op, p, &[p as *const u8, x.as_ptr()], acc.len(), None) }
+}
+
+/// `out = fold(srcs in order)`, with the average applied once at the end when `avg_n` is given.
+pub(crate) fn fold_many(
+    dt: DType,
+    op: ReduceOp,
+    out: &mut [u8],
+    srcs: &[&[u8]],
+    avg_n: Option<usize>,
+) -> Result<()> {
+    if let Some(bad) = srcs.iter().find(|s| s.len() != out.len()) {
+        return Err(CommError::InvalidArgument(format!(
+            "reduce operands differ in length: {} vs {} bytes",
+            bad.len(),
+            out.len()
+        )));
+    }
+    let ptrs: Vec<*const u8> = srcs.iter().map(|s| s.as_ptr()).collect();
+    // SAFETY: `out` is exclusively borrowed, so it cannot overlap the shared source borrows.
+    unsafe { fold_bytes_raw(dt, op, out.as_mut_ptr(), &ptrs, out.len(), avg_n) }
+}
+
+/// `buf /= n` elementwise (the `Avg` finish step).
+pub(crate) fn divide(dt: DType, buf: &mut [u8], n: usize) -> Result<()> {
+    let p = buf.as_mut_ptr();
+    // SAFETY: a fold of one source aliasing the output is a copy; the division is applied in place.
+    unsafe { fold_bytes_raw(dt, ReduceOp::Sum, p, &[p as *const u8], buf.len(), Some(n)) }
+}
+
+/// A heap buffer aligned to 64 bytes, used as scratch space for received data.
+pub(crate) struct AlignedBuf {
+    words: Vec<[u64; 8]>,
+    len: usize,
+}
+
+impl AlignedBuf {
+    pub(crate) fn new() -> Self {
+        AlignedBuf {
+            words: Vec::new(),
+            len: 0,
+        }
+    }
+
+    /// Resizes to `len` bytes (contents unspecified) and returns the bytes.
+    pub(crate) fn get(&mut self, len: usize) -> &mut [u8] {
+        let words = len.div_ceil(64);
+        if self.words.len() < words {
+            self.words.resize(words, [0u64; 8]);
+        }
+        self.len = len;
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut self.words[..]);
+        &mut bytes[..len]
+    }
+
+    pub(crate) fn as_slice(&self) -> &[u8] {
+        let bytes: &[u8] = bytemuck::cast_slice(&self.words[..]);
+        &bytes[..self.len]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fold_many_orders_and_averages() {
+        let a = [1.0f32, 5.0, -3.0];
+        let b = [2.0f32, 1.0, 7.0];
+        let mut out = [0f32; 3];
+        fold_many(
+            DType::F32,
+            ReduceOp::Avg,
+            bytemuck::cast_slice_mut(&mut out),
+            &[bytemuck::cast_slice(&a), bytemuck::cast_slice(&b)],
+            Some(2),
+        )
+        .unwrap();
+        assert_eq!(out, [1.5, 3.0, 2.0]);
+        let mut m = a;
+        fold_into(
+            DType::F32,
+            ReduceOp::Max,
+            bytemuck::cast_slice_mut(&mut m),
+            bytemuck::cast_slice(&b),
+        )
+        .unwrap();
+        assert_eq!(m, [2.0, 5.0, 7.0]);
+    }
+
+    #[test]
+    fn half_accumulates_in_f32_and_rounds_once() {
+        // 256 + 1 + 1 in bf16 step by step stays 256 (1 is below half an ulp); in f32 it is 258.
+        let v: Vec<Vec<bf16>> = [256.0f32, 1.0, 1.0]
+            .iter()
+            .map(|x| vec![bf16::from_f32(*x); 2000])
+            .collect();
+        let srcs: Vec<&[u8]> = v.iter().map(|x| bytemuck::cast_slice(&x[..])).collect();
+        let mut out = vec![bf16::ZERO; 2000];
+        fold_many(
+            DType::BF16,
+            ReduceOp::Sum,
+            bytemuck::cast_slice_mut(&mut out),
+            &srcs,
+            None,
+        )
+        .unwrap();
+        assert!(out.iter().all(|x| x.to_f32() == 258.0));
+    }
+
+    #[test]
+    fn integers_wrap_and_truncate() {
+        let a = [250u8, 3];
+        let b = [10u8, 4];
+        let mut out = [0u8; 2];
+        fold_many(DType::U8, ReduceOp::Avg, &mut out, &[&a, &b], Some(2)).unwrap();
+        assert_eq!(out, [2, 3]);
+        let mut i = [-7i64];
+        divide(DType::I64, bytemuck::cast_slice_mut(&mut i), 2).unwrap();
+        assert_eq!(i, [-3]);
+    }
+}

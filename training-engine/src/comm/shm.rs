@@ -1,0 +1,818 @@
+//! Shared-memory backend for ranks on one host.
+//!
+//! One segment per group, created by group rank 0 in `/dev/shm` (unlinked as soon as every
+//! rank has mapped it). Layout: a global line with the futex word, one 256-byte control block
+//! per rank (arrival counter, op headers, abort record, pid), then two data buffers of
+//! `shm_chunk_bytes` per rank.
+//!
+//! Synchronization is an epoch counter per rank: a rank "arrives" by publishing its counter
+//! (release) and waits until every counter reaches its own (acquire), spinning briefly and then
+//! sleeping on a shared futex. Data buffers alternate between two sets, so a buffer is only
+//! rewritten after every rank has passed the next synchronization point: each chunk needs one
+//! (single-slot ops) or two (reduce-scatter + all-gather) synchronizations and no barrier.
+//!
+//! Reductions: rank r folds sub-slice r of the chunk from every rank's buffer in rank order
+//! 0..N-1 (so both cores reduce in parallel, and results are deterministic), then every rank
+//! copies all reduced sub-slices out. Messages up to `shm_small_bytes` take a one-sync path
+//! where each rank folds the whole buffer itself.
+//!
+//! Failure detection: every wait has the op deadline; a peer that exits is seen through a
+//! pidfd; a rank that fails publishes an abort record that every waiting peer checks.
+
+use std::fs::OpenOptions;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use super::dtype::{ReduceOp, fold_bytes_raw};
+use super::error::{CommError, Result};
+use super::op::{OpHeader, Traffic, block_range};
+use super::tcp::TcpBackend;
+use super::{Backend, Ctx};
+
+const MAGIC: u64 = 0x7273_7275_6e73_686d; // "rsrunshm"
+const FUTEX_OFF: usize = 64;
+const SLEEPERS_OFF: usize = 128;
+const CTRL_BASE: usize = 256;
+const CTRL_STRIDE: usize = 256;
+const SEQ_OFF: usize = 0;
+const HDR_OFF: usize = 64;
+const ABORT_OFF: usize = 128;
+const ORIGIN_OFF: usize = 132;
+const KIND_OFF: usize = 136;
+const PID_OFF: usize = 140;
+
+const ABORT_DIED: u32 = 1;
+const ABORT_TIMEOUT: u32 = 2;
+const ABORT_MISMATCH: u32 = 3;
+const ABORT_OTHER: u32 = 4;
+
+struct Mapping {
+    base: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain shared memory; all cross-rank access goes through atomics or
+// through regions the protocol hands to exactly one writer at a time.
+unsafe impl Send for Mapping {}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: `base`/`len` come from a successful mmap and are unmapped exactly once.
+        unsafe {
+            libc::munmap(self.base.cast(), self.len);
+        }
+    }
+}
+
+fn map_file(file: &std::fs::File, len: usize) -> Result<Mapping> {
+    // SAFETY: mapping a regular file we opened read-write, MAP_SHARED, with its full length.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_SHARED,
+            file.as_raw_fd(),
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return Err(CommError::io(
+            "mapping the shared-memory segment",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    Ok(Mapping {
+        base: p.cast(),
+        len,
+    })
+}
+
+fn futex_wait(word: &AtomicU32, val: u32, timeout: Duration) {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: `word` points into the live mapping; FUTEX_WAIT (shared) only reads it and sleeps
+    // at most `timeout`.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            val,
+            &ts as *const libc::timespec,
+            std::ptr::null::<u32>(),
+            0,
+        );
+    }
+}
+
+fn futex_wake(word: &AtomicU32) {
+    // SAFETY: `word` points into the live mapping; FUTEX_WAKE does not access memory.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE,
+            i32::MAX,
+            std::ptr::null::<libc::timespec>(),
+            std::ptr::null::<u32>(),
+            0,
+        );
+    }
+}
+
+fn pidfd_open(pid: u32) -> Option<OwnedFd> {
+    // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+    if fd < 0 {
+        return None;
+    }
+    // SAFETY: `fd` is a fresh descriptor we own.
+    Some(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+}
+
+fn pid_exited(fd: &OwnedFd) -> bool {
+    let mut p = [libc::pollfd {
+        fd: fd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    }];
+    super::mesh::poll_fds(&mut p, Duration::ZERO);
+    p[0].revents & libc::POLLIN != 0
+}
+
+pub(crate) struct ShmBackend {
+    ctx: Ctx,
+    map: Mapping,
+    slot: usize,
+    data_base: usize,
+    epoch: u64,
+    parity: usize,
+    pidfds: Vec<Option<OwnedFd>>,
+    pids: Vec<u32>,
+    p2p: Option<TcpBackend>,
+    spin: Duration,
+}
+
+impl ShmBackend {
+    /// Creates or attaches the group's segment. `with_p2p` also connects a TCP mesh for send/recv.
+    pub(crate) fn new(ctx: &Ctx, with_p2p: bool) -> Result<Self> {
+        let (rank, world) = (ctx.rank, ctx.world);
+        let boot_err = |reason: String| CommError::Bootstrap {
+            prefix: ctx.prefix.clone(),
+            reason,
+        };
+        let slot = ctx.opts.shm_chunk_bytes.max(4096).next_multiple_of(4096);
+        let data_base = (CTRL_BASE + world * CTRL_STRIDE).next_multiple_of(4096);
+        let len = data_base + world * 2 * slot;
+        let deadline = Instant::now() + ctx.opts.timeout;
+        let name_key = format!("{}/shm/name", ctx.prefix);
+        let (map, path) = if rank == 0 {
+            static COUNTER: AtomicU64 = AtomicU64::new(0);
+            let dir = if std::path::Path::new("/dev/shm").is_dir() {
+                PathBuf::from("/dev/shm")
+            } else {
+                std::env::temp_dir()
+            };
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos())
+                .unwrap_or(0);
+            let path = dir.join(format!(
+                "rsrun-comm-{}-{nanos:x}-{}",
+                std::process::id(),
+                COUNTER.fetch_add(1, Ordering::Relaxed)
+            ));
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&path)
+                .map_err(|e| CommError::io(format!("creating {}", path.display()), e))?;
+            file.set_len(len as u64)
+                .map_err(|e| CommError::io(format!("sizing {}", path.display()), e))?;
+            let map = map_file(&file, len)?;
+            // SAFETY: offset 0..24 is inside the mapping, 8-aligned; nobody else has it yet.
+            unsafe {
+                (map.base as *mut u64).write(MAGIC);
+                (map.base as *mut u64).add(1).write(world as u64);
+                (map.base as *mut u64).add(2).write(slot as u64);
+            }
+            ctx.store
+                .set(&name_key, format!("{}\n{len}", path.display()).as_bytes())?;
+            (map, Some(path))
+        } else {
+            let v = ctx.store.get(
+                &name_key,
+                deadline.saturating_duration_since(Instant::now()),
+            )?;
+            let v = String::from_utf8_lossy(&v).to_string();
+            let (p, l) = v
+                .split_once('\n')
+                .ok_or_else(|| boot_err(format!("bad segment record {v:?}")))?;
+            let l: usize = l
+                .parse()
+                .map_err(|_| boot_err(format!("bad segment length {l:?}")))?;
+            if l != len {
+                return Err(boot_err(format!(
+                    "segment length {l} differs from {len} (different shm_chunk_bytes on ranks?)"
+                )));
+            }
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open(p)
+                .map_err(|e| {
+                    CommError::io(
+                        format!("opening {p} (ranks on different hosts or /dev/shm not shared?)"),
+                        e,
+                    )
+                })?;
+            let map = map_file(&file, len)?;
+            // SAFETY: offset 0 is inside the mapping and 8-aligned; written before the name was published.
+            let magic = unsafe { (map.base as *const u64).read_volatile() };
+            if magic != MAGIC {
+                return Err(boot_err(format!("segment {p} has a bad magic {magic:#x}")));
+            }
+            (map, None)
+        };
+        let mut me = ShmBackend {
+            ctx: ctx.clone(),
+            map,
+            slot,
+            data_base,
+            epoch: 0,
+            parity: 0,
+            pidfds: Vec::new(),
+            pids: vec![0; world],
+            p2p: None,
+            spin: ctx.opts.spin,
+        };
+        let pid = std::process::id();
+        me.u32_at(me.ctrl(rank) + PID_OFF)
+            .store(pid, Ordering::Release);
+        ctx.store.set(
+            &format!("{}/shm/attached/{rank}", ctx.prefix),
+            pid.to_string().as_bytes(),
+        )?;
+        let mut attach_err = None;
+        for j in 0..world {
+            let key = format!("{}/shm/attached/{j}", ctx.prefix);
+            match ctx
+                .store
+                .get(&key, deadline.saturating_duration_since(Instant::now()))
+            {
+                Ok(v) => me.pids[j] = String::from_utf8_lossy(&v).parse().unwrap_or(0),
+                Err(e) => {
+                    attach_err = Some(e);
+                    break;
+                }
+            }
+        }
+        if let Some(path) = path {
+            // Every rank has mapped it (or bootstrap failed): the name is no longer needed.
+            let _ = std::fs::remove_file(path);
+        }
+        if let Some(e) = attach_err {
+            return Err(e);
+        }
+        me.pidfds = me
+            .pids
+            .iter()
+            .map(|p| {
+                if *p == pid || *p == 0 {
+                    None
+                } else {
+                    pidfd_open(*p)
+                }
+            })
+            .collect();
+        let cores = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1);
+        if world > cores {
+            // Oversubscribed: spinning would steal the core from the rank we wait for.
+            me.spin = me.spin.min(Duration::from_micros(2));
+        }
+        if with_p2p {
+            let mut sub = ctx.clone();
+            sub.prefix = format!("{}/p2p", ctx.prefix);
+            me.p2p = Some(TcpBackend::new(&sub)?);
+        }
+        Ok(me)
+    }
+
+    fn ctrl(&self, j: usize) -> usize {
+        CTRL_BASE + j * CTRL_STRIDE
+    }
+
+    fn u64_at(&self, off: usize) -> &AtomicU64 {
+        debug_assert!(off + 8 <= self.map.len && off.is_multiple_of(8));
+        // SAFETY: every caller passes a fixed, 8-aligned control offset inside the mapping; the
+        // mapping outlives `&self`; these words are only ever accessed atomically.
+        unsafe { &*(self.map.base.add(off) as *const AtomicU64) }
+    }
+
+    fn u32_at(&self, off: usize) -> &AtomicU32 {
+        debug_assert!(off + 4 <= self.map.len && off.is_multiple_of(4));
+        // SAFETY: as for `u64_at`, with 4-byte alignment.
+        unsafe { &*(self.map.base.add(off) as *const AtomicU32) }
+    }
+
+    fn data(&self, j: usize, b: usize) -> *mut u8 {
+        // In bounds: data_base + (world*2)*slot == mapping length.
+        self.map
+            .base
+            .wrapping_add(self.data_base + (j * 2 + b) * self.slot)
+    }
+
+    fn next_buf(&mut self) -> usize {
+        let b = self.parity;
+        self.parity ^= 1;
+        b
+    }
+
+    fn arrive(&mut self) {
+        self.epoch += 1;
+        self.u64_at(self.ctrl(self.ctx.rank) + SEQ_OFF)
+            .store(self.epoch, Ordering::Release);
+        self.u32_at(FUTEX_OFF).fetch_add(1, Ordering::SeqCst);
+        if self.u32_at(SLEEPERS_OFF).load(Ordering::SeqCst) > 0 {
+            futex_wake(self.u32_at(FUTEX_OFF));
+        }
+    }
+
+    fn all_arrived(&self) -> bool {
+        (0..self.ctx.world)
+            .all(|j| self.u64_at(self.ctrl(j) + SEQ_OFF).load(Ordering::Acquire) >= self.epoch)
+    }
+
+    fn check_aborts(&self) -> Result<()> {
+        for j in 0..self.ctx.world {
+            if j == self.ctx.rank {
+                continue;
+            }
+            let c = self.ctrl(j);
+            if self.u32_at(c + ABORT_OFF).load(Ordering::Acquire) != 0 {
+                let origin = self.u32_at(c + ORIGIN_OFF).load(Ordering::Relaxed) as usize;
+                let detail = match self.u32_at(c + KIND_OFF).load(Ordering::Relaxed) {
+                    ABORT_DIED => "process died",
+                    ABORT_TIMEOUT => "timed out",
+                    ABORT_MISMATCH => "mismatched collective",
+                    _ => "error",
+                };
+                return Err(CommError::Aborted {
+                    by: self.ctx.names[j],
+                    origin,
+                    detail: detail.to_string(),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn check_dead(&self) -> Result<()> {
+        for j in 0..self.ctx.world {
+            if self.u64_at(self.ctrl(j) + SEQ_OFF).load(Ordering::Acquire) >= self.epoch {
+                continue;
+            }
+            if let Some(fd) = &self.pidfds[j]
+                && pid_exited(fd)
+            {
+                return Err(CommError::PeerFailed {
+                    peer: self.ctx.names[j],
+                    op: "shared-memory wait".into(),
+                    detail: format!("process {} exited", self.pids[j]),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits until every rank has arrived at our epoch.
+    fn wait_all(&self, op: &str, deadline: Instant) -> Result<()> {
+        if self.all_arrived() {
+            return Ok(());
+        }
+        let start = Instant::now();
+        let mut i: u32 = 0;
+        loop {
+            std::hint::spin_loop();
+            if self.all_arrived() {
+                return Ok(());
+            }
+            i = i.wrapping_add(1);
+            if i.is_multiple_of(256) {
+                self.check_aborts()?;
+                if start.elapsed() >= self.spin {
+                    break;
+                }
+            }
+        }
+        let futex = self.u32_at(FUTEX_OFF);
+        let sleepers = self.u32_at(SLEEPERS_OFF);
+        loop {
+            self.check_aborts()?;
+            self.check_dead()?;
+            let now = Instant::now();
+            if now >= deadline {
+                // Grace period: if the late peer gave up first (blaming someone else), report that.
+                let grace = now + Duration::from_millis(50).min(self.ctx.opts.timeout);
+                while Instant::now() < grace {
+                    self.check_aborts()?;
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                let peer = (0..self.ctx.world)
+                    .find(|j| {
+                        self.u64_at(self.ctrl(*j) + SEQ_OFF).load(Ordering::Acquire) < self.epoch
+                    })
+                    .unwrap_or(self.ctx.rank);
+                return Err(CommError::Timeout {
+                    peer: self.ctx.names[peer],
+                    op: op.to_string(),
+                    waited_ms: self.ctx.opts.timeout.as_millis() as u64,
+                });
+            }
+            sleepers.fetch_add(1, Ordering::SeqCst);
+            let v = futex.load(Ordering::SeqCst);
+            if self.all_arrived() {
+                sleepers.fetch_sub(1, Ordering::SeqCst);
+                return Ok(());
+            }
+            futex_wait(futex, v, (deadline - now).min(Duration::from_millis(10)));
+            sleepers.fetch_sub(1, Ordering::SeqCst);
+            if self.all_arrived() {
+                return Ok(());
+            }
+        }
+    }
+
+    fn sync(&mut self, op: &str, deadline: Instant) -> Result<()> {
+        self.arrive();
+        self.wait_all(op, deadline)
+    }
+
+    /// The first synchronization of an op: publishes our header and checks everyone's.
+    fn first_sync(&mut self, h: &OpHeader, deadline: Instant) -> Result<()> {
+        let slot = ((self.epoch + 1) % 2) as usize;
+        let base = self.ctrl(self.ctx.rank) + HDR_OFF + slot * 24;
+        for (k, w) in h.to_words().iter().enumerate() {
+            self.u64_at(base + 8 * k).store(*w, Ordering::Relaxed);
+        }
+        self.check_aborts()?;
+        self.sync(h.kind.name(), deadline)?;
+        for j in 0..self.ctx.world {
+            let b = self.ctrl(j) + HDR_OFF + slot * 24;
+            let w = [0, 1, 2].map(|k| self.u64_at(b + 8 * k).load(Ordering::Relaxed));
+            let theirs = OpHeader::from_words(w);
+            if theirs != Some(*h) {
+                return Err(CommError::Mismatch {
+                    rank: self.ctx.names[self.ctx.rank],
+                    peer: self.ctx.names[j],
+                    ours: h.describe(),
+                    theirs: theirs
+                        .map_or_else(|| "an unknown operation".to_string(), |t| t.describe()),
+                });
+            }
+        }
+        // A peer that gave up after arriving (e.g. it timed out earlier) must fail us too.
+        self.check_aborts()
+    }
+
+    fn deadline(&self) -> Instant {
+        Instant::now() + self.ctx.opts.timeout
+    }
+
+    /// Copies `len` bytes from `src` into our own data buffer `b` at `off`.
+    fn put(&self, b: usize, off: usize, src: &[u8]) {
+        debug_assert!(off + src.len() <= self.slot);
+        // SAFETY: our buffer `b` is ours alone until the next arrive (double-buffer protocol);
+        // `off + len <= slot` keeps the write inside it; `src` is a distinct user buffer.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                src.as_ptr(),
+                self.data(self.ctx.rank, b).add(off),
+                src.len(),
+            )
+        }
+    }
+
+    /// Copies bytes from rank `j`'s data buffer `b` at `off` into `dst`.
+    fn get(&self, j: usize, b: usize, off: usize, dst: &mut [u8]) {
+        debug_assert!(off + dst.len() <= self.slot);
+        // SAFETY: rank j finished writing this region before arriving at the epoch we waited
+        // for, and will not rewrite it until we arrive at a later one; bounds as in `put`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.data(j, b).add(off), dst.as_mut_ptr(), dst.len())
+        }
+    }
+
+    /// Folds `len` bytes at `off` of every rank's buffer `b` (rank order) into `out`.
+    ///
+    /// # Safety
+    /// `out` must be valid for `len` writes and either disjoint from the shared buffers or
+    /// exactly our own buffer at `off`.
+    unsafe fn fold_from_all(
+        &self,
+        h: &OpHeader,
+        op: ReduceOp,
+        b: usize,
+        off: usize,
+        len: usize,
+        out: *mut u8,
+    ) -> Result<()> {
+        let srcs: Vec<*const u8> = (0..self.ctx.world)
+            .map(|j| self.data(j, b).wrapping_add(off) as *const u8)
+            .collect();
+        let avg = (op == ReduceOp::Avg).then_some(self.ctx.world);
+        // SAFETY: every source region was published before the epoch we waited for and stays
+        // untouched until our next arrive; aliasing of `out` is as documented above.
+        unsafe { fold_bytes_raw(h.dtype, op, out, &srcs, len, avg) }
+    }
+
+    /// The reduce-scatter + all-gather chunk loop shared by all_reduce and reduce.
+    /// `gather_to`: None = every rank copies the result out; Some(root) = only root does.
+    fn chunked_reduce(
+        &mut self,
+        h: &OpHeader,
+        buf: &mut [u8],
+        op: ReduceOp,
+        gather_to: Option<usize>,
+        t: &mut Traffic,
+    ) -> Result<()> {
+        let deadline = self.deadline();
+        let (r, n) = (self.ctx.rank, self.ctx.world);
+        let esz = h.dtype.size();
+        let per = (self.slot / esz / n) * n;
+        if per == 0 {
+            return Err(CommError::InvalidArgument(format!(
+                "shm_chunk_bytes {} too small for world {n}",
+                self.slot
+            )));
+        }
+        let count = buf.len() / esz;
+        let mut off = 0;
+        let mut first = true;
+        while off < count || first {
+            let c = per.min(count - off);
+            let chunk = off * esz..(off + c) * esz;
+            let b = self.next_buf();
+            self.put(b, 0, &buf[chunk.clone()]);
+            if first {
+                self.first_sync(h, deadline)?;
+                first = false;
+            } else {
+                self.sync(h.kind.name(), deadline)?;
+            }
+            let mine = block_range(c, n, r);
+            let (ms, ml) = (mine.start * esz, mine.len() * esz);
+            // SAFETY: out is exactly our own buffer at the same offset.
+            unsafe { self.fold_from_all(h, op, b, ms, ml, self.data(r, b).wrapping_add(ms))? };
+            self.sync(h.kind.name(), deadline)?;
+            let clen = c * esz;
+            if gather_to.is_none() || gather_to == Some(r) {
+                for j in 0..n {
+                    let sub = block_range(c, n, j);
+                    let (s, l) = (sub.start * esz, sub.len() * esz);
+                    self.get(j, b, s, &mut buf[chunk.start + s..chunk.start + s + l]);
+                }
+                t.recv += (clen - ml + (n - 1) * ml) as u64;
+            } else {
+                t.recv += ((n - 1) * ml) as u64;
+            }
+            match gather_to {
+                None => t.sent += (clen - ml + (n - 1) * ml) as u64,
+                Some(root) if root == r => t.sent += (clen - ml) as u64,
+                Some(_) => t.sent += (clen - ml + ml) as u64,
+            }
+            off += c;
+        }
+        Ok(())
+    }
+}
+
+impl Backend for ShmBackend {
+    fn name(&self) -> &'static str {
+        "shm"
+    }
+
+    fn all_reduce(
+        &mut self,
+        h: &OpHeader,
+        buf: &mut [u8],
+        op: ReduceOp,
+        t: &mut Traffic,
+    ) -> Result<()> {
+        let n = self.ctx.world;
+        let len = buf.len();
+        if len <= self.ctx.opts.shm_small_bytes.min(self.slot) {
+            let deadline = self.deadline();
+            let b = self.next_buf();
+            self.put(b, 0, buf);
+            self.first_sync(h, deadline)?;
+            // SAFETY: `buf` is an exclusively borrowed user buffer, disjoint from the segment.
+            unsafe { self.fold_from_all(h, op, b, 0, len, buf.as_mut_ptr())? };
+            t.sent += ((n - 1) * len) as u64;
+            t.recv += ((n - 1) * len) as u64;
+            return Ok(());
+        }
+        self.chunked_reduce(h, buf, op, None, t)
+    }
+
+    fn reduce(
+        &mut self,
+        h: &OpHeader,
+        buf: &mut [u8],
+        op: ReduceOp,
+        root: usize,
+        t: &mut Traffic,
+    ) -> Result<()> {
+        let (r, n) = (self.ctx.rank, self.ctx.world);
+        let len = buf.len();
+        if len <= self.ctx.opts.shm_small_bytes.min(self.slot) {
+            let deadline = self.deadline();
+            let b = self.next_buf();
+            self.put(b, 0, buf);
+            self.first_sync(h, deadline)?;
+            if r == root {
+                // SAFETY: as in all_reduce.
+                unsafe { self.fold_from_all(h, op, b, 0, len, buf.as_mut_ptr())? };
+                t.recv += ((n - 1) * len) as u64;
+            } else {
+                t.sent += len as u64;
+            }
+            return Ok(());
+        }
+        // Work on a copy so non-root buffers stay unchanged.
+        if r == root {
+            self.chunked_reduce(h, buf, op, Some(root), t)
+        } else {
+            // Vec<u8> may be unaligned for the element type: use an aligned copy.
+            let mut aligned = super::dtype::AlignedBuf::new();
+            let a = aligned.get(len);
+            a.copy_from_slice(buf);
+            self.chunked_reduce(h, a, op, Some(root), t)
+        }
+    }
+
+    fn broadcast(
+        &mut self,
+        h: &OpHeader,
+        buf: &mut [u8],
+        root: usize,
+        t: &mut Traffic,
+    ) -> Result<()> {
+        let deadline = self.deadline();
+        let (r, n) = (self.ctx.rank, self.ctx.world);
+        let mut off = 0;
+        let mut first = true;
+        while off < buf.len() || first {
+            let c = self.slot.min(buf.len() - off);
+            let b = self.next_buf();
+            if r == root {
+                self.put(b, 0, &buf[off..off + c]);
+            }
+            if first {
+                self.first_sync(h, deadline)?;
+                first = false;
+            } else {
+                self.sync("broadcast", deadline)?;
+            }
+            if r == root {
+                t.sent += ((n - 1) * c) as u64;
+            } else {
+                self.get(root, b, 0, &mut buf[off..off + c]);
+                t.recv += c as u64;
+            }
+            off += c;
+        }
+        Ok(())
+    }
+
+    fn all_gather(
+        &mut self,
+        h: &OpHeader,
+        input: &[u8],
+        out: &mut [u8],
+        t: &mut Traffic,
+    ) -> Result<()> {
+        let deadline = self.deadline();
+        let n = self.ctx.world;
+        let s = input.len();
+        let mut off = 0;
+        let mut first = true;
+        while off < s || first {
+            let c = self.slot.min(s - off);
+            let b = self.next_buf();
+            self.put(b, 0, &input[off..off + c]);
+            if first {
+                self.first_sync(h, deadline)?;
+                first = false;
+            } else {
+                self.sync("all_gather", deadline)?;
+            }
+            for j in 0..n {
+                self.get(j, b, 0, &mut out[j * s + off..j * s + off + c]);
+            }
+            t.sent += ((n - 1) * c) as u64;
+            t.recv += ((n - 1) * c) as u64;
+            off += c;
+        }
+        Ok(())
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        h: &OpHeader,
+        input: &[u8],
+        out: &mut [u8],
+        op: ReduceOp,
+        t: &mut Traffic,
+    ) -> Result<()> {
+        let deadline = self.deadline();
+        let (r, n) = (self.ctx.rank, self.ctx.world);
+        let esz = h.dtype.size();
+        let per = self.slot / esz / n;
+        if per == 0 {
+            return Err(CommError::InvalidArgument(format!(
+                "shm_chunk_bytes {} too small for world {n}",
+                self.slot
+            )));
+        }
+        let cs = out.len() / esz;
+        let mut off = 0;
+        let mut first = true;
+        while off < cs || first {
+            let c = per.min(cs - off);
+            let b = self.next_buf();
+            for j in 0..n {
+                let src = (j * cs + off) * esz..(j * cs + off + c) * esz;
+                self.put(b, j * c * esz, &input[src]);
+            }
+            if first {
+                self.first_sync(h, deadline)?;
+                first = false;
+            } else {
+                self.sync("reduce_scatter", deadline)?;
+            }
+            let dst = &mut out[off * esz..(off + c) * esz];
+            // SAFETY: `out` is an exclusively borrowed user buffer, disjoint from the segment.
+            unsafe { self.fold_from_all(h, op, b, r * c * esz, c * esz, dst.as_mut_ptr())? };
+            t.sent += ((n - 1) * c * esz) as u64;
+            t.recv += ((n - 1) * c * esz) as u64;
+            off += c;
+        }
+        Ok(())
+    }
+
+    fn barrier(&mut self, h: &OpHeader, _t: &mut Traffic) -> Result<()> {
+        let deadline = self.deadline();
+        self.first_sync(h, deadline)
+    }
+
+    fn send(&mut self, h: &OpHeader, buf: &[u8], dst: usize, t: &mut Traffic) -> Result<()> {
+        match &mut self.p2p {
+            Some(p) => p.send(h, buf, dst, t),
+            None => Err(CommError::Unsupported {
+                backend: "shm",
+                reason: "send/recv inside a hierarchical group".into(),
+            }),
+        }
+    }
+
+    fn recv(&mut self, h: &OpHeader, buf: &mut [u8], src: usize, t: &mut Traffic) -> Result<()> {
+        match &mut self.p2p {
+            Some(p) => p.recv(h, buf, src, t),
+            None => Err(CommError::Unsupported {
+                backend: "shm",
+                reason: "send/recv inside a hierarchical group".into(),
+            }),
+        }
+    }
+
+    fn abort(&mut self, err: &CommError) {
+        let c = self.ctrl(self.ctx.rank);
+        let kind = match err {
+            CommError::PeerFailed { .. } => ABORT_DIED,
+            CommError::Timeout { .. } => ABORT_TIMEOUT,
+            CommError::Mismatch { .. } => ABORT_MISMATCH,
+            _ => ABORT_OTHER,
+        };
+        let origin = err.peer().unwrap_or(self.ctx.names[self.ctx.rank]);
+        self.u32_at(c + ORIGIN_OFF)
+            .store(origin as u32, Ordering::Relaxed);
+        self.u32_at(c + KIND_OFF).store(kind, Ordering::Relaxed);
+        self.u32_at(c + ABORT_OFF).store(1, Ordering::Release);
+        self.u32_at(FUTEX_OFF).fetch_add(1, Ordering::SeqCst);
+        futex_wake(self.u32_at(FUTEX_OFF));
+        if let Some(p) = &mut self.p2p {
+            p.abort(err);
+        }
+    }
+}

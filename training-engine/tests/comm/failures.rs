@@ -1,0 +1,163 @@
+//! Timeouts, mismatched calls and argument errors (threads); peer death is in `multiprocess`.
+
+use std::time::{Duration, Instant};
+
+use rsrun_training_engine::comm::{BackendKind, CommError, ReduceOp};
+
+use crate::support::{opts_for, run_threads};
+
+const KINDS: [BackendKind; 3] = [
+    BackendKind::Shm,
+    BackendKind::Tcp,
+    BackendKind::Hierarchical,
+];
+
+/// A rank that never shows up is named in a timeout on every other rank, within the timeout;
+/// when it finally calls, it fails too instead of hanging.
+#[test]
+fn absent_peer_times_out_everywhere() {
+    for kind in KINDS {
+        let res = run_threads(
+            3,
+            |r| {
+                let mut o = opts_for(kind, r);
+                o.timeout = Duration::from_millis(1500);
+                o
+            },
+            |pg| {
+                let mut v = vec![1.0f32; 100];
+                pg.barrier()?;
+                if pg.rank() == 2 {
+                    std::thread::sleep(Duration::from_millis(2500));
+                }
+                let t0 = Instant::now();
+                let e = pg.all_reduce(&mut v, ReduceOp::Sum).unwrap_err();
+                let took = t0.elapsed();
+                // Future calls report the same failure.
+                let again = pg.all_reduce(&mut v, ReduceOp::Sum).unwrap_err();
+                Ok((pg.rank(), e, again, took))
+            },
+        );
+        for r in res {
+            let (rank, e, again, took) = r.unwrap();
+            assert_eq!(e, again);
+            assert!(
+                took < Duration::from_millis(5000),
+                "{kind:?} rank {rank} took {took:?}"
+            );
+            if rank != 2 {
+                assert_eq!(e.peer(), Some(2), "{kind:?} rank {rank}: {e}");
+            }
+        }
+    }
+}
+
+/// Different sizes, dtypes or ops are reported as a mismatch on every rank (small and large).
+#[test]
+fn mismatched_calls_are_reported_on_every_rank() {
+    for kind in KINDS {
+        for (small, large) in [(10usize, 11usize), (100_000, 100_001)] {
+            let res = run_threads(
+                3,
+                |r| opts_for(kind, r),
+                move |pg| {
+                    let n = if pg.rank() == 1 { large } else { small };
+                    let mut v = vec![1.0f32; n];
+                    Ok(pg.all_reduce(&mut v, ReduceOp::Sum))
+                },
+            );
+            for (rank, r) in res.into_iter().enumerate() {
+                match r.unwrap() {
+                    Err(CommError::Mismatch { .. }) | Err(CommError::Aborted { .. })
+                        if kind == BackendKind::Hierarchical => {}
+                    Err(CommError::Mismatch { ours, theirs, .. }) => assert_ne!(ours, theirs),
+                    other => panic!(
+                        "{kind:?} rank {rank} sizes {small}/{large}: expected mismatch, got {other:?}"
+                    ),
+                }
+            }
+        }
+        // Different op kinds.
+        let res = run_threads(
+            2,
+            |r| opts_for(kind, r),
+            |pg| {
+                let mut v = vec![1.0f64; 64];
+                Ok(if pg.rank() == 0 {
+                    pg.all_reduce(&mut v, ReduceOp::Sum)
+                } else {
+                    pg.broadcast(&mut v, 0)
+                })
+            },
+        );
+        for r in res {
+            assert!(
+                matches!(
+                    r.unwrap(),
+                    Err(CommError::Mismatch { .. }) | Err(CommError::Aborted { .. })
+                ),
+                "{kind:?} op mismatch"
+            );
+        }
+        // Different dtypes, same byte size.
+        let res = run_threads(
+            2,
+            |r| opts_for(kind, r),
+            |pg| {
+                Ok(if pg.rank() == 0 {
+                    pg.all_reduce(&mut [1i32; 16], ReduceOp::Sum)
+                } else {
+                    pg.all_reduce(&mut [1.0f32; 16], ReduceOp::Sum)
+                })
+            },
+        );
+        for r in res {
+            assert!(
+                matches!(r.unwrap(), Err(CommError::Mismatch { .. })),
+                "{kind:?} dtype mismatch"
+            );
+        }
+    }
+}
+
+#[test]
+fn argument_errors_do_not_poison_the_group() {
+    let res = run_threads(
+        2,
+        |r| opts_for(BackendKind::Shm, r),
+        |pg| {
+            let mut out = vec![0f32; 3];
+            let e = pg.all_gather(&[1.0f32; 2], &mut out).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    CommError::Length {
+                        expected: 4,
+                        actual: 3,
+                        ..
+                    }
+                ),
+                "{e}"
+            );
+            let e = pg
+                .reduce_scatter(&[1.0f32; 5], &mut out[..2], ReduceOp::Sum)
+                .unwrap_err();
+            assert!(matches!(e, CommError::Length { .. }), "{e}");
+            assert!(matches!(
+                pg.broadcast(&mut out, 7),
+                Err(CommError::InvalidRank { rank: 7, .. })
+            ));
+            assert!(matches!(
+                pg.send(&out, pg.rank()),
+                Err(CommError::InvalidRank { .. })
+            ));
+            let mut v = vec![2u8; 3];
+            pg.all_reduce(&mut v, ReduceOp::Sum)?;
+            assert_eq!(v, vec![4; 3]);
+            Ok(())
+        },
+    );
+    for r in res {
+        r.unwrap();
+    }
+}

@@ -1,0 +1,113 @@
+//! Every op × dtype × world size 1–4 × lengths, per forced backend, with ranks as threads.
+
+use half::bf16;
+use rsrun_training_engine::comm::{BackendKind, ReduceOp};
+
+use crate::support::{check_all_dtypes, expected_reduce, input, opts_for, run_threads};
+
+/// 0, 1, odd, not divisible by 2/3/4, and multi-chunk/multi-segment sizes (see `opts_for`).
+const LENS: &[usize] = &[0, 1, 7, 13, 1001, 20_003];
+
+fn matrix(kind: BackendKind) {
+    for world in 1..=4 {
+        for r in run_threads(
+            world,
+            |r| opts_for(kind, r),
+            |pg| check_all_dtypes(&pg, LENS),
+        ) {
+            r.unwrap_or_else(|e| panic!("{kind:?} world {world}: {e}"));
+        }
+    }
+}
+
+#[test]
+fn matrix_shm() {
+    matrix(BackendKind::Shm);
+}
+
+#[test]
+fn matrix_tcp() {
+    matrix(BackendKind::Tcp);
+}
+
+#[test]
+fn matrix_hierarchical() {
+    matrix(BackendKind::Hierarchical);
+}
+
+#[test]
+fn matrix_auto_picks_backend_by_host() {
+    let names = run_threads(2, |_| opts_for(BackendKind::Auto, 0), |pg| Ok(pg.backend()));
+    assert!(names.into_iter().all(|n| n.unwrap() == "shm"));
+    let names = run_threads(
+        2,
+        |r| {
+            let mut o = opts_for(BackendKind::Auto, r);
+            o.host_identity = Some(format!("h{r}"));
+            o
+        },
+        |pg| Ok(pg.backend()),
+    );
+    assert!(names.into_iter().all(|n| n.unwrap() == "tcp"));
+    let names = run_threads(
+        4,
+        |r| opts_for(BackendKind::Hierarchical, r),
+        |pg| Ok((pg.backend(), pg.num_hosts())),
+    );
+    assert!(names.into_iter().all(|n| n.unwrap() == ("hierarchical", 2)));
+    let one = run_threads(1, |r| opts_for(BackendKind::Auto, r), |pg| Ok(pg.backend()));
+    assert_eq!(one[0].as_ref().unwrap(), &"local");
+}
+
+/// 64 MiB: all_reduce f32 and reduce_scatter / all_gather bf16 on every backend, 2 ranks.
+#[test]
+fn large_64mib() {
+    const BYTES: usize = 64 << 20;
+    for kind in [
+        BackendKind::Shm,
+        BackendKind::Tcp,
+        BackendKind::Hierarchical,
+    ] {
+        let res = run_threads(
+            2,
+            |r| {
+                let mut o = opts_for(kind, r);
+                o.shm_chunk_bytes = 1 << 20;
+                o.tcp_segment_bytes = 256 << 10;
+                o
+            },
+            move |pg| {
+                let (r, n) = (pg.rank(), pg.world_size());
+                let len = BYTES / 4;
+                let mut buf = input::<f32>(r, len);
+                pg.all_reduce(&mut buf, ReduceOp::Sum)?;
+                assert!(
+                    buf == expected_reduce::<f32>(n, len, ReduceOp::Sum, |i| i),
+                    "{kind:?} all_reduce 64 MiB"
+                );
+                let len = BYTES / 2;
+                let inp = input::<bf16>(r, len);
+                let mut out = vec![bf16::ZERO; len / n];
+                pg.reduce_scatter(&inp, &mut out, ReduceOp::Sum)?;
+                assert!(
+                    out == expected_reduce::<bf16>(n, len / n, ReduceOp::Sum, |i| r * (len / n)
+                        + i),
+                    "{kind:?} reduce_scatter 64 MiB"
+                );
+                let mine = input::<bf16>(r, len / n);
+                let mut all = vec![bf16::ZERO; len];
+                pg.all_gather(&mine, &mut all)?;
+                assert!(
+                    all == (0..n)
+                        .flat_map(|j| input::<bf16>(j, len / n))
+                        .collect::<Vec<_>>(),
+                    "{kind:?} all_gather 64 MiB"
+                );
+                Ok(())
+            },
+        );
+        for r in res {
+            r.unwrap();
+        }
+    }
+}

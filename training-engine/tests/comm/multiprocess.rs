@@ -1,0 +1,151 @@
+//! Real multi-process runs: the test binary re-executes itself as each rank
+//! (`RSRUN_COMM_CHILD=scenario:backend:rank:world:store_dir`), with a [`FileStore`].
+
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rsrun_training_engine::comm::{
+    BackendKind, CommError, FileStore, OpKind, ProcessGroup, ReduceOp,
+};
+
+use crate::support::{check_all_dtypes, opts_for};
+
+const CHILD_ENV: &str = "RSRUN_COMM_CHILD";
+
+/// Entry point of child processes; a no-op in the normal test run.
+#[test]
+fn child_entry() {
+    let Ok(spec) = std::env::var(CHILD_ENV) else {
+        return;
+    };
+    let parts: Vec<&str> = spec.split(':').collect();
+    let [scenario, backend, rank, world, dir] = parts[..] else {
+        panic!("bad child spec {spec}")
+    };
+    let kind: BackendKind = backend.parse().unwrap();
+    let (rank, world): (usize, usize) = (rank.parse().unwrap(), world.parse().unwrap());
+    let store = Arc::new(FileStore::new(dir).unwrap());
+    let mut opts = opts_for(kind, rank);
+    if scenario == "death" {
+        opts.timeout = Duration::from_secs(10);
+    }
+    let pg = ProcessGroup::new(rank, world, store, "mp", opts).unwrap();
+    assert_eq!(pg.backend(), backend);
+    match scenario {
+        "matrix" => {
+            check_all_dtypes(&pg, &[0, 1, 13, 5003]).unwrap();
+            // Traffic of a ring all_reduce: 2(N-1)/N·B.
+            let len = 12 * 1024;
+            let mut v = vec![1.0f32; len];
+            pg.reset_stats();
+            pg.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+            assert_eq!(v[0], world as f32);
+            let n = world as u64;
+            if kind != BackendKind::Hierarchical {
+                assert_eq!(
+                    pg.stats().op(OpKind::AllReduce).bytes_sent,
+                    2 * (n - 1) * (len as u64 * 4) / n
+                );
+            }
+        }
+        "death" => {
+            let mut v = vec![1.0f32; 100_000];
+            pg.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+            if rank == world - 1 {
+                // Die abruptly in the middle of the job (no cleanup, no goodbye).
+                std::process::abort();
+            }
+            let t0 = Instant::now();
+            let e = pg.all_reduce(&mut v, ReduceOp::Sum).unwrap_err();
+            let took = t0.elapsed();
+            assert_eq!(e.peer(), Some(world - 1), "rank {rank}: {e}");
+            assert!(took < Duration::from_secs(10), "rank {rank} took {took:?}");
+            assert_eq!(pg.barrier().unwrap_err(), e);
+            eprintln!("rank {rank}: failed after {took:?}: {e}");
+        }
+        "mismatch" => {
+            let mut v = vec![1.0f32; if rank == 0 { 64 } else { 65 }];
+            let e = pg.all_reduce(&mut v, ReduceOp::Sum).unwrap_err();
+            assert!(matches!(e, CommError::Mismatch { .. }), "rank {rank}: {e}");
+        }
+        other => panic!("unknown scenario {other}"),
+    }
+}
+
+/// Spawns `world` ranks of `scenario`; returns each rank's (exit success, stderr).
+fn spawn(scenario: &str, backend: &str, world: usize) -> Vec<(bool, String)> {
+    let dir = tempfile::tempdir().unwrap();
+    let exe = std::env::current_exe().unwrap();
+    let children: Vec<_> = (0..world)
+        .map(|rank| {
+            Command::new(&exe)
+                .args([
+                    "--exact",
+                    "multiprocess::child_entry",
+                    "--nocapture",
+                    "--test-threads=1",
+                ])
+                .env(
+                    CHILD_ENV,
+                    format!(
+                        "{scenario}:{backend}:{rank}:{world}:{}",
+                        dir.path().display()
+                    ),
+                )
+                .stdout(Stdio::null())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    children
+        .into_iter()
+        .map(|c| {
+            let out = c.wait_with_output().unwrap();
+            (
+                out.status.success(),
+                String::from_utf8_lossy(&out.stderr).to_string(),
+            )
+        })
+        .collect()
+}
+
+fn assert_all_ok(scenario: &str, backend: &str, world: usize) {
+    for (rank, (ok, err)) in spawn(scenario, backend, world).into_iter().enumerate() {
+        assert!(
+            ok,
+            "{scenario} {backend} world {world} rank {rank} failed:\n{err}"
+        );
+    }
+}
+
+#[test]
+fn multiprocess_matrix_each_backend() {
+    assert_all_ok("matrix", "shm", 3);
+    assert_all_ok("matrix", "tcp", 3);
+    assert_all_ok("matrix", "hierarchical", 4);
+    assert_all_ok("matrix", "shm", 2);
+}
+
+#[test]
+fn multiprocess_peer_death_fails_survivors() {
+    for backend in ["shm", "tcp", "hierarchical"] {
+        let res = spawn("death", backend, 3);
+        let (dead_ok, _) = &res[2];
+        assert!(!dead_ok, "the dying rank should have aborted");
+        for (rank, (ok, err)) in res.iter().enumerate().take(2) {
+            assert!(
+                ok,
+                "{backend} survivor rank {rank} did not report the dead peer:\n{err}"
+            );
+            eprintln!("{backend}: {}", err.trim());
+        }
+    }
+}
+
+#[test]
+fn multiprocess_mismatch() {
+    assert_all_ok("mismatch", "shm", 2);
+    assert_all_ok("mismatch", "tcp", 2);
+}
