@@ -33,6 +33,8 @@
 //! (little-endian u64). In Python: `os.write(int(os.environ["RSRUN_PROGRESS_FD"]),
 //! step.to_bytes(8, "little"))`.
 
+pub mod engine_store;
+
 use std::os::fd::{FromRawFd, RawFd};
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};

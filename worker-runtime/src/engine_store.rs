@@ -1,0 +1,144 @@
+//! The training engine's [`Store`] over the rendezvous store: how collectives bootstrap under rsrun.
+//!
+//! The engine's store is synchronous (training loops are); the rendezvous client is async. An
+//! [`EngineStore`] owns a one-thread tokio runtime and hands each call to it, waiting on a plain
+//! channel, so it works from any thread, inside or outside another runtime.
+//!
+//! ```no_run
+//! # fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use std::sync::Arc;
+//! use rsrun_training_engine::comm::{CommOptions, ProcessGroup, ReduceOp};
+//! use rsrun_worker_runtime::{WorkerContext, engine_store::EngineStore};
+//! let ctx = WorkerContext::from_env()?;
+//! let store = Arc::new(EngineStore::new(&ctx)?);
+//! let pg = ProcessGroup::new(ctx.rank as usize, ctx.world_size as usize, store, "main", CommOptions::default())?;
+//! let mut grads = vec![1.0f32; 1024];
+//! pg.all_reduce(&mut grads, ReduceOp::Avg)?;
+//! # Ok(()) }
+//! ```
+
+use std::time::Duration;
+
+use rsrun_rendezvous::RdzvError;
+use rsrun_rendezvous::client::StoreClient;
+use rsrun_training_engine::comm::{CommError, Store};
+
+use crate::{WorkerContext, WorkerError};
+
+/// The rendezvous store of this worker's job and round, as the engine's blocking [`Store`].
+#[derive(Debug)]
+pub struct EngineStore {
+    store: StoreClient,
+    rt: tokio::runtime::Runtime,
+}
+
+impl EngineStore {
+    /// Connects to the job's store (fenced to the worker's round).
+    ///
+    /// # Errors
+    /// No rendezvous service in the environment, a bad endpoint or token file, or no runtime thread.
+    pub fn new(ctx: &WorkerContext) -> Result<Self, WorkerError> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("rsrun-store")
+            .enable_all()
+            .build()
+            .map_err(|e| WorkerError::Io { path: "tokio runtime".into(), source: e })?;
+        let store = {
+            let _in_rt = rt.enter();
+            ctx.store()?
+        };
+        Ok(EngineStore { store, rt })
+    }
+
+    /// Wraps an existing store client (its channel must belong to a live runtime).
+    pub fn from_client(store: StoreClient) -> Result<Self, WorkerError> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("rsrun-store")
+            .enable_all()
+            .build()
+            .map_err(|e| WorkerError::Io { path: "tokio runtime".into(), source: e })?;
+        Ok(EngineStore { store, rt })
+    }
+
+    fn run<T: Send + 'static>(&self, key: &str, fut: impl Future<Output = Result<T, RdzvError>> + Send + 'static) -> Result<T, RdzvError> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        self.rt.spawn(async move {
+            let _ = tx.send(fut.await);
+        });
+        rx.recv().unwrap_or_else(|_| Err(RdzvError::Unavailable(format!("store call for {key:?} was dropped"))))
+    }
+}
+
+fn to_comm(key: &str, timeout: Option<Duration>, e: RdzvError) -> CommError {
+    match (e, timeout) {
+        (RdzvError::Timeout(_), Some(t)) => CommError::StoreTimeout { key: key.into(), timeout_ms: t.as_millis() as u64 },
+        (e, _) => CommError::Store { key: key.into(), reason: e.to_string() },
+    }
+}
+
+impl Store for EngineStore {
+    fn set(&self, key: &str, value: &[u8]) -> rsrun_training_engine::comm::Result<()> {
+        let (s, k, v) = (self.store.clone(), key.to_string(), value.to_vec());
+        self.run(key, async move { s.set(&k, &v).await }).map_err(|e| to_comm(key, None, e))
+    }
+
+    fn get(&self, key: &str, timeout: Duration) -> rsrun_training_engine::comm::Result<Vec<u8>> {
+        let (s, k) = (self.store.clone(), key.to_string());
+        // A zero timeout still waits a moment: the engine uses it for "now or never" reads only.
+        let wait = timeout.max(Duration::from_millis(1));
+        self.run(key, async move { s.get(&k, wait).await }).map_err(|e| to_comm(key, Some(timeout), e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use rsrun_rendezvous::client::{ClientConfig, JobSpec, JoinSpec, RdzvClient};
+    use rsrun_training_engine::comm::{BackendKind, CommOptions, ProcessGroup, ReduceOp};
+
+    use super::*;
+
+    /// Two ranks bootstrap a TCP process group through a real rendezvous service and all-reduce.
+    #[test]
+    fn process_group_bootstraps_through_the_rendezvous_store() {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let (srv, store) = rt.block_on(async {
+            let srv = rsrun_rendezvous::server::spawn_embedded("127.0.0.1:0".parse().unwrap()).await.unwrap();
+            let client = RdzvClient::connect(ClientConfig::new(srv.addr.to_string())).unwrap();
+            let joined = client
+                .join(JoinSpec {
+                    job_id: "job".into(),
+                    node_id: "n0".into(),
+                    addrs: vec!["127.0.0.1".into()],
+                    local_world_size: 2,
+                    rank_hint: None,
+                    config: JobSpec { min_nodes: 1, max_nodes: 1, last_call: Duration::ZERO, lease: Duration::from_secs(60), max_restarts: 0 },
+                    timeout: Duration::from_secs(10),
+                    master_port: 0,
+                    hostname: "h".into(),
+                })
+                .await
+                .unwrap();
+            (srv, client.store("job", joined.round.unwrap().round))
+        });
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                let store = EngineStore::from_client(store.clone()).unwrap();
+                std::thread::spawn(move || {
+                    let opts = CommOptions { backend: BackendKind::Tcp, ..CommOptions::default() };
+                    let pg = ProcessGroup::new(rank, 2, Arc::new(store), "pg", opts).unwrap();
+                    let mut v = vec![rank as f32 + 1.0; 1000];
+                    pg.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+                    v
+                })
+            })
+            .collect();
+        for h in handles {
+            assert!(h.join().unwrap().iter().all(|x| *x == 3.0));
+        }
+        drop(srv);
+    }
+}
