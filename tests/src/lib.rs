@@ -160,9 +160,15 @@ pub struct Daemon {
 impl Daemon {
     /// Starts the daemon and waits for its `listening on ADDR` line.
     pub fn start() -> Self {
+        Self::start_with("127.0.0.1:0", &[])
+    }
+
+    /// Starts the daemon on `listen` with extra `serve` arguments (e.g. `--data-dir DIR`).
+    pub fn start_with(listen: &str, extra: &[&std::ffi::OsStr]) -> Self {
         let mut child = KillOnDrop(
             Command::new(bin("rsrun-rendezvous"))
-                .args(["serve", "--listen", "127.0.0.1:0"])
+                .args(["serve", "--listen", listen])
+                .args(extra)
                 .stdout(Stdio::piped())
                 .stderr(Stdio::inherit())
                 .spawn()
@@ -186,6 +192,12 @@ impl Daemon {
     /// The daemon's pid.
     pub fn pid(&self) -> i32 {
         self.child.pid()
+    }
+
+    /// `kill -9` and reap.
+    pub fn kill9(mut self) {
+        let _ = self.child.0.kill();
+        let _ = self.child.0.wait();
     }
 }
 

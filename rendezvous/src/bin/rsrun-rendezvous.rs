@@ -87,6 +87,7 @@ fn main() -> ExitCode {
             tracing_subscriber::EnvFilter::try_from_env("RSRUN_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,

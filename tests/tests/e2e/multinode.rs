@@ -114,3 +114,29 @@ fn a_dead_node_shrinks_the_job() {
     assert!(s.contains("hello from rank 0 of 2") && s.contains("hello from rank 1 of 2"), "survivor restarts alone:\n{s}");
     assert!(s.contains("restart 0"), "a membership change does not consume the restart budget:\n{s}");
 }
+
+/// The daemon is `kill -9`'d in the middle of a two-node job and restarted on the same address and
+/// data directory: the launchers ride through the outage and the workers are never restarted.
+#[test]
+fn daemon_kill_9_and_restart_mid_job_is_a_pause() {
+    let data = tempfile::tempdir().unwrap();
+    let daemon = Daemon::start_with("127.0.0.1:0", &[std::ffi::OsStr::new("--data-dir"), data.path().as_os_str()]);
+    let addr = daemon.addr.clone();
+    let dir = tempfile::tempdir().unwrap();
+    let hello = ["--steps", "25", "--step-ms", "100"];
+    let a = node(dir.path(), &daemon, "survive", "2", &[], &hello);
+    let b = node(dir.path(), &daemon, "survive", "2", &[], &hello);
+    // Let the round form and the workers start, then take the daemon away for a while.
+    std::thread::sleep(Duration::from_millis(1200));
+    daemon.kill9();
+    std::thread::sleep(Duration::from_millis(700));
+    let _daemon = Daemon::start_with(&addr, &[std::ffi::OsStr::new("--data-dir"), data.path().as_os_str()]);
+    let (oa, ob) = both(a, b);
+    assert_eq!(code(&oa.status), 0, "{}", text(&oa));
+    assert_eq!(code(&ob.status), 0, "{}", text(&ob));
+    let all = stdout(&oa) + &stdout(&ob);
+    for rank in 0..4 {
+        assert_eq!(all.matches(&format!("rank {rank} done")).count(), 1, "rank {rank} ran more or less than once:\n{all}");
+    }
+    assert!(!all.contains("restart 1"), "workers were restarted:\n{all}");
+}
