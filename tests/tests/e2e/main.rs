@@ -7,6 +7,7 @@ mod env;
 mod exits;
 mod logs;
 mod multinode;
+mod netns;
 mod restarts;
 mod signals;
 mod torch;
