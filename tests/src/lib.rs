@@ -169,6 +169,7 @@ impl Daemon {
             Command::new(bin("rsrun-rendezvous"))
                 .args(["serve", "--listen", listen])
                 .args(extra)
+                .env("RSRUN_LOG", "warn")
                 .stdout(Stdio::piped())
                 .stderr(Stdio::inherit())
                 .spawn()
