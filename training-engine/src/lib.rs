@@ -2,5 +2,25 @@
 //!
 //! - [`comm`]: collectives (process groups over shared memory, TCP, hierarchical; NCCL with
 //!   the `nccl` feature).
+//! - [`layout`]: flat-parameter units, padding and sharding; [`layout::Strategy`]; the
+//!   optimizer/offload hook ([`layout::TileOptimizer`], [`layout::OptimStateStore`]) and the
+//!   checkpoint view ([`layout::ShardState`]).
+//! - [`model`]: [`model::UnitModel`] and the reference GPT; [`kernels`]: fused CPU ops.
+//! - [`engine`]: [`engine::Engine`] (DDP, ZeRO-1/2/3, FSDP, hybrid); [`optim`]: AdamW, SGD,
+//!   schedule, clipping.
+//! - [`offload`]: optimizer state in a host tier or an NVMe swap file (io_uring O_DIRECT,
+//!   pread/pwrite fallback), both [`layout::OptimStateStore`]s; [`checkpoint`]: sharded,
+//!   crash-safe, resharding checkpoints and safetensors export.
+//! - [`error`]: [`EngineError`].
 
+pub mod checkpoint;
 pub mod comm;
+pub mod engine;
+pub mod error;
+pub mod kernels;
+pub mod layout;
+pub mod model;
+pub mod optim;
+pub mod offload;
+
+pub use error::{EngineError, EngineResult};

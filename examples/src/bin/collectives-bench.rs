@@ -1,7 +1,8 @@
 //! Collective benchmark with the nccl-tests conventions.
 //!
-//! Run under the launcher (reads RANK, WORLD_SIZE, MASTER_PORT and TORCHELASTIC_RUN_ID /
-//! RSRUN_RUN_ID from the environment and bootstraps through a file store on the local host):
+//! Run under the launcher (reads RANK and WORLD_SIZE from the environment and bootstraps through the
+//! rendezvous store, so it also works across hosts; under another launcher, or with `--store-dir`, it
+//! falls back to a file store on the local host):
 //!
 //!     rsrun --standalone --nproc-per-node 2 target/release/collectives-bench
 //!
@@ -182,17 +183,27 @@ fn main() -> Result<()> {
     }
     let rank = env_usize("RANK")?;
     let world = env_usize("WORLD_SIZE")?;
-    let dir = match &args.store_dir {
-        Some(d) => d.clone(),
-        None => {
-            let run = std::env::var("RSRUN_RUN_ID")
-                .or_else(|_| std::env::var("TORCHELASTIC_RUN_ID"))
-                .unwrap_or_else(|_| "none".into());
-            let port = std::env::var("MASTER_PORT").unwrap_or_else(|_| "0".into());
-            std::env::temp_dir().join(format!("collectives-bench-{run}-{port}"))
+    // The temporary file-store directory this run created (removed at the end by rank 0).
+    let mut temp_dir: Option<PathBuf> = None;
+    let store: Arc<dyn rsrun_training_engine::comm::Store> = match (&args.store_dir, std::env::var_os("RSRUN_RDZV_ENDPOINT")) {
+        (None, Some(_)) => {
+            let ctx = rsrun_worker_runtime::WorkerContext::from_env()?;
+            Arc::new(rsrun_worker_runtime::engine_store::EngineStore::new(&ctx)?)
+        }
+        (dir, _) => {
+            let dir = match dir {
+                Some(d) => d.clone(),
+                None => {
+                    let run = std::env::var("TORCHELASTIC_RUN_ID").unwrap_or_else(|_| "none".into());
+                    let port = std::env::var("MASTER_PORT").unwrap_or_else(|_| "0".into());
+                    let d = std::env::temp_dir().join(format!("collectives-bench-{run}-{port}"));
+                    temp_dir = Some(d.clone());
+                    d
+                }
+            };
+            Arc::new(FileStore::new(&dir)?)
         }
     };
-    let store = Arc::new(FileStore::new(&dir)?);
     let mut out = std::io::stdout().lock();
     let mut results: BTreeMap<(String, String, usize), (f64, f64)> = BTreeMap::new();
     for backend in &args.backends {
@@ -259,10 +270,10 @@ fn main() -> Result<()> {
             get(&main, "all_gather", 64 << 20, false),
             get("tcp", "all_reduce", 64 << 20, false),
         )?;
-        if args.store_dir.is_none() {
+        if let Some(dir) = &temp_dir {
             // Give the other ranks a moment to finish reading, then clean up the store.
             std::thread::sleep(Duration::from_millis(200));
-            let _ = std::fs::remove_dir_all(&dir);
+            let _ = std::fs::remove_dir_all(dir);
         }
     }
     Ok(())

@@ -1,0 +1,758 @@
+//! Sharded, resharding, crash-safe checkpoints, and consolidation to safetensors.
+//!
+//! # Layout on disk
+//! ```text
+//! <root>/latest                       "step-000000120\n", replaced atomically, written last
+//! <root>/step-000000120/
+//!     shard-00000.bin … shard-0000{W-1}.bin   one per shard of the sharding group
+//!     metadata.json                   global table, written by rank 0 at commit
+//! <root>/step-000000140.incomplete/   a save in progress (never loaded)
+//! ```
+//!
+//! A shard file holds, per unit, the rank's fp32 master shard and each optimizer state slot
+//! (padded shard coordinates, `shard_len` elements), each section with a CRC-32, behind a JSON
+//! header with its own CRC-32 (see [`format`]). `metadata.json` holds the format version, the
+//! parameter table (units → name, shape, offset, numel; numel, padded numel, shard length),
+//! the strategy, world size and sharding group size, the step, the optimizer and its number of
+//! state slots, the loss scale, the data position, epoch and RNG state (hex), and for every
+//! shard file its size and header CRC-32.
+//!
+//! # Who writes
+//! Only the first replica of the sharding group writes: the ranks with
+//! `rank == shard_rank` ([`is_writer`]). For DDP (`layout.world == 1`) that is rank 0 alone,
+//! writing the one full copy; for ZeRO/FSDP every rank writes its shard; for hybrid sharding
+//! the ranks of the first host do.
+//!
+//! # Save protocol (collective)
+//! 1. rank 0: [`begin_save`] removes a leftover `step-N.incomplete/` and creates it fresh;
+//!    barrier.
+//! 2. every rank: [`save_shard`] writes `shard-R.bin.tmp`, fsyncs it, renames it to
+//!    `shard-R.bin` and fsyncs the directory (non-writers do nothing); barrier.
+//! 3. rank 0: [`commit`] checks every shard file (size, header, step), writes
+//!    `metadata.json` (temp, fsync, rename, directory fsync), renames the directory to
+//!    `step-N/` and fsyncs the root, then replaces `latest` the same way, and only then removes
+//!    checkpoints beyond `keep_last`.
+//!
+//! A crash or error at any point leaves `latest` on the previous committed checkpoint, which
+//! stays untouched; loaders never look at `.incomplete` directories. [`save_local`] runs the
+//! three steps in one process (tests, single-process jobs).
+//!
+//! # Load and resharding
+//! [`load`] verifies the metadata and every shard file's size and header CRC, then computes the
+//! requested rank's shard of each unit under the *target* layout (any sharding group size, any
+//! strategy) and reads the overlapping ranges from the saved shards, checking the CRC-32 of
+//! every section it reads. Padding is dropped and re-added as the new layout requires (padding
+//! is zero). [`verify`] checks every byte; [`export_safetensors`] writes the full fp32
+//! parameters by name and shape.
+//!
+//! Errors name the file and what is wrong: bad magic, header or section checksum mismatch,
+//! truncated file, model/optimizer mismatch, I/O errors with the OS error (`ENOSPC`, `EIO`).
+
+mod format;
+mod fsutil;
+
+use std::fs::File;
+use std::io::{BufWriter, Read, Write};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+pub use format::{FORMAT_VERSION, FileMeta, Metadata, ParamMeta, Section, ShardHeader, UnitMeta};
+
+use crate::error::EngineError;
+use crate::layout::{FlatLayout, ShardState, Strategy};
+use format::{MAGIC, PREFIX};
+use fsutil::{commit_tmp, create_tmp, io, sync_dir, write_atomic};
+
+/// Name of the pointer file in the checkpoint root.
+pub const LATEST: &str = "latest";
+/// Name of the metadata file in a checkpoint directory.
+pub const METADATA: &str = "metadata.json";
+
+/// Checkpoint errors.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CheckpointError {
+    /// An OS call failed.
+    #[error("checkpoint {op} of {path} failed: {source}")]
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A file is damaged (bad magic, checksum mismatch, truncated, unparsable).
+    #[error("corrupt checkpoint file {path}: {reason}")]
+    Corrupt { path: PathBuf, reason: String },
+    /// The checkpoint does not fit the model or optimizer it is loaded into.
+    #[error("checkpoint {path} does not match: {reason}")]
+    Mismatch { path: PathBuf, reason: String },
+    /// No committed checkpoint under the root.
+    #[error("no committed checkpoint in {0}")]
+    NotFound(PathBuf),
+    /// A bad argument (rank out of range, inconsistent state).
+    #[error("checkpoint: {0}")]
+    InvalidArgument(String),
+}
+
+impl CheckpointError {
+    /// The OS error number, when the failure came from the OS.
+    pub fn raw_os_error(&self) -> Option<i32> {
+        match self {
+            CheckpointError::Io { source, .. } => source.raw_os_error(),
+            _ => None,
+        }
+    }
+}
+
+impl From<CheckpointError> for EngineError {
+    fn from(e: CheckpointError) -> Self {
+        EngineError::Checkpoint(e.to_string())
+    }
+}
+
+/// Training progress saved with the checkpoint (by rank 0).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Progress {
+    /// Samples consumed by the data loader (global).
+    pub data_position: u64,
+    pub epoch: u64,
+    /// Opaque RNG state.
+    pub rng_state: Vec<u8>,
+}
+
+/// Directory name of the checkpoint of `step`.
+pub fn step_dir_name(step: u64) -> String {
+    format!("step-{step:09}")
+}
+
+fn incomplete_dir(root: &Path, step: u64) -> PathBuf {
+    root.join(format!("{}.incomplete", step_dir_name(step)))
+}
+
+fn shard_file_name(shard_rank: usize) -> String {
+    format!("shard-{shard_rank:05}.bin")
+}
+
+/// Whether this rank writes a shard file (see the module docs).
+pub fn is_writer(state: &ShardState) -> bool {
+    state.rank == state.shard_rank
+}
+
+/// Step 1 (rank 0): reserves a fresh `step-N.incomplete/` under `root`.
+///
+/// # Errors
+/// I/O errors naming the path.
+pub fn begin_save(root: &Path, step: u64) -> Result<PathBuf, CheckpointError> {
+    std::fs::create_dir_all(root).map_err(io("create directory", root))?;
+    let dir = incomplete_dir(root, step);
+    if dir.exists() {
+        std::fs::remove_dir_all(&dir).map_err(io("remove leftover", &dir))?;
+    }
+    std::fs::create_dir(&dir).map_err(io("create directory", &dir))?;
+    sync_dir(root)?;
+    Ok(dir)
+}
+
+fn check_state(state: &ShardState) -> Result<usize, CheckpointError> {
+    let slots = state.state.first().map_or(0, Vec::len);
+    let units = state.layout.units.len();
+    if state.shard_rank >= state.layout.world {
+        return Err(CheckpointError::InvalidArgument(format!(
+            "shard rank {} out of range for {} shards",
+            state.shard_rank, state.layout.world
+        )));
+    }
+    if state.master.len() != units || state.state.len() != units {
+        return Err(CheckpointError::InvalidArgument(format!(
+            "state has {} master and {} state units, layout has {units}",
+            state.master.len(),
+            state.state.len()
+        )));
+    }
+    for (u, unit) in state.layout.units.iter().enumerate() {
+        let bad = state.master[u].len() != unit.shard_len
+            || state.state[u].len() != slots
+            || state.state[u].iter().any(|s| s.len() != unit.shard_len);
+        if bad {
+            return Err(CheckpointError::InvalidArgument(format!(
+                "unit {:?}: buffers do not have shard_len {} elements and {slots} slots",
+                unit.name, unit.shard_len
+            )));
+        }
+    }
+    Ok(slots)
+}
+
+/// Step 2 (every rank): writes this rank's shard file into the reserved directory. Returns
+/// the file written, or `None` for a rank that does not write ([`is_writer`]).
+///
+/// # Errors
+/// Inconsistent state, or I/O errors naming the file (`ENOSPC`, `EIO`); the temp file is
+/// removed on error.
+pub fn save_shard(root: &Path, state: &ShardState) -> Result<Option<PathBuf>, CheckpointError> {
+    let slots = check_state(state)?;
+    if !is_writer(state) {
+        return Ok(None);
+    }
+    let dir = incomplete_dir(root, state.step);
+    let path = dir.join(shard_file_name(state.shard_rank));
+    // Sections in order with their CRCs, then the header, then the data.
+    let tensors: Vec<(usize, usize, &[f32])> = state
+        .master
+        .iter()
+        .enumerate()
+        .flat_map(|(u, m)| {
+            std::iter::once((u, 0, &m[..])).chain(
+                state.state[u]
+                    .iter()
+                    .enumerate()
+                    .map(move |(s, v)| (u, 1 + s, &v[..])),
+            )
+        })
+        .collect();
+    let mut sections: Vec<Section> = tensors
+        .iter()
+        .map(|&(unit, tensor, v)| Section {
+            unit,
+            tensor,
+            offset: 0,
+            len: v.len(),
+            crc32: crc32fast::hash(&format::f32_bytes(v)),
+        })
+        .collect();
+    // The header length depends on the offsets' digits; iterate to a fixed point.
+    let mut data_start = 4096u64;
+    let json = loop {
+        let mut off = data_start;
+        for s in &mut sections {
+            s.offset = off;
+            off += 4 * s.len as u64;
+        }
+        let header = ShardHeader {
+            format_version: FORMAT_VERSION,
+            step: state.step,
+            shard_rank: state.shard_rank,
+            shard_world: state.layout.world,
+            state_slots: slots,
+            data_start,
+            file_size: off,
+            sections: sections.clone(),
+        };
+        let json = serde_json::to_vec(&header).map_err(|e| {
+            CheckpointError::InvalidArgument(format!("cannot encode shard header: {e}"))
+        })?;
+        let need = (PREFIX + json.len()).div_ceil(4096) as u64 * 4096;
+        if need <= data_start {
+            break json;
+        }
+        data_start = need;
+    };
+    let (file, tmp) = create_tmp(&path)?;
+    let write = || -> std::io::Result<File> {
+        let mut w = BufWriter::with_capacity(1 << 20, file);
+        w.write_all(&MAGIC)?;
+        w.write_all(&(json.len() as u32).to_le_bytes())?;
+        w.write_all(&crc32fast::hash(&json).to_le_bytes())?;
+        w.write_all(&json)?;
+        w.write_all(&vec![0u8; data_start as usize - PREFIX - json.len()])?;
+        for &(_, _, v) in &tensors {
+            w.write_all(&format::f32_bytes(v))?;
+        }
+        w.into_inner().map_err(|e| e.into_error())
+    };
+    let file = match write() {
+        Ok(f) => f,
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(CheckpointError::Io {
+                op: "write",
+                path: tmp,
+                source: e,
+            });
+        }
+    };
+    commit_tmp(file, &tmp, &path)?;
+    Ok(Some(path))
+}
+
+/// Reads and checks a shard file's header (magic, header CRC, declared size).
+fn read_header(path: &Path) -> Result<(ShardHeader, u32, u64), CheckpointError> {
+    let corrupt = |reason: String| CheckpointError::Corrupt {
+        path: path.to_path_buf(),
+        reason,
+    };
+    let mut f = File::open(path).map_err(io("open", path))?;
+    let size = f.metadata().map_err(io("stat", path))?.len();
+    let mut prefix = [0u8; PREFIX];
+    if size < PREFIX as u64 {
+        return Err(corrupt(format!("truncated: {size} bytes")));
+    }
+    f.read_exact(&mut prefix).map_err(io("read", path))?;
+    if prefix[..8] != MAGIC {
+        return Err(corrupt("bad magic (not an rsrun shard file)".into()));
+    }
+    let len = u32::from_le_bytes([prefix[8], prefix[9], prefix[10], prefix[11]]) as u64;
+    let crc = u32::from_le_bytes([prefix[12], prefix[13], prefix[14], prefix[15]]);
+    if PREFIX as u64 + len > size {
+        return Err(corrupt(format!("truncated header: {size} bytes")));
+    }
+    let mut json = vec![0u8; len as usize];
+    f.read_exact(&mut json).map_err(io("read", path))?;
+    if crc32fast::hash(&json) != crc {
+        return Err(corrupt("header checksum mismatch".into()));
+    }
+    let header: ShardHeader =
+        serde_json::from_slice(&json).map_err(|e| corrupt(format!("bad header: {e}")))?;
+    if header.format_version != FORMAT_VERSION {
+        return Err(corrupt(format!(
+            "format version {} (expected {FORMAT_VERSION})",
+            header.format_version
+        )));
+    }
+    if header.file_size != size {
+        return Err(corrupt(format!(
+            "truncated or extended: {size} bytes, header says {}",
+            header.file_size
+        )));
+    }
+    Ok((header, crc, size))
+}
+
+/// Step 3 (rank 0, after every rank's [`save_shard`]): checks the shard files, writes
+/// `metadata.json`, publishes the directory and moves `latest` to it; then keeps only the
+/// newest `keep_last` checkpoints (0 keeps all). Returns the checkpoint directory.
+///
+/// # Errors
+/// A missing or damaged shard file, or I/O errors naming the path. `latest` is unchanged
+/// unless the call succeeded.
+pub fn commit(
+    root: &Path,
+    state: &ShardState,
+    progress: &Progress,
+    keep_last: usize,
+) -> Result<PathBuf, CheckpointError> {
+    let slots = check_state(state)?;
+    let inc = incomplete_dir(root, state.step);
+    let name = step_dir_name(state.step);
+    let mut files = Vec::with_capacity(state.layout.world);
+    for j in 0..state.layout.world {
+        let path = inc.join(shard_file_name(j));
+        let (h, crc, size) = read_header(&path)?;
+        if h.step != state.step || h.shard_rank != j || h.shard_world != state.layout.world {
+            return Err(CheckpointError::Corrupt {
+                path,
+                reason: format!(
+                    "holds step {} shard {}/{}, expected step {} shard {j}/{}",
+                    h.step, h.shard_rank, h.shard_world, state.step, state.layout.world
+                ),
+            });
+        }
+        files.push(FileMeta {
+            name: shard_file_name(j),
+            shard_rank: j,
+            size,
+            header_crc32: crc,
+        });
+    }
+    let meta = Metadata {
+        format_version: FORMAT_VERSION,
+        step: state.step,
+        strategy: state.strategy.name().to_string(),
+        world: state.world,
+        shard_world: state.layout.world,
+        optimizer: state.optimizer.clone(),
+        state_slots: slots,
+        loss_scale: state.loss_scale,
+        data_position: progress.data_position,
+        epoch: progress.epoch,
+        rng_state: format::to_hex(&progress.rng_state),
+        units: format::units_meta(&state.layout),
+        files,
+    };
+    let json = serde_json::to_vec_pretty(&meta)
+        .map_err(|e| CheckpointError::InvalidArgument(format!("cannot encode metadata: {e}")))?;
+    write_atomic(&inc.join(METADATA), &json)?;
+    let fin = root.join(&name);
+    let replaced = root.join(format!("{name}.replaced"));
+    if fin.exists() {
+        // Re-saving a step: move the old copy aside; `latest` falls back to the newest
+        // committed directory if a crash leaves it dangling.
+        if replaced.exists() {
+            std::fs::remove_dir_all(&replaced).map_err(io("remove", &replaced))?;
+        }
+        std::fs::rename(&fin, &replaced).map_err(io("rename", &fin))?;
+    }
+    std::fs::rename(&inc, &fin).map_err(io("rename", &inc))?;
+    sync_dir(root)?;
+    write_atomic(&root.join(LATEST), format!("{name}\n").as_bytes())?;
+    if replaced.exists() {
+        std::fs::remove_dir_all(&replaced).map_err(io("remove", &replaced))?;
+    }
+    if keep_last > 0 {
+        let all = committed(root)?;
+        for (_, dir) in all.iter().rev().skip(keep_last) {
+            if *dir != fin {
+                std::fs::remove_dir_all(dir).map_err(io("remove old checkpoint", dir))?;
+            }
+        }
+    }
+    Ok(fin)
+}
+
+/// The three save steps in one process: `states` are the states of every rank (or at least
+/// of every writer, and rank 0's first).
+///
+/// # Errors
+/// As [`begin_save`], [`save_shard`] and [`commit`].
+pub fn save_local(
+    root: &Path,
+    states: &[ShardState],
+    progress: &Progress,
+    keep_last: usize,
+) -> Result<PathBuf, CheckpointError> {
+    let Some(first) = states.first() else {
+        return Err(CheckpointError::InvalidArgument("no state to save".into()));
+    };
+    begin_save(root, first.step)?;
+    for s in states {
+        save_shard(root, s)?;
+    }
+    commit(root, first, progress, keep_last)
+}
+
+/// Committed checkpoints under `root` (directories `step-N` with a `metadata.json`), oldest
+/// first.
+///
+/// # Errors
+/// The root cannot be listed.
+pub fn committed(root: &Path) -> Result<Vec<(u64, PathBuf)>, CheckpointError> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(root).map_err(io("list", root))? {
+        let entry = entry.map_err(io("list", root))?;
+        let name = entry.file_name();
+        let Some(step) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix("step-"))
+            .and_then(|n| n.parse::<u64>().ok())
+        else {
+            continue;
+        };
+        if entry.path().join(METADATA).is_file() {
+            out.push((step, entry.path()));
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// The checkpoint `latest` points to; if `latest` is missing or dangling, the newest committed
+/// checkpoint.
+///
+/// # Errors
+/// [`CheckpointError::NotFound`] when there is none.
+pub fn latest(root: &Path) -> Result<PathBuf, CheckpointError> {
+    if let Ok(s) = std::fs::read_to_string(root.join(LATEST)) {
+        let dir = root.join(s.trim());
+        if !s.trim().is_empty() && dir.join(METADATA).is_file() {
+            return Ok(dir);
+        }
+    }
+    committed(root)
+        .ok()
+        .and_then(|c| c.last().map(|(_, d)| d.clone()))
+        .ok_or_else(|| CheckpointError::NotFound(root.to_path_buf()))
+}
+
+/// Reads `metadata.json` of a checkpoint directory.
+///
+/// # Errors
+/// Missing or unparsable metadata, or another format version.
+pub fn read_metadata(dir: &Path) -> Result<Metadata, CheckpointError> {
+    let path = dir.join(METADATA);
+    let bytes = std::fs::read(&path).map_err(io("read", &path))?;
+    let meta: Metadata = serde_json::from_slice(&bytes).map_err(|e| CheckpointError::Corrupt {
+        path: path.clone(),
+        reason: format!("bad metadata: {e}"),
+    })?;
+    if meta.format_version != FORMAT_VERSION {
+        return Err(CheckpointError::Corrupt {
+            path,
+            reason: format!(
+                "format version {} (expected {FORMAT_VERSION})",
+                meta.format_version
+            ),
+        });
+    }
+    Ok(meta)
+}
+
+/// An opened checkpoint whose metadata and file headers were verified.
+struct Reader {
+    dir: PathBuf,
+    meta: Metadata,
+    layout: FlatLayout,
+    files: Vec<(PathBuf, File, ShardHeader)>,
+}
+
+impl Reader {
+    fn open(dir: &Path) -> Result<Self, CheckpointError> {
+        let meta = read_metadata(dir)?;
+        let layout = meta.layout();
+        let meta_path = dir.join(METADATA);
+        let bad = |reason: String| CheckpointError::Corrupt {
+            path: meta_path.clone(),
+            reason,
+        };
+        if meta.files.len() != meta.shard_world || meta.shard_world == 0 {
+            return Err(bad(format!(
+                "{} files for {} shards",
+                meta.files.len(),
+                meta.shard_world
+            )));
+        }
+        for u in &meta.units {
+            let sum: usize = u.params.iter().map(|p| p.numel).sum();
+            if sum != u.numel
+                || u.shard_len * meta.shard_world != u.padded_numel
+                || u.padded_numel < u.numel
+            {
+                return Err(bad(format!("inconsistent sizes in unit {:?}", u.name)));
+            }
+        }
+        let mut files = Vec::with_capacity(meta.files.len());
+        for (j, fm) in meta.files.iter().enumerate() {
+            let path = dir.join(&fm.name);
+            let (h, crc, size) = read_header(&path)?;
+            let corrupt = |reason: String| CheckpointError::Corrupt {
+                path: path.clone(),
+                reason,
+            };
+            if size != fm.size {
+                return Err(corrupt(format!("{size} bytes, metadata says {}", fm.size)));
+            }
+            if crc != fm.header_crc32 || fm.shard_rank != j || h.shard_rank != j {
+                return Err(corrupt(
+                    "header does not match metadata.json (file from another checkpoint?)".into(),
+                ));
+            }
+            let expect = meta.units.len() * (1 + meta.state_slots);
+            let sections_ok = h.sections.len() == expect
+                && h.sections.iter().all(|s| {
+                    s.unit < meta.units.len()
+                        && s.tensor <= meta.state_slots
+                        && s.len == meta.units[s.unit].shard_len
+                        && s.offset + 4 * s.len as u64 <= size
+                });
+            if !sections_ok || h.step != meta.step || h.state_slots != meta.state_slots {
+                return Err(corrupt("sections do not match metadata.json".into()));
+            }
+            let f = File::open(&path).map_err(io("open", &path))?;
+            files.push((path, f, h));
+        }
+        Ok(Reader {
+            dir: dir.to_path_buf(),
+            meta,
+            layout,
+            files,
+        })
+    }
+
+    /// Section (`unit`, `tensor`) of shard `j`, checksum-verified.
+    fn section(&self, j: usize, unit: usize, tensor: usize) -> Result<Vec<f32>, CheckpointError> {
+        let (path, f, h) = &self.files[j];
+        let Some(s) = h
+            .sections
+            .iter()
+            .find(|s| s.unit == unit && s.tensor == tensor)
+        else {
+            return Err(CheckpointError::Corrupt {
+                path: path.clone(),
+                reason: format!("no section for unit {unit} tensor {tensor}"),
+            });
+        };
+        let mut bytes = vec![0u8; 4 * s.len];
+        f.read_exact_at(&mut bytes, s.offset)
+            .map_err(io("read", path))?;
+        if crc32fast::hash(&bytes) != s.crc32 {
+            return Err(CheckpointError::Corrupt {
+                path: path.clone(),
+                reason: format!(
+                    "checksum mismatch in unit {:?} {} (offset {})",
+                    self.meta.units[unit].name,
+                    tensor_name(tensor),
+                    s.offset
+                ),
+            });
+        }
+        Ok(format::f32_from_bytes(&bytes))
+    }
+
+    /// Elements `range` (unit coordinates, within `numel`) of `tensor` of `unit`, gathered
+    /// from the saved shards.
+    fn gather(
+        &self,
+        unit: usize,
+        tensor: usize,
+        range: std::ops::Range<usize>,
+        out: &mut [f32],
+    ) -> Result<(), CheckpointError> {
+        let u = &self.layout.units[unit];
+        for j in 0..self.meta.shard_world {
+            let old = u.shard_range(j);
+            let start = old.start.max(range.start);
+            let end = old.end.min(range.end);
+            if start >= end {
+                continue;
+            }
+            let sec = self.section(j, unit, tensor)?;
+            out[start - range.start..end - range.start]
+                .copy_from_slice(&sec[start - old.start..end - old.start]);
+        }
+        Ok(())
+    }
+}
+
+fn tensor_name(tensor: usize) -> String {
+    match tensor {
+        0 => "master".into(),
+        s => format!("state slot {}", s - 1),
+    }
+}
+
+/// What to load a checkpoint into: the target layout (its `world` is the new sharding group
+/// size), strategy, world, rank and shard rank, and the optimizer's name.
+#[derive(Debug, Clone, Copy)]
+pub struct LoadTarget<'a> {
+    pub layout: &'a FlatLayout,
+    pub strategy: Strategy,
+    pub world: usize,
+    pub rank: usize,
+    pub shard_rank: usize,
+    pub optimizer: &'a str,
+}
+
+/// Loads checkpoint directory `dir` for `target`, resharding as needed.
+///
+/// # Errors
+/// Damaged files ([`CheckpointError::Corrupt`] naming the file), a different model or
+/// optimizer ([`CheckpointError::Mismatch`]), I/O errors.
+pub fn load(
+    dir: &Path,
+    target: &LoadTarget<'_>,
+) -> Result<(ShardState, Progress), CheckpointError> {
+    let r = Reader::open(dir)?;
+    let mismatch = |reason: String| CheckpointError::Mismatch {
+        path: dir.to_path_buf(),
+        reason,
+    };
+    r.layout
+        .check_same_model(target.layout)
+        .map_err(|e| mismatch(e.to_string()))?;
+    if r.meta.optimizer != target.optimizer {
+        return Err(mismatch(format!(
+            "saved with optimizer {:?}, loading into {:?}",
+            r.meta.optimizer, target.optimizer
+        )));
+    }
+    if target.shard_rank >= target.layout.world {
+        return Err(CheckpointError::InvalidArgument(format!(
+            "shard rank {} out of range for {} shards",
+            target.shard_rank, target.layout.world
+        )));
+    }
+    let slots = r.meta.state_slots;
+    let mut master = Vec::with_capacity(target.layout.units.len());
+    let mut state = Vec::with_capacity(target.layout.units.len());
+    for (ui, unit) in target.layout.units.iter().enumerate() {
+        let range = unit.shard_range(target.shard_rank);
+        let valid = range.start.min(unit.numel)..range.end.min(unit.numel);
+        let mut tensors = Vec::with_capacity(1 + slots);
+        for tensor in 0..=slots {
+            let mut out = vec![0.0f32; unit.shard_len];
+            let n = valid.len();
+            r.gather(ui, tensor, valid.clone(), &mut out[..n])?;
+            tensors.push(out);
+        }
+        let mut it = tensors.into_iter();
+        master.push(it.next().unwrap_or_default());
+        state.push(it.collect());
+    }
+    let rng_state =
+        format::from_hex(&r.meta.rng_state).ok_or_else(|| CheckpointError::Corrupt {
+            path: r.dir.join(METADATA),
+            reason: "bad rng_state hex".into(),
+        })?;
+    Ok((
+        ShardState {
+            strategy: target.strategy,
+            world: target.world,
+            rank: target.rank,
+            shard_rank: target.shard_rank,
+            layout: target.layout.clone(),
+            step: r.meta.step,
+            optimizer: r.meta.optimizer.clone(),
+            master,
+            state,
+            loss_scale: r.meta.loss_scale,
+        },
+        Progress {
+            data_position: r.meta.data_position,
+            epoch: r.meta.epoch,
+            rng_state,
+        },
+    ))
+}
+
+/// Checks every file and every section checksum of checkpoint `dir`.
+///
+/// # Errors
+/// The first problem found, naming the file.
+pub fn verify(dir: &Path) -> Result<Metadata, CheckpointError> {
+    let r = Reader::open(dir)?;
+    for j in 0..r.meta.shard_world {
+        for u in 0..r.meta.units.len() {
+            for t in 0..=r.meta.state_slots {
+                r.section(j, u, t)?;
+            }
+        }
+    }
+    Ok(r.meta)
+}
+
+/// Writes the full fp32 parameters (the master weights, padding stripped) of checkpoint `dir`
+/// to one safetensors file `out`, by parameter name and shape; atomically.
+///
+/// # Errors
+/// Damaged checkpoint files, or I/O errors naming the path.
+pub fn export_safetensors(dir: &Path, out: &Path) -> Result<(), CheckpointError> {
+    let r = Reader::open(dir)?;
+    let mut full: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (ui, unit) in r.layout.units.iter().enumerate() {
+        let mut flat = vec![0.0f32; unit.numel];
+        r.gather(ui, 0, 0..unit.numel, &mut flat)?;
+        for p in &unit.params {
+            full.push((
+                p.name.clone(),
+                p.shape.clone(),
+                format::f32_bytes(&flat[p.range()]).into_owned(),
+            ));
+        }
+    }
+    let views = full
+        .iter()
+        .map(|(name, shape, bytes)| {
+            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
+                .map(|v| (name.clone(), v))
+        })
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| CheckpointError::InvalidArgument(format!("safetensors: {e}")))?;
+    let mut info = std::collections::HashMap::new();
+    info.insert("step".to_string(), r.meta.step.to_string());
+    info.insert("format".to_string(), "pt".to_string());
+    let bytes = safetensors::tensor::serialize(views, Some(info))
+        .map_err(|e| CheckpointError::InvalidArgument(format!("safetensors: {e}")))?;
+    write_atomic(out, &bytes)
+}
+
+#[cfg(test)]
+mod tests;

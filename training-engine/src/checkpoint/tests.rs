@@ -1,0 +1,277 @@
+use super::*;
+use crate::layout::{FsdpSharding, UnitSpec};
+
+fn specs() -> Vec<UnitSpec> {
+    vec![
+        UnitSpec {
+            name: "embed".into(),
+            params: vec![("tok".into(), vec![5, 3]), ("pos".into(), vec![7])],
+        },
+        UnitSpec {
+            name: "block.0".into(),
+            params: vec![("w".into(), vec![4, 4]), ("b".into(), vec![4])],
+        },
+        UnitSpec {
+            name: "head".into(),
+            params: vec![("out".into(), vec![3])],
+        },
+    ]
+}
+
+/// The "true" full state: master value and state slots of element `i` of unit `u`.
+fn value(u: usize, tensor: usize, i: usize) -> f32 {
+    (u * 1000 + tensor * 100) as f32 + i as f32 * 0.5
+}
+
+/// Rank states for `strategy` over `world` ranks, built from the full state.
+fn states(strategy: Strategy, world: usize, step: u64) -> Vec<ShardState> {
+    let shard_world = if strategy.shards_optimizer() {
+        world
+    } else {
+        1
+    };
+    let layout = FlatLayout::new(shard_world, &specs()).unwrap();
+    (0..world)
+        .map(|rank| {
+            let shard_rank = if shard_world == 1 { 0 } else { rank };
+            let tensor = |u: usize, t: usize| -> Vec<f32> {
+                let unit = &layout.units[u];
+                unit.shard_range(shard_rank)
+                    .map(|i| if i < unit.numel { value(u, t, i) } else { 0.0 })
+                    .collect()
+            };
+            ShardState {
+                strategy,
+                world,
+                rank,
+                shard_rank,
+                layout: layout.clone(),
+                step,
+                optimizer: "adamw".into(),
+                master: (0..3).map(|u| tensor(u, 0)).collect(),
+                state: (0..3).map(|u| vec![tensor(u, 1), tensor(u, 2)]).collect(),
+                loss_scale: Some(1024.0),
+            }
+        })
+        .collect()
+}
+
+fn progress() -> Progress {
+    Progress {
+        data_position: 4242,
+        epoch: 3,
+        rng_state: vec![1, 2, 3, 0xff],
+    }
+}
+
+fn load_as(dir: &Path, strategy: Strategy, world: usize, rank: usize) -> ShardState {
+    let shard_world = if strategy.shards_optimizer() {
+        world
+    } else {
+        1
+    };
+    let layout = FlatLayout::new(shard_world, &specs()).unwrap();
+    let shard_rank = if shard_world == 1 { 0 } else { rank };
+    let (s, p) = load(
+        dir,
+        &LoadTarget {
+            layout: &layout,
+            strategy,
+            world,
+            rank,
+            shard_rank,
+            optimizer: "adamw",
+        },
+    )
+    .unwrap();
+    assert_eq!(p, progress());
+    s
+}
+
+#[test]
+fn reshard_across_world_sizes_and_strategies() {
+    let strategies = [
+        Strategy::Ddp,
+        Strategy::Zero1,
+        Strategy::Zero3,
+        Strategy::Fsdp(FsdpSharding::ShardGradOp),
+    ];
+    for from in strategies {
+        for from_world in [1, 2, 3, 4] {
+            let tmp = tempfile::tempdir().unwrap();
+            let dir = save_local(tmp.path(), &states(from, from_world, 7), &progress(), 0).unwrap();
+            assert_eq!(latest(tmp.path()).unwrap(), dir);
+            verify(&dir).unwrap();
+            for to in strategies {
+                for to_world in [1, 2, 4] {
+                    let want = states(to, to_world, 7);
+                    for (rank, want) in want.iter().enumerate() {
+                        let got = load_as(&dir, to, to_world, rank);
+                        assert_eq!(
+                            &got, want,
+                            "{from}@{from_world} -> {to}@{to_world} rank {rank}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn export_safetensors_has_full_params() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = save_local(tmp.path(), &states(Strategy::Zero3, 4, 1), &progress(), 0).unwrap();
+    let out = tmp.path().join("model.safetensors");
+    export_safetensors(&dir, &out).unwrap();
+    let bytes = std::fs::read(&out).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let layout = FlatLayout::new(1, &specs()).unwrap();
+    for (u, unit) in layout.units.iter().enumerate() {
+        for p in &unit.params {
+            let t = st.tensor(&p.name).unwrap();
+            assert_eq!(t.shape(), &p.shape[..]);
+            assert_eq!(t.dtype(), safetensors::Dtype::F32);
+            let vals = format::f32_from_bytes(t.data());
+            let want: Vec<f32> = p.range().map(|i| value(u, 0, i)).collect();
+            assert_eq!(vals, want, "{}", p.name);
+        }
+    }
+}
+
+#[test]
+fn corruption_is_detected_and_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = save_local(tmp.path(), &states(Strategy::Zero2, 2, 5), &progress(), 0).unwrap();
+    let shard = dir.join("shard-00001.bin");
+    let good = std::fs::read(&shard).unwrap();
+    let try_load = || {
+        let layout = FlatLayout::new(2, &specs()).unwrap();
+        load(
+            &dir,
+            &LoadTarget {
+                layout: &layout,
+                strategy: Strategy::Zero2,
+                world: 2,
+                rank: 1,
+                shard_rank: 1,
+                optimizer: "adamw",
+            },
+        )
+        .map(|_| ())
+    };
+    // A flipped data bit.
+    let mut bad = good.clone();
+    let last = bad.len() - 3;
+    bad[last] ^= 0x40;
+    std::fs::write(&shard, &bad).unwrap();
+    let e = try_load().unwrap_err().to_string();
+    assert!(
+        e.contains("shard-00001.bin") && e.contains("checksum mismatch"),
+        "{e}"
+    );
+    assert!(verify(&dir).is_err());
+    // Truncated.
+    std::fs::write(&shard, &good[..good.len() - 100]).unwrap();
+    let e = try_load().unwrap_err().to_string();
+    assert!(
+        e.contains("shard-00001.bin") && e.contains("truncated"),
+        "{e}"
+    );
+    // Bad magic.
+    let mut bad = good.clone();
+    bad[0] = b'X';
+    std::fs::write(&shard, &bad).unwrap();
+    let e = try_load().unwrap_err().to_string();
+    assert!(e.contains("bad magic"), "{e}");
+    // A damaged header.
+    let mut bad = good.clone();
+    bad[20] ^= 1;
+    std::fs::write(&shard, &bad).unwrap();
+    let e = try_load().unwrap_err().to_string();
+    assert!(e.contains("header checksum"), "{e}");
+    // Missing file.
+    std::fs::remove_file(&shard).unwrap();
+    let e = try_load().unwrap_err().to_string();
+    assert!(e.contains("shard-00001.bin") && e.contains("open"), "{e}");
+    std::fs::write(&shard, &good).unwrap();
+    try_load().unwrap();
+    // Broken metadata.
+    std::fs::write(dir.join(METADATA), b"{\"format_version\": 1").unwrap();
+    let e = try_load().unwrap_err().to_string();
+    assert!(e.contains("metadata.json"), "{e}");
+}
+
+#[test]
+fn mismatched_model_or_optimizer_is_an_error() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = save_local(tmp.path(), &states(Strategy::Zero1, 2, 5), &progress(), 0).unwrap();
+    let mut other = specs();
+    other[1].params[0].1 = vec![4, 5];
+    let layout = FlatLayout::new(2, &other).unwrap();
+    let target = LoadTarget {
+        layout: &layout,
+        strategy: Strategy::Zero1,
+        world: 2,
+        rank: 0,
+        shard_rank: 0,
+        optimizer: "adamw",
+    };
+    let e = load(&dir, &target).unwrap_err().to_string();
+    assert!(e.contains("does not match") && e.contains("\"w\""), "{e}");
+    let layout = FlatLayout::new(2, &specs()).unwrap();
+    let e = load(
+        &dir,
+        &LoadTarget {
+            layout: &layout,
+            optimizer: "sgd",
+            ..target
+        },
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("optimizer"), "{e}");
+}
+
+#[test]
+fn failed_save_keeps_previous_latest() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    let first = save_local(root, &states(Strategy::Zero3, 2, 10), &progress(), 0).unwrap();
+    // Step 20: only rank 0 writes (rank 1 "crashed"); commit must refuse.
+    begin_save(root, 20).unwrap();
+    let st = states(Strategy::Zero3, 2, 20);
+    save_shard(root, &st[0]).unwrap();
+    let e = commit(root, &st[0], &progress(), 0)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("shard-00001.bin"), "{e}");
+    assert_eq!(latest(root).unwrap(), first);
+    assert_eq!(
+        load_as(&first, Strategy::Zero3, 2, 1),
+        states(Strategy::Zero3, 2, 10)[1]
+    );
+    // A retry of the same step succeeds and cleans the leftover.
+    let second = save_local(root, &st, &progress(), 0).unwrap();
+    assert_eq!(latest(root).unwrap(), second);
+    assert!(!root.join("step-000000020.incomplete").exists());
+    // Re-saving the same step replaces it; keep_last prunes.
+    save_local(root, &st, &progress(), 1).unwrap();
+    assert_eq!(committed(root).unwrap().len(), 1);
+    assert_eq!(latest(root).unwrap(), second);
+    // A dangling pointer falls back to the newest committed checkpoint.
+    std::fs::write(root.join(LATEST), "step-000000099\n").unwrap();
+    assert_eq!(latest(root).unwrap(), second);
+}
+
+#[test]
+fn only_first_replica_writes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ddp = states(Strategy::Ddp, 3, 1);
+    begin_save(tmp.path(), 1).unwrap();
+    let written: Vec<_> = ddp
+        .iter()
+        .map(|s| save_shard(tmp.path(), s).unwrap())
+        .collect();
+    assert!(written[0].is_some() && written[1].is_none() && written[2].is_none());
+}

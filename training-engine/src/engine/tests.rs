@@ -1,0 +1,283 @@
+use std::sync::{Arc, Once};
+
+use super::*;
+use crate::comm::{BackendKind, CommOptions, LocalStore};
+use crate::layout::Strategy;
+use crate::model::{Gpt, GptConfig, global_batch, rank_rows};
+use crate::optim::{AdamW, Sgd};
+
+thread_local! {
+    /// Force the TCP backend (ring traffic formulas) for `run` calls of this test thread.
+    static TCP: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+fn one_thread() {
+    static ONCE: Once = Once::new();
+    // SAFETY: set once, before any test thread starts candle work that reads it.
+    ONCE.call_once(|| unsafe { std::env::set_var("RAYON_NUM_THREADS", "1") });
+}
+
+fn tiny() -> GptConfig {
+    GptConfig {
+        vocab: 256,
+        d_model: 32,
+        layers: 2,
+        heads: 2,
+        seq: 16,
+    }
+}
+
+const GLOBAL_B: usize = 8;
+
+fn cfg(strategy: Strategy) -> EngineConfig {
+    let mut c = EngineConfig::new(
+        strategy,
+        OptimizerConfig::AdamW(AdamW {
+            lr: 1e-2,
+            ..AdamW::default()
+        }),
+    );
+    c.seed = 7;
+    c.first_bucket_bytes = 16 << 10;
+    c.bucket_cap_bytes = 64 << 10;
+    c
+}
+
+fn sgd_cfg(strategy: Strategy) -> EngineConfig {
+    let mut c = cfg(strategy);
+    c.optimizer = OptimizerConfig::Sgd(Sgd { lr: 0.1, momentum: 0.9, weight_decay: 1e-4 });
+    c
+}
+
+/// Runs `steps` steps on `world` threads; every rank takes its rows of the fixed global batch
+/// as `micro` micro-batches. Returns rank 0's full parameters and every rank's engine stats.
+fn run(
+    world: usize,
+    strategy: Strategy,
+    deterministic: bool,
+    steps: u64,
+    micro: usize,
+    hosts: usize,
+    c: EngineConfig,
+) -> (Vec<Vec<f32>>, Vec<(MemoryStats, u64)>) {
+    one_thread();
+    let store = Arc::new(LocalStore::new());
+    let prefix = format!("t{}", rand::random::<u64>());
+    let tcp = TCP.with(|t| t.get());
+    let handles: Vec<_> = (0..world)
+        .map(|rank| {
+            let store = store.clone();
+            let prefix = prefix.clone();
+            let mut c = c.clone();
+            c.strategy = strategy;
+            std::thread::spawn(move || {
+                let opts = CommOptions {
+                    deterministic,
+                    host_identity: (hosts > 1).then(|| format!("host{}", rank * hosts / world)),
+                    backend: if hosts > 1 || tcp {
+                        BackendKind::Tcp
+                    } else {
+                        BackendKind::Shm
+                    },
+                    // Ring algorithms at every size, so traffic follows the ring formulas.
+                    tcp_small_bytes: 0,
+                    ..CommOptions::default()
+                };
+                let pg = ProcessGroup::new(rank, world, store, &prefix, opts).unwrap();
+                let mut e = Engine::new(Gpt::new(tiny()), c, pg).unwrap();
+                e.reset_traffic();
+                for step in 0..steps {
+                    let rows = global_batch(3, step, GLOBAL_B, tiny().seq, 256);
+                    let mine = rank_rows(&rows, rank, world);
+                    let batches: Vec<Batch> = (0..micro)
+                        .map(|m| Batch::from_rows(&rank_rows(&mine, m, micro)).unwrap())
+                        .collect();
+                    e.train_step(&batches).unwrap();
+                }
+                let stats = (e.memory(), e.bytes_sent());
+                if std::env::var("ENGINE_TEST_DEBUG").is_ok() {
+                    eprintln!("{strategy} rank {rank}: {:?}", e.pg.stats());
+                }
+                (e.full_params().unwrap(), stats)
+            })
+        })
+        .collect();
+    let mut out = Vec::new();
+    let mut stats = Vec::new();
+    for h in handles {
+        let (p, s) = h.join().unwrap();
+        out.push(p);
+        stats.push(s);
+    }
+    for p in &out[1..] {
+        assert_eq!(p, &out[0], "replicas diverged");
+    }
+    (out.swap_remove(0), stats)
+}
+
+/// ‖a − b‖₂ / ‖b‖₂ over all parameters.
+fn max_rel(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
+    let (mut d, mut n) = (0f64, 0f64);
+    for (x, y) in a.iter().flatten().zip(b.iter().flatten()) {
+        d += (f64::from(*x) - f64::from(*y)).powi(2);
+        n += f64::from(*y).powi(2);
+    }
+    (d / n).sqrt()
+}
+
+#[test]
+fn single_process_loss_decreases() {
+    one_thread();
+    let store = Arc::new(LocalStore::new());
+    let pg = ProcessGroup::new(0, 1, store, "single", CommOptions::default()).unwrap();
+    let mut e = Engine::new(Gpt::new(tiny()), cfg(Strategy::Ddp), pg).unwrap();
+    let rows = global_batch(3, 0, GLOBAL_B, tiny().seq, 256);
+    let b = Batch::from_rows(&rows).unwrap();
+    let first = e.train_step(std::slice::from_ref(&b)).unwrap().loss;
+    // ln(256) ≈ 5.55 at init.
+    assert!((first - 5.55).abs() < 0.5, "{first}");
+    let mut last = first;
+    for _ in 0..10 {
+        last = e.train_step(std::slice::from_ref(&b)).unwrap().loss;
+    }
+    assert!(last < first - 1.0, "{first} -> {last}");
+}
+
+#[test]
+fn fused_kernels_match_composed_ops() {
+    one_thread();
+    let m = Gpt::new(tiny());
+    let c = Gpt::new(tiny()).with_fused(false);
+    let rows = global_batch(3, 0, 2, tiny().seq, 256);
+    let b = Batch::from_rows(&rows).unwrap();
+    let params: Vec<Tensor> = {
+        let spec = &m.specs()[1];
+        let flat = m.init_unit(1, 1);
+        let mut off = 0;
+        spec.params
+            .iter()
+            .map(|(_, s)| {
+                let n: usize = s.iter().product();
+                let t = Var::from_slice(&flat[off..off + n], s.as_slice(), &Device::Cpu).unwrap();
+                off += n;
+                t.as_tensor().clone()
+            })
+            .collect()
+    };
+    let x = Tensor::randn(0f32, 1.0, (2, tiny().seq, 32), &Device::Cpu).unwrap();
+    let ya = m.forward_unit(1, &params, Some(&x), &b).unwrap();
+    let yb = c.forward_unit(1, &params, Some(&x), &b).unwrap();
+    let d = (&ya - &yb).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+    assert!(d < 1e-5, "forward {d}");
+    let ga = ya.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+    let gb = yb.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+    for p in &params {
+        let a = ga.get(p).unwrap();
+        let bb = gb.get(p).unwrap();
+        let d = (a - bb).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        let s = a.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        assert!(d <= 1e-4 * s.max(1.0), "grad {d} vs scale {s}");
+    }
+}
+
+/// Single-process reference for world N: the N per-rank batches as N micro-batches, folded in
+/// rank order and divided by N — bitwise what a deterministic reduction computes.
+fn reference(world: usize, steps: u64) -> Vec<Vec<f32>> {
+    run(1, Strategy::Ddp, true, steps, world, 1, cfg(Strategy::Ddp)).0
+}
+
+#[test]
+fn strategies_equal_single_process_bitwise_in_deterministic_mode() {
+    let steps = 3;
+    for world in [2, 4] {
+        let want = reference(world, steps);
+        for s in ["ddp", "zero1", "zero2", "zero3", "fsdp-shard-grad-op", "fsdp"] {
+            let st: Strategy = s.parse().unwrap();
+            let (got, _) = run(world, st, true, steps, 1, 1, cfg(st));
+            assert!(got == want, "{s} at world {world}: max rel diff {}", max_rel(&got, &want));
+        }
+    }
+    // Hybrid over 2 simulated hosts of 1 rank: shard group of 1, replicas across hosts.
+    let want = reference(2, steps);
+    let st: Strategy = "hybrid".parse().unwrap();
+    let (got, _) = run(2, st, true, steps, 1, 2, cfg(st));
+    assert!(got == want, "hybrid world 2: {}", max_rel(&got, &want));
+}
+
+#[test]
+fn strategies_match_within_tolerance_with_ring_reductions() {
+    // SGD: AdamW's m/√v turns rounding-level gradient differences of near-zero gradients into
+    // O(lr) parameter differences, which says nothing about the engine.
+    let steps = 3;
+    let c = sgd_cfg(Strategy::Ddp);
+    let want = run(1, Strategy::Ddp, true, steps, 4, 1, c.clone()).0;
+    for (s, hosts) in [("ddp", 1), ("zero2", 1), ("zero3", 1), ("hybrid", 2)] {
+        let st: Strategy = s.parse().unwrap();
+        let (got, _) = run(4, st, false, steps, 1, hosts, c.clone());
+        let d = max_rel(&got, &want);
+        assert!(d < 1e-6, "{s}: rel diff {d}");
+    }
+}
+
+#[test]
+fn gradient_accumulation_equals_large_batch() {
+    // World 2, 2 micro-batches of 2 rows each vs world 2 with one batch of 4 rows.
+    let c = sgd_cfg(Strategy::Ddp);
+    let (acc, _) = run(2, Strategy::Ddp, true, 2, 2, 1, c.clone());
+    let (big, _) = run(2, Strategy::Ddp, true, 2, 1, 1, c);
+    let d = max_rel(&acc, &big);
+    assert!(d < 1e-6, "{d}");
+}
+
+#[test]
+fn memory_matches_formulas_and_traffic_ratio() {
+    let world = 2;
+    let psi: u64 = {
+        let l = FlatLayout::new(1, &Gpt::new(tiny()).specs()).unwrap();
+        l.total_numel() as u64
+    };
+    let s: u64 = {
+        let l = FlatLayout::new(world, &Gpt::new(tiny()).specs()).unwrap();
+        l.total_shard_len() as u64
+    };
+    let max_unit = FlatLayout::new(1, &Gpt::new(tiny()).specs())
+        .unwrap()
+        .units
+        .iter()
+        .map(|u| u.numel as u64)
+        .max()
+        .unwrap();
+    TCP.with(|t| t.set(true));
+    let mut sent = std::collections::HashMap::new();
+    for (name, want) in [
+        ("ddp", 16 * psi),
+        ("zero1", 8 * psi + 8 * s),
+        ("zero2", 4 * psi + 12 * s),
+        ("zero3", 16 * s),
+    ] {
+        let st: Strategy = name.parse().unwrap();
+        let (_, stats) = run(world, st, false, 1, 1, 1, cfg(st));
+        for (m, bytes) in &stats {
+            assert_eq!(m.model_state(), want, "{name}: {m:?}");
+            if name == "zero3" {
+                assert!(m.gathered_peak > 0 && m.gathered_peak <= 2 * 4 * max_unit, "{m:?}");
+            }
+            sent.insert(name, *bytes);
+        }
+    }
+    // The tiny model's units are multiples of 2, so no padding: DDP sends 2·(N−1)/N·4Ψ.
+    assert_eq!(s * 2, psi);
+    assert_eq!(sent["ddp"], 4 * psi);
+    assert_eq!(sent["zero1"], 4 * psi);
+    assert_eq!(sent["zero2"], 4 * psi);
+    // ZeRO-3 = 1.5 × DDP, except that the last unit (the loss head) stays gathered between its
+    // forward and backward (FSDP's root unit), saving one all-gather of (N−1)/N of it.
+    let head = FlatLayout::new(world, &Gpt::new(tiny()).specs()).unwrap().units.last().unwrap().padded_numel as u64;
+    assert_eq!((sent["zero3"] + 4 * head / 2) * 2, sent["ddp"] * 3);
+
+    let sgd = OptimizerConfig::Sgd(Sgd { lr: 0.1, momentum: 0.9, weight_decay: 0.0 });
+    let mut c = cfg(Strategy::Zero3);
+    c.optimizer = sgd;
+    let (_, stats) = run(world, Strategy::Zero3, false, 1, 1, 1, c);
+    assert_eq!(stats[0].0.model_state(), 12 * s);
+}

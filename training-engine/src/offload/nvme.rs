@@ -1,0 +1,580 @@
+//! The NVMe tier: optimizer state in a swap file, streamed through staging buffers.
+
+use std::fs::{File, OpenOptions};
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use std::ops::Range;
+
+use super::cpu::check_unit;
+use super::engine::{Dir, IoEngine, IoReq, Job, Ticket};
+use super::{
+    ALIGN, AlignedBuf, EngineKind, OffloadError, OffloadStats, TierBytes, TileSpec, round_up,
+    tile_specs,
+};
+use crate::error::{EngineError, EngineResult};
+use crate::layout::{OptimStateStore, StateTile};
+
+/// Configuration of an [`NvmeStore`] (DeepSpeed's `aio` knobs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NvmeConfig {
+    /// Directory of the swap file (`--nvme-path`).
+    pub dir: PathBuf,
+    /// Swap file name, unique per rank (e.g. `rank-00003.swap`).
+    pub file_name: String,
+    /// Bytes per I/O request (a multiple of 4 KiB; default 1 MiB).
+    pub block_size: usize,
+    /// Requests in flight (default 8).
+    pub queue_depth: usize,
+    /// Tile staging buffers; 2 is double buffering (default 2, minimum 1).
+    pub buffer_count: usize,
+    /// Tile size in elements (DeepSpeed's `sub_group_size`).
+    pub sub_group_elems: usize,
+    /// `None` picks io_uring and falls back to the thread pool when it cannot be set up.
+    pub engine: Option<EngineKind>,
+}
+
+impl NvmeConfig {
+    /// Defaults: 1 MiB blocks, queue depth 8, 2 buffers, 4 Mi-element (16 MiB) tiles, auto
+    /// engine.
+    pub fn new(dir: impl Into<PathBuf>, file_name: impl Into<String>) -> Self {
+        NvmeConfig {
+            dir: dir.into(),
+            file_name: file_name.into(),
+            block_size: 1 << 20,
+            queue_depth: 8,
+            buffer_count: 2,
+            sub_group_elems: 4 << 20,
+            engine: None,
+        }
+    }
+}
+
+/// One tile-sized staging buffer and the job using it.
+struct Staging {
+    // Declared before `buf` so that dropping waits for the I/O before the memory goes.
+    pending: Option<Ticket>,
+    buf: AlignedBuf,
+    /// The tile whose current slot is being (or has been) read into `buf`, if any.
+    holds: Option<usize>,
+}
+
+/// Optimizer state in one `O_DIRECT` swap file; see the module docs for layout and
+/// failure atomicity. The file is removed when the store is dropped.
+pub struct NvmeStore {
+    // Field order is drop order: staging (waits for its I/O), then the engine (drains and
+    // joins its threads), then the file.
+    staging: Vec<Staging>,
+    engine: IoEngine,
+    file: File,
+    path: Arc<Path>,
+    direct: bool,
+    unit_lens: Vec<usize>,
+    /// State slots per element; a tile slot holds `1 + slots` tensors.
+    slots: usize,
+    tiles: Vec<TileSpec>,
+    /// Tiles of each unit (contiguous in tile order).
+    unit_tiles: Vec<Range<usize>>,
+    /// Padded bytes of one tensor of each tile.
+    region: Vec<usize>,
+    /// File offset of each tile's slot 0.
+    base: Vec<u64>,
+    /// Current slot (0 or 1) of each tile.
+    cur: Vec<u8>,
+    file_bytes: u64,
+    /// The unit updated last (predicts the order: ascending, or descending as in backward).
+    last_unit: Option<usize>,
+    stats: OffloadStats,
+}
+
+impl std::fmt::Debug for NvmeStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NvmeStore")
+            .field("path", &self.path)
+            .field("engine", &self.engine.kind())
+            .field("direct", &self.direct)
+            .field("tiles", &self.tiles.len())
+            .field("file_bytes", &self.file_bytes)
+            .finish()
+    }
+}
+
+impl NvmeStore {
+    /// Creates (or truncates) the swap file for unit shards of `unit_lens` elements with
+    /// `slots` state slots per element, preallocates it and starts the I/O engine. The state
+    /// starts at zero.
+    ///
+    /// # Errors
+    /// An invalid config, [`OffloadError::Io`] naming the file when it cannot be created or
+    /// preallocated (`ENOSPC` for a disk that is too small), [`OffloadError::Engine`] when the
+    /// requested engine cannot start.
+    pub fn new(unit_lens: &[usize], slots: usize, cfg: &NvmeConfig) -> Result<Self, OffloadError> {
+        if cfg.block_size == 0 || !cfg.block_size.is_multiple_of(ALIGN) {
+            return Err(OffloadError::InvalidArgument(format!(
+                "block_size {} is not a positive multiple of {ALIGN}",
+                cfg.block_size
+            )));
+        }
+        if cfg.queue_depth == 0 || cfg.buffer_count == 0 || cfg.sub_group_elems == 0 {
+            return Err(OffloadError::InvalidArgument(format!(
+                "queue_depth {}, buffer_count {} and sub_group_elems {} must be positive",
+                cfg.queue_depth, cfg.buffer_count, cfg.sub_group_elems
+            )));
+        }
+        let tiles = tile_specs(unit_lens, cfg.sub_group_elems);
+        let unit_tiles = (0..unit_lens.len())
+            .map(|u| {
+                let start = tiles
+                    .iter()
+                    .position(|t| t.unit >= u)
+                    .unwrap_or(tiles.len());
+                let end = tiles.iter().position(|t| t.unit > u).unwrap_or(tiles.len());
+                start..end
+            })
+            .collect();
+        let n_tensors = 1 + slots;
+        let region: Vec<usize> = tiles.iter().map(|t| round_up(t.len * 4)).collect();
+        let mut base = Vec::with_capacity(tiles.len());
+        let mut file_bytes = 0u64;
+        for r in &region {
+            base.push(file_bytes);
+            file_bytes += (2 * n_tensors * *r) as u64;
+        }
+        let path: Arc<Path> = cfg.dir.join(&cfg.file_name).into();
+        let (file, direct) = open_swap(&path)?;
+        let cleanup = |file: File, e: OffloadError| {
+            drop(file);
+            let _ = std::fs::remove_file(&path);
+            e
+        };
+        if let Err(e) = preallocate(&file, file_bytes) {
+            let err = OffloadError::Io {
+                op: "allocate",
+                path: path.to_path_buf(),
+                offset: 0,
+                source: e,
+            };
+            return Err(cleanup(file, err));
+        }
+        let engine = match IoEngine::start(cfg.engine, cfg.block_size, cfg.queue_depth) {
+            Ok(e) => e,
+            Err(e) => return Err(cleanup(file, e)),
+        };
+        let max_region = region.iter().copied().max().unwrap_or(ALIGN);
+        let mut staging = Vec::new();
+        for _ in 0..cfg.buffer_count.min(tiles.len().max(1)) {
+            match AlignedBuf::zeroed(n_tensors * max_region / 4) {
+                Ok(buf) => staging.push(Staging {
+                    pending: None,
+                    buf,
+                    holds: None,
+                }),
+                Err(e) => return Err(cleanup(file, e)),
+            }
+        }
+        Ok(NvmeStore {
+            staging,
+            engine,
+            file,
+            path,
+            direct,
+            unit_lens: unit_lens.to_vec(),
+            slots,
+            cur: vec![0; tiles.len()],
+            tiles,
+            unit_tiles,
+            region,
+            base,
+            file_bytes,
+            last_unit: None,
+            stats: OffloadStats::default(),
+        })
+    }
+
+    /// The I/O backend in use.
+    pub fn engine_kind(&self) -> EngineKind {
+        self.engine.kind()
+    }
+
+    /// Whether the file is open with `O_DIRECT` (false only on file systems refusing it).
+    pub fn is_direct(&self) -> bool {
+        self.direct
+    }
+
+    /// The swap file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The tiles, in update order.
+    pub fn tiles(&self) -> &[TileSpec] {
+        &self.tiles
+    }
+
+    /// Shard length of each unit.
+    pub fn unit_lens(&self) -> &[usize] {
+        &self.unit_lens
+    }
+
+    /// Memory held, per tier: the staging buffers, and the swap file.
+    pub fn memory(&self) -> TierBytes {
+        TierBytes {
+            host: self.staging.iter().map(|s| s.buf.capacity_bytes()).sum(),
+            file: self.file_bytes,
+        }
+    }
+
+    /// Counters.
+    pub fn stats(&self) -> OffloadStats {
+        self.stats
+    }
+
+    /// A short description for logs.
+    pub fn describe(&self) -> String {
+        format!(
+            "nvme {} {} {}",
+            match self.engine.kind() {
+                EngineKind::IoUring => "io_uring",
+                EngineKind::ThreadPool => "pread/pwrite pool",
+            },
+            if self.direct { "O_DIRECT" } else { "buffered" },
+            self.path.display()
+        )
+    }
+
+    /// Bytes of one slot of tile `t` (all its tensors).
+    fn slot_bytes(&self, t: usize) -> usize {
+        (1 + self.slots) * self.region[t]
+    }
+
+    fn slot_offset(&self, t: usize, slot: u8) -> u64 {
+        self.base[t] + u64::from(slot % 2) * self.slot_bytes(t) as u64
+    }
+
+    /// A request over the first `len` bytes of staging buffer `b`.
+    fn req(&mut self, b: usize, offset: u64, len: usize, dir: Dir) -> IoReq {
+        IoReq {
+            fd: self.file.as_raw_fd(),
+            offset,
+            ptr: self.staging[b].buf.as_mut_ptr(),
+            len,
+            dir,
+        }
+    }
+
+    /// Reading tile `t`'s current slot into staging buffer `b`.
+    fn read_req(&mut self, b: usize, t: usize) -> IoReq {
+        let off = self.slot_offset(t, self.cur[t]);
+        let len = self.slot_bytes(t);
+        self.req(b, off, len, Dir::Read)
+    }
+
+    /// Submits `phases` on staging buffer `b` (which must have no pending job).
+    fn submit(&mut self, b: usize, phases: Vec<Vec<IoReq>>) {
+        for r in phases.iter().flatten() {
+            match r.dir {
+                Dir::Read => self.stats.bytes_read += r.len as u64,
+                Dir::Write => self.stats.bytes_written += r.len as u64,
+            }
+        }
+        let job = Job {
+            phases,
+            path: self.path.clone(),
+        };
+        debug_assert!(self.staging[b].pending.is_none());
+        // SAFETY: every request points into `staging[b].buf`, which is neither touched nor
+        // freed before the ticket stored next to it completes (it is waited for before any
+        // access, and `Staging` drops the ticket first); `self.file` outlives the engine.
+        let ticket = unsafe { self.engine.submit(job) };
+        self.staging[b].pending = Some(ticket);
+    }
+
+    fn wait(&mut self, b: usize) -> Result<(), OffloadError> {
+        match self.staging[b].pending.take() {
+            Some(t) => t.wait().inspect_err(|_| self.staging[b].holds = None),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits for every pending job and forgets prefetched tiles; returns the first error.
+    fn drain(&mut self) -> Result<(), OffloadError> {
+        let mut first = Ok(());
+        for b in 0..self.staging.len() {
+            let r = self.wait(b);
+            self.staging[b].holds = None;
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
+
+    /// Starts reading the first tiles of `unit` (no-op for tiles already there).
+    fn prefetch_unit(&mut self, unit: usize) -> Result<(), OffloadError> {
+        let n_bufs = self.staging.len();
+        let tiles = self.unit_tiles[unit].clone();
+        for t in tiles.take(n_bufs) {
+            let b = t % n_bufs;
+            if self.staging[b].holds == Some(t) {
+                continue;
+            }
+            self.wait(b)?;
+            let req = self.read_req(b, t);
+            self.submit(b, vec![vec![req]]);
+            self.staging[b].holds = Some(t);
+        }
+        Ok(())
+    }
+
+    /// Starts reading the first tiles of `unit`, so that the reads overlap whatever the caller
+    /// does before [`OptimStateStore::update_unit`] (e.g. the backward pass). The store does
+    /// this by itself for the next unit after each update.
+    ///
+    /// # Errors
+    /// A bad unit, or the error of a previous job that was still pending.
+    pub fn prefetch(&mut self, unit: usize) -> EngineResult<()> {
+        if unit >= self.unit_lens.len() {
+            return Err(self.bad_unit(unit));
+        }
+        Ok(self.prefetch_unit(unit)?)
+    }
+
+    fn bad_unit(&self, unit: usize) -> EngineError {
+        EngineError::Offload(format!(
+            "unit {unit} out of range ({} units)",
+            self.unit_lens.len()
+        ))
+    }
+
+    /// The pipelined update of one unit; on error the unit's tiles keep their slots.
+    fn run_unit(
+        &mut self,
+        unit: usize,
+        f: &mut dyn FnMut(StateTile<'_>) -> EngineResult<()>,
+        waited: &mut f64,
+    ) -> EngineResult<()> {
+        let tiles = self.unit_tiles[unit].clone();
+        let n_bufs = self.staging.len();
+        let n_tensors = 1 + self.slots;
+        self.prefetch_unit(unit)?;
+        for t in tiles.clone() {
+            let b = t % n_bufs;
+            let t0 = Instant::now();
+            let r = self.wait(b);
+            *waited += t0.elapsed().as_secs_f64();
+            r?;
+            if self.staging[b].holds != Some(t) {
+                // Only reachable if a chained read was lost to an error reported above.
+                return Err(EngineError::Offload(format!(
+                    "internal: staging buffer {b} does not hold tile {t}"
+                )));
+            }
+            self.staging[b].holds = None;
+            let tile = self.tiles[t].clone();
+            let q = self.region[t] / 4;
+            let all = &mut self.staging[b].buf[..n_tensors * q];
+            let (master, state) = all.split_at_mut(q);
+            let mut state: Vec<&mut [f32]> = state
+                .chunks_exact_mut(q)
+                .map(|c| &mut c[..tile.len])
+                .collect();
+            f(StateTile {
+                offset: tile.start,
+                master: &mut master[..tile.len],
+                state: &mut state,
+            })?;
+            // Write tile t to its other slot, then read tile t+B of this unit into the buffer.
+            let write_off = self.slot_offset(t, self.cur[t] + 1);
+            let write = self.req(b, write_off, self.slot_bytes(t), Dir::Write);
+            let mut phases = vec![vec![write]];
+            if t + n_bufs < tiles.end {
+                phases.push(vec![self.read_req(b, t + n_bufs)]);
+                self.staging[b].holds = Some(t + n_bufs);
+            }
+            self.submit(b, phases);
+        }
+        Ok(())
+    }
+}
+
+impl OptimStateStore for NvmeStore {
+    fn kind(&self) -> &'static str {
+        "nvme"
+    }
+
+    fn init_unit(&mut self, unit: usize, master: &[f32], slots: usize) -> EngineResult<()> {
+        check_unit(&self.unit_lens, self.slots, unit, master.len(), slots)?;
+        let zeros = vec![0.0f32; master.len()];
+        let state: Vec<&[f32]> = (0..slots).map(|_| &zeros[..]).collect();
+        self.write_tensors(unit, master, &state)
+    }
+
+    fn update_unit(
+        &mut self,
+        unit: usize,
+        f: &mut dyn FnMut(StateTile<'_>) -> EngineResult<()>,
+    ) -> EngineResult<()> {
+        if unit >= self.unit_lens.len() {
+            return Err(self.bad_unit(unit));
+        }
+        let mut waited = 0.0;
+        let result = self.run_unit(unit, f, &mut waited);
+        let t0 = Instant::now();
+        let drained = self.drain();
+        waited += t0.elapsed().as_secs_f64();
+        self.stats.io_wait_secs += waited;
+        result?;
+        drained?;
+        for t in self.unit_tiles[unit].clone() {
+            self.cur[t] ^= 1;
+        }
+        self.stats.unit_updates += 1;
+        // Prefetch the next unit with tiles, in the order the caller goes (ascending, or
+        // descending when it updates units as backward produces their gradients), wrapping
+        // around to the next step.
+        let n_units = self.unit_lens.len();
+        let descending = self.last_unit == Some((unit + 1) % n_units) && n_units > 1;
+        self.last_unit = Some(unit);
+        if let Some(next) = (1..=n_units)
+            .map(|k| {
+                if descending {
+                    (unit + n_units - k) % n_units
+                } else {
+                    (unit + k) % n_units
+                }
+            })
+            .find(|&u| !self.unit_tiles[u].is_empty())
+        {
+            self.prefetch_unit(next)?;
+        }
+        Ok(())
+    }
+
+    fn read_unit(&mut self, unit: usize) -> EngineResult<(Vec<f32>, Vec<Vec<f32>>)> {
+        if unit >= self.unit_lens.len() {
+            return Err(self.bad_unit(unit));
+        }
+        self.drain()?;
+        let n = self.unit_lens[unit];
+        let mut master = vec![0.0f32; n];
+        let mut state = vec![vec![0.0f32; n]; self.slots];
+        for t in self.unit_tiles[unit].clone() {
+            let req = self.read_req(0, t);
+            self.submit(0, vec![vec![req]]);
+            self.wait(0)?;
+            let tile = self.tiles[t].clone();
+            let q = self.region[t] / 4;
+            let buf = &self.staging[0].buf;
+            master[tile.range()].copy_from_slice(&buf[..tile.len]);
+            for (s, out) in state.iter_mut().enumerate() {
+                let at = (1 + s) * q;
+                out[tile.range()].copy_from_slice(&buf[at..at + tile.len]);
+            }
+        }
+        Ok((master, state))
+    }
+
+    fn write_unit(&mut self, unit: usize, master: &[f32], state: &[Vec<f32>]) -> EngineResult<()> {
+        check_unit(&self.unit_lens, self.slots, unit, master.len(), state.len())?;
+        if let Some(s) = state.iter().find(|s| s.len() != master.len()) {
+            return Err(EngineError::Length {
+                what: format!("offload unit {unit} state slot"),
+                expected: master.len(),
+                actual: s.len(),
+            });
+        }
+        let state: Vec<&[f32]> = state.iter().map(|s| &s[..]).collect();
+        self.write_tensors(unit, master, &state)
+    }
+
+    fn resident_bytes(&self) -> u64 {
+        self.memory().host as u64
+    }
+}
+
+impl NvmeStore {
+    /// Writes a whole unit into the tiles' other slots, then switches them (atomic per unit).
+    fn write_tensors(&mut self, unit: usize, master: &[f32], state: &[&[f32]]) -> EngineResult<()> {
+        self.drain()?;
+        for t in self.unit_tiles[unit].clone() {
+            let tile = self.tiles[t].clone();
+            let q = self.region[t] / 4;
+            let buf = &mut self.staging[0].buf;
+            for (i, src) in std::iter::once(master)
+                .chain(state.iter().copied())
+                .enumerate()
+            {
+                let dst = &mut buf[i * q..(i + 1) * q];
+                dst[..tile.len].copy_from_slice(&src[tile.range()]);
+                dst[tile.len..].fill(0.0);
+            }
+            let off = self.slot_offset(t, self.cur[t] + 1);
+            let req = self.req(0, off, self.slot_bytes(t), Dir::Write);
+            self.submit(0, vec![vec![req]]);
+            self.wait(0)?;
+        }
+        for t in self.unit_tiles[unit].clone() {
+            self.cur[t] ^= 1;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for NvmeStore {
+    fn drop(&mut self) {
+        let _ = self.drain();
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Opens the swap file with `O_DIRECT`, or buffered when the file system refuses `O_DIRECT`
+/// (`EINVAL`).
+fn open_swap(path: &Path) -> Result<(File, bool), OffloadError> {
+    let open = |flags: i32| {
+        OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .custom_flags(flags)
+            .open(path)
+    };
+    match open(libc::O_DIRECT) {
+        Ok(f) => Ok((f, true)),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => match open(0) {
+            Ok(f) => Ok((f, false)),
+            Err(e) => Err(open_error(path, e)),
+        },
+        Err(e) => Err(open_error(path, e)),
+    }
+}
+
+fn open_error(path: &Path, source: std::io::Error) -> OffloadError {
+    OffloadError::Io {
+        op: "open",
+        path: path.to_path_buf(),
+        offset: 0,
+        source,
+    }
+}
+
+/// Reserves `bytes` on disk (so a full disk is found now), or sizes the file sparsely where
+/// `fallocate` is unsupported.
+fn preallocate(file: &File, bytes: u64) -> std::io::Result<()> {
+    if bytes == 0 {
+        return Ok(());
+    }
+    // SAFETY: plain syscall on an open fd.
+    let rc = unsafe { libc::fallocate(file.as_raw_fd(), 0, 0, bytes as libc::off_t) };
+    if rc == 0 {
+        return Ok(());
+    }
+    let e = std::io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EOPNOTSUPP) {
+        return file.set_len(bytes);
+    }
+    Err(e)
+}
