@@ -11,3 +11,4 @@ mod netns;
 mod restarts;
 mod signals;
 mod torch;
+mod train;

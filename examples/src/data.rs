@@ -1,0 +1,271 @@
+//! Training data for the `train` example: a deterministic synthetic corpus that a small byte-level
+//! model can actually learn, or any file read as bytes (memory-mapped), and the distributed sampler.
+//!
+//! # Which samples a rank sees
+//!
+//! The corpus is cut into windows of `seq_len + 1` bytes (inputs plus the next-byte targets). Every
+//! epoch visits every window once, in an order shuffled from `(seed, epoch)`. Global step `k` consumes
+//! the next `G = batch × grad_accum × world` windows of that stream. Within a global step, window `j`
+//! goes to slot `j / batch`, and slot `s` is (rank `s / grad_accum`, micro-step `s % grad_accum`).
+//! So the samples of step `k` depend only on the seed and `G`: one process with `--grad-accum 2` sees
+//! in its two micro-steps exactly what two ranks with `--grad-accum 1` see, in the same slot order.
+//! The data position saved in checkpoints is the global step.
+
+use std::path::{Path, PathBuf};
+
+/// What to train on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DataSpec {
+    /// The built-in synthetic corpus.
+    Synthetic,
+    /// A file, read as bytes.
+    File(PathBuf),
+}
+
+impl std::str::FromStr for DataSpec {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "synthetic" {
+            return Ok(DataSpec::Synthetic);
+        }
+        let p = PathBuf::from(s);
+        if !p.is_file() {
+            return Err(format!("{s:?} is neither `synthetic` nor a readable file"));
+        }
+        Ok(DataSpec::File(p))
+    }
+}
+
+/// The bytes to train on.
+pub enum Corpus {
+    /// Generated in memory.
+    Owned(Vec<u8>),
+    /// A memory-mapped file.
+    Mapped(memmap2::Mmap),
+}
+
+impl std::fmt::Debug for Corpus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Corpus({} bytes)", self.bytes().len())
+    }
+}
+
+impl Corpus {
+    /// Loads the corpus. The synthetic one is `synthetic_bytes` long and generated from `seed`.
+    ///
+    /// # Errors
+    /// The file cannot be opened or mapped, or is too short for one window.
+    pub fn load(spec: &DataSpec, seed: u64, synthetic_bytes: usize, seq_len: usize) -> anyhow::Result<Self> {
+        let corpus = match spec {
+            DataSpec::Synthetic => Corpus::Owned(synthetic(seed, synthetic_bytes)),
+            DataSpec::File(path) => Corpus::Mapped(map(path)?),
+        };
+        let need = seq_len + 2;
+        if corpus.bytes().len() < need {
+            anyhow::bail!(
+                "the data has {} bytes; at least {need} are needed for one window of --seq-len {seq_len}",
+                corpus.bytes().len()
+            );
+        }
+        Ok(corpus)
+    }
+
+    /// The bytes.
+    pub fn bytes(&self) -> &[u8] {
+        match self {
+            Corpus::Owned(v) => v,
+            Corpus::Mapped(m) => m,
+        }
+    }
+}
+
+fn map(path: &Path) -> anyhow::Result<memmap2::Mmap> {
+    use anyhow::Context;
+    let file = std::fs::File::open(path).with_context(|| format!("cannot open data file {}", path.display()))?;
+    // SAFETY: the file is opened read-only and the map is only read. Another process truncating the
+    // file while we train would fault; that is the documented risk of memory-mapped input.
+    unsafe { memmap2::Mmap::map(&file) }.with_context(|| format!("cannot memory-map data file {}", path.display()))
+}
+
+/// splitmix64: a tiny PRNG whose output is fixed forever (unlike library RNGs whose algorithm may
+/// change between versions), so data order is reproducible across builds.
+#[derive(Debug, Clone)]
+pub struct SplitMix64(u64);
+
+impl SplitMix64 {
+    /// Seeded generator.
+    pub fn new(seed: u64) -> Self {
+        SplitMix64(seed)
+    }
+
+    /// Next 64 random bits.
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `0..n` (n > 0).
+    pub fn below(&mut self, n: u64) -> u64 {
+        // Lemire's multiply-shift; the tiny bias at n close to 2^64 does not matter here.
+        ((u128::from(self.next_u64()) * u128::from(n)) >> 64) as u64
+    }
+}
+
+const SUBJECTS: &[&str] = &["the cat", "a dog", "the old man", "my sister", "the robot", "a small bird", "the teacher", "our neighbour"];
+const VERBS: &[&str] = &["sees", "likes", "follows", "paints", "finds", "carries", "watches", "helps"];
+const OBJECTS: &[&str] = &["the red ball", "a green box", "the tall tree", "a blue car", "the river", "a wooden chair", "the moon", "an apple"];
+const PLACES: &[&str] = &["in the park", "at home", "near the sea", "on the hill", "in the city", "by the lake"];
+
+/// A learnable text: simple sentences from a small grammar, plus arithmetic facts (`17+25=42.`), which
+/// a byte-level model learns in stages (spelling, then grammar, then some arithmetic), so the loss
+/// curve has shape.
+pub fn synthetic(seed: u64, len: usize) -> Vec<u8> {
+    let mut rng = SplitMix64::new(seed ^ 0x5EED_DA7A);
+    let mut out = Vec::with_capacity(len + 64);
+    while out.len() < len {
+        let pick = |rng: &mut SplitMix64, words: &[&str]| words[rng.below(words.len() as u64) as usize].to_string();
+        let sentence = if rng.below(4) == 0 {
+            let (a, b) = (rng.below(50), rng.below(50));
+            format!("{a}+{b}={}. ", a + b)
+        } else {
+            let mut s = format!("{} {} {}", pick(&mut rng, SUBJECTS), pick(&mut rng, VERBS), pick(&mut rng, OBJECTS));
+            if rng.below(2) == 0 {
+                s.push(' ');
+                s.push_str(&pick(&mut rng, PLACES));
+            }
+            s.push_str(". ");
+            s
+        };
+        out.extend_from_slice(sentence.as_bytes());
+    }
+    out.truncate(len);
+    out
+}
+
+/// The distributed sampler (see the module documentation for the rule).
+#[derive(Debug, Clone)]
+pub struct Sampler {
+    seq_len: usize,
+    n_windows: u64,
+    seed: u64,
+    batch: usize,
+    grad_accum: usize,
+    world: usize,
+    cached_epoch: Option<(u64, Vec<u32>)>,
+}
+
+impl Sampler {
+    /// A sampler over `corpus_len` bytes.
+    pub fn new(corpus_len: usize, seq_len: usize, seed: u64, batch: usize, grad_accum: usize, world: usize) -> Self {
+        // Windows start every seq_len bytes and need seq_len + 1 bytes.
+        let n_windows = ((corpus_len - 1) / seq_len) as u64;
+        Sampler { seq_len, n_windows, seed, batch, grad_accum, world, cached_epoch: None }
+    }
+
+    /// Windows per epoch.
+    pub fn windows_per_epoch(&self) -> u64 {
+        self.n_windows
+    }
+
+    /// Samples per global step (`batch × grad_accum × world`).
+    pub fn global_batch(&self) -> u64 {
+        (self.batch * self.grad_accum * self.world) as u64
+    }
+
+    /// The epoch global step `step` starts in.
+    pub fn epoch_of(&self, step: u64) -> u64 {
+        step * self.global_batch() / self.n_windows
+    }
+
+    fn window(&mut self, sample: u64) -> u64 {
+        let epoch = sample / self.n_windows;
+        let pos = (sample % self.n_windows) as usize;
+        if self.cached_epoch.as_ref().is_none_or(|(e, _)| *e != epoch) {
+            let mut perm: Vec<u32> = (0..self.n_windows as u32).collect();
+            let mut rng = SplitMix64::new(self.seed.wrapping_mul(0x100_0000_01B3) ^ epoch);
+            for i in (1..perm.len()).rev() {
+                let j = rng.below(i as u64 + 1) as usize;
+                perm.swap(i, j);
+            }
+            self.cached_epoch = Some((epoch, perm));
+        }
+        // Invariant: the cache was filled for this epoch just above.
+        self.cached_epoch.as_ref().map(|(_, p)| u64::from(p[pos])).unwrap_or(0)
+    }
+
+    /// The window starts (byte offsets) of `rank`'s micro-step `micro` of global step `step`.
+    pub fn starts(&mut self, step: u64, rank: usize, micro: usize) -> Vec<usize> {
+        let slot = (rank * self.grad_accum + micro) as u64;
+        let base = step * self.global_batch() + slot * self.batch as u64;
+        (0..self.batch as u64).map(|i| self.window(base + i) as usize * self.seq_len).collect()
+    }
+
+    /// Inputs and targets (`batch × seq_len` each, row-major) of one micro-step.
+    pub fn batch(&mut self, corpus: &[u8], step: u64, rank: usize, micro: usize) -> (Vec<u32>, Vec<u32>) {
+        let t = self.seq_len;
+        let mut x = Vec::with_capacity(self.batch * t);
+        let mut y = Vec::with_capacity(self.batch * t);
+        for start in self.starts(step, rank, micro) {
+            let w = &corpus[start..start + t + 1];
+            x.extend(w[..t].iter().map(|b| u32::from(*b)));
+            y.extend(w[1..].iter().map(|b| u32::from(*b)));
+        }
+        (x, y)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn synthetic_is_deterministic_text() {
+        let a = synthetic(1, 10_000);
+        assert_eq!(a, synthetic(1, 10_000));
+        assert_ne!(a, synthetic(2, 10_000));
+        assert!(std::str::from_utf8(&a).is_ok());
+        assert!(String::from_utf8_lossy(&a).contains(". "));
+    }
+
+    #[test]
+    fn one_process_with_accumulation_sees_what_two_ranks_see() {
+        let corpus = synthetic(3, 100_000);
+        let mut single = Sampler::new(corpus.len(), 32, 7, 4, 2, 1);
+        let mut two = Sampler::new(corpus.len(), 32, 7, 4, 1, 2);
+        for step in [0, 1, 17, 500] {
+            for slot in 0..2 {
+                assert_eq!(single.batch(&corpus, step, 0, slot), two.batch(&corpus, step, slot, 0), "step {step} slot {slot}");
+            }
+        }
+    }
+
+    #[test]
+    fn every_window_once_per_epoch() {
+        let corpus = synthetic(3, 32 * 64 + 1);
+        let mut s = Sampler::new(corpus.len(), 32, 9, 2, 1, 2);
+        assert_eq!(s.windows_per_epoch(), 64);
+        let mut seen = Vec::new();
+        for step in 0..16 {
+            for rank in 0..2 {
+                seen.extend(s.starts(step, rank, 0));
+            }
+        }
+        seen.sort();
+        assert_eq!(seen, (0..64).map(|w| w * 32).collect::<Vec<_>>());
+        // The next epoch is another order of the same windows.
+        let e1: Vec<usize> = s.starts(16, 0, 0);
+        assert_eq!(s.epoch_of(16), 1);
+        assert!(e1.iter().all(|x| x % 32 == 0));
+    }
+
+    #[test]
+    fn bad_data_paths_are_rejected() {
+        assert!("synthetic".parse::<DataSpec>().is_ok());
+        let e = "/no/such/file".parse::<DataSpec>().unwrap_err();
+        assert!(e.contains("neither `synthetic` nor a readable file"), "{e}");
+    }
+}
