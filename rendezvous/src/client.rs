@@ -32,6 +32,10 @@ use crate::RdzvError;
 /// The wire types, re-exported for users of the client.
 pub use rsrun_proto::v1 as proto;
 
+/// How long a background keep-alive tolerates an unreachable service before it declares the node
+/// lost (a daemon restart takes seconds; this bound is for a head node that is gone for good).
+pub const KEEP_ALIVE_GIVE_UP: Duration = Duration::from_secs(120);
+
 /// Where and how to reach the service.
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
@@ -335,19 +339,35 @@ impl RdzvClient {
     }
 
     /// Renews the lease every `interval` in the background until the handle is dropped. The handle
-    /// reports the first error that means the node is out (its lease expired, the job is gone).
+    /// reports the first error that means the node is out (its lease expired, the job is gone), or
+    /// that the service stayed unreachable for [`KEEP_ALIVE_GIVE_UP`].
     pub fn spawn_keep_alive(&self, job: &str, node: &str, interval: Duration) -> KeepAliveHandle {
+        self.spawn_keep_alive_with(job, node, interval, KEEP_ALIVE_GIVE_UP)
+    }
+
+    /// [`RdzvClient::spawn_keep_alive`] with an explicit bound on how long the service may stay
+    /// unreachable (a daemon restart takes seconds; a dead head node never comes back).
+    pub fn spawn_keep_alive_with(&self, job: &str, node: &str, interval: Duration, give_up: Duration) -> KeepAliveHandle {
         let (tx, rx) = watch::channel(None);
         let client = self.clone();
         let (job, node) = (job.to_string(), node.to_string());
         let task = tokio::spawn(async move {
             let mut tick = tokio::time::interval(interval);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut last_ok = Instant::now();
             loop {
                 tick.tick().await;
                 match client.keep_alive(&job, &node).await {
-                    Ok(_) => {}
+                    Ok(_) => last_ok = Instant::now(),
                     Err(e) if e.is_retryable() || matches!(e, RdzvError::Timeout(_)) => {
+                        if last_ok.elapsed() >= give_up {
+                            let _ = tx.send(Some(RdzvError::Unavailable(format!(
+                                "rendezvous service at {} unreachable for {:?} (last error: {e})",
+                                client.cfg.endpoint,
+                                last_ok.elapsed()
+                            ))));
+                            return;
+                        }
                         tracing::warn!(%job, %node, error = %e, "keep-alive failed, retrying");
                     }
                     Err(e) => {

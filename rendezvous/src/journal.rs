@@ -61,6 +61,9 @@ pub struct Journal {
     log: File,
     log_path: PathBuf,
     log_bytes: u64,
+    /// Set when a failed append could not be undone: the log may hold a partial record, so no
+    /// further record may follow it. Cleared only by a restart (recovery truncates the tail).
+    poisoned: Option<String>,
     _lock: nix::fcntl::Flock<File>,
 }
 
@@ -166,22 +169,30 @@ fn read_log(path: &Path, is_last: bool) -> Result<(Vec<Entry>, u64, u64), RdzvEr
         let crc = u32::from_le_bytes([bytes[at + 4], bytes[at + 5], bytes[at + 6], bytes[at + 7]]);
         let end = at + 8 + len as usize;
         if len > MAX_RECORD || end > bytes.len() {
-            if is_last {
+            if is_last && (end > bytes.len() || bytes[at..].iter().all(|b| *b == 0)) {
                 break;
             }
             return torn("record cut short");
         }
         let payload = &bytes[at + 8..end];
-        if crc32fast::hash(payload) != crc {
-            // Only the final record of the final log can be a torn write.
-            if is_last && end == bytes.len() {
+        // A write the crash cut short can only be at the end of the last log: the final record, or a
+        // tail the file system zero-filled (size persisted, data not). Anything followed by valid
+        // data is damage.
+        let zero_tail = bytes[at..].iter().all(|b| *b == 0);
+        if crc32fast::hash(payload) != crc || len == 0 {
+            if is_last && (end == bytes.len() || zero_tail) {
                 break;
             }
             return torn("checksum mismatch");
         }
         let entry: Entry = match postcard::from_bytes(payload) {
             Ok(e) => e,
-            Err(e) => return torn(&format!("undecodable record: {e}")),
+            Err(e) => {
+                if is_last && zero_tail {
+                    break;
+                }
+                return torn(&format!("undecodable record: {e}"));
+            }
         };
         entries.push(entry);
         at = end;
@@ -196,7 +207,7 @@ impl Journal {
     /// # Errors
     /// The directory cannot be created or locked (another daemon uses it), or its files are damaged
     /// anywhere but a torn tail.
-    pub fn open(dir: &Path, limits: &Limits) -> Result<(Journal, Recovered), RdzvError> {
+    pub fn open(dir: &Path) -> Result<(Journal, Recovered), RdzvError> {
         fs::create_dir_all(dir).map_err(|e| storage(dir, "cannot create data directory", e))?;
         let lock_path = dir.join("lock");
         let lock_file = OpenOptions::new()
@@ -229,7 +240,7 @@ impl Journal {
                 if entry.seq != seq + 1 {
                     return Err(storage(path, "journal has a gap", format!("expected sequence {}, found {}", seq + 1, entry.seq)));
                 }
-                if let Err(e) = state.apply(&entry.cmd, entry.at, limits) {
+                if let Err(e) = state.apply(&entry.cmd, entry.at, &Limits::unbounded()) {
                     // A command that succeeded when it was journaled must succeed again; say so loudly.
                     tracing::error!(seq = entry.seq, error = %e, "journal replay diverged");
                 }
@@ -247,7 +258,7 @@ impl Journal {
             }
         }
         fsync_dir(dir)?;
-        let journal = Journal { dir: dir.to_path_buf(), log, log_path, log_bytes: 0, _lock: lock };
+        let journal = Journal { dir: dir.to_path_buf(), log, log_path, log_bytes: 0, poisoned: None, _lock: lock };
         Ok((journal, Recovered { state, seq, replayed, truncated_bytes }))
     }
 
@@ -267,9 +278,14 @@ impl Journal {
     /// The write or the sync failed (e.g. the disk is full). A failed append may have left a partial
     /// record; the caller retries the same bytes, and recovery truncates a torn tail.
     pub fn append(&mut self, records: &[u8]) -> Result<(), RdzvError> {
+        if let Some(why) = &self.poisoned {
+            return Err(storage(&self.log_path, "journal unusable until restart", why));
+        }
         if let Err(e) = self.log.write_all(records).and_then(|_| self.log.sync_data()) {
             // Undo a partial write so a retry does not leave garbage in the middle of the log.
-            let _ = self.log.set_len(self.log_bytes);
+            if let Err(undo) = self.log.set_len(self.log_bytes) {
+                self.poisoned = Some(format!("a failed append ({e}) could not be undone ({undo})"));
+            }
             return Err(storage(&self.log_path, "cannot append to journal", e));
         }
         self.log_bytes += records.len() as u64;
@@ -335,7 +351,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let limits = Limits::default();
         {
-            let (mut j, rec) = Journal::open(dir.path(), &limits).unwrap();
+            let (mut j, rec) = Journal::open(dir.path()).unwrap();
             assert_eq!(rec.seq, 0);
             write(&mut j, 1, &[join("a"), join("b"), set("k1")]);
             let mut state = State::default();
@@ -348,7 +364,7 @@ mod tests {
             let rec = encode(&Entry { seq: 5, at: 10, cmd: set("k3") }).unwrap();
             j.log.write_all(&rec[..rec.len() / 2]).unwrap();
         }
-        let (_j, rec) = Journal::open(dir.path(), &limits).unwrap();
+        let (_j, rec) = Journal::open(dir.path()).unwrap();
         assert_eq!(rec.seq, 4);
         assert_eq!(rec.replayed, 1);
         assert!(rec.truncated_bytes > 0);
@@ -359,40 +375,54 @@ mod tests {
     #[test]
     fn damage_in_the_middle_is_an_error_naming_the_file() {
         let dir = tempfile::tempdir().unwrap();
-        let limits = Limits::default();
+
         let log_path;
         {
-            let (mut j, _) = Journal::open(dir.path(), &limits).unwrap();
+            let (mut j, _) = Journal::open(dir.path()).unwrap();
             write(&mut j, 1, &[join("a"), join("b"), set("k1")]);
             log_path = j.log_path.clone();
         }
         let mut bytes = fs::read(&log_path).unwrap();
         bytes[12] ^= 0xff; // inside the first record
         fs::write(&log_path, bytes).unwrap();
-        let err = Journal::open(dir.path(), &limits).unwrap_err().to_string();
+        let err = Journal::open(dir.path()).unwrap_err().to_string();
         assert!(err.contains("journal-") && err.contains("damaged at offset 0"), "{err}");
+    }
+
+    #[test]
+    fn zero_filled_tail_is_a_torn_write_not_damage() {
+        let dir = tempfile::tempdir().unwrap();
+
+        {
+            let (mut j, _) = Journal::open(dir.path()).unwrap();
+            write(&mut j, 1, &[join("a"), set("k1")]);
+            j.log.write_all(&[0u8; 4096]).unwrap();
+        }
+        let (_j, rec) = Journal::open(dir.path()).unwrap();
+        assert_eq!(rec.seq, 2);
+        assert_eq!(rec.truncated_bytes, 4096);
     }
 
     #[test]
     fn second_daemon_on_same_dir_is_refused() {
         let dir = tempfile::tempdir().unwrap();
-        let limits = Limits::default();
-        let (_j, _) = Journal::open(dir.path(), &limits).unwrap();
-        let err = Journal::open(dir.path(), &limits).unwrap_err().to_string();
+
+        let (_j, _) = Journal::open(dir.path()).unwrap();
+        let err = Journal::open(dir.path()).unwrap_err().to_string();
         assert!(err.contains("in use by another rsrun-rendezvous"), "{err}");
     }
 
     #[test]
     fn damaged_snapshot_is_an_error() {
         let dir = tempfile::tempdir().unwrap();
-        let limits = Limits::default();
-        drop(Journal::open(dir.path(), &limits).unwrap());
+
+        drop(Journal::open(dir.path()).unwrap());
         let p = dir.path().join("snapshot");
         let mut b = fs::read(&p).unwrap();
         let n = b.len();
         b[n - 1] ^= 1;
         fs::write(&p, b).unwrap();
-        let err = Journal::open(dir.path(), &limits).unwrap_err().to_string();
+        let err = Journal::open(dir.path()).unwrap_err().to_string();
         assert!(err.contains("checksum mismatch"), "{err}");
     }
 }

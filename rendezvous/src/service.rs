@@ -90,7 +90,8 @@ struct Inner {
     seq: u64,
     /// Bytes queued to the current log since the last compaction.
     log_bytes: u64,
-    views: HashMap<String, watch::Sender<pb::JobView>>,
+    /// Per job: its view and the sequence number that view is as of (pushed only once durable).
+    views: HashMap<String, watch::Sender<(pb::JobView, u64)>>,
     topics: HashMap<(String, String), watch::Sender<u64>>,
 }
 
@@ -142,7 +143,7 @@ impl Core {
         let (state, seq, durability) = match &config.data_dir {
             None => (State::default(), 0, None),
             Some(dir) => {
-                let (journal, recovered) = Journal::open(dir, &config.limits)?;
+                let (journal, recovered) = Journal::open(dir)?;
                 tracing::info!(
                     data_dir = %dir.display(),
                     jobs = recovered.state.jobs.len(),
@@ -242,10 +243,11 @@ impl Core {
                     self.metrics.rounds_formed.inc();
                     tracing::info!(job = %job_id, round = job.round, nodes = view.max_nodes.min(job.nodes.len() as u32), "round formed");
                 }
-                let tx = g.views.entry(job_id.clone()).or_insert_with(|| watch::channel(view.clone()).0);
+                let seq = g.seq;
+                let tx = g.views.entry(job_id.clone()).or_insert_with(|| watch::channel((view.clone(), seq)).0);
                 tx.send_if_modified(|old| {
-                    if significant(old, &view) {
-                        *old = view;
+                    if significant(&old.0, &view) {
+                        *old = (view, seq);
                         true
                     } else {
                         false
@@ -301,14 +303,14 @@ impl Core {
         }
     }
 
-    /// Reads the state and waits until what it saw is durable.
+    /// Reads the state and waits until what it saw is durable (errors derived from the state too).
     pub async fn read<T>(&self, f: impl FnOnce(&State) -> Result<T, RdzvError>) -> Result<T, RdzvError> {
         let (value, seq) = {
             let g = self.lock();
-            (f(&g.state)?, g.seq)
+            (f(&g.state), g.seq)
         };
         self.wait_durable(seq).await?;
-        Ok(value)
+        value
     }
 
     /// Waits until `check` yields a value, the deadline passes (then `on_timeout` describes what was
@@ -324,16 +326,27 @@ impl Core {
         loop {
             let (found, seq, mut view_rx, mut topic_rx) = {
                 let mut g = self.lock();
-                let found = check(&g.state)?;
-                let view_rx = g.views.get(job).map(|tx| tx.subscribe());
+                let found = check(&g.state);
+                let seq = g.seq;
+                let view = g.state.jobs.get(job).map(|j| j.view());
+                let view_rx = view.map(|v| g.views.entry(job.to_string()).or_insert_with(|| watch::channel((v, seq)).0).subscribe());
                 let topic_rx = topic.as_ref().map(|t| {
                     g.topics.entry((job.to_string(), t.clone())).or_insert_with(|| watch::channel(0).0).subscribe()
                 });
-                (found, g.seq, view_rx, topic_rx)
+                (found, seq, view_rx, topic_rx)
             };
-            if let Some(v) = found {
-                self.wait_durable(seq).await?;
-                return Ok(v);
+            // An answer derived from the state (a value or an error) must not show what a crash
+            // could undo.
+            match found {
+                Ok(Some(v)) => {
+                    self.wait_durable(seq).await?;
+                    return Ok(v);
+                }
+                Err(e) => {
+                    self.wait_durable(seq).await?;
+                    return Err(e);
+                }
+                Ok(None) => {}
             }
             let view_changed = async {
                 match view_rx.as_mut() {
@@ -363,11 +376,17 @@ impl Core {
         }
     }
 
-    /// A receiver of the job's view (current value first).
-    pub fn subscribe_view(&self, job: &str) -> Result<watch::Receiver<pb::JobView>, RdzvError> {
+    /// A receiver of the job's view and the sequence number it is as of (current value first).
+    pub fn subscribe_view(&self, job: &str) -> Result<watch::Receiver<(pb::JobView, u64)>, RdzvError> {
         let mut g = self.lock();
         let view = g.state.job(job)?.view();
-        Ok(g.views.entry(job.to_string()).or_insert_with(|| watch::channel(view).0).subscribe())
+        let seq = g.seq;
+        Ok(g.views.entry(job.to_string()).or_insert_with(|| watch::channel((view, seq)).0).subscribe())
+    }
+
+    /// Waits until `seq` is durable (for pushed views).
+    pub async fn durable(&self, seq: u64) -> Result<(), RdzvError> {
+        self.wait_durable(seq).await
     }
 
     /// Applies what time made due, then sleeps until the next deadline or a change.
@@ -596,8 +615,9 @@ impl pb::rendezvous_server::Rendezvous for Service {
                         step,
                         |s| {
                             let j = s.job(job)?;
-                            if let Phase::Failed { .. } = j.phase {
-                                return Err(RdzvError::JobEnded { job: job.into(), state: "failed", reason: j.reason.clone() });
+                            // A job that completed or failed while this node waited (a spare) ends the wait.
+                            if let Some(e) = j.ended_error() {
+                                return Err(e);
                             }
                             if !j.nodes.contains_key(node) {
                                 return Err(RdzvError::NotMember {
@@ -666,15 +686,20 @@ impl pb::rendezvous_server::Rendezvous for Service {
         .await?
         .into_inner();
         let cancel = self.core.cancel.clone();
-        let stream = futures::stream::unfold((rx, true, cancel), |(mut rx, first, cancel)| async move {
+        let core = self.core.clone();
+        let stream = futures::stream::unfold((rx, true, cancel, core), |(mut rx, first, cancel, core)| async move {
             if !first {
                 tokio::select! {
                     r = rx.changed() => if r.is_err() { return None },
                     _ = cancel.cancelled() => return None,
                 }
             }
-            let view = rx.borrow_and_update().clone();
-            Some((Ok(pb::JobEvent { view: Some(view) }), (rx, false, cancel)))
+            let (view, seq) = rx.borrow_and_update().clone();
+            // Push only what a crash cannot take back.
+            if let Err(e) = core.durable(seq).await {
+                return Some((Err(Status::from(e)), (rx, false, cancel, core)));
+            }
+            Some((Ok(pb::JobEvent { view: Some(view) }), (rx, false, cancel, core)))
         });
         Ok(Response::new(Box::pin(stream)))
     }

@@ -46,7 +46,11 @@ const MAX_LAST_CALL_MS: u64 = 24 * 3_600_000;
 /// Most restarts a job may budget.
 const MAX_RESTARTS: u32 = 1_000_000;
 /// Most participants of one barrier.
-const MAX_BARRIER_PARTICIPANTS: u32 = 10_000_000;
+const MAX_BARRIER_PARTICIPANTS: u32 = 1_000_000;
+/// Most barriers one job may hold.
+const MAX_BARRIERS: usize = 10_000;
+/// Most unique-id names per round.
+const MAX_UNIQUE_IDS: usize = 1_024;
 
 /// A job's membership configuration, fixed by its first joiner.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -268,8 +272,9 @@ pub struct Barrier {
 pub enum Dedup {
     /// `StoreAdd`'s result.
     Add(i64),
-    /// `StoreCompareSet`'s result.
-    Cas { swapped: bool, current: Option<Vec<u8>> },
+    /// `StoreCompareSet`'s result (a retry reads the current value again: values are not kept
+    /// twice, so the cache stays small).
+    Cas { swapped: bool },
     /// `Barrier`'s arrival generation.
     Barrier(u64),
 }
@@ -565,7 +570,8 @@ impl Job {
         matches!(self.phase, Phase::Completed { .. } | Phase::Failed { .. })
     }
 
-    fn ended_error(&self) -> Option<RdzvError> {
+    /// The error a completed or failed job answers with (`None` while it runs).
+    pub fn ended_error(&self) -> Option<RdzvError> {
         let state = match self.phase {
             Phase::Completed { .. } => "completed",
             Phase::Failed { .. } => "failed",
@@ -767,6 +773,14 @@ impl Job {
             return Err(e);
         }
         self.check_round(scope.round)
+    }
+
+    /// Sets a key without checking limits (the caller checked the final sizes).
+    fn put_unchecked(&mut self, round_scoped: bool, key: String, value: Vec<u8>) {
+        let added = key.len() + value.len();
+        let removed = self.store_map(round_scoped).get(&key).map(|v| key.len() + v.len()).unwrap_or(0);
+        self.store_bytes = self.store_bytes.saturating_sub(removed) + added;
+        self.store_map(round_scoped).insert(key, value);
     }
 
     /// Sets a key, enforcing the per-job limits.
@@ -982,12 +996,41 @@ impl State {
             Command::StoreMultiSet { scope, entries } => {
                 let job = self.job_mut(&scope.job)?;
                 job.check_write(scope)?;
-                // All or nothing: check every limit on a copy first.
-                let mut trial = job.clone();
+                // All or nothing: check the limits against the final sizes first, then apply.
+                let mut finals: BTreeMap<&String, usize> = BTreeMap::new();
                 for (k, v) in entries {
-                    trial.put(limits, scope.round_scoped, k.clone(), v.clone())?;
+                    finals.insert(k, v.len());
                 }
-                *job = trial;
+                let (mut new_keys, mut bytes) = (0usize, job.store_bytes as i128);
+                {
+                    let map = job.store_map(scope.round_scoped);
+                    for (k, len) in &finals {
+                        match map.get(*k) {
+                            Some(old) => bytes += *len as i128 - old.len() as i128,
+                            None => {
+                                new_keys += 1;
+                                bytes += (k.len() + len) as i128;
+                            }
+                        }
+                    }
+                }
+                if job.num_keys() + new_keys > limits.max_keys_per_job {
+                    return Err(RdzvError::ResourceExhausted(format!(
+                        "job {:?} would hold {} keys, the limit is {}",
+                        job.id,
+                        job.num_keys() + new_keys,
+                        limits.max_keys_per_job
+                    )));
+                }
+                if bytes > limits.max_store_bytes_per_job as i128 {
+                    return Err(RdzvError::ResourceExhausted(format!(
+                        "job {:?} store would hold {bytes} bytes, the limit is {}",
+                        job.id, limits.max_store_bytes_per_job
+                    )));
+                }
+                for (k, v) in entries {
+                    job.put_unchecked(scope.round_scoped, k.clone(), v.clone());
+                }
                 let topics = entries.iter().map(|(k, _)| scope.key_topic(k)).collect();
                 Ok((Outcome::Done, Effects { changed: true, topics }))
             }
@@ -1014,8 +1057,10 @@ impl State {
             Command::StoreCas { scope, key, expected, desired, request_id } => {
                 let job = self.job_mut(&scope.job)?;
                 job.check_write(scope)?;
-                if let Some(Dedup::Cas { swapped, current }) = job.recall(request_id) {
-                    return Ok((Outcome::Cas { swapped: *swapped, current: current.clone() }, Effects::default()));
+                if let Some(Dedup::Cas { swapped }) = job.recall(request_id) {
+                    let swapped = *swapped;
+                    let current = job.store_map(scope.round_scoped).get(key).cloned();
+                    return Ok((Outcome::Cas { swapped, current }, Effects::default()));
                 }
                 let current = job.store_map(scope.round_scoped).get(key).cloned();
                 let (swapped, after) = if current == *expected {
@@ -1024,7 +1069,7 @@ impl State {
                 } else {
                     (false, current)
                 };
-                job.remember(request_id, Dedup::Cas { swapped, current: after.clone() });
+                job.remember(request_id, Dedup::Cas { swapped });
                 let effects = if swapped { Effects::topic(scope.key_topic(key)) } else { Effects::changed() };
                 Ok((Outcome::Cas { swapped, current: after }, effects))
             }
@@ -1051,7 +1096,15 @@ impl State {
                         format!("{participants}; expected 1 to {MAX_BARRIER_PARTICIPANTS}"),
                     ));
                 }
-                let barrier = job.barriers.entry((scope.round_scoped, name.clone())).or_default();
+                let bkey = (scope.round_scoped, name.clone());
+                if !job.barriers.contains_key(&bkey) && job.barriers.len() >= MAX_BARRIERS {
+                    return Err(RdzvError::ResourceExhausted(format!(
+                        "job {:?} holds {} barriers, the limit is {MAX_BARRIERS}",
+                        job.id,
+                        job.barriers.len()
+                    )));
+                }
+                let barrier = job.barriers.entry(bkey).or_default();
                 if barrier.arrived.is_empty() {
                     barrier.participants = *participants;
                 } else if barrier.participants != *participants {
@@ -1103,6 +1156,10 @@ impl State {
                     Some(_) => Err(RdzvError::AlreadyExists(format!(
                         "the unique id {name:?} of round {round} was already published and is write-once"
                     ))),
+                    None if job.unique_ids.len() >= MAX_UNIQUE_IDS => Err(RdzvError::ResourceExhausted(format!(
+                        "round {round} of job {:?} holds {MAX_UNIQUE_IDS} unique ids, the limit",
+                        job.id
+                    ))),
                     None => {
                         job.unique_ids.insert(name.clone(), id.clone());
                         Ok((Outcome::Done, Effects::topic(unique_id_topic(*round, name))))
@@ -1137,6 +1194,13 @@ impl State {
             self.jobs.insert(j.job.clone(), Job::new(j.job.clone(), j.spec.clone(), now));
         }
         let job = self.job_mut(&j.job)?;
+        // A job that ended and that every node has left starts over when its id is used again (a
+        // re-run with the same --rdzv-id). Rounds keep counting up, so fencing stays monotonic.
+        if job.is_terminal() && job.nodes.is_empty() {
+            let next_round = job.round + 1;
+            *job = Job::new(j.job.clone(), j.spec.clone(), now);
+            job.round = next_round;
+        }
         if let Some(e) = job.ended_error() {
             return Err(e);
         }

@@ -22,6 +22,22 @@ pub struct Limits {
     pub retention_ms: u64,
 }
 
+impl Limits {
+    /// No limits: journal replay re-applies what was acknowledged under whatever limits were in
+    /// force then, so lowering a limit never makes acknowledged state disappear on restart.
+    pub fn unbounded() -> Self {
+        Limits {
+            max_value_bytes: usize::MAX,
+            max_keys_per_job: usize::MAX,
+            max_store_bytes_per_job: usize::MAX,
+            max_jobs: usize::MAX,
+            max_nodes_per_job: u32::MAX,
+            max_timeout_ms: u64::MAX,
+            retention_ms: u64::MAX,
+        }
+    }
+}
+
 impl Default for Limits {
     fn default() -> Self {
         Limits {

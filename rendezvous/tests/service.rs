@@ -526,3 +526,17 @@ async fn client_reports_unreachable_service_within_its_deadline() {
         assert!(matches!(e, RdzvError::Connect { .. }), "{bad}: {e:?}");
     }
 }
+
+#[tokio::test]
+async fn a_spare_waiting_to_join_is_told_when_the_job_completes() {
+    let (_srv, client) = embedded().await;
+    let s = spec(1, 1, 5_000);
+    let round = client.join(join_spec("job", "a", &s)).await.unwrap().round.unwrap().round;
+    let c = client.clone();
+    let s2 = s.clone();
+    let spare = tokio::spawn(async move { c.join(join_spec("job", "spare", &s2)).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    client.finish("job", round, "a").await.unwrap();
+    let e = tokio::time::timeout(Duration::from_secs(5), spare).await.expect("the spare still waits").unwrap().unwrap_err();
+    assert!(e.to_string().contains("has completed"), "{e}");
+}

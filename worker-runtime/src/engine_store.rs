@@ -29,7 +29,17 @@ use crate::{WorkerContext, WorkerError};
 #[derive(Debug)]
 pub struct EngineStore {
     store: StoreClient,
-    rt: tokio::runtime::Runtime,
+    /// Always `Some` until dropped; taken in `Drop` to shut down without blocking (dropping a
+    /// runtime inside another runtime's context would panic).
+    rt: Option<tokio::runtime::Runtime>,
+}
+
+impl Drop for EngineStore {
+    fn drop(&mut self) {
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_background();
+        }
+    }
 }
 
 impl EngineStore {
@@ -48,7 +58,7 @@ impl EngineStore {
             let _in_rt = rt.enter();
             ctx.store()?
         };
-        Ok(EngineStore { store, rt })
+        Ok(EngineStore { store, rt: Some(rt) })
     }
 
     /// Wraps an existing store client (its channel must belong to a live runtime).
@@ -59,12 +69,15 @@ impl EngineStore {
             .enable_all()
             .build()
             .map_err(|e| WorkerError::Io { path: "tokio runtime".into(), source: e })?;
-        Ok(EngineStore { store, rt })
+        Ok(EngineStore { store, rt: Some(rt) })
     }
 
     fn run<T: Send + 'static>(&self, key: &str, fut: impl Future<Output = Result<T, RdzvError>> + Send + 'static) -> Result<T, RdzvError> {
         let (tx, rx) = std::sync::mpsc::channel();
-        self.rt.spawn(async move {
+        let Some(rt) = &self.rt else {
+            return Err(RdzvError::Unavailable("the store is shut down".into()));
+        };
+        rt.spawn(async move {
             let _ = tx.send(fut.await);
         });
         rx.recv().unwrap_or_else(|_| Err(RdzvError::Unavailable(format!("store call for {key:?} was dropped"))))
@@ -122,7 +135,7 @@ mod tests {
                 })
                 .await
                 .unwrap();
-            (srv, client.store("job", joined.round.unwrap().round))
+            (srv, client.store("job", joined.round.unwrap().round).round_scoped())
         });
         let handles: Vec<_> = (0..2)
             .map(|rank| {

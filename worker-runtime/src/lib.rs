@@ -114,6 +114,8 @@ pub struct WorkerContext {
     pub rdzv_endpoint: Option<String>,
     /// RSRUN_TOKEN_FILE.
     pub token_file: Option<PathBuf>,
+    /// RSRUN_TLS_CA: CA certificate to verify a TLS rendezvous service with.
+    pub tls_ca: Option<PathBuf>,
     /// TORCHELASTIC_ERROR_FILE (`None` when unset or empty).
     pub error_file: Option<PathBuf>,
     progress: Option<Arc<UnixDatagram>>,
@@ -189,6 +191,7 @@ impl WorkerContext {
             master_port,
             rdzv_endpoint: get("RSRUN_RDZV_ENDPOINT").filter(|s| !s.is_empty()),
             token_file: get("RSRUN_TOKEN_FILE").filter(|s| !s.is_empty()).map(PathBuf::from),
+            tls_ca: get("RSRUN_TLS_CA").filter(|s| !s.is_empty()).map(PathBuf::from),
             error_file: get("TORCHELASTIC_ERROR_FILE").filter(|s| !s.is_empty()).map(PathBuf::from),
             progress: None,
         })
@@ -199,16 +202,28 @@ impl WorkerContext {
         self.rank == 0
     }
 
-    /// A client of the job's store, fenced to this round. Call it inside a tokio runtime.
+    /// A client of this round's store: keys live in the round's own namespace, so a restarted
+    /// job (a new round) never reads the previous round's addresses, barrier arrivals or ids — the
+    /// equivalent of torchrun's per-round `PrefixStore`. Call it inside a tokio runtime.
     ///
     /// # Errors
     /// No rendezvous service (static backend, torchrun), an unreadable token file, or a bad endpoint.
     pub fn store(&self) -> Result<StoreClient, WorkerError> {
+        Ok(self.job_store()?.round_scoped())
+    }
+
+    /// A client of the job-wide store (keys survive restarts; writes are still fenced to this
+    /// round). Call it inside a tokio runtime.
+    ///
+    /// # Errors
+    /// As [`WorkerContext::store`].
+    pub fn job_store(&self) -> Result<StoreClient, WorkerError> {
         let endpoint = self.rdzv_endpoint.clone().ok_or(WorkerError::NoRendezvous)?;
         let mut cfg = ClientConfig::new(endpoint);
         if let Some(path) = &self.token_file {
             cfg.token = Some(rsrun_rendezvous::auth::read_client_token(path)?);
         }
+        cfg.tls_ca = self.tls_ca.clone();
         let client = RdzvClient::connect(cfg)?;
         Ok(client.store(&self.job_id, self.round.unwrap_or(0)))
     }

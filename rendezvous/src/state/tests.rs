@@ -338,6 +338,19 @@ fn finish_completes_when_every_member_finished_even_after_leave() {
 }
 
 #[test]
+fn an_ended_job_that_everyone_left_starts_over_under_the_same_id() {
+    let mut w = World::new(1, 1, 0);
+    w.join("a").unwrap();
+    w.apply(Command::Finish { job: "job".into(), round: 1, node: "a".into() }).unwrap();
+    assert_eq!(w.state_name(), pb::JobState::Completed);
+    w.apply(Command::Leave { job: "job".into(), node: "a".into(), reason: String::new() }).unwrap();
+    w.join("a").unwrap();
+    assert_eq!(w.state_name(), pb::JobState::Running);
+    assert_eq!(w.job().round, 2, "rounds keep counting so old writers stay fenced off");
+    assert_eq!(w.job().restart_count, 0);
+}
+
+#[test]
 fn stale_round_writes_are_fenced() {
     let mut w = World::new(1, 1, 0);
     w.join("a").unwrap();
