@@ -4,7 +4,7 @@
 //! loop {
 //!     round = rendezvous.next_round()            // static: computed locally; daemon: Join RPC
 //!     match supervisor::run_group(round) {
-//!         SUCCEEDED          => finish + exit barrier, exit 0
+//!         SUCCEEDED          => finish + exit barrier (a stop signal cuts it short), exit 0
 //!         FAILED / UNHEALTHY => report the failure; RESTART → next round, FAILED → report, exit code
 //!         STOPPED            => the round ended elsewhere: re-join (or the job failed: report, exit)
 //!         stop signal        => leave, exit 128 + signal
@@ -94,17 +94,13 @@ where
 {
     loop {
         // Join the next round; a stop signal or shutdown aborts the wait.
-        let assignment = tokio::select! {
-            biased;
-            _ = cx.shutdown.cancelled() => {
-                rdzv.leave("shutdown requested").await;
-                return Ok(Outcome { exit_code: 1, report: None });
-            }
-            sig = next_stop_signal(&mut cx.signals) => {
-                rdzv.leave(&format!("rsrun received {sig}")).await;
-                return Ok(Outcome::signalled(sig));
-            }
-            a = rdzv.next_round(plan, &cx.console) => a?,
+        let joined = match interruptible(&cx.shutdown, &mut cx.signals, rdzv.next_round(plan, &cx.console)).await {
+            Ok(a) => a?,
+            Err(stop) => return Ok(leave_on(rdzv, stop).await),
+        };
+        let Some(assignment) = joined else {
+            note(format!("rsrun: job '{}' completed while this node waited as a spare", plan.job_id)).await;
+            return Ok(Outcome::success());
         };
         info!(
             job = %plan.job_id,
@@ -123,17 +119,22 @@ where
         let round_end = rdzv.round_end(&assignment);
         let outcome = run_group(&ctx, &mut cx.signals, round_end, &cx.shutdown).await;
         match outcome {
-            GroupOutcome::Succeeded => match rdzv.finish(plan, &assignment, &cx.console).await {
-                RoundEnd::Completed => return Ok(Outcome::success()),
-                RoundEnd::Rejoin => {
+            // The exit barrier may last --exit-barrier-timeout: a stop signal or shutdown ends it.
+            GroupOutcome::Succeeded => match interruptible(&cx.shutdown, &mut cx.signals, rdzv.finish(plan, &assignment, &cx.console)).await {
+                Err(stop) => return Ok(leave_on(rdzv, stop).await),
+                Ok(RoundEnd::Completed) => return Ok(Outcome::success()),
+                Ok(RoundEnd::Rejoin) => {
                     note(format!("rsrun: round {} ended after this node finished; re-joining", assignment.round)).await;
                     continue;
                 }
-                RoundEnd::Failed { root, reason } => return Ok(job_failed(plan, &assignment, root, reason)),
+                Ok(RoundEnd::Failed { root, reason }) => return Ok(job_failed(plan, &assignment, root, reason)),
             },
             GroupOutcome::Failed { root, others, hang } => {
-                match rdzv.report_failure(&assignment, &root, hang).await {
-                    Decision::Restart => {
+                // Retries while the service is unreachable (up to the RPC deadline): interruptible too.
+                let decision = interruptible(&cx.shutdown, &mut cx.signals, rdzv.report_failure(&assignment, &root, hang)).await;
+                match decision {
+                    Err(stop) => return Ok(leave_on(rdzv, stop).await),
+                    Ok(Decision::Restart) => {
                         note(format!(
                             "rsrun: {}; restarting the job (restart {} of {})",
                             root.headline(),
@@ -143,7 +144,7 @@ where
                         .await;
                         continue;
                     }
-                    Decision::Failed { remote_root, reason } => {
+                    Ok(Decision::Failed { remote_root, reason }) => {
                         let report = FailureReport {
                             job_id: plan.job_id.clone(),
                             program: plan.program.name.clone(),
@@ -167,7 +168,7 @@ where
                     rdzv.leave("shutdown requested").await;
                     return Ok(Outcome { exit_code: 1, report: None });
                 }
-                match rdzv.after_round_end(&assignment).await {
+                match rdzv.after_round_end(&assignment).await? {
                     RoundEnd::Rejoin => {
                         note(format!("rsrun: round {} ended ({reason}); re-joining", assignment.round)).await;
                     }
@@ -175,6 +176,42 @@ where
                     RoundEnd::Failed { root, reason } => return Ok(job_failed(plan, &assignment, root, reason)),
                 }
             }
+        }
+    }
+}
+
+/// Why a wait was cut short.
+enum Stop {
+    Shutdown,
+    Signal(Signal),
+}
+
+/// Runs `fut` unless shutdown is requested or a `stop` signal arrives first. `fut` is dropped before
+/// this returns, so the caller may use what it borrowed (to leave the job).
+async fn interruptible<T>(
+    shutdown: &CancellationToken,
+    signals: &mut Signals,
+    fut: impl std::future::Future<Output = T>,
+) -> Result<T, Stop> {
+    tokio::select! {
+        biased;
+        _ = shutdown.cancelled() => Err(Stop::Shutdown),
+        sig = next_stop_signal(signals) => Err(Stop::Signal(sig)),
+        v = fut => Ok(v),
+    }
+}
+
+/// Leaves the job after an interrupted wait: exit 1 on shutdown, 128 + signal on a signal.
+async fn leave_on(rdzv: &mut Rendezvous, stop: Stop) -> Outcome {
+    match stop {
+        Stop::Shutdown => {
+            rdzv.leave("shutdown requested").await;
+            Outcome { exit_code: 1, report: None }
+        }
+        Stop::Signal(sig) => {
+            info!(signal = %sig, "stop signal while waiting at the rendezvous: leaving");
+            rdzv.leave(&format!("rsrun received {sig}")).await;
+            Outcome::signalled(sig)
         }
     }
 }

@@ -67,7 +67,8 @@ pub struct LaunchArgs {
     pub rdzv_id: Option<String>,
 
     /// Rendezvous settings `k=v,...`: join_timeout, last_call_timeout, keep_alive_interval,
-    /// keep_alive_max_attempt, lease_timeout, read_timeout, is_host (seconds unless noted).
+    /// keep_alive_max_attempt, lease_timeout, read_timeout, keep_alive_timeout (how long the daemon
+    /// may stay unreachable before this node gives up, default 120), is_host (seconds unless noted).
     #[arg(long = "rdzv-conf", alias = "rdzv_conf", env = "PET_RDZV_CONF", default_value = "",
           value_name = "K=V,...", help_heading = "Rendezvous")]
     pub rdzv_conf: String,
@@ -97,6 +98,12 @@ pub struct LaunchArgs {
     #[arg(long = "rdzv-token-file", alias = "rdzv_token_file", env = "PET_RDZV_TOKEN_FILE",
           value_name = "PATH", help_heading = "Rendezvous")]
     pub rdzv_token_file: Option<PathBuf>,
+
+    /// CA certificate (PEM) that signed the rendezvous daemon's TLS certificate: connect with TLS.
+    /// Workers get its path as RSRUN_TLS_CA.
+    #[arg(long = "rdzv-tls-ca", alias = "rdzv_tls_ca", env = "PET_RDZV_TLS_CA", value_name = "FILE",
+          help_heading = "Rendezvous")]
+    pub rdzv_tls_ca: Option<PathBuf>,
 
     // ------------------------------------------------------------------------------------------------
     // torchrun: supervision

@@ -9,10 +9,17 @@
 //!   the robust choice.
 //!
 //! Membership, as the agent drives it: `Join` (blocks until the round forms; while waiting the console
-//! shows who joined), start the workers, keep-alive every lease/3 in the background, watch the job —
+//! shows who joined — names from `Status` for jobs of up to 64 nodes, counts from the job's constant-size
+//! view beyond), start the workers, keep-alive every lease/3 in the background, watch the job —
 //! when the view's round moves past ours or the job fails, the round ended here too. A local failure is
 //! reported (`ReportFailure`: restart or failed); success is `Finish` and then the exit barrier (the
 //! watch, up to `--exit-barrier-timeout`); every exit path calls `Leave`.
+//!
+//! A keep-alive that reports this node out (lease expired, expelled) ends the round and is replaced at
+//! the next join. One that gives up on a service unreachable for `keep_alive_timeout` (a head node
+//! gone for good) ends the round, and the node exits with an error naming the endpoint. A job that
+//! completed while this node waited (a spare) ends it with exit 0; a job that failed before this
+//! node's `Finish` ends it with the job's root cause.
 
 use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::time::{Duration, Instant, UNIX_EPOCH};
@@ -34,8 +41,11 @@ use crate::report::{ExitKind, WorkerFailure};
 const EXIT_CALL_TIMEOUT: Duration = Duration::from_secs(3);
 /// Waits shorter than this show no rendezvous status (no flicker on fast joins).
 const STATUS_AFTER: Duration = Duration::from_millis(700);
-/// Period of the rendezvous status while waiting.
+/// Period of the rendezvous status while waiting (small jobs; see [`status_period`]).
 const STATUS_EVERY: Duration = Duration::from_secs(1);
+/// Jobs of up to this many nodes name the joined nodes while waiting (a `Status` call, whose answer
+/// grows with the job); larger jobs show counts from the job's view, whose size is constant.
+const NAMES_UP_TO: u32 = 64;
 
 /// This node's membership in a job kept by the rendezvous service.
 #[derive(Debug)]
@@ -61,7 +71,7 @@ impl DaemonRdzv {
     /// # Errors
     /// The embedded service cannot bind; the endpoint cannot be resolved; the token file is unusable.
     pub async fn connect(plan: &LaunchPlan, console: &ConsoleTx) -> anyhow::Result<Self> {
-        let node = format!("{}-{}", plan.hostname, std::process::id());
+        let node = crate::plan::node_id(&plan.hostname, std::process::id());
         let token = match &plan.token_file {
             Some(p) => Some(rsrun_rendezvous::auth::read_client_token(p)?),
             None => None,
@@ -80,7 +90,8 @@ impl DaemonRdzv {
                 let host_here = match host {
                     HostMode::Never => false,
                     HostMode::Always => true,
-                    HostMode::Auto => is_local_ip(target.ip()) && !listening(target).await,
+                    // A launcher hosts a plain service: never when the daemon is expected to speak TLS.
+                    HostMode::Auto => plan.tls_ca.is_none() && is_local_ip(target.ip()) && !listening(target).await,
                 };
                 let mut embedded = None;
                 if host_here {
@@ -112,6 +123,10 @@ impl DaemonRdzv {
         };
         let mut cfg = ClientConfig::new(endpoint.clone());
         cfg.token = token;
+        // The embedded services speak plain gRPC; TLS is for a daemon started with --tls-cert.
+        if embedded.is_none() {
+            cfg.tls_ca = plan.tls_ca.clone();
+        }
         cfg.rpc_timeout = plan.timeouts.rpc.min(Duration::from_secs(30)).max(Duration::from_secs(1));
         let client = RdzvClient::connect(cfg)?;
         Ok(DaemonRdzv {
@@ -128,8 +143,9 @@ impl DaemonRdzv {
         })
     }
 
-    /// Joins the next round (showing who joined while waiting) and returns this node's assignment.
-    pub(crate) async fn next_round(&mut self, plan: &LaunchPlan, console: &ConsoleTx) -> anyhow::Result<RoundAssignment> {
+    /// Joins the next round (showing who joined while waiting) and returns this node's assignment, or
+    /// `None` when the job completed while this node waited (a spare).
+    pub(crate) async fn next_round(&mut self, plan: &LaunchPlan, console: &ConsoleTx) -> anyhow::Result<Option<RoundAssignment>> {
         let master_port = free_port().context("cannot reserve a port for MASTER_PORT")?;
         let spec = JoinSpec {
             job_id: self.job.clone(),
@@ -149,17 +165,21 @@ impl DaemonRdzv {
             hostname: plan.hostname.clone(),
         };
         let started = Instant::now();
-        let join = self.client.join(spec);
+        let client = self.client.clone();
+        let join = client.join(spec);
         tokio::pin!(join);
         let mut shown = false;
         let mut last_status: Option<String> = None;
-        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + STATUS_AFTER, STATUS_EVERY);
+        let period = status_period(plan.nodes.max);
+        let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + STATUS_AFTER, period);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let result = loop {
             tokio::select! {
                 r = &mut join => break r,
                 _ = tick.tick() => {
-                    if let Ok(st) = self.client.status(Some(&self.job)).await {
-                        let text = waiting_text(&st, plan, started.elapsed());
+                    // Bounded: an unreachable service must not hold up the join (which has its own
+                    // deadline).
+                    if let Ok(Some(text)) = tokio::time::timeout(period, self.waiting_line(plan, started.elapsed())).await {
                         let _ = console.send(ConsoleEvent::Status(text.clone())).await;
                         last_status = Some(text);
                         shown = true;
@@ -173,11 +193,16 @@ impl DaemonRdzv {
         let resp = match result {
             Ok(r) => r,
             Err(RdzvError::Timeout(msg)) => {
-                let who = match self.client.status(Some(&self.job)).await {
-                    Ok(st) => timeout_text(&st, plan),
-                    Err(_) => last_status.unwrap_or_default(),
+                let who = match tokio::time::timeout(EXIT_CALL_TIMEOUT, self.timeout_detail(plan)).await {
+                    Ok(Some(who)) => who,
+                    _ => last_status.unwrap_or_default(),
                 };
                 bail!("rendezvous timed out after {:?} (join_timeout): {who} ({msg})", plan.timeouts.join);
+            }
+            // The job completed while this node waited for a round (a spare): nothing left to do.
+            Err(ref err) if job_ended(err, &self.job) == Some(Ended::Completed) => {
+                info!(job = %self.job, node = %self.node, %err, "the job completed while this node waited");
+                return Ok(None);
             }
             Err(err) => return Err(err).context(format!("joining job '{}' at {}", self.job, self.endpoint)),
         };
@@ -203,14 +228,48 @@ impl DaemonRdzv {
             "node '{}' joined round {} of job '{}' as node rank {} in a world of {} workers",
             self.node, round.round, self.job, me.node_rank, round.world_size
         );
-        if self.keep_alive.is_none() {
+        self.ensure_background(plan);
+        Ok(Some(assignment))
+    }
+
+    /// Starts the keep-alive and the watch, or starts them again when they ended: a keep-alive that
+    /// reported this node out (expelled by a partition, lease expired) or stopped, or a watch whose
+    /// task ended, would otherwise end the fresh round at once.
+    fn ensure_background(&mut self, plan: &LaunchPlan) {
+        if !self.keep_alive.as_ref().is_some_and(keep_alive_live) {
+            if self.keep_alive.is_some() {
+                debug!(job = %self.job, node = %self.node, "the previous keep-alive ended; starting a new one");
+            }
             let interval = (plan.timeouts.lease / 3).max(Duration::from_millis(30));
-            self.keep_alive = Some(self.client.spawn_keep_alive(&self.job, &self.node, interval));
+            self.keep_alive =
+                Some(self.client.spawn_keep_alive_with(&self.job, &self.node, interval, plan.timeouts.keep_alive_give_up));
         }
-        if self.watch.is_none() {
+        if self.watch.as_ref().is_none_or(|w| w.has_changed().is_err()) {
             self.watch = Some(self.client.watch(&self.job, &self.node));
         }
-        Ok(assignment)
+    }
+
+    /// The status line while waiting: names for small jobs, counts from the job's view otherwise.
+    async fn waiting_line(&self, plan: &LaunchPlan, waited: Duration) -> Option<String> {
+        if plan.nodes.max <= NAMES_UP_TO {
+            let st = self.client.status(Some(&self.job)).await.ok()?;
+            return Some(waiting_text(&st, plan, waited));
+        }
+        let (view, _) = self.client.await_job_end(&self.job, Duration::ZERO).await.ok()?;
+        Some(waiting_count_text(&view, plan, waited))
+    }
+
+    /// Who joined, for the join-timeout message (names only for small jobs).
+    async fn timeout_detail(&self, plan: &LaunchPlan) -> Option<String> {
+        if plan.nodes.max <= NAMES_UP_TO {
+            let st = self.client.status(Some(&self.job)).await.ok()?;
+            return Some(timeout_text(&st, plan));
+        }
+        let (view, _) = self.client.await_job_end(&self.job, Duration::ZERO).await.ok()?;
+        Some(format!(
+            "{} of at least {} nodes joined (`rsrun-rendezvous status --job {}` lists them)",
+            view.joined_count, plan.nodes.min, self.job
+        ))
     }
 
     /// Resolves when the round ends elsewhere: the job's round moved on, the job failed, or this node
@@ -303,10 +362,20 @@ impl DaemonRdzv {
         let view = match self.client.finish(&self.job, a.round, &self.node).await {
             Ok(v) => v,
             Err(RdzvError::FailedPrecondition(msg)) if msg.contains("stale round") => return RoundEnd::Rejoin,
-            Err(err) => {
-                warn!(%err, "cannot tell the rendezvous that this node finished");
-                return RoundEnd::Completed;
-            }
+            Err(err) => match job_ended(&err, &self.job) {
+                Some(Ended::Completed) => return RoundEnd::Completed,
+                // The job failed elsewhere before this node finished: not a success.
+                Some(Ended::Failed) => {
+                    return match tokio::time::timeout(EXIT_CALL_TIMEOUT, self.client.await_job_end(&self.job, Duration::ZERO)).await {
+                        Ok(Ok((v, _))) if v.state() == proto::JobState::Failed => job_failed(&v),
+                        _ => RoundEnd::Failed { root: None, reason: err.to_string() },
+                    };
+                }
+                None => {
+                    warn!(%err, "cannot tell the rendezvous that this node finished");
+                    return RoundEnd::Completed;
+                }
+            },
         };
         if view.state() == proto::JobState::Completed {
             return RoundEnd::Completed;
@@ -352,21 +421,32 @@ impl DaemonRdzv {
     }
 
     /// After the round ended elsewhere: re-join unless the job is over.
-    pub(crate) async fn after_round_end(&mut self, _a: &RoundAssignment) -> RoundEnd {
+    ///
+    /// # Errors
+    /// The keep-alive gave up: the service stayed unreachable past `keep_alive_timeout`. Re-joining
+    /// would wait out the join timeout against a service that is gone; this node stops instead.
+    pub(crate) async fn after_round_end(&mut self, _a: &RoundAssignment) -> anyhow::Result<RoundEnd> {
         let view = self.watch.as_ref().and_then(|w| w.borrow().clone());
-        match view {
+        Ok(match view {
             Some(v) if v.state() == proto::JobState::Failed => job_failed(&v),
             Some(v) if v.state() == proto::JobState::Completed => RoundEnd::Completed,
             _ => {
                 let lost = self.keep_alive.as_ref().and_then(|k| k.lost.borrow().clone());
                 if let Some(err) = lost {
+                    if err.is_retryable() || matches!(err, RdzvError::Timeout(_)) {
+                        bail!(
+                            "lost contact with the rendezvous service at {} (job '{}'): {err}; this node's workers were stopped",
+                            self.endpoint,
+                            self.job
+                        );
+                    }
                     // Out of the job (lease expired): a new keep-alive starts with the next join.
                     warn!(%err, "membership lost; re-joining");
                     self.keep_alive = None;
                 }
                 RoundEnd::Rejoin
             }
-        }
+        })
     }
 
     /// Leaves the job (best effort).
@@ -404,6 +484,45 @@ impl DaemonRdzv {
 
 fn nonempty(s: String, default: &str) -> String {
     if s.is_empty() { default.to_owned() } else { s }
+}
+
+/// Whether a keep-alive still renews the lease: it has not reported this node out, and its task runs.
+fn keep_alive_live(k: &KeepAliveHandle) -> bool {
+    // `has_changed` fails once the task ended (its sender is gone).
+    k.lost.borrow().is_none() && k.lost.has_changed().is_ok()
+}
+
+/// How a job ended, as a refusal says it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Ended {
+    Completed,
+    Failed,
+}
+
+/// Recognizes the service's refusal of a call to an ended job (`job "ID" has completed: ...`, which
+/// travels as FAILED_PRECONDITION).
+fn job_ended(err: &RdzvError, job: &str) -> Option<Ended> {
+    match err {
+        RdzvError::JobEnded { state: "completed", .. } => Some(Ended::Completed),
+        RdzvError::JobEnded { state: "failed", .. } => Some(Ended::Failed),
+        RdzvError::FailedPrecondition(msg) => {
+            let rest = msg.strip_prefix(&format!("job {job:?} has "))?;
+            if rest.starts_with("completed") {
+                Some(Ended::Completed)
+            } else if rest.starts_with("failed") {
+                Some(Ended::Failed)
+            } else {
+                None
+            }
+        }
+        _ => None,
+    }
+}
+
+/// Status period while waiting: 1 s up to a thousand nodes, then 1 ms per node, so that the job's
+/// nodes together ask about a thousand times a second at most.
+fn status_period(max_nodes: u32) -> Duration {
+    STATUS_EVERY.max(Duration::from_millis(u64::from(max_nodes)))
 }
 
 fn job_failed(v: &proto::JobView) -> RoundEnd {
@@ -478,6 +597,32 @@ fn waiting_text(st: &proto::StatusResponse, plan: &LaunchPlan, waited: Duration)
     )
 }
 
+/// The waiting line from the job's view alone (constant size, whatever the number of nodes).
+fn waiting_count_text(v: &proto::JobView, plan: &LaunchPlan, waited: Duration) -> String {
+    let secs = waited.as_secs_f64();
+    if v.state() == proto::JobState::Running {
+        return format!(
+            "rsrun: round {} of the job is running; this node waits for the next round with {} other node(s) ({secs:.0}s)",
+            v.round,
+            v.nodes_waiting.saturating_sub(1)
+        );
+    }
+    let (min, max) = (plan.nodes.min, plan.nodes.max);
+    let joined = v.joined_count;
+    let need = if joined < min {
+        format!("waiting for {} more", min - joined)
+    } else if joined < max {
+        "min reached, last call for more".to_owned()
+    } else {
+        "complete".to_owned()
+    };
+    format!(
+        "rsrun: rendezvous round {}: {joined}/{} nodes joined — {need} ({secs:.0}s)",
+        v.round,
+        if min == max { max.to_string() } else { format!("{min}..{max}") },
+    )
+}
+
 fn timeout_text(st: &proto::StatusResponse, plan: &LaunchPlan) -> String {
     let Some(job) = st.jobs.first() else { return "no node joined".to_owned() };
     let joined: Vec<String> =
@@ -540,3 +685,150 @@ fn advertised_addrs(plan: &LaunchPlan, target: SocketAddr) -> Vec<String> {
     addrs
 }
 
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::tests::{host, parse};
+    use crate::report::WorkerFailure;
+
+    async fn server() -> EmbeddedServer {
+        spawn_with(ServerConfig::in_memory(SocketAddr::from(([127, 0, 0, 1], 0)))).await.unwrap()
+    }
+
+    fn plan(addr: SocketAddr, nnodes: &str, hostname: &str, conf: &str) -> LaunchPlan {
+        let conf = format!("is_host=false,last_call_timeout=0.1,keep_alive_interval=0.1,keep_alive_max_attempt=10,join_timeout=20,{conf}");
+        let args = parse(&[
+            "--nnodes", nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", &addr.to_string(), "--rdzv-id", "job-1",
+            "--rdzv-conf", &conf, "--no-python", "true",
+        ]);
+        let mut p = LaunchPlan::resolve(&args, &host()).unwrap();
+        p.hostname = hostname.to_owned();
+        p
+    }
+
+    fn console() -> ConsoleTx {
+        let (tx, mut rx) = tokio::sync::mpsc::channel(1024);
+        tokio::spawn(async move { while rx.recv().await.is_some() {} });
+        tx
+    }
+
+    fn failure(rank: u32) -> WorkerFailure {
+        WorkerFailure {
+            rank: Some(rank),
+            local_rank: Some(0),
+            node_id: String::new(),
+            hostname: "a".into(),
+            pid: 1,
+            exit: ExitKind::Code(3),
+            time: std::time::SystemTime::now(),
+            error_file: None,
+            error: None,
+            stderr_tail: Vec::new(),
+            message: None,
+            stopped_by_rsrun: false,
+        }
+    }
+
+    #[test]
+    fn ended_jobs_are_recognized_as_the_service_words_them() {
+        let job = "job-1";
+        let ended = |state| RdzvError::JobEnded { job: job.into(), state, reason: "all nodes finished".into() };
+        // Over gRPC the service's error arrives as FAILED_PRECONDITION carrying its text (the
+        // `finish` and `join` tests below go through the real service).
+        let wire = |e: RdzvError| RdzvError::FailedPrecondition(e.to_string());
+        assert_eq!(job_ended(&wire(ended("completed")), job), Some(Ended::Completed));
+        assert_eq!(job_ended(&wire(ended("failed")), job), Some(Ended::Failed));
+        assert_eq!(job_ended(&ended("failed"), job), Some(Ended::Failed));
+        assert_eq!(job_ended(&wire(ended("completed")), "other-job"), None);
+        let stale = RdzvError::StaleRound { job: job.into(), given: 1, current: 2 };
+        assert_eq!(job_ended(&wire(stale), job), None);
+        assert_eq!(job_ended(&RdzvError::Unavailable("down".into()), job), None);
+    }
+
+    #[test]
+    fn waiting_line_from_the_view_alone() {
+        let p = plan(SocketAddr::from(([127, 0, 0, 1], 1)), "2:4", "a", "");
+        let mut v = proto::JobView { round: 3, joined_count: 1, min_nodes: 2, max_nodes: 4, ..Default::default() };
+        v.set_state(proto::JobState::Forming);
+        let t = waiting_count_text(&v, &p, Duration::from_secs(5));
+        assert_eq!(t, "rsrun: rendezvous round 3: 1/2..4 nodes joined — waiting for 1 more (5s)");
+        v.joined_count = 3;
+        assert!(waiting_count_text(&v, &p, Duration::ZERO).contains("3/2..4 nodes joined — min reached, last call"));
+        v.set_state(proto::JobState::Running);
+        v.nodes_waiting = 2;
+        assert!(waiting_count_text(&v, &p, Duration::ZERO).contains("round 3 of the job is running; this node waits for the next round with 1 other"));
+        assert_eq!(status_period(8), STATUS_EVERY);
+        assert_eq!(status_period(10_000), Duration::from_secs(10));
+    }
+
+    /// A node whose workers succeeded after the job failed elsewhere reports the job's failure.
+    #[tokio::test(flavor = "current_thread")]
+    async fn finish_after_the_job_failed_is_a_failure() {
+        let srv = server().await;
+        let (pa, pb) = (plan(srv.addr, "2", "a", ""), plan(srv.addr, "2", "b", ""));
+        let c = console();
+        let mut a = DaemonRdzv::connect(&pa, &c).await.unwrap();
+        let mut b = DaemonRdzv::connect(&pb, &c).await.unwrap();
+        let (ra, rb) = tokio::join!(a.next_round(&pa, &c), b.next_round(&pb, &c));
+        let (ra, rb) = (ra.unwrap().unwrap(), rb.unwrap().unwrap());
+        let root = failure(ra.rank(0));
+        assert!(matches!(a.report_failure(&ra, &root, false).await, Decision::Failed { .. }));
+        match b.finish(&pb, &rb, &c).await {
+            RoundEnd::Failed { root: Some(r), reason } => {
+                assert_eq!(r.rank, Some(ra.rank(0)), "{reason}");
+                assert_eq!(r.exit, ExitKind::Code(3));
+            }
+            other => panic!("expected the job's failure, got {other:?}"),
+        }
+    }
+
+    /// A node joining a job that completed (while it waited, or just before) exits cleanly.
+    #[tokio::test(flavor = "current_thread")]
+    async fn join_to_a_completed_job_is_a_clean_end() {
+        let srv = server().await;
+        let (pa, pb) = (plan(srv.addr, "1", "a", ""), plan(srv.addr, "1", "b", ""));
+        let c = console();
+        let mut a = DaemonRdzv::connect(&pa, &c).await.unwrap();
+        let ra = a.next_round(&pa, &c).await.unwrap().unwrap();
+        assert!(matches!(a.finish(&pa, &ra, &c).await, RoundEnd::Completed));
+        let mut b = DaemonRdzv::connect(&pb, &c).await.unwrap();
+        assert!(b.next_round(&pb, &c).await.unwrap().is_none(), "the job had completed");
+    }
+
+    /// A keep-alive that reported this node out is not reused by the next round.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_dead_keep_alive_is_replaced_on_the_next_join() {
+        let srv = server().await;
+        let p = plan(srv.addr, "1", "a", "");
+        let c = console();
+        let mut a = DaemonRdzv::connect(&p, &c).await.unwrap();
+        a.next_round(&p, &c).await.unwrap().unwrap();
+        assert!(a.keep_alive.as_ref().is_some_and(keep_alive_live));
+        // As if this node had been expelled: its keep-alive reports it out and stops.
+        let mut dead = a.client.spawn_keep_alive(&a.job, "expelled-node", Duration::from_millis(10));
+        tokio::time::timeout(Duration::from_secs(10), dead.lost.wait_for(Option::is_some)).await.unwrap().unwrap();
+        a.keep_alive = Some(dead);
+        a.next_round(&p, &c).await.unwrap().unwrap();
+        let k = a.keep_alive.as_ref().unwrap();
+        assert!(keep_alive_live(k), "the next round kept a dead keep-alive: {:?}", k.lost.borrow());
+    }
+
+    /// The keep-alive giving up on an unreachable service ends this node with an error naming the
+    /// endpoint (no re-join against a service that is gone).
+    #[tokio::test(flavor = "current_thread")]
+    async fn an_unreachable_service_is_an_error_naming_the_endpoint() {
+        let srv = server().await;
+        let addr = srv.addr;
+        let p = plan(addr, "1", "a", "read_timeout=1,keep_alive_timeout=0.2");
+        let c = console();
+        let mut a = DaemonRdzv::connect(&p, &c).await.unwrap();
+        let ra = a.next_round(&p, &c).await.unwrap().unwrap();
+        let round_end = a.round_end(&ra);
+        srv.shutdown().await.unwrap();
+        let reason = tokio::time::timeout(Duration::from_secs(20), round_end).await.expect("the round never ended");
+        assert!(reason.contains("lost its membership"), "{reason}");
+        let err = a.after_round_end(&ra).await.unwrap_err().to_string();
+        assert!(err.contains(&format!("lost contact with the rendezvous service at {addr}")), "{err}");
+    }
+}

@@ -21,7 +21,11 @@ pub fn render(plan: &LaunchPlan) -> String {
     let rdzv = match &plan.rdzv {
         RdzvPlan::Standalone => "standalone: in-memory rendezvous inside rsrun on a loopback ephemeral port".to_owned(),
         RdzvPlan::Daemon { endpoint, host } => format!(
-            "rsrun-rendezvous daemon at {endpoint}{}",
+            "rsrun-rendezvous daemon at {endpoint}{}{}",
+            match &plan.tls_ca {
+                Some(ca) => format!(" over TLS (CA {})", ca.display()),
+                None => String::new(),
+            },
             match host {
                 HostMode::Auto => " (hosted by this launcher if the endpoint is this host and nothing listens)",
                 HostMode::Always => " (hosted by this launcher: is_host=true)",

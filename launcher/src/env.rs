@@ -2,6 +2,17 @@
 //!
 //! Workers inherit rsrun's whole environment; [`worker_env`] lists the variables rsrun sets on top of
 //! it, in a stable order (the dry run prints them).
+//!
+//! Two deliberate differences from torchrun:
+//! - `TORCHELASTIC_RESTART_COUNT` is the **job-global** count of failure restarts. rsrun keeps one
+//!   restart budget for the whole job in the rendezvous service (`--max-restarts` is that budget), so
+//!   every worker of a round sees the same count; torchrun counts per agent, so after a failure on
+//!   another node its workers may see different counts. Membership changes (a node left or arrived)
+//!   start a new round without incrementing it. With the static backend each node counts its own.
+//! - Per-worker log and error-file directories are keyed by **global rank**:
+//!   `<log-dir>/<job>/attempt_<round>/<RANK>/{stdout.log,stderr.log,error.json}` (torchrun keys them by
+//!   local rank per node). Ranks are unique in a round, so nodes sharing a log directory (a network
+//!   file system) never write into each other's files.
 
 use std::path::Path;
 
@@ -26,7 +37,8 @@ pub struct RoundAssignment {
     pub master_addr: String,
     /// MASTER_PORT: a free port reserved by the group-rank-0 node.
     pub master_port: u16,
-    /// Failure restarts the job consumed so far (TORCHELASTIC_RESTART_COUNT).
+    /// Failure restarts the whole job consumed so far (TORCHELASTIC_RESTART_COUNT): job-global, the
+    /// same on every node (see the module docs).
     pub restart_count: u32,
     /// The job's restart budget (TORCHELASTIC_MAX_RESTARTS).
     pub max_restarts: u32,
@@ -47,6 +59,8 @@ impl RoundAssignment {
 pub const TOKEN_FILE_VAR: &str = "RSRUN_TOKEN_FILE";
 /// Variable carrying the number of the inherited progress socket.
 pub const PROGRESS_FD_VAR: &str = "RSRUN_PROGRESS_FD";
+/// Variable carrying the path of the CA certificate of the daemon's TLS certificate (`--rdzv-tls-ca`).
+pub const TLS_CA_VAR: &str = "RSRUN_TLS_CA";
 
 /// The variables rsrun sets for the worker with `local_rank`, in display order.
 ///
@@ -99,6 +113,11 @@ pub fn worker_env(
         && let Some(tf) = &plan.token_file
     {
         env.push((TOKEN_FILE_VAR.into(), tf.display().to_string()));
+    }
+    if a.rdzv_endpoint.is_some()
+        && let Some(ca) = &plan.tls_ca
+    {
+        env.push((TLS_CA_VAR.into(), ca.display().to_string()));
     }
     env
 }
@@ -158,6 +177,24 @@ mod tests {
         assert_eq!(get("RSRUN_ROUND"), Some("3"));
         assert_eq!(get("RSRUN_NODE_ID"), Some("n1"));
         assert_eq!(get("CUDA_VISIBLE_DEVICES"), None);
+        assert_eq!(get("RSRUN_TLS_CA"), None);
+    }
+
+    #[test]
+    fn tls_ca_reaches_workers_of_a_tls_daemon() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca.pem");
+        std::fs::write(&ca, "-----BEGIN CERTIFICATE-----\n").unwrap();
+        let ca_s = ca.display().to_string();
+        let p = plan(&["--rdzv-backend", "c10d", "--rdzv-endpoint", "10.0.0.9:29400", "--rdzv-id", "j", "--rdzv-tls-ca", &ca_s]);
+        assert_eq!(p.tls_ca.as_deref(), Some(ca.as_path()));
+        let env = worker_env(&p, &assignment(), 0, None);
+        let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+        assert_eq!(get("RSRUN_TLS_CA"), Some(ca_s.as_str()));
+        // The static backend has no daemon to reach.
+        let p = plan(&["--nnodes", "2", "--master-addr", "10.0.0.1", "--rdzv-tls-ca", &ca_s]);
+        assert_eq!(p.tls_ca, None);
+        assert!(p.notes.iter().any(|n| n.contains("--rdzv-tls-ca")), "{:?}", p.notes);
     }
 
     #[test]

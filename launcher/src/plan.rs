@@ -495,6 +495,9 @@ pub struct Timeouts {
     pub lease: Duration,
     /// Per-RPC deadline for store operations and control calls (`read_timeout`).
     pub rpc: Duration,
+    /// How long the rendezvous service may stay unreachable (no successful keep-alive) before this
+    /// node gives up on the job (`keep_alive_timeout`).
+    pub keep_alive_give_up: Duration,
 }
 
 /// Everything needed to run the job on this node, validated.
@@ -536,6 +539,9 @@ pub struct LaunchPlan {
     pub token_file: Option<PathBuf>,
     /// Token read from `token_file`.
     pub token: Option<String>,
+    /// CA certificate of the rendezvous daemon's TLS certificate (`--rdzv-tls-ca`; daemon backend
+    /// only): set, the launcher and its workers connect with TLS.
+    pub tls_ca: Option<PathBuf>,
     /// Environment rsrun adds for every worker besides the rank variables (OMP_NUM_THREADS=1,
     /// TORCH_NCCL_ASYNC_ERROR_HANDLING=1 when unset).
     pub extra_env: Vec<(String, String)>,
@@ -589,6 +595,54 @@ fn parse_nproc(s: &str, host: &HostInfo) -> Result<u32, PlanError> {
             _ => Err(invalid("--nproc-per-node", s, "a number > 0, auto, cpu or gpu")),
         },
     }
+    .and_then(|n| {
+        if n > MAX_NPROC_PER_NODE {
+            Err(invalid(
+                "--nproc-per-node",
+                s,
+                format!("at most {MAX_NPROC_PER_NODE} workers per node (resolved to {n})"),
+            ))
+        } else {
+            Ok(n)
+        }
+    })
+}
+
+/// Most workers on one node: what the rendezvous service accepts at Join.
+pub const MAX_NPROC_PER_NODE: u32 = rsrun_rendezvous::validate::MAX_LOCAL_WORLD_SIZE;
+/// Longest job id the rendezvous service accepts.
+pub const MAX_JOB_ID_LEN: usize = rsrun_rendezvous::validate::MAX_ID_LEN;
+
+/// Checks a job id the way the rendezvous service does at Join: 1 to 128 characters of
+/// `[A-Za-z0-9._:@-]` (torchrun's `none` and uuids pass).
+fn check_job_id(id: &str) -> Result<(), PlanError> {
+    rsrun_rendezvous::validate::id("job_id", id).map_err(|e| {
+        let why = match e {
+            rsrun_rendezvous::RdzvError::InvalidArgument { message, .. } => message,
+            other => other.to_string(),
+        };
+        invalid("--rdzv-id", id, format!("an id of 1 to {MAX_JOB_ID_LEN} characters among letters, digits and . _ : @ - ({why})"))
+    })
+}
+
+/// This node's id at the rendezvous: `HOSTNAME-PID`, always a valid id of at most 128 characters.
+/// Characters the service rejects become `_`; a long host name is cut and keeps a hash of the whole
+/// name, so that two long names sharing a prefix still differ.
+pub fn node_id(hostname: &str, pid: u32) -> String {
+    let clean: String = hostname
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() || "._:@-".contains(c) { c } else { '_' })
+        .collect();
+    let clean = if clean.is_empty() { "node".to_owned() } else { clean };
+    let suffix = format!("-{pid}");
+    let room = MAX_JOB_ID_LEN - suffix.len();
+    if clean.len() <= room {
+        return format!("{clean}{suffix}");
+    }
+    // FNV-1a of the full name: stable, and different names rarely collide in a job.
+    let hash = hostname.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3));
+    let tag = format!("-{hash:016x}");
+    format!("{}{tag}{suffix}", &clean[..room - tag.len()])
 }
 
 /// Random 128-bit hex id (like torchrun's uuid4 run ids).
@@ -709,6 +763,7 @@ struct RdzvConf {
     last_call: Duration,
     lease: Duration,
     rpc: Duration,
+    give_up: Duration,
     host: HostMode,
 }
 
@@ -719,6 +774,7 @@ fn parse_rdzv_conf(s: &str, notes: &mut Vec<String>) -> Result<RdzvConf, PlanErr
         last_call: Duration::from_secs(30),
         lease: Duration::ZERO,
         rpc: Duration::from_secs(60),
+        give_up: rsrun_rendezvous::client::KEEP_ALIVE_GIVE_UP,
         host: HostMode::Auto,
     };
     let mut keep_alive = Duration::from_secs(5);
@@ -740,6 +796,12 @@ fn parse_rdzv_conf(s: &str, notes: &mut Vec<String>) -> Result<RdzvConf, PlanErr
             }
             "lease_timeout" | "heartbeat_timeout" => conf.lease = parse_duration(v, FLAG)?,
             "read_timeout" => conf.rpc = parse_duration(v, FLAG)?,
+            "keep_alive_timeout" => {
+                conf.give_up = parse_duration(v, FLAG)?;
+                if conf.give_up.is_zero() {
+                    return Err(invalid(FLAG, entry, "keep_alive_timeout=SECONDS > 0"));
+                }
+            }
             "is_host" => {
                 conf.host = match v.to_ascii_lowercase().as_str() {
                     "1" | "true" | "yes" | "y" | "on" => HostMode::Always,
@@ -931,8 +993,21 @@ impl LaunchPlan {
                 other => return Err(invalid("--rdzv-backend", other, "c10d (alias rsrun) or static")),
             }
         };
-        if job_id.is_empty() || job_id.len() > 256 {
-            return Err(invalid("--rdzv-id", &job_id, "a non-empty id of at most 256 characters"));
+        if matches!(rdzv, RdzvPlan::Static { .. }) {
+            // Nothing is sent anywhere: any id that can name a log directory will do.
+            if job_id.is_empty() || job_id.len() > 256 {
+                return Err(invalid("--rdzv-id", &job_id, "a non-empty id of at most 256 characters"));
+            }
+        } else {
+            // What the rendezvous service would reject at Join, found before anything starts.
+            check_job_id(&job_id)?;
+        }
+        // Global ranks must fit: MAX nodes × workers per node.
+        if nodes.max.checked_mul(nproc_per_node).is_none_or(|w| w > i32::MAX as u32) {
+            return Err(PlanError::Conflict(format!(
+                "--nnodes {nodes} with --nproc-per-node {nproc_per_node}: the world size does not fit in a rank (at most {})",
+                i32::MAX
+            )));
         }
 
         let shutdown = match &args.shutdown_timeout {
@@ -959,6 +1034,7 @@ impl LaunchPlan {
             last_call: rconf.last_call,
             lease: rconf.lease,
             rpc: rconf.rpc,
+            keep_alive_give_up: rconf.give_up,
         };
 
         // Logs.
@@ -1049,6 +1125,31 @@ impl LaunchPlan {
             notes.push("--rdzv-token-file is not used by the static backend".into());
         }
 
+        // TLS to the daemon.
+        let tls_ca = match (&args.rdzv_tls_ca, &rdzv) {
+            (None, _) => None,
+            (Some(path), RdzvPlan::Daemon { host: mode, .. }) => {
+                let p = host.cwd.join(path);
+                if let Err(e) = std::fs::read(&p) {
+                    return Err(invalid("--rdzv-tls-ca", &path.display().to_string(), format!("a readable PEM file ({e})")));
+                }
+                if *mode == HostMode::Always {
+                    return Err(PlanError::Conflict(
+                        "--rdzv-tls-ca with --rdzv-conf is_host=true: a launcher hosts a plain (non-TLS) service; run `rsrun-rendezvous serve --tls-cert --tls-key` instead".into(),
+                    ));
+                }
+                Some(p)
+            }
+            (Some(_), RdzvPlan::Standalone) => {
+                notes.push("--rdzv-tls-ca is not used with --standalone: the in-memory rendezvous is on loopback".into());
+                None
+            }
+            (Some(_), RdzvPlan::Static { .. }) => {
+                notes.push("--rdzv-tls-ca is not used by the static backend".into());
+                None
+            }
+        };
+
         // Compatibility flags without an effect.
         if let Some(m) = &args.start_method {
             notes.push(format!("--start-method {m} has no effect: rsrun starts PROGRAM as a process"));
@@ -1097,6 +1198,7 @@ impl LaunchPlan {
             hostname: host.hostname.clone(),
             token_file: args.rdzv_token_file.as_ref().map(|p| host.cwd.join(p)),
             token,
+            tls_ca,
             extra_env,
             notes,
             dry_run: args.dry_run,

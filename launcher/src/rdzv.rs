@@ -79,13 +79,14 @@ impl Rendezvous {
         }
     }
 
-    /// Waits for the next round and returns this node's assignment.
+    /// Waits for the next round and returns this node's assignment, or `None` when the job completed
+    /// meanwhile (this node waited as a spare).
     ///
     /// # Errors
-    /// The round did not form in time, or the rendezvous is unreachable.
-    pub async fn next_round(&mut self, plan: &LaunchPlan, console: &ConsoleTx) -> anyhow::Result<RoundAssignment> {
+    /// The round did not form in time, the rendezvous is unreachable, or the ranks do not fit.
+    pub async fn next_round(&mut self, plan: &LaunchPlan, console: &ConsoleTx) -> anyhow::Result<Option<RoundAssignment>> {
         match self {
-            Rendezvous::Static(s) => Ok(s.next_round(plan)),
+            Rendezvous::Static(s) => s.next_round(plan).map(Some),
             Rendezvous::Daemon(d) => d.next_round(plan, console).await,
         }
     }
@@ -116,9 +117,13 @@ impl Rendezvous {
     }
 
     /// After the round ended elsewhere: re-join, or the job is over.
-    pub async fn after_round_end(&mut self, a: &RoundAssignment) -> RoundEnd {
+    ///
+    /// # Errors
+    /// The rendezvous service stayed unreachable past the keep-alive bound: this node cannot know
+    /// what became of the job.
+    pub async fn after_round_end(&mut self, a: &RoundAssignment) -> anyhow::Result<RoundEnd> {
         match self {
-            Rendezvous::Static(_) => RoundEnd::Rejoin,
+            Rendezvous::Static(_) => Ok(RoundEnd::Rejoin),
             Rendezvous::Daemon(d) => d.after_round_end(a).await,
         }
     }
@@ -153,15 +158,16 @@ pub struct StaticRdzv {
 }
 
 impl StaticRdzv {
-    fn next_round(&mut self, plan: &LaunchPlan) -> RoundAssignment {
+    fn next_round(&mut self, plan: &LaunchPlan) -> anyhow::Result<RoundAssignment> {
         let nproc = plan.nproc_per_node;
+        let (rank_offset, world_size) = static_ranks(self.node_rank, self.num_nodes, nproc)?;
         let a = RoundAssignment {
             round: self.round,
             node_rank: self.node_rank,
             num_nodes: self.num_nodes,
-            rank_offset: self.node_rank * nproc,
+            rank_offset,
             local_world_size: nproc,
-            world_size: self.num_nodes * nproc,
+            world_size,
             master_addr: self.master_addr.clone(),
             master_port: self.master_port.unwrap_or_else(|| free_port().unwrap_or(crate::plan::DEFAULT_MASTER_PORT)),
             restart_count: self.restarts,
@@ -170,7 +176,7 @@ impl StaticRdzv {
             rdzv_endpoint: None,
         };
         self.round += 1;
-        a
+        Ok(a)
     }
 
     fn report_failure(&mut self) -> Decision {
@@ -190,6 +196,22 @@ impl StaticRdzv {
     }
 }
 
+/// The static backend's first global rank of this node and world size, checked: they must fit in a
+/// rank (`i32`, what PyTorch and the wire carry).
+///
+/// # Errors
+/// `node_rank × nproc` or `num_nodes × nproc` does not fit.
+pub fn static_ranks(node_rank: u32, num_nodes: u32, nproc: u32) -> anyhow::Result<(u32, u32)> {
+    let fits = |v: Option<u32>| v.filter(|&v| v <= i32::MAX as u32);
+    let world = fits(num_nodes.checked_mul(nproc)).ok_or_else(|| {
+        anyhow::anyhow!("world size {num_nodes} nodes x {nproc} workers does not fit in a rank (at most {})", i32::MAX)
+    })?;
+    let offset = fits(node_rank.checked_mul(nproc)).ok_or_else(|| {
+        anyhow::anyhow!("node rank {node_rank} x {nproc} workers per node does not fit in a rank (at most {})", i32::MAX)
+    })?;
+    Ok((offset, world))
+}
+
 /// A port that is free right now on every interface (for PyTorch's store on the rank-0 node).
 ///
 /// # Errors
@@ -197,4 +219,19 @@ impl StaticRdzv {
 pub fn free_port() -> std::io::Result<u16> {
     let l = std::net::TcpListener::bind(("0.0.0.0", 0))?;
     Ok(l.local_addr()?.port())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn static_ranks_are_checked() {
+        assert_eq!(static_ranks(1, 2, 4).unwrap(), (4, 8));
+        let e = static_ranks(0, u32::MAX, 2).unwrap_err().to_string();
+        assert!(e.contains("world size") && e.contains("does not fit"), "{e}");
+        let e = static_ranks(1 << 20, 1 << 20, 1 << 12).unwrap_err().to_string();
+        assert!(e.contains("does not fit"), "{e}");
+        assert!(static_ranks(3, 8, 1 << 28).is_err(), "past i32::MAX");
+    }
 }

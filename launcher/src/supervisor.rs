@@ -343,6 +343,8 @@ impl<'a> Group<'a> {
                         self.state = WorkerGroupState::Succeeded;
                         info!("worker group SUCCEEDED");
                         self.kill_leftovers();
+                        // Every leader is reaped: its group id may be reused from now on.
+                        self.release_exited();
                         return GroupOutcome::Succeeded;
                     }
                 }
@@ -447,8 +449,15 @@ impl<'a> Group<'a> {
                 }
             }
         }
+        self.release_exited();
+    }
+
+    /// Forgets the groups of exited (reaped) workers: the guardian stops watching them and dropping
+    /// the group no longer signals them. A reaped leader's pid — its group id — may be reused by an
+    /// unrelated process group, which must never be signalled. Call after the final SIGKILL.
+    fn release_exited(&mut self) {
         for s in &mut self.slots {
-            if s.exited.is_some() {
+            if s.exited.is_some() && s.process.is_armed() {
                 if let Some(g) = self.ctx.guardian {
                     g.unwatch(s.process.pid());
                 }
@@ -557,5 +566,73 @@ fn open_dup_files(plan: &LaunchPlan, a: &RoundAssignment) -> DupFiles {
     DupFiles {
         stdout: open(&plan.logs.dup_stdout, "filtered_stdout.log"),
         stderr: open(&plan.logs.dup_stderr, "filtered_stderr.log"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::tests::{host, parse};
+    use crate::worker::Guardian;
+
+    fn assignment(nproc: u32) -> RoundAssignment {
+        RoundAssignment {
+            round: 0,
+            node_rank: 0,
+            num_nodes: 1,
+            rank_offset: 0,
+            local_world_size: nproc,
+            world_size: nproc,
+            master_addr: "127.0.0.1".into(),
+            master_port: 29500,
+            restart_count: 0,
+            max_restarts: 0,
+            node_id: "n0".into(),
+            rdzv_endpoint: None,
+        }
+    }
+
+    /// Runs one round of `sh -c script` with 3 workers; returns the outcome, whether any group is
+    /// still armed, and what the guardian was told.
+    async fn round(script: &str) -> (GroupOutcome, bool, String) {
+        let args = parse(&["--nproc-per-node", "3", "--log-dir", "/dev/null", "--shutdown-timeout", "1", "--no-python", "sh", "-c", script]);
+        let plan = LaunchPlan::resolve(&args, &host()).unwrap();
+        let a = assignment(3);
+        let (console, mut rx) = tokio::sync::mpsc::channel(1024);
+        tokio::spawn(async move { while rx.recv().await.is_some() {} });
+        let record = tempfile::NamedTempFile::new().unwrap();
+        let guardian = Guardian::recording(record.reopen().unwrap());
+        let ctx = GroupContext { plan: &plan, assignment: &a, console: &console, guardian: Some(&guardian) };
+        let Ok(mut group) = Group::start(&ctx) else { panic!("workers did not start") };
+        let mut signals = Signals::none();
+        let outcome = group.monitor(&mut signals, std::future::pending::<String>(), &CancellationToken::new()).await;
+        let armed = group.slots.iter().any(|s| s.process.is_armed());
+        drop(group);
+        (outcome, armed, std::fs::read_to_string(record.path()).unwrap())
+    }
+
+    fn balanced(told: &str) {
+        let added: Vec<&str> = told.lines().filter_map(|l| l.strip_prefix('+')).collect();
+        let removed: Vec<&str> = told.lines().filter_map(|l| l.strip_prefix('-')).collect();
+        assert_eq!(added.len(), 3, "{told}");
+        for pid in added {
+            assert!(removed.contains(&pid), "group {pid} is still watched by the guardian:\n{told}");
+        }
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn success_releases_every_reaped_group() {
+        let (outcome, armed, told) = round("exit 0").await;
+        assert!(matches!(outcome, GroupOutcome::Succeeded), "{outcome:?}");
+        assert!(!armed, "a reaped worker's group id would be SIGKILLed on drop");
+        balanced(&told);
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn failure_releases_every_reaped_group() {
+        let (outcome, armed, told) = round("if [ $LOCAL_RANK = 1 ]; then exit 3; fi; sleep 30").await;
+        assert!(matches!(outcome, GroupOutcome::Failed { .. }), "{outcome:?}");
+        assert!(!armed);
+        balanced(&told);
     }
 }

@@ -89,6 +89,11 @@ impl WorkerProcess {
     pub fn disarm(&mut self) {
         self.armed = false;
     }
+
+    /// Whether dropping this value still signals the group.
+    pub fn is_armed(&self) -> bool {
+        self.armed
+    }
 }
 
 impl Drop for WorkerProcess {
@@ -207,6 +212,12 @@ impl Guardian {
                 Ok(Guardian { pipe: Mutex::new(std::fs::File::from(write_end)) })
             }
         }
+    }
+
+    /// A guardian that only records what it is told into `file` (tests: no process is forked).
+    #[cfg(test)]
+    pub(crate) fn recording(file: std::fs::File) -> Guardian {
+        Guardian { pipe: Mutex::new(file) }
     }
 
     /// Adds a process group to kill if rsrun dies.

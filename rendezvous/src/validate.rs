@@ -61,7 +61,7 @@ pub const MAX_ADDRS: usize = 16;
 /// Longest address or host name.
 pub const MAX_ADDR_LEN: usize = 256;
 /// Most workers on one node.
-pub const MAX_LOCAL_WORLD_SIZE: u32 = 65_536;
+pub const MAX_LOCAL_WORLD_SIZE: u32 = 4_096;
 /// Most keys in one multi-get, multi-set or wait.
 pub const MAX_BATCH: usize = 10_000;
 /// Size of an NCCL unique id.

@@ -188,3 +188,63 @@ fn compat_flags_warn() {
     assert!(p.notes.iter().any(|n| n.contains("--start-method")));
     assert!(p.notes.iter().any(|n| n.contains("--cpu-bind numa")));
 }
+
+#[test]
+fn job_ids_the_rendezvous_would_reject_are_plan_errors() {
+    let daemon = |id: &str| resolve(&["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-id", id, "true"]);
+    assert_eq!(daemon("none").unwrap().job_id, "none");
+    assert!(daemon("9b2f63c6-1e1a-4b8e-bb2e-0c9a3f6a7d11").is_ok());
+    assert!(daemon("team@cluster:run.7_a").is_ok());
+    assert!(daemon(&"x".repeat(128)).is_ok());
+    for bad in ["my job", "a/b", "ünïcode", &"x".repeat(129)] {
+        let e = daemon(bad).unwrap_err().to_string();
+        assert!(e.contains("--rdzv-id") && e.contains("at most 128") || e.contains("--rdzv-id") && e.contains(". _ : @ -"), "{bad}: {e}");
+    }
+    // Implicit standalone (one node, no port) sends the id to the embedded service too.
+    assert!(resolve(&["--rdzv-id", "a b", "true"]).is_err());
+    // The static backend sends it nowhere.
+    assert_eq!(resolve(&["--nnodes", "2", "--master-addr", "h", "--rdzv-id", "a b", "true"]).unwrap().job_id, "a b");
+}
+
+#[test]
+fn nproc_is_bounded_like_the_rendezvous() {
+    let max = MAX_NPROC_PER_NODE.to_string();
+    let over = (MAX_NPROC_PER_NODE + 1).to_string();
+    assert_eq!(resolve(&["--nproc-per-node", &max, "true"]).unwrap().nproc_per_node, MAX_NPROC_PER_NODE);
+    let e = err(&["--nproc-per-node", &over, "true"]);
+    assert!(e.contains("--nproc-per-node") && e.contains(&format!("at most {max} workers per node")), "{e}");
+}
+
+#[test]
+fn world_size_overflow_is_a_plan_error() {
+    let e = err(&["--nnodes", "4000000000", "--master-addr", "h", "--nproc-per-node", "2", "true"]);
+    assert!(e.contains("world size does not fit"), "{e}");
+    let e = err(&["--nnodes", "1:1200000", "--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-id", "j", "--nproc-per-node", "4096", "true"]);
+    assert!(e.contains("world size does not fit"), "{e}");
+}
+
+#[test]
+fn node_ids_are_always_valid() {
+    assert_eq!(node_id("gpu-node-07", 4242), "gpu-node-07-4242");
+    assert_eq!(node_id("host name/é", 1), "host_name__-1");
+    assert_eq!(node_id("", 1), "node-1");
+    let long_a = format!("{}.a.example.com", "n".repeat(300));
+    let long_b = format!("{}.b.example.com", "n".repeat(300));
+    for h in [&long_a, &long_b] {
+        let id = node_id(h, u32::MAX);
+        assert!(id.len() <= MAX_JOB_ID_LEN, "{} > {MAX_JOB_ID_LEN}: {id}", id.len());
+        assert!(rsrun_rendezvous::validate::id("node_id", &id).is_ok(), "{id}");
+        assert!(id.ends_with(&format!("-{}", u32::MAX)), "{id}");
+    }
+    assert_ne!(node_id(&long_a, 7), node_id(&long_b, 7), "names sharing a long prefix must differ");
+}
+
+#[test]
+fn keep_alive_timeout_and_tls_ca() {
+    let d = |conf: &str| resolve(&["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-id", "j", "--rdzv-conf", conf, "true"]);
+    assert_eq!(d("").unwrap().timeouts.keep_alive_give_up, rsrun_rendezvous::client::KEEP_ALIVE_GIVE_UP);
+    assert_eq!(d("keep_alive_timeout=7.5").unwrap().timeouts.keep_alive_give_up, Duration::from_millis(7500));
+    assert!(d("keep_alive_timeout=0").unwrap_err().to_string().contains("keep_alive_timeout"));
+    let e = err(&["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-id", "j", "--rdzv-tls-ca", "/nonexistent/ca.pem", "true"]);
+    assert!(e.contains("--rdzv-tls-ca") && e.contains("readable"), "{e}");
+}

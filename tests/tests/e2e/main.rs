@@ -8,6 +8,7 @@ mod exits;
 mod logs;
 mod multinode;
 mod netns;
+mod rdzv_faults;
 mod restarts;
 mod signals;
 mod torch;

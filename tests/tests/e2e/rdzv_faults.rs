@@ -1,0 +1,135 @@
+//! The launcher against a rendezvous daemon that goes away, refuses, or speaks TLS: stop signals
+//! during the exit barrier and during a failure report are honoured at once; a daemon gone for good
+//! ends the node with an error naming it; `--rdzv-tls-ca` reaches a TLS daemon.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use rsrun_tests::{Daemon, KillOnDrop, RUN_DEADLINE, alive, code, read_pids, rsrun, text, wait_until};
+
+fn kill(pid: i32, sig: i32) {
+    // SAFETY: plain kill(2).
+    unsafe {
+        libc::kill(pid, sig);
+    }
+}
+
+/// A single-worker node of job `job` at `daemon` running `sh -c script`.
+fn node(dir: &Path, endpoint: &str, job: &str, nnodes: &str, conf: &str, extra: &[&str], script: &str) -> KillOnDrop {
+    let mut cmd = rsrun(dir);
+    cmd.args(["--nnodes", nnodes, "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", job])
+        .args(["--rdzv-conf", &format!("last_call_timeout=0.3,keep_alive_interval=0.2,keep_alive_max_attempt=5,join_timeout=30{conf}")])
+        .args(extra)
+        .args(["sh", "-c", script]);
+    KillOnDrop::spawn(&mut cmd)
+}
+
+#[test]
+fn sigterm_during_the_exit_barrier_exits_143_at_once() {
+    let daemon = Daemon::start();
+    let dir = tempfile::tempdir().unwrap();
+    // Rank 0 succeeds at once and its node waits at the exit barrier; rank 1 keeps running.
+    let script = "if [ \"$RANK\" = 0 ]; then echo $PPID > done.pid; exit 0; fi; sleep 60";
+    let extra = ["--exit-barrier-timeout", "120"];
+    let a = node(dir.path(), &daemon.addr, "barrier", "2", "", &extra, script);
+    let b = node(dir.path(), &daemon.addr, "barrier", "2", "", &extra, script);
+    let pid_file = dir.path().join("done.pid");
+    assert!(wait_until(Duration::from_secs(30), || read_pids(&pid_file).len() == 1), "rank 0 never ran");
+    let waiting = read_pids(&pid_file)[0];
+    let (waiting, _other) = if waiting == a.pid() { (a, b) } else { (b, a) };
+    assert_eq!(waiting.pid(), read_pids(&pid_file)[0], "done.pid names neither launcher");
+    // Let it reach the barrier (its worker exited, Finish answered).
+    std::thread::sleep(Duration::from_millis(1500));
+    let start = Instant::now();
+    kill(waiting.pid(), libc::SIGTERM);
+    let out = waiting.output_within(Duration::from_secs(20));
+    assert_eq!(code(&out.status), 143, "{}", text(&out));
+    assert!(start.elapsed() < Duration::from_secs(10), "took {:?}", start.elapsed());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("exit barrier"), "{}", text(&out));
+}
+
+#[test]
+fn sigterm_while_reporting_a_failure_to_a_dead_daemon_exits_143_at_once() {
+    let daemon = Daemon::start();
+    let addr = daemon.addr.clone();
+    let dir = tempfile::tempdir().unwrap();
+    // read_timeout=30: the failure report retries the unreachable daemon for 30 s.
+    let script = "echo $$ >> pids; while [ ! -f fail ]; do sleep 0.05; done; exit 3";
+    let child = node(dir.path(), &addr, "report", "1", ",read_timeout=30", &[], script);
+    assert!(wait_until(Duration::from_secs(30), || read_pids(&dir.path().join("pids")).len() == 1), "worker never ran");
+    daemon.kill9();
+    std::fs::write(dir.path().join("fail"), "").unwrap();
+    // The worker exits 3 and the report starts retrying.
+    std::thread::sleep(Duration::from_millis(1500));
+    let start = Instant::now();
+    kill(child.pid(), libc::SIGTERM);
+    let out = child.output_within(Duration::from_secs(40));
+    assert_eq!(code(&out.status), 143, "{}", text(&out));
+    assert!(start.elapsed() < Duration::from_secs(10), "took {:?}", start.elapsed());
+}
+
+#[test]
+fn a_daemon_gone_for_good_stops_the_workers_and_names_the_endpoint() {
+    let daemon = Daemon::start();
+    let addr = daemon.addr.clone();
+    let dir = tempfile::tempdir().unwrap();
+    let script = "echo $$ >> pids; exec sleep 120";
+    let child = node(dir.path(), &addr, "gone", "1", ",read_timeout=1,keep_alive_timeout=2", &[], script);
+    let pids_file = dir.path().join("pids");
+    assert!(wait_until(Duration::from_secs(30), || read_pids(&pids_file).len() == 1), "worker never ran");
+    let worker = read_pids(&pids_file)[0];
+    daemon.kill9();
+    let out = child.output_within(RUN_DEADLINE);
+    assert_eq!(code(&out.status), 1, "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains(&format!("lost contact with the rendezvous service at {addr}")), "{}", text(&out));
+    assert!(!alive(worker), "worker {worker} survived");
+    assert_eq!(read_pids(&pids_file).len(), 1, "workers were restarted against a dead daemon:\n{}", text(&out));
+}
+
+/// A CA, and a certificate it signed for 127.0.0.1 and localhost: (ca.pem, cert.pem, key.pem).
+fn tls_files(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf, std::path::PathBuf) {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+    let ca_key = KeyPair::generate().unwrap();
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
+    let issuer = Issuer::new(ca_params, ca_key);
+    let leaf_key = KeyPair::generate().unwrap();
+    let leaf = CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()])
+        .unwrap()
+        .signed_by(&leaf_key, &issuer)
+        .unwrap();
+    let (ca, cert, key) = (dir.join("ca.pem"), dir.join("cert.pem"), dir.join("key.pem"));
+    std::fs::write(&ca, ca_cert.pem()).unwrap();
+    std::fs::write(&cert, leaf.pem()).unwrap();
+    std::fs::write(&key, leaf_key.serialize_pem()).unwrap();
+    (ca, cert, key)
+}
+
+#[test]
+fn rdzv_tls_ca_reaches_a_tls_daemon() {
+    let certs = tempfile::tempdir().unwrap();
+    let (ca, cert, key) = tls_files(certs.path());
+    let daemon = Daemon::start_with(
+        "127.0.0.1:0",
+        &["--tls-cert".as_ref(), cert.as_os_str(), "--tls-key".as_ref(), key.as_os_str()],
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let script = "echo \"ca=$RSRUN_TLS_CA\"";
+    let out = node(dir.path(), &daemon.addr, "tls", "1", "", &["--rdzv-tls-ca", ca.to_str().unwrap()], script)
+        .output_within(RUN_DEADLINE);
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains(&format!("ca={}", ca.display())), "{}", text(&out));
+    // PET_RDZV_TLS_CA works the same.
+    let mut cmd = rsrun(dir.path());
+    cmd.env("PET_RDZV_TLS_CA", &ca)
+        .args(["--rdzv-backend", "c10d", "--rdzv-endpoint", &daemon.addr, "--rdzv-id", "tls-env", "sh", "-c", script]);
+    let out = KillOnDrop::spawn(&mut cmd).output_within(RUN_DEADLINE);
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    // Without the CA the launcher cannot talk to it: an error, not a hang.
+    let out = node(dir.path(), &daemon.addr, "plain", "1", ",join_timeout=2,read_timeout=1", &[], script)
+        .output_within(RUN_DEADLINE);
+    assert_eq!(code(&out.status), 1, "{}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stderr).contains(&daemon.addr), "{}", text(&out));
+}
