@@ -38,6 +38,11 @@
 //! buffers (buckets, reduce-scatter inputs, all-gather outputs). SGD has one slot (4 bytes)
 //! per element instead of two.
 //!
+//! Mixed precision ([`Precision`]: 16-bit compute copies, fp32 master) and offload
+//! ([`Offload`]: master + optimizer state in a CPU or NVMe tier, streamed tile by tile through
+//! the step) change this table: see `engine/tiers.rs`. Checkpoints go through
+//! [`Engine::save_checkpoint`] / [`Engine::load_checkpoint`] (`engine/ckpt.rs`).
+//!
 //! # Determinism
 //! With a process group in deterministic mode every reduction folds ranks in order, so a
 //! single process that computes the N per-rank gradients as N micro-batches (accumulating
@@ -77,6 +82,11 @@ pub struct EngineConfig {
     pub max_live_units: usize,
     /// Seed of the parameter initialisation.
     pub seed: u64,
+    /// Compute precision of the parameters (fp32 master weights either way); see
+    /// [`Precision`].
+    pub precision: Precision,
+    /// Where the fp32 master shard and the optimizer state live; see [`Offload`].
+    pub offload: Offload,
 }
 
 impl EngineConfig {
@@ -91,6 +101,8 @@ impl EngineConfig {
             first_bucket_bytes: 1 << 20,
             max_live_units: 2,
             seed: 0,
+            precision: Precision::Fp32,
+            offload: Offload::None,
         }
     }
 }
@@ -108,6 +120,11 @@ pub struct MemoryStats {
     pub gathered_peak: u64,
     /// Peak bytes of communication buffers alive at once, since the last reset.
     pub comm_peak: u64,
+    /// Offloaded master + optimizer state held in host memory by the offload tier (CPU
+    /// offload: the state itself; NVMe: the staging buffers). Not part of `optimizer`.
+    pub offloaded_host: u64,
+    /// Offloaded master + optimizer state kept in NVMe swap files (file bytes).
+    pub offloaded_nvme: u64,
 }
 
 impl MemoryStats {
@@ -126,6 +143,9 @@ pub struct StepOutput {
     pub grad_norm: Option<f64>,
     /// Learning rate used.
     pub lr: f64,
+    /// The step was skipped because the (f16 loss-scaled) gradients overflowed; the step count
+    /// did not advance and the loss scale was halved.
+    pub skipped: bool,
 }
 
 struct UnitState {
@@ -183,6 +203,10 @@ pub struct Engine<M: UnitModel> {
     /// ZeRO-3 units currently gathered (storage filled).
     live: Vec<bool>,
     traffic_base: u64,
+    /// Offload tier holding the fp32 master shard and optimizer state (see `engine/tiers.rs`).
+    tier: Option<Mutex<tiers::OffloadTier>>,
+    /// f16 dynamic loss scaler.
+    scaler: Option<tiers::LossScaler>,
 }
 
 fn tensor_err(e: candle_core::Error) -> EngineError {
@@ -209,7 +233,8 @@ impl InplaceOp1 for SetStorage {
             .unwrap_or_else(|p| p.into_inner())
             .take()
             .unwrap_or_default();
-        *s = CpuStorage::F32(v);
+        // Keep the tensor's dtype: mixed-precision compute copies are bf16/f16.
+        *s = tiers::storage_like(s, v);
         Ok(())
     }
 }
@@ -268,6 +293,7 @@ impl<M: UnitModel> Engine<M> {
         let rank = pg.rank();
         let world = pg.world_size();
         let _span = info_span!("engine_new", rank, strategy = %cfg.strategy).entered();
+        crate::kernels::tune_allocator();
         if cfg.max_live_units == 0 {
             return Err(EngineError::Config("max_live_units must be at least 1".into()));
         }
@@ -342,8 +368,11 @@ impl<M: UnitModel> Engine<M> {
             inflight: VecDeque::new(),
             live: vec![false; n_units],
             traffic_base: 0,
+            tier: None,
+            scaler: None,
         };
         e.traffic_base = e.bytes_sent_total();
+        e.setup_tiers()?;
         Ok(e)
     }
 
@@ -386,15 +415,30 @@ impl<M: UnitModel> Engine<M> {
             comm_peak: self.comm.peak,
             ..MemoryStats::default()
         };
+        // Compute-copy bytes per element (2 for bf16/f16); see `engine/tiers.rs` for the
+        // mixed-precision and offload accounting.
+        let cb = self.cfg.precision.bytes() as u64;
+        let mixed = self.cfg.precision != Precision::Fp32;
         for (u, ul) in self.units.iter().zip(&self.layout.units) {
-            m.params += if self.cfg.strategy.shards_params() {
-                u.master.len() as u64 * f
+            let master = u.master.len() as u64 * f;
+            if self.cfg.strategy.shards_params() {
+                if mixed && self.tier.is_none() {
+                    // The fp32 master shard is gathered and cast; no 16-bit shard is kept.
+                    m.optimizer += master;
+                } else {
+                    m.params += master;
+                }
             } else {
-                ul.numel as u64 * f
-            };
+                m.params += ul.numel as u64 * cb;
+                // A separate in-memory fp32 master shard (mixed precision without offload).
+                m.optimizer += master;
+            }
             m.grads += u.grad.len() as u64 * f;
             m.optimizer += u.state.iter().map(|s| s.len() as u64 * f).sum::<u64>();
         }
+        let (host, nvme) = self.offloaded_bytes();
+        m.offloaded_host = host;
+        m.offloaded_nvme = nvme;
         m
     }
 
@@ -430,6 +474,9 @@ impl<M: UnitModel> Engine<M> {
     /// # Errors
     /// Collective or tensor failures. Every rank must call it.
     pub fn full_params(&mut self) -> EngineResult<Vec<Vec<f32>>> {
+        if self.master_separate() && !self.cfg.strategy.shards_params() {
+            return self.full_master_params();
+        }
         let mut out = Vec::with_capacity(self.units.len());
         for ui in 0..self.units.len() {
             let ul = &self.layout.units[ui];
@@ -512,6 +559,10 @@ impl<M: UnitModel> Engine<M> {
             }
         }
         let z1 = self.cfg.strategy.zero_stage() == 1;
+        // f16: unscale the gradients; skip the step on overflow (see `engine/tiers.rs`).
+        if let Some(out) = self.unscale_or_skip(&mut z1_shards, loss)? {
+            return Ok(out);
+        }
         // Global gradient norm over owned shards (DDP: everything, locally).
         let mut grad_scale = 1.0f32;
         let mut grad_norm = None;
@@ -559,6 +610,7 @@ impl<M: UnitModel> Engine<M> {
             loss,
             grad_norm,
             lr,
+            skipped: false,
         })
     }
 
@@ -584,6 +636,9 @@ impl<M: UnitModel> Engine<M> {
         sp: &StepParams,
         g: &[f32],
     ) -> EngineResult<()> {
+        if self.tiered_update() {
+            return self.update_unit_tiered(ui, opt, sp, g);
+        }
         let ul = &self.layout.units[ui];
         let u = &mut self.units[ui];
         if self.cfg.strategy.shards_params() {
@@ -743,7 +798,7 @@ impl<M: UnitModel> Engine<M> {
             }
             let out = outs[ui].take().ok_or_else(|| EngineError::Config("missing unit output".into()))?;
             let surrogate = match &grad_out {
-                None => out,
+                None => self.scale_loss(out)?,
                 Some(g) => (out * g)?.sum_all()?,
             };
             let grads = surrogate.backward()?;
@@ -845,5 +900,14 @@ fn make_buckets(
     out
 }
 
+mod ckpt;
+mod tiers;
+
+pub use tiers::{CPU_TILE_ELEMS, LossScaler, Offload, Precision};
+
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_ckpt;
+#[cfg(test)]
+mod tests_tiers;

@@ -132,6 +132,14 @@ impl Gpt {
         let y = xc.broadcast_div(&(var + 1e-5)?.sqrt()?)?;
         y.to_dtype(x.dtype())?.broadcast_mul(w)?.broadcast_add(b)
     }
+
+    /// [`linear`], with the fused bias kernel when `fused`.
+    fn linear(&self, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
+        match b {
+            Some(b) if self.fused => kernels::bias_add(&linear(x, w, None)?, b),
+            _ => linear(x, w, b),
+        }
+    }
 }
 
 /// `x [n, in] · wᵀ [in, out] (+ b)`.
@@ -247,17 +255,18 @@ impl UnitModel for Gpt {
         let hd = d / h;
         let x2 = x.reshape((b * t, d))?;
         let y = self.layer_norm(&x2, &p[0], &p[1])?;
-        let qkv = linear(&y, &p[2], Some(&p[3]))?.reshape((b, t, 3, h, hd))?;
+        let qkv = self.linear(&y, &p[2], Some(&p[3]))?.reshape((b, t, 3, h, hd))?;
         // [3, b, h, t, hd]
         let qkv = qkv.permute((2, 0, 3, 1, 4))?.contiguous()?;
         let q = qkv.get(0)?;
         let k = qkv.get(1)?;
         let v = qkv.get(2)?;
         let scale = 1.0 / (hd as f64).sqrt();
-        let att = (q.matmul(&k.t()?)? * scale)?;
+        let att = q.matmul(&k.t()?)?;
         let att = if self.fused {
-            kernels::causal_softmax(&att)?
+            kernels::causal_softmax_scaled(&att, scale as f32)?
         } else {
+            let att = (att * scale)?;
             let mask: Vec<f32> = (0..t)
                 .flat_map(|i| (0..t).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
                 .collect();
@@ -266,10 +275,14 @@ impl UnitModel for Gpt {
         };
         let y = att.matmul(&v)?; // [b, h, t, hd]
         let y = y.transpose(1, 2)?.reshape((b * t, d))?;
-        let x2 = (x2 + linear(&y, &p[4], Some(&p[5]))?)?;
+        let x2 = (x2 + self.linear(&y, &p[4], Some(&p[5]))?)?;
         let y = self.layer_norm(&x2, &p[6], &p[7])?;
-        let y = linear(&y, &p[8], Some(&p[9]))?.gelu_erf()?;
-        let x2 = (x2 + linear(&y, &p[10], Some(&p[11]))?)?;
+        let y = if self.fused {
+            kernels::bias_gelu(&linear(&y, &p[8], None)?, &p[9])?
+        } else {
+            linear(&y, &p[8], Some(&p[9]))?.gelu_erf()?
+        };
+        let x2 = (x2 + self.linear(&y, &p[10], Some(&p[11]))?)?;
         x2.reshape((b, t, d))
     }
 }

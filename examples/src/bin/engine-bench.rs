@@ -7,19 +7,32 @@
 //! rsrun --standalone --nproc-per-node 2 target/release/engine-bench --strategy zero3
 //! ```
 //!
+//! engine-bench --offload nvme --nvme-path /mnt/nvme             # + offloaded/in-memory ratio
+//! ```
+//!
+//! With `--offload cpu|nvme` the benchmark also runs the same steps with the state in memory,
+//! checks that both runs end with bitwise-identical parameters, and reports the step-time
+//! ratio; with `nvme` it measures plain O_DIRECT and the offload engine on a file of the
+//! offloaded size in `--nvme-path` (`offload::bench::measure_bandwidth`) and the I/O bandwidth
+//! achieved inside the optimizer step.
+//!
+//! ```text
 //! The single-process run records its tokens/s in `$TMPDIR/engine-bench-single.tok_per_s`;
 //! distributed runs read it for `speedup_vs_single`. Ends with one line:
 //! `summary: strategy=<s> world=<n> step_ms_median=... tok_per_s_total=... speedup_vs_single=...
 //! model_state_mib_per_rank=... peak_rss_mib=...`.
 
 use std::io::Write;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use clap::Parser;
 use rsrun_training_engine::comm::{CommOptions, FileStore, LocalStore, ProcessGroup, Store};
-use rsrun_training_engine::engine::{Engine, EngineConfig};
+use rsrun_training_engine::engine::{Engine, EngineConfig, Offload, Precision};
+use rsrun_training_engine::offload::NvmeConfig;
+use rsrun_training_engine::offload::bench::measure_bandwidth;
 use rsrun_training_engine::layout::Strategy;
 use rsrun_training_engine::model::{Batch, Gpt, GptConfig, global_batch, rank_rows};
 use rsrun_training_engine::optim::{AdamW, OptimizerConfig};
@@ -30,9 +43,15 @@ struct Args {
     /// ddp | zero1 | zero2 | zero3 | fsdp | fsdp-shard-grad-op | fsdp-no-shard | hybrid
     #[arg(long, default_value = "ddp")]
     strategy: String,
-    /// Optimizer-state offload: only `none` is wired into this benchmark so far.
+    /// Optimizer-state offload: none | cpu | nvme (nvme needs --nvme-path).
     #[arg(long, default_value = "none")]
     offload: String,
+    /// Directory of the NVMe swap files (`--offload nvme`).
+    #[arg(long)]
+    nvme_path: Option<PathBuf>,
+    /// Compute precision: fp32 | bf16 | f16.
+    #[arg(long, default_value = "fp32")]
+    precision: String,
     /// Optimizer steps (the first 3 are warm-up and excluded from the median).
     #[arg(long, default_value_t = 20)]
     steps: u64,
@@ -66,10 +85,18 @@ fn main() -> Result<()> {
     let args = Args::parse();
     // SAFETY: set before any other thread exists (candle's rayon pool reads it lazily).
     unsafe { std::env::set_var("RAYON_NUM_THREADS", args.threads.to_string()) };
-    if args.offload != "none" {
-        bail!("--offload {} is not wired into engine-bench yet (only `none`)", args.offload);
-    }
     let strategy: Strategy = args.strategy.parse()?;
+    let precision: Precision = args.precision.parse()?;
+    let offload = match (args.offload.as_str(), &args.nvme_path) {
+        ("none", _) => Offload::None,
+        ("cpu", _) => Offload::Cpu,
+        ("nvme", Some(dir)) => {
+            std::fs::create_dir_all(dir).with_context(|| format!("cannot create --nvme-path {}", dir.display()))?;
+            Offload::Nvme(NvmeConfig::new(dir, "engine-bench"))
+        }
+        ("nvme", None) => bail!("--offload nvme needs --nvme-path DIR"),
+        (o, _) => bail!("unknown --offload {o:?} (none|cpu|nvme)"),
+    };
     let rank = env_usize("RANK").unwrap_or(0);
     let world = env_usize("WORLD_SIZE").unwrap_or(1);
     let store: Arc<dyn Store> = if world == 1 {
@@ -89,7 +116,6 @@ fn main() -> Result<()> {
         timeout: Duration::from_secs(300),
         ..CommOptions::default()
     };
-    let pg = ProcessGroup::new(rank, world, store, "engine-bench", opts).context("process group")?;
     let model_cfg = GptConfig::reference();
     let mut cfg = EngineConfig::new(
         strategy,
@@ -99,23 +125,69 @@ fn main() -> Result<()> {
         }),
     );
     cfg.seed = 0;
-    let mut engine = Engine::new(Gpt::new(model_cfg), cfg, pg)?;
-    engine.reset_traffic();
-    let mut times = Vec::new();
-    let mut loss = 0f32;
-    for step in 0..args.steps {
-        let rows = global_batch(1234, step, args.batch * world, model_cfg.seq, model_cfg.vocab);
-        let batch = Batch::from_rows(&rank_rows(&rows, rank, world))?;
-        let t0 = Instant::now();
-        loss = engine.train_step(std::slice::from_ref(&batch))?.loss;
-        times.push(t0.elapsed().as_secs_f64());
+    cfg.precision = precision;
+    // The in-memory baseline first (offload runs only), then the configured run.
+    let mut baseline_run = None;
+    if offload != Offload::None {
+        let pg = ProcessGroup::new(rank, world, store.clone(), "engine-bench-mem", opts.clone()).context("process group")?;
+        let (engine, med, _, _) = bench_run(Engine::new(Gpt::new(model_cfg), cfg.clone(), pg)?, &args, rank, world)?;
+        let mut e = engine;
+        baseline_run = Some((med, e.full_params()?));
     }
-    let mut tail: Vec<f64> = times.iter().skip(3.min(times.len().saturating_sub(1))).copied().collect();
-    tail.sort_by(f64::total_cmp);
-    let med = tail[tail.len() / 2];
+    cfg.offload = offload.clone();
+    let pg = ProcessGroup::new(rank, world, store, "engine-bench", opts).context("process group")?;
+    let (mut engine, med, loss, io_bytes) = bench_run(Engine::new(Gpt::new(model_cfg), cfg, pg)?, &args, rank, world)?;
+    let mut offload_line = None;
+    let mut offload_summary = String::new();
+    if let Some((mem_med, mem_params)) = baseline_run {
+        let identical = engine.full_params()? == mem_params;
+        if !identical {
+            bail!("the offloaded run's parameters differ from the in-memory run's");
+        }
+        let ratio = med / mem_med;
+        let m = engine.memory();
+        let mut line = format!(
+            "offload={} {} step_ms_in_memory={:.1} step_ms_offloaded={:.1} offloaded_step_ratio={ratio:.2} bitwise_identical={identical} offloaded_host_mib={:.2} offloaded_nvme_mib={:.2}",
+            offload.name(),
+            engine.offload_describe().unwrap_or_default().replace(' ', "_"),
+            mem_med * 1e3,
+            med * 1e3,
+            m.offloaded_host as f64 / (1 << 20) as f64,
+            m.offloaded_nvme as f64 / (1 << 20) as f64,
+        );
+        offload_summary = format!(" offload={} offloaded_step_ratio={ratio:.2}", offload.name());
+        if let (Offload::Nvme(c), Some(bytes)) = (&offload, io_bytes) {
+            let step_bw = bytes / med;
+            // Plain O_DIRECT vs the offload engine on a file of the offloaded size.
+            let size = (m.offloaded_nvme as usize / 2).max(64 << 20);
+            let bw = measure_bandwidth(&c.dir, size, c.block_size, c.queue_depth, c.engine, 2)?;
+            let gb = |x: f64| x / 1e9;
+            line += &format!(
+                "\nnvme_bandwidth: file_mib={} plain_write_gbps={:.2} plain_read_gbps={:.2} engine({:?},qd{})_write_gbps={:.2} engine_read_gbps={:.2} engine/plain write={:.2} read={:.2} step_io_gbps={:.2} step_io/plain_avg={:.2}",
+                bw.bytes >> 20,
+                gb(bw.plain_write),
+                gb(bw.plain_read),
+                bw.engine,
+                bw.queue_depth,
+                gb(bw.engine_write),
+                gb(bw.engine_read),
+                bw.ratios().0,
+                bw.ratios().1,
+                gb(step_bw),
+                step_bw / ((bw.plain_write + bw.plain_read) / 2.0),
+            );
+            offload_summary += &format!(
+                " step_io_gbps={:.2} plain_odirect_read_gbps={:.2} plain_odirect_write_gbps={:.2}",
+                gb(step_bw),
+                gb(bw.plain_read),
+                gb(bw.plain_write)
+            );
+        }
+        offload_line = Some(line);
+    }
     let tok_total = (args.batch * model_cfg.seq * world) as f64 / med;
     let baseline = std::env::temp_dir().join("engine-bench-single.tok_per_s");
-    let speedup = if world == 1 {
+    let speedup = if world == 1 && offload_line.is_none() && precision == Precision::Fp32 {
         std::fs::write(&baseline, format!("{tok_total}"))?;
         "1.00".to_string()
     } else {
@@ -135,13 +207,53 @@ fn main() -> Result<()> {
             mem.gathered_peak as f64 / (1 << 20) as f64,
             mem.comm_peak as f64 / (1 << 20) as f64,
         )?;
+        if let Some(l) = &offload_line {
+            writeln!(out, "{l}")?;
+        }
         writeln!(
             out,
-            "summary: strategy={strategy} world={world} step_ms_median={:.1} tok_per_s_total={tok_total:.0} speedup_vs_single={speedup} model_state_mib_per_rank={:.2} peak_rss_mib={:.0}",
+            "summary: strategy={strategy} world={world} precision={precision}{offload_summary} step_ms_median={:.1} tok_per_s_total={tok_total:.0} speedup_vs_single={speedup} model_state_mib_per_rank={:.2} peak_rss_mib={:.0}",
             med * 1e3,
             mem.model_state() as f64 / (1 << 20) as f64,
             peak_rss_mib(),
         )?;
     }
     Ok(())
+}
+
+/// Runs the benchmark steps; returns the engine, the median step time (after 3 warm-up
+/// steps), the last loss and the offload bytes moved per step (read + write), if offloaded.
+fn bench_run(
+    mut engine: Engine<Gpt>,
+    args: &Args,
+    rank: usize,
+    world: usize,
+) -> Result<(Engine<Gpt>, f64, f32, Option<f64>)> {
+    let model_cfg = engine.model().config();
+    engine.reset_traffic();
+    let mut times = Vec::new();
+    let mut loss = 0f32;
+    let warm = 3.min(args.steps.saturating_sub(1));
+    let mut io0 = None;
+    for step in 0..args.steps {
+        if step == warm {
+            io0 = engine.offload_stats();
+        }
+        let rows = global_batch(1234, step, args.batch * world, model_cfg.seq, model_cfg.vocab);
+        let batch = Batch::from_rows(&rank_rows(&rows, rank, world))?;
+        let t0 = Instant::now();
+        loss = engine.train_step(std::slice::from_ref(&batch))?.loss;
+        times.push(t0.elapsed().as_secs_f64());
+    }
+    let io = match (io0, engine.offload_stats()) {
+        (Some(a), Some(b)) => Some(
+            (b.bytes_read - a.bytes_read + b.bytes_written - a.bytes_written) as f64
+                / (args.steps - warm).max(1) as f64,
+        ),
+        _ => None,
+    };
+    let mut tail: Vec<f64> = times.iter().skip(warm as usize).copied().collect();
+    tail.sort_by(f64::total_cmp);
+    let med = tail[tail.len() / 2];
+    Ok((engine, med, loss, io))
 }

@@ -7,6 +7,13 @@
 //! target/release/train --grad-accum 2          # one process, same samples as two ranks
 //! ```
 //!
+//! Checkpoints and restarts: with `--checkpoint-dir D --checkpoint-every N` every rank takes part in
+//! a sharded checkpoint every N steps (and after the last step); `--resume auto` (the default) loads
+//! the latest committed checkpoint under D if there is one, restores the data position (the global
+//! step), so the sample stream continues exactly, and appends to `metrics.jsonl`. Under
+//! `rsrun --max-restarts K` a failed worker group restarts and resumes from the last checkpoint; in
+//! deterministic mode the final `params_sha256` equals an uninterrupted run's.
+//!
 //! Rank 0 shows progress (a bar on a terminal, periodic lines otherwise), writes `metrics.jsonl` and a
 //! loss-curve SVG into the run directory, and ends with a `summary:` line whose `params_sha256` is the
 //! hash of the consolidated fp32 parameters.
@@ -22,7 +29,9 @@ use clap::{Parser, ValueEnum};
 use rsrun_examples::data::{Corpus, DataSpec, Sampler};
 use rsrun_examples::plot;
 use rsrun_training_engine::comm::{BackendKind, CommOptions, LocalStore, ProcessGroup, Store};
-use rsrun_training_engine::engine::{Engine, EngineConfig};
+use rsrun_training_engine::checkpoint::Progress;
+use rsrun_training_engine::engine::{Engine, EngineConfig, Offload, Precision};
+use rsrun_training_engine::offload::NvmeConfig;
 use rsrun_training_engine::layout::Strategy;
 use rsrun_training_engine::model::{Batch, Gpt, GptConfig};
 use rsrun_training_engine::optim::{AdamW, OptimizerConfig, Schedule};
@@ -85,6 +94,39 @@ struct Args {
     /// Progress output: a bar (text) or JSON lines.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
+    /// Compute precision of the parameters (fp32 master weights either way): fp32, bf16 or f16
+    /// (f16 with dynamic loss scaling).
+    #[arg(long, default_value = "fp32")]
+    precision: String,
+    /// Where the fp32 master weights and the optimizer state live: none (memory), cpu, nvme.
+    #[arg(long, default_value = "none")]
+    offload: String,
+    /// Directory of the NVMe swap files (required by --offload nvme).
+    #[arg(long)]
+    nvme_path: Option<PathBuf>,
+    /// Root directory of sharded checkpoints.
+    #[arg(long)]
+    checkpoint_dir: Option<PathBuf>,
+    /// Save a checkpoint every N steps (needs --checkpoint-dir; 0 = only after the last step).
+    #[arg(long, default_value_t = 0)]
+    checkpoint_every: u64,
+    /// Checkpoints kept (the newest; 0 keeps all).
+    #[arg(long, default_value_t = 2)]
+    keep_checkpoints: usize,
+    /// auto (the latest checkpoint under --checkpoint-dir, if any), none, or a checkpoint path.
+    #[arg(long, default_value = "auto")]
+    resume: String,
+    /// Test hook for restart tests: rank 1 (rank 0 alone) aborts just before step N, but only in
+    /// the first attempt (TORCHELASTIC_RESTART_COUNT unset or 0).
+    #[arg(long, hide = true)]
+    fail_at_step: Option<u64>,
+}
+
+/// Where training starts.
+enum Resume {
+    None,
+    Auto,
+    Path(PathBuf),
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -179,6 +221,40 @@ fn run() -> anyhow::Result<()> {
     if !(args.lr.is_finite() && args.lr > 0.0) {
         return Err(BadInput(format!("--lr {} must be a positive number", args.lr)).into());
     }
+    let precision: Precision = args
+        .precision
+        .parse()
+        .map_err(|_| BadInput(format!("unknown --precision {:?}; expected fp32, bf16 or f16", args.precision)))?;
+    let offload = match (args.offload.as_str(), &args.nvme_path) {
+        ("none", _) => Offload::None,
+        ("cpu", _) => Offload::Cpu,
+        ("nvme", Some(dir)) => {
+            check_writable_dir(dir, "--nvme-path")?;
+            Offload::Nvme(NvmeConfig::new(dir, "train"))
+        }
+        ("nvme", None) => return Err(BadInput("--offload nvme needs --nvme-path DIR".into()).into()),
+        (o, _) => return Err(BadInput(format!("unknown --offload {o:?}; expected none, cpu or nvme")).into()),
+    };
+    if args.nvme_path.is_some() && !matches!(offload, Offload::Nvme(_)) {
+        return Err(BadInput(format!("--nvme-path is only used with --offload nvme (got --offload {})", args.offload)).into());
+    }
+    if args.checkpoint_every > 0 && args.checkpoint_dir.is_none() {
+        return Err(BadInput(format!("--checkpoint-every {} needs --checkpoint-dir DIR", args.checkpoint_every)).into());
+    }
+    if let Some(dir) = &args.checkpoint_dir {
+        check_writable_dir(dir, "--checkpoint-dir")?;
+    }
+    let resume = match args.resume.as_str() {
+        "none" => Resume::None,
+        "auto" => Resume::Auto,
+        p => {
+            let path = PathBuf::from(p);
+            if !path.exists() {
+                return Err(BadInput(format!("--resume {p:?}: no such checkpoint (expected auto, none, or a checkpoint directory or root)")).into());
+            }
+            Resume::Path(path)
+        }
+    };
     let place = place()?;
     let (rank, world) = (place.rank, place.world);
     // One compute thread per rank: ranks share the machine's cores.
@@ -210,15 +286,56 @@ fn run() -> anyhow::Result<()> {
         LrSchedule::Cosine => Some(Schedule { warmup_steps: args.warmup, total_steps: args.steps, min_lr_ratio: 0.1 }),
         LrSchedule::Constant => None,
     };
+    cfg.precision = precision;
+    cfg.offload = offload.clone();
     let mut engine = Engine::new(Gpt::new(gpt), cfg, pg).context("building the engine")?;
+    // Resume: the latest checkpoint (auto) or the given one; the data position is the global step.
+    let resume_from = match (&resume, &args.checkpoint_dir) {
+        (Resume::Path(p), _) => Some(p.clone()),
+        (Resume::Auto, Some(d)) if rsrun_training_engine::checkpoint::latest(d).is_ok() => Some(d.clone()),
+        _ => None,
+    };
+    let mut start = 0u64;
+    if let Some(from) = &resume_from {
+        let (dir, progress) = engine.load_checkpoint(from).with_context(|| format!("resuming from {}", from.display()))?;
+        // The data position (global loop step) is authoritative for the sampler; the engine's
+        // step count can lag it when f16 loss scaling skipped steps.
+        start = progress.data_position;
+        if start > args.steps {
+            return Err(BadInput(format!("checkpoint {} is at step {start}, beyond --steps {}", dir.display(), args.steps)).into());
+        }
+        if rank == 0 && args.log_format == LogFormat::Text {
+            println!("resumed from {} at step {start} (restart {})", dir.display(), restart_count());
+        }
+    }
     let n_params: usize = engine.layout().units.iter().map(|u| u.numel).sum();
 
     let run_dir = args.run_dir.clone().unwrap_or_else(|| PathBuf::from(".rsrun/runs").join(&place.job));
     let mut metrics = None;
+    let mut losses = Vec::with_capacity(args.steps as usize);
     if rank == 0 {
         std::fs::create_dir_all(&run_dir).with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
         let path = run_dir.join("metrics.jsonl");
-        metrics = Some(std::io::BufWriter::new(std::fs::File::create(&path).with_context(|| format!("cannot create {}", path.display()))?));
+        let file = if start > 0 {
+            // Keep the lines up to the resumed step (later ones were lost with the failed attempt)
+            // and append after them.
+            let old = std::fs::read_to_string(&path).unwrap_or_default();
+            let kept: String = old
+                .lines()
+                .filter(|l| metric_step(l).is_some_and(|s| s <= start))
+                .map(|l| format!("{l}\n"))
+                .collect();
+            std::fs::write(&path, &kept).with_context(|| format!("cannot rewrite {}", path.display()))?;
+            for l in kept.lines() {
+                if let (Some(s), Some(loss)) = (metric_step(l), metric_loss(l)) {
+                    losses.push((s, loss));
+                }
+            }
+            std::fs::OpenOptions::new().append(true).open(&path)
+        } else {
+            std::fs::File::create(&path)
+        };
+        metrics = Some(std::io::BufWriter::new(file.with_context(|| format!("cannot open {}", path.display()))?));
     }
     let json = args.log_format == LogFormat::Json;
     let tokens_per_step = (args.batch * args.seq_len * args.grad_accum) as f64 * world as f64;
@@ -240,12 +357,22 @@ fn run() -> anyhow::Result<()> {
             seq,
             if args.deterministic { ", deterministic reductions" } else { "" }
         );
+        if precision != Precision::Fp32 || offload != Offload::None {
+            println!("precision {precision}, offload {}", offload.name());
+        }
     }
-    let mut losses = Vec::with_capacity(args.steps as usize);
+    if let Some(pb) = &bar {
+        pb.set_position(start);
+    }
     let mut step_ms = Vec::with_capacity(args.steps as usize);
     let started = Instant::now();
     let line_every = (args.steps / 20).max(1);
-    for step in 0..args.steps {
+    let fail_rank = if world > 1 { 1 } else { 0 };
+    for step in start..args.steps {
+        if args.fail_at_step == Some(step + 1) && rank == fail_rank && restart_count() == 0 {
+            eprintln!("train: --fail-at-step {}: rank {rank} aborts (test hook)", step + 1);
+            std::process::abort();
+        }
         let micro: Vec<Batch> = (0..args.grad_accum as usize)
             .map(|m| {
                 let (x, y) = sampler.batch(corpus.bytes(), step, rank, m);
@@ -273,7 +400,7 @@ fn run() -> anyhow::Result<()> {
         if rank == 0 {
             let tok_s = tokens_per_step / dt.as_secs_f64();
             let elapsed = started.elapsed();
-            let eta = elapsed.mul_f64((args.steps - step - 1) as f64 / (step + 1) as f64);
+            let eta = elapsed.mul_f64((args.steps - step - 1) as f64 / (step + 1 - start) as f64);
             let mem = rss_all.iter().map(|m| format!("{m:.0}")).collect::<Vec<_>>().join("/");
             if let Some(m) = metrics.as_mut() {
                 writeln!(
@@ -308,6 +435,23 @@ fn run() -> anyhow::Result<()> {
                 );
             }
         }
+        // After the metrics line of this step, so a resumed run's metrics.jsonl is complete.
+        if let Some(root) = &args.checkpoint_dir {
+            let done = step + 1;
+            let every = args.checkpoint_every > 0 && done % args.checkpoint_every == 0;
+            if every || done == args.steps {
+                if let Some(m) = metrics.as_mut() {
+                    m.flush()?;
+                }
+                let progress = Progress { data_position: done, epoch: 0, rng_state: args.seed.to_le_bytes().to_vec() };
+                let dir = engine
+                    .save_checkpoint(root, &progress, args.keep_checkpoints)
+                    .with_context(|| format!("saving the checkpoint of step {done} under {}", root.display()))?;
+                if rank == 0 && !json && bar.is_none() {
+                    println!("checkpoint: {}", dir.display());
+                }
+            }
+        }
     }
     if let Some(pb) = bar {
         pb.finish_and_clear();
@@ -333,9 +477,9 @@ fn run() -> anyhow::Result<()> {
         std::fs::write(&svg_path, svg).with_context(|| format!("cannot write {}", svg_path.display()))?;
         let mut sorted = step_ms.clone();
         sorted.sort_by(f64::total_cmp);
-        let median = sorted[sorted.len() / 2];
+        let median = sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN);
         let total_time = step_ms.iter().sum::<f64>() / 1e3;
-        let tok_per_s = tokens_per_step * args.steps as f64 / total_time;
+        let tok_per_s = tokens_per_step * step_ms.len() as f64 / total_time;
         let peak_max = peak_all.iter().cloned().fold(0f32, f32::max);
         if json {
             println!("{{\"event\":\"done\",\"metrics\":\"{}\",\"plot\":\"{}\"}}", run_dir.join("metrics.jsonl").display(), svg_path.display());
@@ -344,11 +488,38 @@ fn run() -> anyhow::Result<()> {
             println!("loss curve: {}", svg_path.display());
         }
         println!(
-            "summary: strategy={} world={world} steps={} final_loss={:.4} tok_per_s_total={tok_per_s:.0} step_ms_median={median:.1} peak_rss_mib={peak_max:.0} params_sha256={hash}",
+            "summary: strategy={} world={world} precision={precision} offload={} resumed_from_step={start} steps={} final_loss={:.4} tok_per_s_total={tok_per_s:.0} step_ms_median={median:.1} peak_rss_mib={peak_max:.0} params_sha256={hash}",
             strategy.name(),
+            offload.name(),
             args.steps,
             losses.last().map_or(f64::NAN, |l| l.1),
         );
     }
     Ok(())
+}
+
+/// TORCHELASTIC_RESTART_COUNT (0 outside rsrun/torchrun or in the first attempt).
+fn restart_count() -> u64 {
+    std::env::var("TORCHELASTIC_RESTART_COUNT").ok().and_then(|v| v.parse().ok()).unwrap_or(0)
+}
+
+/// Creates `dir` if needed and checks that a file can be written in it (a bad flag otherwise).
+fn check_writable_dir(dir: &std::path::Path, flag: &str) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir).map_err(|e| BadInput(format!("{flag} {}: cannot create directory: {e}", dir.display())))?;
+    let probe = dir.join(format!(".rsrun-write-test-{}", std::process::id()));
+    std::fs::write(&probe, b"ok").map_err(|e| BadInput(format!("{flag} {}: directory is not writable: {e}", dir.display())))?;
+    let _ = std::fs::remove_file(&probe);
+    Ok(())
+}
+
+fn metric_field(line: &str, key: &str) -> Option<f64> {
+    serde_json::from_str::<serde_json::Value>(line).ok()?.get(key)?.as_f64()
+}
+
+fn metric_step(line: &str) -> Option<u64> {
+    metric_field(line, "step").map(|s| s as u64)
+}
+
+fn metric_loss(line: &str) -> Option<f64> {
+    metric_field(line, "loss")
 }

@@ -102,3 +102,82 @@ fn bad_flags_exit_2_with_a_clear_message() {
         assert!(text(&out).contains(expected), "{args:?}: expected {expected:?} in:\n{}", text(&out));
     }
 }
+
+/// Checkpoint/restart: rank 1 aborts before step 8 in the first attempt only (the hidden
+/// `--fail-at-step` test hook); rsrun restarts the job, which resumes from the checkpoint of step 6
+/// (saved every 3 steps) and ends with the same parameters as an uninterrupted run.
+#[test]
+fn killed_worker_restarts_from_the_last_checkpoint_with_identical_parameters() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = ["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--batch", "2", "--steps", "12", "--lr", "3e-3", "--warmup", "2", "--deterministic"];
+    let train = |extra: &[&str]| {
+        let out = rsrun_tests::run(rsrun(dir.path()).args(["--standalone", "--nproc-per-node", "2", "--max-restarts", "1"]).arg(bin("train")).args(model).args(["--strategy", "zero2"]).args(extra));
+        assert_eq!(code(&out.status), 0, "{extra:?}: {}", text(&out));
+        out
+    };
+    let plain = train(&["--run-dir", "plain"]);
+    let want = summary_field(&String::from_utf8_lossy(&plain.stdout), "params_sha256");
+
+    let ckpt = dir.path().join("ckpt");
+    let ckpt_arg = ckpt.to_str().unwrap();
+    let out = train(&["--run-dir", "restarted", "--checkpoint-dir", ckpt_arg, "--checkpoint-every", "3", "--fail-at-step", "8"]);
+    let all = text(&out);
+    assert!(all.contains("--fail-at-step 8: rank 1 aborts"), "{all}");
+    assert!(all.contains("restarting the job (restart 1 of 1)"), "{all}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("at step 6 (restart 1)"), "resumed from step 6:\n{stdout}");
+    assert_eq!(summary_field(&stdout, "resumed_from_step"), "6");
+    assert_eq!(summary_field(&stdout, "params_sha256"), want, "the restarted run differs from the uninterrupted one");
+    // metrics.jsonl holds every step exactly once, in order, across the two attempts.
+    let metrics = std::fs::read_to_string(dir.path().join("restarted/metrics.jsonl")).unwrap();
+    let steps: Vec<u64> = metrics.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap()).collect();
+    assert_eq!(steps, (1..=12).collect::<Vec<_>>(), "{metrics}");
+    // The newest checkpoints (keep 2): steps 9 and 12.
+    let latest = std::fs::read_to_string(ckpt.join("latest")).unwrap();
+    assert_eq!(latest.trim(), "step-000000012");
+    assert!(ckpt.join("step-000000009").is_dir() && !ckpt.join("step-000000006").exists());
+
+    // Resuming the finished run does no step and keeps the parameters; another strategy and world
+    // size load the same checkpoint (resharding) and agree too.
+    let single = Command::new(bin("train")).current_dir(dir.path()).args(model).args(["--strategy", "zero3", "--grad-accum", "2", "--resume", ckpt_arg, "--run-dir", "single"]).output().unwrap();
+    assert_eq!(code(&single.status), 0, "{}", text(&single));
+    assert_eq!(summary_field(&String::from_utf8_lossy(&single.stdout), "params_sha256"), want);
+}
+
+#[test]
+fn bad_checkpoint_and_offload_flags_exit_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, b"x").unwrap();
+    let under_file = file.join("ckpt");
+    let cases: Vec<(Vec<&str>, String)> = vec![
+        (vec!["--offload", "nvme"], "--offload nvme needs --nvme-path DIR".into()),
+        (vec!["--offload", "disk"], "unknown --offload \"disk\"".into()),
+        (vec!["--precision", "fp8"], "unknown --precision \"fp8\"".into()),
+        (vec!["--checkpoint-every", "3"], "--checkpoint-every 3 needs --checkpoint-dir".into()),
+        (vec!["--checkpoint-dir", under_file.to_str().unwrap()], format!("--checkpoint-dir {}: cannot create directory", under_file.display())),
+        (vec!["--resume", "/no/such/ckpt"], "--resume \"/no/such/ckpt\": no such checkpoint".into()),
+    ];
+    for (args, expected) in &cases {
+        let out: Output = Command::new(bin("train")).current_dir(dir.path()).args(MODEL).args(args).output().unwrap();
+        assert_eq!(code(&out.status), 2, "{args:?}: {}", text(&out));
+        assert!(text(&out).contains(expected.as_str()), "{args:?}: expected {expected:?} in:\n{}", text(&out));
+    }
+}
+
+#[test]
+fn bf16_and_offloaded_training_runs_and_offload_is_bitwise_identical() {
+    let dir = tempfile::tempdir().unwrap();
+    let nvme = dir.path().join("nvme");
+    let hash = |extra: &[&str]| {
+        let out = Command::new(bin("train")).current_dir(dir.path()).args(MODEL).args(["--deterministic", "--strategy", "zero3"]).args(extra).output().unwrap();
+        assert_eq!(code(&out.status), 0, "{extra:?}: {}", text(&out));
+        summary_field(&String::from_utf8_lossy(&out.stdout), "params_sha256")
+    };
+    let base = hash(&[]);
+    assert_eq!(hash(&["--offload", "cpu"]), base);
+    assert_eq!(hash(&["--offload", "nvme", "--nvme-path", nvme.to_str().unwrap()]), base);
+    let bf16 = hash(&["--precision", "bf16"]);
+    assert_ne!(bf16, base);
+    assert_eq!(hash(&["--precision", "bf16", "--offload", "cpu"]), bf16);
+}

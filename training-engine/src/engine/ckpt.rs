@@ -1,0 +1,206 @@
+//! Checkpoints through the engine: [`Engine::shard_state`] / [`Engine::load_shard_state`]
+//! (this rank's view, see [`ShardState`]) and the collective [`Engine::save_checkpoint`] /
+//! [`Engine::load_checkpoint`] over the engine's process group.
+//!
+//! The saved state is always the fp32 master shard and the optimizer state of the rank's range
+//! in the sharding group's layout (DDP: a group of 1, every rank holds the full copy and rank 0
+//! writes it), whatever the precision or offload tier. Loading reshards to the current world
+//! and strategy (`checkpoint::load`), then re-derives the compute copies: DDP and ZeRO-3 from
+//! the rank's own range, ZeRO-1/2 by all-gathering the updated ranges (collective).
+//!
+//! Every collective step agrees on success first (a max-reduction of an error flag), so an
+//! error on one rank (a corrupt shard only it reads, a full disk) fails the call on every rank
+//! instead of leaving the others waiting in a collective.
+
+use std::path::{Path, PathBuf};
+
+use super::Engine;
+use crate::checkpoint::{self, LoadTarget, METADATA, Progress};
+use crate::comm::ReduceOp;
+use crate::error::{EngineError, EngineResult};
+use crate::layout::ShardState;
+use crate::model::UnitModel;
+
+impl<M: UnitModel> Engine<M> {
+    /// This rank's checkpoint view: fp32 master shard and optimizer state over its owned range
+    /// in the sharding group's layout, the step, the optimizer name and the f16 loss scale.
+    ///
+    /// # Errors
+    /// Offload-tier I/O or tensor failures.
+    pub fn shard_state(&self) -> EngineResult<ShardState> {
+        let mut master = Vec::with_capacity(self.units.len());
+        let mut state = Vec::with_capacity(self.units.len());
+        for ui in 0..self.units.len() {
+            let (m, s) = self.master_and_state(ui)?;
+            master.push(m);
+            state.push(s);
+        }
+        Ok(ShardState {
+            strategy: self.cfg.strategy,
+            world: self.world,
+            rank: self.rank,
+            shard_rank: self.shard_rank,
+            layout: self.layout.clone(),
+            step: self.step,
+            optimizer: self.cfg.optimizer.as_tile().name().to_string(),
+            master,
+            state,
+            loss_scale: self.loss_scale(),
+        })
+    }
+
+    /// Sets the master, optimizer state and step from `s` (this rank's shard in this engine's
+    /// layout, e.g. from `checkpoint::load`) and re-derives the compute parameters. Under
+    /// ZeRO-1/2 the updated ranges are all-gathered, so every rank must call it.
+    ///
+    /// # Errors
+    /// A state for another model, sharding, shard rank or optimizer ([`EngineError::Layout`],
+    /// [`EngineError::Checkpoint`], [`EngineError::Length`]); tier or collective failures.
+    pub fn load_shard_state(&mut self, s: ShardState) -> EngineResult<()> {
+        self.layout.check_same_model(&s.layout)?;
+        if s.layout.world != self.layout.world || s.shard_rank != self.shard_rank {
+            return Err(EngineError::Layout(format!(
+                "state is shard {}/{}, this rank is shard {}/{} (load with this engine's layout)",
+                s.shard_rank, s.layout.world, self.shard_rank, self.layout.world
+            )));
+        }
+        let opt = self.cfg.optimizer.as_tile();
+        if s.optimizer != opt.name() {
+            return Err(EngineError::Checkpoint(format!(
+                "state of optimizer {:?}, engine runs {:?}",
+                s.optimizer,
+                opt.name()
+            )));
+        }
+        let slots = opt.state_slots();
+        if s.master.len() != self.units.len() || s.state.len() != self.units.len() {
+            return Err(EngineError::Length {
+                what: "units in the shard state".into(),
+                expected: self.units.len(),
+                actual: s.master.len().min(s.state.len()),
+            });
+        }
+        for (ui, ul) in self.layout.units.iter().enumerate() {
+            if s.state[ui].len() != slots {
+                return Err(EngineError::Checkpoint(format!(
+                    "unit {:?} has {} optimizer state slots, {} needs {slots}",
+                    ul.name,
+                    s.state[ui].len(),
+                    opt.name()
+                )));
+            }
+            for (what, v) in std::iter::once(("master", &s.master[ui]))
+                .chain(s.state[ui].iter().map(|v| ("state slot", v)))
+            {
+                if v.len() != ul.shard_len {
+                    return Err(EngineError::Length {
+                        what: format!("{what} of unit {}", ul.name),
+                        expected: ul.shard_len,
+                        actual: v.len(),
+                    });
+                }
+            }
+        }
+        for ui in 0..self.units.len() {
+            self.free_unit(ui)?;
+        }
+        let ShardState {
+            master, state, step, loss_scale, ..
+        } = s;
+        for (ui, (m, st)) in master.into_iter().zip(state).enumerate() {
+            self.set_master_and_state(ui, m, st)?;
+        }
+        if matches!(self.cfg.strategy.zero_stage(), 1 | 2) {
+            for ui in 0..self.units.len() {
+                self.all_gather_params(ui)?;
+            }
+        }
+        self.step = step;
+        if let (Some(sc), Some(ls)) = (self.scaler.as_mut(), loss_scale) {
+            sc.scale = ls;
+            sc.good_steps = 0;
+        }
+        Ok(())
+    }
+
+    /// Agrees on the outcome of a local action across all ranks (a collective).
+    fn agree(&self, local: EngineResult<()>, what: &str) -> EngineResult<()> {
+        let mut flag = [if local.is_ok() { 0i32 } else { 1 }];
+        if self.world > 1 {
+            self.pg.all_reduce(&mut flag, ReduceOp::Max)?;
+        }
+        local?;
+        if flag[0] != 0 {
+            return Err(EngineError::Checkpoint(format!("{what} failed on another rank")));
+        }
+        Ok(())
+    }
+
+    /// Saves a sharded checkpoint of the current step under `root` (collective: every rank
+    /// calls it). Runs `begin_save` (rank 0) → barrier → `save_shard` (writers) → barrier →
+    /// `commit` (rank 0, keeping the newest `keep_last` checkpoints, 0 = all) → barrier, and
+    /// returns the committed directory `root/step-N`.
+    ///
+    /// # Errors
+    /// On every rank if any rank failed: I/O errors naming the path, tier failures.
+    pub fn save_checkpoint(
+        &self,
+        root: &Path,
+        progress: &Progress,
+        keep_last: usize,
+    ) -> EngineResult<PathBuf> {
+        let _span = tracing::info_span!("save_checkpoint", rank = self.rank, step = self.step).entered();
+        let state = self.shard_state();
+        let begun = match (&state, self.rank) {
+            (Err(e), _) => Err(e.clone()),
+            (Ok(_), 0) => checkpoint::begin_save(root, self.step).map(drop).map_err(Into::into),
+            (Ok(_), _) => Ok(()),
+        };
+        self.agree(begun, "checkpoint begin")?;
+        let state = state?;
+        let written = checkpoint::save_shard(root, &state).map(drop).map_err(Into::into);
+        self.agree(written, "checkpoint shard write")?;
+        let committed = if self.rank == 0 {
+            checkpoint::commit(root, &state, progress, keep_last).map(drop).map_err(Into::into)
+        } else {
+            Ok(())
+        };
+        self.agree(committed, "checkpoint commit")?;
+        Ok(root.join(checkpoint::step_dir_name(self.step)))
+    }
+
+    /// Loads a checkpoint into this engine (collective): `path` is a checkpoint directory
+    /// (with `metadata.json`) or a root whose latest committed checkpoint is taken. The state is
+    /// resharded to this engine's world, strategy and sharding group. Returns the directory
+    /// loaded and the saved training progress (data position, epoch, RNG state).
+    ///
+    /// # Errors
+    /// On every rank if any rank failed: no checkpoint, a corrupt or mismatching one (the error
+    /// names the file), I/O errors.
+    pub fn load_checkpoint(&mut self, path: &Path) -> EngineResult<(PathBuf, Progress)> {
+        let _span = tracing::info_span!("load_checkpoint", rank = self.rank).entered();
+        let dir = if path.join(METADATA).is_file() {
+            Ok(path.to_path_buf())
+        } else {
+            checkpoint::latest(path).map_err(EngineError::from)
+        };
+        let loaded = dir.and_then(|dir| {
+            let optimizer = self.cfg.optimizer.as_tile().name();
+            let target = LoadTarget {
+                layout: &self.layout,
+                strategy: self.cfg.strategy,
+                world: self.world,
+                rank: self.rank,
+                shard_rank: self.shard_rank,
+                optimizer,
+            };
+            checkpoint::load(&dir, &target)
+                .map(|(s, p)| (dir, s, p))
+                .map_err(EngineError::from)
+        });
+        self.agree(loaded.as_ref().map(drop).map_err(Clone::clone), "checkpoint load")?;
+        let (dir, state, progress) = loaded?;
+        self.load_shard_state(state)?;
+        Ok((dir, progress))
+    }
+}

@@ -1,0 +1,167 @@
+//! Offload (CPU, NVMe) and mixed precision in the engine.
+
+use super::tests_ckpt::{GLOBAL_B, Run, cfg, one_thread, params_of, run, tiny};
+use super::*;
+use crate::comm::{CommOptions, LocalStore};
+use crate::model::{Gpt, global_batch};
+use crate::offload::NvmeConfig;
+
+fn nvme(dir: &std::path::Path) -> Offload {
+    let mut c = NvmeConfig::new(dir, "engine-test");
+    // Small tiles: several per unit, so the pipelined path is exercised.
+    c.sub_group_elems = 3000;
+    Offload::Nvme(c)
+}
+
+#[test]
+fn offloaded_step_is_bitwise_the_in_memory_step() {
+    let tmp = tempfile::tempdir().unwrap();
+    for s in ["ddp", "zero1", "zero2", "zero3"] {
+        let st: Strategy = s.parse().unwrap();
+        let want = run(Run { world: 2, cfg: cfg(st), steps: 0..3, micro: 1, load: None, save: None });
+        let psi = want[0].memory.optimizer;
+        for off in [Offload::Cpu, nvme(tmp.path())] {
+            let mut c = cfg(st);
+            c.offload = off.clone();
+            let got = run(Run { world: 2, cfg: c, steps: 0..3, micro: 1, load: None, save: None });
+            assert!(params_of(&got) == params_of(&want), "{s} with {} offload differs", off.name());
+            for (g, w) in got.iter().zip(&want) {
+                assert!(g.state == w.state, "{s}/{}: optimizer state differs", off.name());
+                assert_eq!(g.memory.optimizer, 0, "{s}/{}: {:?}", off.name(), g.memory);
+                assert_eq!(g.memory.grads, w.memory.grads);
+                // Master (4S) + m, v (8S) leave the engine: 1.5 × the in-memory optimizer bytes.
+                match off {
+                    Offload::Cpu => assert!(g.memory.offloaded_host >= psi * 3 / 2, "{:?}", g.memory),
+                    _ => {
+                        assert!(g.memory.offloaded_nvme >= psi * 3 / 2, "{:?}", g.memory);
+                        assert!(g.memory.offloaded_host > 0 && g.memory.offloaded_host < psi, "{:?}", g.memory);
+                    }
+                }
+            }
+        }
+    }
+    // Every swap file is gone with its engine.
+    assert_eq!(std::fs::read_dir(tmp.path()).unwrap().count(), 0);
+}
+
+#[test]
+fn offloaded_checkpoint_reshards_into_memory() {
+    let tmp = tempfile::tempdir().unwrap();
+    let ck = tempfile::tempdir().unwrap();
+    let mut c = cfg(Strategy::Zero3);
+    c.offload = nvme(tmp.path());
+    run(Run { world: 2, cfg: c, steps: 0..2, micro: 1, load: None, save: Some(ck.path()) });
+    let got = run(Run { world: 1, cfg: cfg(Strategy::Ddp), steps: 2..3, micro: 2, load: Some(ck.path()), save: None });
+    let want = run(Run { world: 2, cfg: cfg(Strategy::Zero1), steps: 0..3, micro: 1, load: None, save: None });
+    assert!(params_of(&got) == params_of(&want));
+}
+
+fn mixed(st: Strategy, p: Precision) -> EngineConfig {
+    let mut c = cfg(st);
+    c.precision = p;
+    c
+}
+
+#[test]
+fn bf16_trains_and_memory_matches_the_mixed_precision_formulas() {
+    one_thread();
+    let pg = ProcessGroup::new(0, 1, std::sync::Arc::new(LocalStore::new()), "bf16", CommOptions::default()).unwrap();
+    let mut e = Engine::new(Gpt::new(tiny()), mixed(Strategy::Ddp, Precision::Bf16), pg).unwrap();
+    let b = Batch::from_rows(&global_batch(3, 0, GLOBAL_B, tiny().seq, 256)).unwrap();
+    let first = e.train_step(std::slice::from_ref(&b)).unwrap().loss;
+    let mut last = first;
+    for _ in 0..12 {
+        last = e.train_step(std::slice::from_ref(&b)).unwrap().loss;
+    }
+    assert!(last < first - 1.0, "bf16 loss {first} -> {last}");
+    // The compute copies are bf16, the master stays fp32.
+    assert_eq!(e.units[1].vars[0].as_tensor().dtype(), DType::BF16);
+    assert_eq!(e.full_params().unwrap()[0].len(), e.layout().units[0].numel);
+
+    let world = 2u64;
+    let specs = Gpt::new(tiny()).specs();
+    let psi = FlatLayout::new(1, &specs).unwrap().total_numel() as u64;
+    let s = FlatLayout::new(world as usize, &specs).unwrap().total_shard_len() as u64;
+    assert!(s * world >= psi);
+    // See `engine/tiers.rs`: fp32 gradient buffers (4 bytes), no 16-bit ZeRO-3 shard.
+    for (name, params, grads, opt) in [
+        ("ddp", 2 * psi, 4 * psi, 12 * psi),
+        ("zero1", 2 * psi, 4 * psi, 12 * s),
+        ("zero2", 2 * psi, 4 * s, 12 * s),
+        ("zero3", 0, 4 * s, 12 * s),
+    ] {
+        let st: Strategy = name.parse().unwrap();
+        let res = run(Run { world: 2, cfg: mixed(st, Precision::Bf16), steps: 0..2, micro: 1, load: None, save: None });
+        for r in &res {
+            let m = r.memory;
+            assert_eq!((m.params, m.grads, m.optimizer), (params, grads, opt), "{name}: {m:?}");
+            assert!(r.outputs[1].loss < r.outputs[0].loss + 0.5);
+        }
+    }
+}
+
+#[test]
+fn deterministic_bf16_ddp_equals_the_single_process_reference() {
+    for st in [Strategy::Ddp, Strategy::Zero2, Strategy::Zero3] {
+        let want = params_of(&run(Run { world: 1, cfg: mixed(Strategy::Ddp, Precision::Bf16), steps: 0..3, micro: 2, load: None, save: None }));
+        let got = params_of(&run(Run { world: 2, cfg: mixed(st, Precision::Bf16), steps: 0..3, micro: 1, load: None, save: None }));
+        assert!(got == want, "bf16 {st} at world 2 differs from the world-1 reference");
+        // And bf16 really differs from fp32.
+        let fp32 = params_of(&run(Run { world: 1, cfg: cfg(Strategy::Ddp), steps: 0..3, micro: 2, load: None, save: None }));
+        assert!(fp32 != want);
+    }
+}
+
+#[test]
+fn bf16_with_offload_and_checkpoint_is_bitwise_the_in_memory_run() {
+    let tmp = tempfile::tempdir().unwrap();
+    let want = params_of(&run(Run { world: 2, cfg: mixed(Strategy::Zero2, Precision::Bf16), steps: 0..3, micro: 1, load: None, save: None }));
+    let ck = tempfile::tempdir().unwrap();
+    let mut c = mixed(Strategy::Zero2, Precision::Bf16);
+    c.offload = Offload::Cpu;
+    run(Run { world: 2, cfg: c, steps: 0..2, micro: 1, load: None, save: Some(ck.path()) });
+    let mut c = mixed(Strategy::Zero3, Precision::Bf16);
+    c.offload = nvme(tmp.path());
+    let got = params_of(&run(Run { world: 2, cfg: c, steps: 2..3, micro: 1, load: Some(ck.path()), save: None }));
+    assert!(got == want);
+}
+
+#[test]
+fn f16_loss_scaling_skips_overflowing_steps() {
+    let mut s = LossScaler::default();
+    assert_eq!(s.scale, 65536.0);
+    s.update(false);
+    assert_eq!(s.scale, 32768.0);
+    for _ in 0..1999 {
+        s.update(true);
+    }
+    assert_eq!(s.scale, 32768.0);
+    s.update(true);
+    assert_eq!(s.scale, 65536.0);
+
+    one_thread();
+    let pg = ProcessGroup::new(0, 1, std::sync::Arc::new(LocalStore::new()), "f16", CommOptions::default()).unwrap();
+    let mut e = Engine::new(Gpt::new(tiny()), mixed(Strategy::Ddp, Precision::F16), pg).unwrap();
+    let b = Batch::from_rows(&global_batch(3, 0, GLOBAL_B, tiny().seq, 256)).unwrap();
+    let first = e.train_step(std::slice::from_ref(&b)).unwrap();
+    assert!(!first.skipped && e.step_count() == 1 && e.loss_scale() == Some(65536.0));
+    // A scale that overflows f16 gradients: the step is skipped and the scale halved.
+    let before = e.full_params().unwrap();
+    if let Some(sc) = e.scaler.as_mut() {
+        sc.scale = 1e30;
+    }
+    let out = e.train_step(std::slice::from_ref(&b)).unwrap();
+    assert!(out.skipped, "{out:?}");
+    assert_eq!(e.step_count(), 1);
+    assert_eq!(e.loss_scale(), Some(5e29));
+    assert!(e.full_params().unwrap() == before);
+    if let Some(sc) = e.scaler.as_mut() {
+        sc.scale = 1024.0;
+    }
+    let mut last = first.loss;
+    for _ in 0..12 {
+        last = e.train_step(std::slice::from_ref(&b)).unwrap().loss;
+    }
+    assert!(last < first.loss - 1.0, "f16 loss {} -> {last}", first.loss);
+    assert_eq!(e.step_count(), 13);
+}
