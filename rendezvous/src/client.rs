@@ -208,6 +208,7 @@ impl RdzvClient {
         let deadline = start + wait + self.cfg.rpc_timeout;
         let mut backoff = Duration::from_millis(25);
         let mut attempts = 0u32;
+        let mut last_unreachable: Option<RdzvError> = None;
         loop {
             attempts += 1;
             let now = Instant::now();
@@ -216,13 +217,24 @@ impl RdzvClient {
             let err = match result {
                 Ok(Ok(resp)) => return Ok(resp.into_inner()),
                 Ok(Err(status)) => RdzvError::from(status),
-                Err(_) => {
-                    return Err(RdzvError::Timeout(format!(
-                        "{what} to {} did not answer within {:?}",
-                        self.cfg.endpoint,
-                        wait + self.cfg.rpc_timeout
-                    )));
-                }
+                // The deadline passed during an attempt: if earlier attempts could not reach the
+                // service, that is the story to tell, not the timeout of the last try.
+                Err(_) => match last_unreachable {
+                    Some(e) => {
+                        return Err(RdzvError::Unavailable(format!(
+                            "{what}: rendezvous service at {} unreachable after {attempts} attempts over {:?}: {e}",
+                            self.cfg.endpoint,
+                            start.elapsed()
+                        )));
+                    }
+                    None => {
+                        return Err(RdzvError::Timeout(format!(
+                            "{what} to {} did not answer within {:?}",
+                            self.cfg.endpoint,
+                            wait + self.cfg.rpc_timeout
+                        )));
+                    }
+                },
             };
             if !err.is_retryable() {
                 return Err(err);
@@ -236,6 +248,7 @@ impl RdzvClient {
                 )));
             }
             tracing::debug!(what, attempts, error = %err, "rendezvous unreachable, retrying");
+            last_unreachable = Some(err);
             tokio::time::sleep(backoff.min(left)).await;
             backoff = (backoff * 2).min(Duration::from_secs(2));
         }

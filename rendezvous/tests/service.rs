@@ -517,7 +517,7 @@ async fn client_reports_unreachable_service_within_its_deadline() {
     // Bind and drop a listener to find a port nobody listens on.
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let mut cfg = ClientConfig::new(format!("127.0.0.1:{port}"));
-    cfg.rpc_timeout = Duration::from_millis(400);
+    cfg.rpc_timeout = Duration::from_millis(1500);
     let e = RdzvClient::connect(cfg).unwrap().status(None).await.unwrap_err();
     assert!(matches!(e, RdzvError::Unavailable(_)), "{e:?}");
     assert!(e.to_string().contains("unreachable after"), "{e}");
