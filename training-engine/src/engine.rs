@@ -786,7 +786,7 @@ impl<M: UnitModel> Engine<M> {
         };
         let _s = debug_span!("backward", rank = self.rank).entered();
         let mut grad_out: Option<Tensor> = None;
-        let mut bucket_works: Vec<(std::ops::Range<usize>, Work<Vec<f32>>)> = Vec::new();
+        let mut bucket_works: Vec<(usize, Work<Vec<f32>>)> = Vec::new();
         let mut rs_works: Vec<(usize, Work<(Vec<f32>, Vec<f32>)>)> = Vec::new();
         let stage = self.cfg.strategy.zero_stage();
         for ui in (0..n).rev() {
@@ -844,25 +844,29 @@ impl<M: UnitModel> Engine<M> {
                 rs_works.push((ui, g.reduce_scatter_async(flat, out, ReduceOp::Avg)));
             } else if stage == 0 && sync && self.world > 1 {
                 if let Some(b) = self.buckets.iter().find(|b| b.start == ui).cloned() {
-                    let len: usize = b.clone().map(|u| self.units[u].grad.len()).sum();
-                    let mut buf = Vec::with_capacity(len);
-                    for u in b.clone() {
-                        buf.extend_from_slice(&self.units[u].grad);
+                    // The bucket is complete: all-reduce its units' gradient buffers in place,
+                    // one op per unit queued back to back (no copy into and out of a bucket
+                    // buffer; reductions are element-wise, so the result is the same).
+                    for u in b {
+                        let g = std::mem::take(&mut self.units[u].grad);
+                        bucket_works.push((u, self.pg.all_reduce_async(g, ReduceOp::Avg)));
                     }
-                    self.comm.add(buf.len() * 4);
-                    bucket_works.push((b, self.pg.all_reduce_async(buf, ReduceOp::Avg)));
                 }
             }
         }
-        for (b, w) in bucket_works {
-            let buf = w.wait()?;
-            self.comm.sub(buf.len() * 4);
-            let mut off = 0;
-            for u in b {
-                let l = self.units[u].grad.len();
-                self.units[u].grad.copy_from_slice(&buf[off..off + l]);
-                off += l;
+        let mut failed = None;
+        for (u, w) in bucket_works {
+            match w.wait() {
+                Ok(g) => self.units[u].grad = g,
+                Err(e) => {
+                    // Keep the buffer's shape so the engine stays consistent; report the error.
+                    self.units[u].grad = vec![0f32; self.layout.units[u].numel];
+                    failed.get_or_insert(e);
+                }
             }
+        }
+        if let Some(e) = failed {
+            return Err(e.into());
         }
         for (ui, w) in rs_works {
             let (input, mut out) = w.wait()?;

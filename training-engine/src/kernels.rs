@@ -1,6 +1,10 @@
 //! Fused CPU kernels with backward passes, for ops where candle's composed version is slow
-//! (many small passes and temporaries): LayerNorm over the last dimension and the causal
-//! softmax of attention. f32 only; other dtypes fall back to composed candle ops.
+//! (many small passes and temporaries, and in backward a zero-filled gradient plus an add per
+//! graph edge): LayerNorm over the last dimension, the causal softmax of attention (optionally
+//! scaled), the whole causal attention of a packed `qkv` projection (gemm calls per head),
+//! a linear layer's bias add and bias + exact GELU (vectorizable erf/exp, run with AVX-512 or
+//! AVX2 when the CPU has them). f32 only; other dtypes fall back to composed candle ops.
+//! [`tune_allocator`] keeps freed activations in the process (see there).
 //!
 //! candle's own `candle_nn::ops::layer_norm` / `softmax_last_dim` have no backward, which is why
 //! these exist.
@@ -11,7 +15,9 @@ fn contiguous<'a>(s: &'a CpuStorage, l: &Layout, op: &str) -> candle_core::Resul
     let all = s.as_slice::<f32>()?;
     match l.contiguous_offsets() {
         Some((a, b)) => Ok(&all[a..b]),
-        None => Err(candle_core::Error::Msg(format!("{op}: input must be contiguous"))),
+        None => Err(candle_core::Error::Msg(format!(
+            "{op}: input must be contiguous"
+        ))),
     }
 }
 
@@ -120,7 +126,11 @@ impl CustomOp3 for LayerNormBwd {
         let (dw, db) = rest.split_at_mut(d);
         let mut xhat = vec![0f32; d];
         let mut g = vec![0f32; d];
-        for ((xr, dyr), dxr) in x.chunks_exact(d).zip(dy.chunks_exact(d)).zip(dx.chunks_exact_mut(d)) {
+        for ((xr, dyr), dxr) in x
+            .chunks_exact(d)
+            .zip(dy.chunks_exact(d))
+            .zip(dx.chunks_exact_mut(d))
+        {
             let (mean, rstd) = moments(xr, self.eps);
             let mut sum_g = 0f32;
             let mut sum_gx = 0f32;
@@ -179,7 +189,11 @@ impl CustomOp1 for CausalSoftmax {
         for (r, (xr, yr)) in x.chunks_exact(t).zip(y.chunks_exact_mut(t)).enumerate() {
             let valid = r % t + 1;
             let s = self.scale;
-            let max = xr[..valid].iter().copied().fold(f32::NEG_INFINITY, f32::max) * s;
+            let max = xr[..valid]
+                .iter()
+                .copied()
+                .fold(f32::NEG_INFINITY, f32::max)
+                * s;
             for j in 0..valid {
                 yr[j] = exp_f32(xr[j] * s - max);
             }
@@ -193,7 +207,10 @@ impl CustomOp1 for CausalSoftmax {
     }
 
     fn bwd(&self, _arg: &Tensor, res: &Tensor, dy: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        Ok(Some(res.apply_op2_no_bwd(&dy.contiguous()?, &SoftmaxBwd { scale: self.scale })?))
+        Ok(Some(res.apply_op2_no_bwd(
+            &dy.contiguous()?,
+            &SoftmaxBwd { scale: self.scale },
+        )?))
     }
 }
 
@@ -262,10 +279,16 @@ pub fn tune_allocator() {
 
 /// `e^x` for `x ≤ 88` (Cephes polynomial, ~1 ulp), branch-free so loops over it vectorize.
 /// Inputs below −87 return ≈ 1.6e−38 instead of denormals/0.
+#[allow(clippy::excessive_precision)] // coefficients as published
 #[inline(always)]
 fn exp_f32(x: f32) -> f32 {
     let x = x.clamp(-87.0, 88.0);
-    let n = (x * std::f32::consts::LOG2_E + 0.5).floor();
+    // Round to nearest with the 1.5·2²³ trick (`floor`/`round` are libm calls on baseline
+    // x86-64, and a saturating `as i32` blocks vectorization): the low mantissa bits of `y`
+    // then hold `n` exactly.
+    const MAGIC: f32 = 12_582_912.0;
+    let y = x * std::f32::consts::LOG2_E + MAGIC;
+    let n = y - MAGIC;
     let r = x - n * 0.693_359_4 - n * -2.121_944_4e-4;
     let mut p = 1.987_569_1e-4f32;
     p = p * r + 1.398_199_9e-3;
@@ -274,28 +297,91 @@ fn exp_f32(x: f32) -> f32 {
     p = p * r + 1.666_666_5e-1;
     p = p * r + 5.000_000_1e-1;
     let e = p * r * r + r + 1.0;
-    e * f32::from_bits(((n as i32 + 127) as u32) << 23)
+    let pow2 = f32::from_bits(y.to_bits().wrapping_sub(0x4B40_0000).wrapping_add(127) << 23);
+    e * pow2
 }
 
-/// `erf(x)` as a rational approximation on `[−4, 4]` (Eigen/XLA `fast_erf`, |err| ≲ 2e−7),
-/// branch-free so loops over it vectorize.
+/// `erf(x)` through Numerical Recipes' Chebyshev `erfc` (relative error < 1.2e−7, so
+/// |err| ≲ 2e−7 on erf), branch-free so loops over it vectorize.
+#[allow(clippy::excessive_precision)] // coefficients as published
 #[inline(always)]
 fn erf_f32(x: f32) -> f32 {
-    let x = x.clamp(-4.0, 4.0);
-    let x2 = x * x;
-    let mut p = -2.726_142_3e-10f32;
-    p = p * x2 + 2.770_681_4e-8;
-    p = p * x2 + -2.101_024e-6;
-    p = p * x2 + -5.692_506_4e-5;
-    p = p * x2 + -7.349_906_3e-4;
-    p = p * x2 + -2.954_600_1e-3;
-    p = p * x2 + -1.609_603_3e-2;
-    let mut q = -1.456_607_2e-5f32;
-    q = q * x2 + -2.133_740_6e-4;
-    q = q * x2 + -1.682_827e-3;
-    q = q * x2 + -7.373_329_3e-3;
-    q = q * x2 + -1.426_474e-2;
-    x * p / q
+    let z = x.abs();
+    let t = 1.0 / (1.0 + 0.5 * z);
+    let mut p = 0.170_872_77f32;
+    p = p * t + -0.822_152_23;
+    p = p * t + 1.488_515_87;
+    p = p * t + -1.135_203_98;
+    p = p * t + 0.278_868_07;
+    p = p * t + -0.186_288_06;
+    p = p * t + 0.096_784_18;
+    p = p * t + 0.374_091_96;
+    p = p * t + 1.000_023_68;
+    p = p * t + -1.265_512_23;
+    let erfc = t * exp_f32(-z * z + p);
+    (1.0 - erfc).copysign(x)
+}
+
+/// Runs `$f(args)` compiled for AVX-512F, AVX2 or baseline x86-64, whichever the CPU has
+/// (runtime detection; the crate itself is built for baseline x86-64). The kernels are plain
+/// element-wise IEEE arithmetic without `mul_add`, so every variant returns bitwise the same.
+macro_rules! simd_dispatch {
+    ($f:ident($($a:expr),*)) => {{
+        #[cfg(target_arch = "x86_64")]
+        {
+            #[target_feature(enable = "avx512f")]
+            fn avx512(f: impl FnOnce()) {
+                f()
+            }
+            #[target_feature(enable = "avx2")]
+            fn avx2(f: impl FnOnce()) {
+                f()
+            }
+            if std::arch::is_x86_feature_detected!("avx512f") {
+                // SAFETY: the CPU supports AVX-512F (checked above).
+                unsafe { avx512(|| $f($($a),*)) }
+            } else if std::arch::is_x86_feature_detected!("avx2") {
+                // SAFETY: the CPU supports AVX2 (checked above).
+                unsafe { avx2(|| $f($($a),*)) }
+            } else {
+                $f($($a),*)
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            $f($($a),*)
+        }
+    }};
+}
+
+/// `out = gelu(y + b)` rows of `b.len()`.
+#[inline(always)]
+fn bias_gelu_fwd(y: &[f32], b: &[f32], out: &mut [f32]) {
+    let o = b.len();
+    for (r, orow) in y.chunks_exact(o).zip(out.chunks_exact_mut(o)) {
+        for ((d, a), c) in orow.iter_mut().zip(r).zip(b) {
+            let u = a + c;
+            *d = 0.5 * u * (1.0 + erf_f32(u * FRAC_1_SQRT_2));
+        }
+    }
+}
+
+/// `du = dy · gelu'(y + b)` rows of `b.len()`.
+#[inline(always)]
+fn bias_gelu_bwd(y: &[f32], b: &[f32], dy: &[f32], du: &mut [f32]) {
+    let o = b.len();
+    for ((r, g), d) in y
+        .chunks_exact(o)
+        .zip(dy.chunks_exact(o))
+        .zip(du.chunks_exact_mut(o))
+    {
+        for (((d, a), c), g) in d.iter_mut().zip(r).zip(b).zip(g) {
+            let u = a + c;
+            let cdf = 0.5 * (1.0 + erf_f32(u * FRAC_1_SQRT_2));
+            let pdf = FRAC_1_SQRT_2PI * exp_f32(-0.5 * u * u);
+            *d = g * (cdf + u * pdf);
+        }
+    }
 }
 
 const FRAC_1_SQRT_2: f32 = std::f32::consts::FRAC_1_SQRT_2;
@@ -341,7 +427,10 @@ impl CustomOp2 for BiasAdd {
         let b = contiguous(s2, l2, "bias-add")?;
         let o = b.len();
         if l1.dims().last().copied() != Some(o) {
-            return Err(candle_core::Error::Msg(format!("bias-add: bias of {o} for {:?}", l1.dims())));
+            return Err(candle_core::Error::Msg(format!(
+                "bias-add: bias of {o} for {:?}",
+                l1.dims()
+            )));
         }
         let mut out = Vec::with_capacity(y.len());
         for r in y.chunks_exact(o) {
@@ -357,7 +446,9 @@ impl CustomOp2 for BiasAdd {
         _res: &Tensor,
         dy: &Tensor,
     ) -> candle_core::Result<(Option<Tensor>, Option<Tensor>)> {
-        let db = dy.contiguous()?.apply_op1_no_bwd(&ColSum { o: b.elem_count() })?;
+        let db = dy
+            .contiguous()?
+            .apply_op1_no_bwd(&ColSum { o: b.elem_count() })?;
         Ok((Some(dy.clone()), Some(db.reshape(b.shape())?)))
     }
 }
@@ -411,15 +502,13 @@ impl CustomOp2 for BiasGelu {
         let b = contiguous(s2, l2, "bias-gelu")?;
         let o = b.len();
         if l1.dims().last().copied() != Some(o) {
-            return Err(candle_core::Error::Msg(format!("bias-gelu: bias of {o} for {:?}", l1.dims())));
+            return Err(candle_core::Error::Msg(format!(
+                "bias-gelu: bias of {o} for {:?}",
+                l1.dims()
+            )));
         }
         let mut out = vec![0f32; y.len()];
-        for (r, orow) in y.chunks_exact(o).zip(out.chunks_exact_mut(o)) {
-            for ((d, a), c) in orow.iter_mut().zip(r).zip(b) {
-                let u = a + c;
-                *d = 0.5 * u * (1.0 + erf_f32(u * FRAC_1_SQRT_2));
-            }
-        }
+        simd_dispatch!(bias_gelu_fwd(y, b, &mut out));
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 
@@ -462,16 +551,285 @@ impl CustomOp3 for BiasGeluBwd {
         let (n, o) = (y.len(), b.len());
         let mut out = vec![0f32; n + o];
         let (du, db) = out.split_at_mut(n);
-        for ((r, g), d) in y.chunks_exact(o).zip(dy.chunks_exact(o)).zip(du.chunks_exact_mut(o)) {
-            for (((d, a), c), g) in d.iter_mut().zip(r).zip(b).zip(g) {
-                let u = a + c;
-                let cdf = 0.5 * (1.0 + erf_f32(u * FRAC_1_SQRT_2));
-                let pdf = FRAC_1_SQRT_2PI * exp_f32(-0.5 * u * u);
-                *d = g * (cdf + u * pdf);
-            }
-        }
+        simd_dispatch!(bias_gelu_bwd(y, b, dy, du));
         colsum_into(du, o, db);
         Ok((CpuStorage::F32(out), Shape::from(n + o)))
+    }
+}
+
+// === Fused causal attention ===
+
+/// `dst (m×n) = beta · lhs (m×k) · rhs (k×n)`, or `dst += …` when `acc`; strides in elements
+/// (`rs` row, `cs` column). One thread unless candle is configured for more.
+///
+/// # Safety
+/// Every pointer must address its whole matrix under the given strides; `dst` must not
+/// overlap `lhs` or `rhs`.
+#[allow(clippy::too_many_arguments)]
+unsafe fn mm(
+    (m, n, k): (usize, usize, usize),
+    dst: *mut f32,
+    (dst_rs, dst_cs): (usize, usize),
+    acc: bool,
+    lhs: *const f32,
+    (lhs_rs, lhs_cs): (usize, usize),
+    rhs: *const f32,
+    (rhs_rs, rhs_cs): (usize, usize),
+    beta: f32,
+) {
+    let threads = candle_core::utils::get_num_threads();
+    let par = if threads > 1 {
+        gemm::Parallelism::Rayon(threads)
+    } else {
+        gemm::Parallelism::None
+    };
+    // SAFETY: forwarded from the caller's contract.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst,
+            dst_cs as isize,
+            dst_rs as isize,
+            acc,
+            lhs,
+            lhs_cs as isize,
+            lhs_rs as isize,
+            rhs,
+            rhs_cs as isize,
+            rhs_rs as isize,
+            1.0,
+            beta,
+            false,
+            false,
+            false,
+            par,
+        );
+    }
+}
+
+/// Causal multi-head self-attention of a packed projection `qkv [b·t, 3·d]` (per row `q | k | v`,
+/// each `h` heads of `d/h`): `softmax(scale · q kᵀ, causal) v`, heads concatenated, as
+/// `[b·t, d]`. One graph node instead of the reshape/permute/copy/narrow/transpose chain
+/// (each of which costs candle a zero-filled gradient and an add in backward); the backward
+/// recomputes the probabilities (¼ of the attention FLOPs) instead of keeping them.
+///
+/// # Errors
+/// Candle errors (shapes, non-f32).
+pub fn causal_attention(
+    qkv: &Tensor,
+    b: usize,
+    t: usize,
+    heads: usize,
+    scale: f32,
+) -> candle_core::Result<Tensor> {
+    qkv.contiguous()?
+        .apply_op1(Attention { b, t, heads, scale })
+}
+
+#[derive(Clone, Copy)]
+struct Attention {
+    b: usize,
+    t: usize,
+    heads: usize,
+    scale: f32,
+}
+
+impl Attention {
+    fn check(&self, l: &Layout) -> candle_core::Result<usize> {
+        let (n, d3) = l.shape().dims2()?;
+        if n != self.b * self.t || d3 % (3 * self.heads) != 0 {
+            return Err(candle_core::Error::Msg(format!(
+                "attention: qkv {:?} for b={} t={} h={}",
+                l.dims(),
+                self.b,
+                self.t,
+                self.heads
+            )));
+        }
+        Ok(d3 / 3)
+    }
+
+    /// `p = softmax(scale · q kᵀ)` (causal) for batch `bi`, head `hi`; `p` is `t×t`.
+    fn probs(&self, qkv: &[f32], d: usize, bi: usize, hi: usize, p: &mut [f32]) {
+        let t = self.t;
+        let hd = d / self.heads;
+        let base = bi * t * 3 * d + hi * hd;
+        // SAFETY: q and k (t×hd, row stride 3d) lie inside `qkv`; `p` is t×t and separate.
+        unsafe {
+            mm(
+                (t, t, hd),
+                p.as_mut_ptr(),
+                (t, 1),
+                false,
+                qkv.as_ptr().add(base),
+                (3 * d, 1),
+                qkv.as_ptr().add(base + d),
+                (1, 3 * d),
+                1.0,
+            );
+        }
+        let s = self.scale;
+        for (r, row) in p.chunks_exact_mut(t).enumerate() {
+            let valid = r + 1;
+            let max = row[..valid]
+                .iter()
+                .copied()
+                .fold(f32::NEG_INFINITY, f32::max)
+                * s;
+            for x in &mut row[..valid] {
+                *x = exp_f32(*x * s - max);
+            }
+            let inv = 1.0 / row[..valid].iter().sum::<f32>();
+            for x in &mut row[..valid] {
+                *x *= inv;
+            }
+            row[valid..].fill(0.0);
+        }
+    }
+}
+
+impl CustomOp1 for Attention {
+    fn name(&self) -> &'static str {
+        "causal-attention"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let qkv = contiguous(s, l, "attention")?;
+        let d = self.check(l)?;
+        let (t, hd) = (self.t, d / self.heads);
+        let mut y = vec![0f32; self.b * t * d];
+        let mut p = vec![0f32; t * t];
+        for bi in 0..self.b {
+            for hi in 0..self.heads {
+                self.probs(qkv, d, bi, hi, &mut p);
+                let v = bi * t * 3 * d + 2 * d + hi * hd;
+                // SAFETY: y's block (t×hd, row stride d) and v (row stride 3d) are in bounds.
+                unsafe {
+                    mm(
+                        (t, hd, t),
+                        y.as_mut_ptr().add(bi * t * d + hi * hd),
+                        (d, 1),
+                        false,
+                        p.as_ptr(),
+                        (t, 1),
+                        qkv.as_ptr().add(v),
+                        (3 * d, 1),
+                        1.0,
+                    );
+                }
+            }
+        }
+        Ok((CpuStorage::F32(y), Shape::from((self.b * t, d))))
+    }
+
+    fn bwd(&self, arg: &Tensor, _res: &Tensor, dy: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        Ok(Some(arg.apply_op2_no_bwd(
+            &dy.contiguous()?,
+            &AttentionBwd(*self),
+        )?))
+    }
+}
+
+/// `dqkv` from `qkv` and `dy`.
+struct AttentionBwd(Attention);
+
+impl CustomOp2 for AttentionBwd {
+    fn name(&self) -> &'static str {
+        "causal-attention-bwd"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let a = &self.0;
+        let qkv = contiguous(s1, l1, "attention-bwd")?;
+        let dy = contiguous(s2, l2, "attention-bwd")?;
+        let d = a.check(l1)?;
+        if dy.len() != a.b * a.t * d {
+            return Err(candle_core::Error::Msg("attention-bwd: dy shape".into()));
+        }
+        let (t, hd) = (a.t, d / a.heads);
+        let mut dqkv = vec![0f32; qkv.len()];
+        let mut p = vec![0f32; t * t];
+        let mut dp = vec![0f32; t * t];
+        for bi in 0..a.b {
+            for hi in 0..a.heads {
+                a.probs(qkv, d, bi, hi, &mut p);
+                let base = bi * t * 3 * d + hi * hd;
+                let (q, k, v) = (base, base + d, base + 2 * d);
+                let dyo = bi * t * d + hi * hd;
+                // SAFETY (all calls): every block is in bounds of its buffer under its strides;
+                // destinations never overlap sources (dqkv, dp vs qkv, dy, p).
+                unsafe {
+                    // dP = dY · Vᵀ
+                    mm(
+                        (t, t, hd),
+                        dp.as_mut_ptr(),
+                        (t, 1),
+                        false,
+                        dy.as_ptr().add(dyo),
+                        (d, 1),
+                        qkv.as_ptr().add(v),
+                        (1, 3 * d),
+                        1.0,
+                    );
+                    // dV = Pᵀ · dY
+                    mm(
+                        (t, hd, t),
+                        dqkv.as_mut_ptr().add(v),
+                        (3 * d, 1),
+                        false,
+                        p.as_ptr(),
+                        (1, t),
+                        dy.as_ptr().add(dyo),
+                        (d, 1),
+                        1.0,
+                    );
+                }
+                // dS = scale · P ⊙ (dP − Σ_j dP_j P_j), causal.
+                for (r, (pr, gr)) in p.chunks_exact(t).zip(dp.chunks_exact_mut(t)).enumerate() {
+                    let valid = r + 1;
+                    let dot: f32 = (0..valid).map(|j| pr[j] * gr[j]).sum();
+                    for j in 0..valid {
+                        gr[j] = a.scale * (pr[j] * (gr[j] - dot));
+                    }
+                    gr[valid..].fill(0.0);
+                }
+                unsafe {
+                    // dQ = dS · K
+                    mm(
+                        (t, hd, t),
+                        dqkv.as_mut_ptr().add(q),
+                        (3 * d, 1),
+                        false,
+                        dp.as_ptr(),
+                        (t, 1),
+                        qkv.as_ptr().add(k),
+                        (3 * d, 1),
+                        1.0,
+                    );
+                    // dK = dSᵀ · Q
+                    mm(
+                        (t, hd, t),
+                        dqkv.as_mut_ptr().add(k),
+                        (3 * d, 1),
+                        false,
+                        dp.as_ptr(),
+                        (1, t),
+                        qkv.as_ptr().add(q),
+                        (3 * d, 1),
+                        1.0,
+                    );
+                }
+            }
+        }
+        Ok((CpuStorage::F32(dqkv), l1.shape().clone()))
     }
 }
 
@@ -480,10 +838,16 @@ mod tests {
     use super::*;
 
     fn erf_ref(x: f64) -> f64 {
-        // Taylor series; fine in f64 for |x| ≤ 6 (the tail beyond is 1 to f32 precision).
-        if x.abs() > 6.0 {
-            return x.signum();
+        let z = x.abs();
+        if z > 3.0 {
+            // Asymptotic erfc (abs error < 1e−8 for z > 3).
+            let z2 = z * z;
+            let s = 1.0 - 1.0 / (2.0 * z2) + 3.0 / (4.0 * z2 * z2) - 15.0 / (8.0 * z2.powi(3))
+                + 105.0 / (16.0 * z2.powi(4));
+            let erfc = (-z2).exp() / (z * std::f64::consts::PI.sqrt()) * s;
+            return (1.0 - erfc).copysign(x);
         }
+        // Taylor series (no significant cancellation for |x| ≤ 3 in f64).
         let (mut term, mut sum) = (x, x);
         for n in 1..200 {
             term *= -x * x / n as f64;

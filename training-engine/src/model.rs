@@ -133,6 +133,36 @@ impl Gpt {
         y.to_dtype(x.dtype())?.broadcast_mul(w)?.broadcast_add(b)
     }
 
+    /// Causal self-attention from candle ops (the reference for the fused kernel, and the
+    /// path for non-f32 compute): `qkv [b·t, 3d]` → `[b·t, d]`.
+    fn attention_composed(&self, qkv: &Tensor, b: usize, t: usize) -> candle_core::Result<Tensor> {
+        let GptConfig {
+            d_model: d,
+            heads: h,
+            ..
+        } = self.cfg;
+        let hd = d / h;
+        // [3, b, h, t, hd]
+        let qkv = qkv.reshape((b, t, 3, h, hd))?.permute((2, 0, 3, 1, 4))?.contiguous()?;
+        let q = qkv.get(0)?;
+        let k = qkv.get(1)?;
+        let v = qkv.get(2)?;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let att = q.matmul(&k.t()?)?;
+        let att = if self.fused {
+            kernels::causal_softmax_scaled(&att, scale as f32)?
+        } else {
+            let att = (att * scale)?;
+            let mask: Vec<f32> = (0..t)
+                .flat_map(|i| (0..t).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
+                .collect();
+            let mask = Tensor::from_vec(mask, (t, t), att.device())?.to_dtype(att.dtype())?;
+            candle_nn::ops::softmax(&att.broadcast_add(&mask)?, D::Minus1)?
+        };
+        let y = att.matmul(&v)?; // [b, h, t, hd]
+        y.transpose(1, 2)?.reshape((b * t, d))
+    }
+
     /// [`linear`], with the fused bias kernel when `fused`.
     fn linear(&self, x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Tensor> {
         match b {
@@ -255,26 +285,13 @@ impl UnitModel for Gpt {
         let hd = d / h;
         let x2 = x.reshape((b * t, d))?;
         let y = self.layer_norm(&x2, &p[0], &p[1])?;
-        let qkv = self.linear(&y, &p[2], Some(&p[3]))?.reshape((b, t, 3, h, hd))?;
-        // [3, b, h, t, hd]
-        let qkv = qkv.permute((2, 0, 3, 1, 4))?.contiguous()?;
-        let q = qkv.get(0)?;
-        let k = qkv.get(1)?;
-        let v = qkv.get(2)?;
+        let qkv = self.linear(&y, &p[2], Some(&p[3]))?;
         let scale = 1.0 / (hd as f64).sqrt();
-        let att = q.matmul(&k.t()?)?;
-        let att = if self.fused {
-            kernels::causal_softmax_scaled(&att, scale as f32)?
+        let y = if self.fused && qkv.dtype() == DType::F32 {
+            kernels::causal_attention(&qkv, b, t, h, scale as f32)?
         } else {
-            let att = (att * scale)?;
-            let mask: Vec<f32> = (0..t)
-                .flat_map(|i| (0..t).map(move |j| if j <= i { 0.0 } else { f32::NEG_INFINITY }))
-                .collect();
-            let mask = Tensor::from_vec(mask, (t, t), att.device())?.to_dtype(att.dtype())?;
-            candle_nn::ops::softmax(&att.broadcast_add(&mask)?, D::Minus1)?
+            self.attention_composed(&qkv, b, t)?
         };
-        let y = att.matmul(&v)?; // [b, h, t, hd]
-        let y = y.transpose(1, 2)?.reshape((b * t, d))?;
         let x2 = (x2 + self.linear(&y, &p[4], Some(&p[5]))?)?;
         let y = self.layer_norm(&x2, &p[6], &p[7])?;
         let y = if self.fused {
