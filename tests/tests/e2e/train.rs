@@ -181,3 +181,38 @@ fn bf16_and_offloaded_training_runs_and_offload_is_bitwise_identical() {
     assert_ne!(bf16, base);
     assert_eq!(hash(&["--precision", "bf16", "--offload", "cpu"]), bf16);
 }
+
+/// The same restart-and-resume through the daemon with two nodes of two workers each: rank 1 (on the
+/// first node) aborts before step 8 in the first round; both nodes restart from the checkpoint of
+/// step 6 and end with the parameters of an uninterrupted run.
+#[test]
+fn killed_worker_on_one_of_two_nodes_restarts_both_from_the_checkpoint() {
+    let daemon = Daemon::start();
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let ckpt_arg = ckpt.to_str().unwrap().to_string();
+    let plain = two_nodes(dir.path(), &daemon, "resume-plain", &["--strategy", "zero3", "--deterministic", "--run-dir", "plain"]);
+    let want = summary_field(&plain, "params_sha256");
+    let restarted = {
+        let mk = || {
+            let mut cmd = rsrun(dir.path());
+            cmd.args(["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint"])
+                .arg(&daemon.addr)
+                .args(["--rdzv-id", "resume-killed", "--max-restarts", "1", "--rdzv-conf", "last_call_timeout=0.5,join_timeout=60"])
+                .arg(bin("train"))
+                .args(MODEL)
+                .args(["--strategy", "zero3", "--deterministic", "--run-dir", "restarted", "--checkpoint-dir", &ckpt_arg, "--checkpoint-every", "3", "--fail-at-step", "6"]);
+            KillOnDrop::spawn(&mut cmd)
+        };
+        let (a, b) = (mk(), mk());
+        let ta = std::thread::spawn(move || a.output_within(RUN_DEADLINE));
+        let ob = b.output_within(RUN_DEADLINE);
+        let oa = ta.join().unwrap();
+        assert_eq!(code(&oa.status), 0, "{}", text(&oa));
+        assert_eq!(code(&ob.status), 0, "{}", text(&ob));
+        String::from_utf8_lossy(&oa.stdout).into_owned() + &String::from_utf8_lossy(&ob.stdout)
+    };
+    assert_eq!(summary_field(&restarted, "resumed_from_step"), "3", "{restarted}");
+    assert_eq!(summary_field(&restarted, "world"), "4");
+    assert_eq!(summary_field(&restarted, "params_sha256"), want, "the restarted two-node run differs from the uninterrupted one");
+}
