@@ -21,6 +21,26 @@ fn contiguous<'a>(s: &'a CpuStorage, l: &Layout, op: &str) -> candle_core::Resul
     }
 }
 
+/// The contiguous rows `y` (`[.., o]`) and bias `b` (`[o]`) of a bias op, checked to fit.
+fn rows_and_bias<'a>(
+    s1: &'a CpuStorage,
+    l1: &Layout,
+    s2: &'a CpuStorage,
+    l2: &Layout,
+    op: &str,
+) -> candle_core::Result<(&'a [f32], &'a [f32])> {
+    let y = contiguous(s1, l1, op)?;
+    let b = contiguous(s2, l2, op)?;
+    if l1.dims().last().copied() != Some(b.len()) {
+        return Err(candle_core::Error::Msg(format!(
+            "{op}: bias of {} for {:?}",
+            b.len(),
+            l1.dims()
+        )));
+    }
+    Ok((y, b))
+}
+
 /// LayerNorm over the last dimension: `(x − mean) / √(var + eps) · w + b` (biased variance,
 /// as PyTorch).
 ///
@@ -423,15 +443,8 @@ impl CustomOp2 for BiasAdd {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let y = contiguous(s1, l1, "bias-add")?;
-        let b = contiguous(s2, l2, "bias-add")?;
+        let (y, b) = rows_and_bias(s1, l1, s2, l2, "bias-add")?;
         let o = b.len();
-        if l1.dims().last().copied() != Some(o) {
-            return Err(candle_core::Error::Msg(format!(
-                "bias-add: bias of {o} for {:?}",
-                l1.dims()
-            )));
-        }
         let mut out = Vec::with_capacity(y.len());
         for r in y.chunks_exact(o) {
             out.extend(r.iter().zip(b).map(|(a, c)| a + c));
@@ -498,15 +511,8 @@ impl CustomOp2 for BiasGelu {
         s2: &CpuStorage,
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let y = contiguous(s1, l1, "bias-gelu")?;
-        let b = contiguous(s2, l2, "bias-gelu")?;
+        let (y, b) = rows_and_bias(s1, l1, s2, l2, "bias-gelu")?;
         let o = b.len();
-        if l1.dims().last().copied() != Some(o) {
-            return Err(candle_core::Error::Msg(format!(
-                "bias-gelu: bias of {o} for {:?}",
-                l1.dims()
-            )));
-        }
         let mut out = vec![0f32; y.len()];
         simd_dispatch!(bias_gelu_fwd(y, b, &mut out));
         Ok((CpuStorage::F32(out), l1.shape().clone()))
@@ -545,9 +551,15 @@ impl CustomOp3 for BiasGeluBwd {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let y = contiguous(s1, l1, "bias-gelu-bwd")?;
-        let b = contiguous(s2, l2, "bias-gelu-bwd")?;
+        let (y, b) = rows_and_bias(s1, l1, s2, l2, "bias-gelu-bwd")?;
         let dy = contiguous(s3, l3, "bias-gelu-bwd")?;
+        if dy.len() != y.len() {
+            return Err(candle_core::Error::Msg(format!(
+                "bias-gelu-bwd: gradient of {} elements for an output of {}",
+                dy.len(),
+                y.len()
+            )));
+        }
         let (n, o) = (y.len(), b.len());
         let mut out = vec![0f32; n + o];
         let (du, db) = out.split_at_mut(n);
