@@ -38,9 +38,12 @@
 //! buffers (buckets, reduce-scatter inputs, all-gather outputs). SGD has one slot (4 bytes)
 //! per element instead of two.
 //!
-//! Mixed precision ([`Precision`]: 16-bit compute copies, fp32 master) and offload
-//! ([`Offload`]: master + optimizer state in a CPU or NVMe tier, streamed tile by tile through
-//! the step) change this table: see `engine/tiers.rs`. Checkpoints go through
+//! Mixed precision ([`Precision`]: 16-bit compute copies, fp32 master; with the default
+//! [`ReduceDtype::Compute`] 16-bit gradient buffers reduced in 16 bits and upcast only at the
+//! optimizer step, so DDP 16Ψ, ZeRO-1 4Ψ + 12S, ZeRO-2 2Ψ + 14S, ZeRO-3 16S exactly as
+//! engine.md §6.1; [`ReduceDtype::Fp32`] keeps fp32 gradient buffers, +2 bytes per gradient
+//! element) and offload ([`Offload`]: master + optimizer state in a CPU or NVMe tier, streamed
+//! tile by tile through the step) change this table: see `engine/tiers.rs`. Checkpoints go through
 //! [`Engine::save_checkpoint`] / [`Engine::load_checkpoint`] (`engine/ckpt.rs`).
 //!
 //! # Determinism
@@ -55,7 +58,7 @@ use std::sync::Mutex;
 use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Storage, Tensor, Var};
 use tracing::{debug_span, info_span};
 
-use crate::comm::{OpStats, ProcessGroup, ReduceOp, Work};
+use crate::comm::{OpStats, ProcessGroup, ReduceOp};
 use crate::error::{EngineError, EngineResult};
 use crate::layout::{FlatLayout, StepParams, Strategy, TileOptimizer};
 use crate::model::{Batch, UnitModel};
@@ -87,6 +90,9 @@ pub struct EngineConfig {
     pub precision: Precision,
     /// Where the fp32 master shard and the optimizer state live; see [`Offload`].
     pub offload: Offload,
+    /// Dtype of the gradient buffers and of their reduction in mixed precision (FSDP's
+    /// `reduce_dtype`); see [`ReduceDtype`]. Ignored in fp32.
+    pub reduce_dtype: ReduceDtype,
 }
 
 impl EngineConfig {
@@ -103,6 +109,17 @@ impl EngineConfig {
             seed: 0,
             precision: Precision::Fp32,
             offload: Offload::None,
+            reduce_dtype: ReduceDtype::Compute,
+        }
+    }
+
+    /// Dtype of the gradient buffers: the compute dtype with [`ReduceDtype::Compute`], fp32
+    /// otherwise (and always in fp32 training).
+    fn grad_dtype(&self) -> flat::FlatDtype {
+        match (self.precision, self.reduce_dtype) {
+            (Precision::Bf16, ReduceDtype::Compute) => flat::FlatDtype::Bf16,
+            (Precision::F16, ReduceDtype::Compute) => flat::FlatDtype::F16,
+            _ => flat::FlatDtype::F32,
         }
     }
 }
@@ -154,9 +171,13 @@ struct UnitState {
     /// ZeRO-3: this rank's fp32 parameter shard (the master). Empty otherwise (the `Var`s are
     /// the master).
     master: Vec<f32>,
-    /// Gradient accumulation buffer: full (`numel`) for DDP/ZeRO-1, the shard (`shard_len`)
+    /// ZeRO-3 in mixed precision without offload: the 16-bit compute copy of `master` (what
+    /// is all-gathered). Empty otherwise.
+    shard16: flat::FlatBuf,
+    /// Gradient accumulation buffer in the gradient dtype (fp32, or the 16-bit compute dtype
+    /// with [`ReduceDtype::Compute`]): full (`numel`) for DDP/ZeRO-1, the shard (`shard_len`)
     /// for ZeRO-2/3.
-    grad: Vec<f32>,
+    grad: flat::FlatBuf,
     /// Optimizer state slots over the owned range (`shard_len` each).
     state: Vec<Vec<f32>>,
 }
@@ -199,7 +220,7 @@ pub struct Engine<M: UnitModel> {
     gathered: Tracker,
     comm: Tracker,
     /// ZeRO-3 gathers in flight, in issue order.
-    inflight: VecDeque<(usize, Work<(Vec<f32>, Vec<f32>)>)>,
+    inflight: VecDeque<(usize, flat::FlatWork2)>,
     /// ZeRO-3 units currently gathered (storage filled).
     live: Vec<bool>,
     traffic_base: u64,
@@ -344,7 +365,8 @@ impl<M: UnitModel> Engine<M> {
             units.push(UnitState {
                 vars,
                 master,
-                grad: vec![0f32; grad_len],
+                shard16: flat::FlatBuf::default(),
+                grad: flat::FlatBuf::zeros(cfg.grad_dtype(), grad_len),
                 state: (0..slots).map(|_| vec![0f32; owned]).collect(),
             });
         }
@@ -423,8 +445,9 @@ impl<M: UnitModel> Engine<M> {
             let master = u.master.len() as u64 * f;
             if self.cfg.strategy.shards_params() {
                 if mixed && self.tier.is_none() {
-                    // The fp32 master shard is gathered and cast; no 16-bit shard is kept.
+                    // The fp32 master shard, and its 16-bit copy that is all-gathered.
                     m.optimizer += master;
+                    m.params += u.shard16.bytes() as u64;
                 } else {
                     m.params += master;
                 }
@@ -433,7 +456,7 @@ impl<M: UnitModel> Engine<M> {
                 // A separate in-memory fp32 master shard (mixed precision without offload).
                 m.optimizer += master;
             }
-            m.grads += u.grad.len() as u64 * f;
+            m.grads += u.grad.bytes() as u64;
             m.optimizer += u.state.iter().map(|s| s.len() as u64 * f).sum::<u64>();
         }
         let (host, nvme) = self.offloaded_bytes();
@@ -515,7 +538,7 @@ impl<M: UnitModel> Engine<M> {
             return Err(EngineError::Config("train_step needs at least one micro-batch".into()));
         }
         for u in &mut self.units {
-            u.grad.fill(0.0);
+            u.grad.fill_zero();
         }
         let mut loss_sum = 0f32;
         for (k, b) in micro.iter().enumerate() {
@@ -534,23 +557,30 @@ impl<M: UnitModel> Engine<M> {
             for ui in 0..self.units.len() {
                 let ul = &self.layout.units[ui];
                 let mut input = std::mem::take(&mut self.units[ui].grad);
-                input.resize(ul.padded_numel, 0.0);
-                let mut out = vec![0f32; ul.shard_len];
-                self.comm.add((input.len() + out.len()) * 4);
-                self.reduce_grad_shard(&input, &mut out)?;
-                self.comm.sub((input.len() + out.len()) * 4);
+                input.resize(ul.padded_numel);
+                let mut out = flat::FlatBuf::zeros(input.dtype(), ul.shard_len);
+                self.comm.add(input.bytes() + out.bytes());
+                let r = self.reduce_grad_shard(&input, &mut out);
+                self.comm.sub(input.bytes() + out.bytes());
                 input.truncate(ul.numel);
                 self.units[ui].grad = input;
-                z1_shards.push(out);
+                r?;
+                // The reduced shard is upcast to fp32 for the step.
+                z1_shards.push(out.into_f32());
             }
         }
-        // Average over micro-batches exactly as a reduction's average would (x / k).
         let k = micro.len();
-        if k > 1 {
-            let bufs: Vec<&mut Vec<f32>> = if self.cfg.strategy.zero_stage() == 1 {
+        let z1 = self.cfg.strategy.zero_stage() == 1;
+        // 16-bit gradient buffers (ReduceDtype::Compute; not ZeRO-1, whose reduced shards are
+        // already fp32) are upcast unit by unit at the optimizer step, then averaged and
+        // unscaled in fp32 (`step_grad`); fp32 buffers are averaged and unscaled in place.
+        let half = !z1 && self.cfg.grad_dtype() != flat::FlatDtype::F32;
+        // Average over micro-batches exactly as a reduction's average would (x / k).
+        if k > 1 && !half {
+            let bufs: Vec<&mut Vec<f32>> = if z1 {
                 z1_shards.iter_mut().collect()
             } else {
-                self.units.iter_mut().map(|u| &mut u.grad).collect()
+                self.units.iter_mut().filter_map(|u| u.grad.as_f32_mut()).collect()
             };
             for b in bufs {
                 for x in b.iter_mut() {
@@ -558,9 +588,9 @@ impl<M: UnitModel> Engine<M> {
                 }
             }
         }
-        let z1 = self.cfg.strategy.zero_stage() == 1;
+        let inv = self.scaler.map(|s| 1.0 / s.scale);
         // f16: unscale the gradients; skip the step on overflow (see `engine/tiers.rs`).
-        if let Some(out) = self.unscale_or_skip(&mut z1_shards, loss)? {
+        if let Some(out) = self.unscale_or_skip(&mut z1_shards, half.then_some(k), loss)? {
             return Ok(out);
         }
         // Global gradient norm over owned shards (DDP: everything, locally).
@@ -569,7 +599,13 @@ impl<M: UnitModel> Engine<M> {
         if let Some(max_norm) = self.cfg.clip_grad_norm {
             let mut sq = [0f64];
             for ui in 0..self.units.len() {
-                sq[0] += sum_sq(if z1 { &z1_shards[ui] } else { &self.units[ui].grad });
+                sq[0] += if z1 {
+                    sum_sq(&z1_shards[ui])
+                } else if half {
+                    sum_sq(&self.step_grad(ui, k, inv))
+                } else {
+                    sum_sq(self.units[ui].grad.as_f32().map_or(&[][..], |v| v.as_slice()))
+                };
             }
             if let Some(g) = &self.shard_pg {
                 g.all_reduce(&mut sq, ReduceOp::Sum)?;
@@ -592,12 +628,15 @@ impl<M: UnitModel> Engine<M> {
         for ui in 0..self.units.len() {
             let g = if z1 {
                 std::mem::take(&mut z1_shards[ui])
+            } else if half {
+                // The upcast to fp32 (the master update's gradient).
+                self.step_grad(ui, k, inv)
             } else {
-                std::mem::take(&mut self.units[ui].grad)
+                std::mem::take(&mut self.units[ui].grad).into_f32()
             };
             let r = self.update_unit(ui, opt.as_tile(), &sp, &g);
-            if !z1 {
-                self.units[ui].grad = g;
+            if !z1 && !half {
+                self.units[ui].grad = flat::FlatBuf::F32(g);
             }
             r?;
         }
@@ -614,18 +653,35 @@ impl<M: UnitModel> Engine<M> {
         })
     }
 
-    /// Reduce-scatter (average) of a full padded gradient into this rank's shard; hybrid also
-    /// averages the shard across hosts.
-    fn reduce_grad_shard(&self, input: &[f32], out: &mut [f32]) -> EngineResult<()> {
+    /// Reduce-scatter (average) of a full padded gradient into this rank's shard, in the
+    /// gradient dtype; hybrid also averages the shard across hosts.
+    fn reduce_grad_shard(&self, input: &flat::FlatBuf, out: &mut flat::FlatBuf) -> EngineResult<()> {
         let g = self
             .shard_pg
             .as_ref()
             .ok_or_else(|| EngineError::Config("reduce-scatter without a sharding group".into()))?;
-        g.reduce_scatter(input, out, ReduceOp::Avg)?;
+        input.reduce_scatter(g, out, ReduceOp::Avg)?;
         if let Some(r) = &self.rep_pg {
-            r.all_reduce(out, ReduceOp::Avg)?;
+            out.all_reduce(r, ReduceOp::Avg)?;
         }
         Ok(())
+    }
+
+    /// 16-bit gradient buffer of unit `ui` upcast to fp32, divided by the `k` micro-batches and
+    /// multiplied by the inverse loss scale `inv`, exactly as the fp32 path does in place.
+    pub(super) fn step_grad(&self, ui: usize, k: usize, inv: Option<f32>) -> Vec<f32> {
+        let mut g = self.units[ui].grad.to_f32();
+        if k > 1 {
+            for x in g.iter_mut() {
+                *x /= k as f32;
+            }
+        }
+        if let Some(inv) = inv {
+            for x in g.iter_mut() {
+                *x *= inv;
+            }
+        }
+        g
     }
 
     /// The optimizer update of unit `ui`'s owned range with gradient shard `g`.
@@ -644,6 +700,9 @@ impl<M: UnitModel> Engine<M> {
         if self.cfg.strategy.shards_params() {
             let mut st: Vec<&mut [f32]> = u.state.iter_mut().map(|s| s.as_mut_slice()).collect();
             opt.step_tile(sp, &mut u.master, g, &mut st);
+            if !u.shard16.is_empty() {
+                u.shard16 = flat::FlatBuf::from_f32(u.shard16.dtype(), &u.master);
+            }
             return Ok(());
         }
         for piece in ul.pieces(self.shard_rank) {
@@ -689,10 +748,16 @@ impl<M: UnitModel> Engine<M> {
             .shard_pg
             .as_ref()
             .ok_or_else(|| EngineError::Config("gather without a sharding group".into()))?;
-        let input = self.units[ui].master.clone();
-        let output = vec![0f32; ul.padded_numel];
-        self.comm.add((input.len() + output.len()) * 4);
-        self.inflight.push_back((ui, g.all_gather_async(input, output)));
+        // Mixed precision: the 16-bit shard is gathered (casting commutes with the gather).
+        let u = &self.units[ui];
+        let input = if !u.shard16.is_empty() {
+            u.shard16.clone()
+        } else {
+            flat::FlatBuf::F32(u.master.clone())
+        };
+        let output = flat::FlatBuf::zeros(input.dtype(), ul.padded_numel);
+        self.comm.add(input.bytes() + output.bytes());
+        self.inflight.push_back((ui, input.all_gather_async(g, output)));
         Ok(())
     }
 
@@ -710,7 +775,8 @@ impl<M: UnitModel> Engine<M> {
         }
         while let Some((u, w)) = self.inflight.pop_front() {
             let (input, full) = w.wait()?;
-            self.comm.sub((input.len() + full.len()) * 4);
+            self.comm.sub(input.bytes() + full.bytes());
+            let full = full.into_f32();
             let ul = &self.layout.units[u];
             self.gathered.add(ul.numel * 4);
             for (p, v) in ul.params.iter().zip(&self.units[u].vars) {
@@ -786,8 +852,8 @@ impl<M: UnitModel> Engine<M> {
         };
         let _s = debug_span!("backward", rank = self.rank).entered();
         let mut grad_out: Option<Tensor> = None;
-        let mut bucket_works: Vec<(usize, Work<Vec<f32>>)> = Vec::new();
-        let mut rs_works: Vec<(usize, Work<(Vec<f32>, Vec<f32>)>)> = Vec::new();
+        let mut bucket_works: Vec<(usize, flat::FlatWork)> = Vec::new();
+        let mut rs_works: Vec<(usize, flat::FlatWork2)> = Vec::new();
         let stage = self.cfg.strategy.zero_stage();
         for ui in (0..n).rev() {
             if z3 {
@@ -814,21 +880,19 @@ impl<M: UnitModel> Engine<M> {
             };
             let ul = self.layout.units[ui].clone();
             // Flatten this unit's gradients.
+            // In the gradient dtype: 16-bit gradients are accumulated in 16 bits with
+            // ReduceDtype::Compute, upcast to fp32 otherwise.
             let flat_len = if stage >= 2 { ul.padded_numel } else { 0 };
-            let mut flat = vec![0f32; flat_len];
+            let mut flat = flat::FlatBuf::zeros(self.cfg.grad_dtype(), flat_len);
             for (pi, p) in ul.params.iter().enumerate() {
                 let v = self.units[ui].vars[pi].as_tensor().clone();
                 if let Some(g) = grads.get(&v) {
-                    let dst: &mut [f32] = if stage >= 2 {
-                        &mut flat[p.range()]
+                    let dst: &mut flat::FlatBuf = if stage >= 2 {
+                        &mut flat
                     } else {
-                        &mut self.units[ui].grad[p.range()]
+                        &mut self.units[ui].grad
                     };
-                    with_ref(g, |s| {
-                        for (d, x) in dst.iter_mut().zip(s) {
-                            *d += *x;
-                        }
-                    })?;
+                    with_ref(g, |s| dst.add_f32(p.range().start, &s[..p.range().len()]))?;
                 }
             }
             drop(grads);
@@ -839,9 +903,9 @@ impl<M: UnitModel> Engine<M> {
                 let g = self.shard_pg.as_ref().ok_or_else(|| {
                     EngineError::Config("reduce-scatter without a sharding group".into())
                 })?;
-                let out = vec![0f32; ul.shard_len];
-                self.comm.add((flat.len() + out.len()) * 4);
-                rs_works.push((ui, g.reduce_scatter_async(flat, out, ReduceOp::Avg)));
+                let out = flat::FlatBuf::zeros(flat.dtype(), ul.shard_len);
+                self.comm.add(flat.bytes() + out.bytes());
+                rs_works.push((ui, flat.reduce_scatter_async(g, out, ReduceOp::Avg)));
             } else if stage == 0 && sync && self.world > 1 {
                 if let Some(b) = self.buckets.iter().find(|b| b.start == ui).cloned() {
                     // The bucket is complete: all-reduce its units' gradient buffers in place,
@@ -849,7 +913,7 @@ impl<M: UnitModel> Engine<M> {
                     // buffer; reductions are element-wise, so the result is the same).
                     for u in b {
                         let g = std::mem::take(&mut self.units[u].grad);
-                        bucket_works.push((u, self.pg.all_reduce_async(g, ReduceOp::Avg)));
+                        bucket_works.push((u, g.all_reduce_async(&self.pg, ReduceOp::Avg)));
                     }
                 }
             }
@@ -860,7 +924,8 @@ impl<M: UnitModel> Engine<M> {
                 Ok(g) => self.units[u].grad = g,
                 Err(e) => {
                     // Keep the buffer's shape so the engine stays consistent; report the error.
-                    self.units[u].grad = vec![0f32; self.layout.units[u].numel];
+                    self.units[u].grad =
+                        flat::FlatBuf::zeros(self.cfg.grad_dtype(), self.layout.units[u].numel);
                     failed.get_or_insert(e);
                 }
             }
@@ -870,13 +935,11 @@ impl<M: UnitModel> Engine<M> {
         }
         for (ui, w) in rs_works {
             let (input, mut out) = w.wait()?;
-            self.comm.sub((input.len() + out.len()) * 4);
+            self.comm.sub(input.bytes() + out.bytes());
             if let Some(r) = &self.rep_pg {
-                r.all_reduce(&mut out, ReduceOp::Avg)?;
+                out.all_reduce(r, ReduceOp::Avg)?;
             }
-            for (d, x) in self.units[ui].grad.iter_mut().zip(&out) {
-                *d += *x;
-            }
+            self.units[ui].grad.add(&out);
         }
         Ok(loss)
     }
@@ -905,9 +968,10 @@ fn make_buckets(
 }
 
 mod ckpt;
+mod flat;
 mod tiers;
 
-pub use tiers::{CPU_TILE_ELEMS, LossScaler, Offload, Precision};
+pub use tiers::{CPU_TILE_ELEMS, LossScaler, Offload, Precision, ReduceDtype};
 
 #[cfg(test)]
 mod tests;

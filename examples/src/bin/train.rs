@@ -30,7 +30,7 @@ use rsrun_examples::data::{Corpus, DataSpec, Sampler};
 use rsrun_examples::plot;
 use rsrun_training_engine::comm::{BackendKind, CommOptions, LocalStore, ProcessGroup, Store};
 use rsrun_training_engine::checkpoint::Progress;
-use rsrun_training_engine::engine::{Engine, EngineConfig, Offload, Precision};
+use rsrun_training_engine::engine::{Engine, EngineConfig, Offload, Precision, ReduceDtype};
 use rsrun_training_engine::offload::NvmeConfig;
 use rsrun_training_engine::layout::Strategy;
 use rsrun_training_engine::model::{Batch, Gpt, GptConfig};
@@ -98,6 +98,10 @@ struct Args {
     /// (f16 with dynamic loss scaling).
     #[arg(long, default_value = "fp32")]
     precision: String,
+    /// Dtype of the gradient buffers and their reduction in bf16/f16 (FSDP reduce_dtype):
+    /// compute (16-bit gradients, upcast at the optimizer step) or fp32. Ignored in fp32.
+    #[arg(long, default_value = "compute")]
+    reduce_dtype: String,
     /// Where the fp32 master weights and the optimizer state live: none (memory), cpu, nvme.
     #[arg(long, default_value = "none")]
     offload: String,
@@ -225,6 +229,10 @@ fn run() -> anyhow::Result<()> {
         .precision
         .parse()
         .map_err(|_| BadInput(format!("unknown --precision {:?}; expected fp32, bf16 or f16", args.precision)))?;
+    let reduce_dtype: ReduceDtype = args
+        .reduce_dtype
+        .parse()
+        .map_err(|_| BadInput(format!("unknown --reduce-dtype {:?}; expected fp32 or compute", args.reduce_dtype)))?;
     let offload = match (args.offload.as_str(), &args.nvme_path) {
         ("none", _) => Offload::None,
         ("cpu", _) => Offload::Cpu,
@@ -287,6 +295,7 @@ fn run() -> anyhow::Result<()> {
         LrSchedule::Constant => None,
     };
     cfg.precision = precision;
+    cfg.reduce_dtype = reduce_dtype;
     cfg.offload = offload.clone();
     let mut engine = Engine::new(Gpt::new(gpt), cfg, pg).context("building the engine")?;
     // Resume: the latest checkpoint (auto) or the given one; the data position is the global step.
@@ -358,7 +367,7 @@ fn run() -> anyhow::Result<()> {
             if args.deterministic { ", deterministic reductions" } else { "" }
         );
         if precision != Precision::Fp32 || offload != Offload::None {
-            println!("precision {precision}, offload {}", offload.name());
+            println!("precision {precision}, reduce dtype {reduce_dtype}, offload {}", offload.name());
         }
     }
     if let Some(pb) = &bar {

@@ -62,6 +62,12 @@ fn mixed(st: Strategy, p: Precision) -> EngineConfig {
     c
 }
 
+fn mixed_reduce(st: Strategy, p: Precision, r: ReduceDtype) -> EngineConfig {
+    let mut c = mixed(st, p);
+    c.reduce_dtype = r;
+    c
+}
+
 #[test]
 fn bf16_trains_and_memory_matches_the_mixed_precision_formulas() {
     one_thread();
@@ -74,8 +80,10 @@ fn bf16_trains_and_memory_matches_the_mixed_precision_formulas() {
         last = e.train_step(std::slice::from_ref(&b)).unwrap().loss;
     }
     assert!(last < first - 1.0, "bf16 loss {first} -> {last}");
-    // The compute copies are bf16, the master stays fp32.
+    // The compute copies and the gradient buffers are bf16, the master stays fp32.
+    assert_eq!(e.config().reduce_dtype, ReduceDtype::Compute);
     assert_eq!(e.units[1].vars[0].as_tensor().dtype(), DType::BF16);
+    assert!(matches!(e.units[1].grad, flat::FlatBuf::Bf16(_)));
     assert_eq!(e.full_params().unwrap()[0].len(), e.layout().units[0].numel);
 
     let world = 2u64;
@@ -83,26 +91,79 @@ fn bf16_trains_and_memory_matches_the_mixed_precision_formulas() {
     let psi = FlatLayout::new(1, &specs).unwrap().total_numel() as u64;
     let s = FlatLayout::new(world as usize, &specs).unwrap().total_shard_len() as u64;
     assert!(s * world >= psi);
-    // See `engine/tiers.rs`: fp32 gradient buffers (4 bytes), no 16-bit ZeRO-3 shard.
-    for (name, params, grads, opt) in [
-        ("ddp", 2 * psi, 4 * psi, 12 * psi),
-        ("zero1", 2 * psi, 4 * psi, 12 * s),
-        ("zero2", 2 * psi, 4 * s, 12 * s),
-        ("zero3", 0, 4 * s, 12 * s),
+    // engine.md §6.1 (K = 12): 16-bit params + 16-bit grads + fp32 master + fp32 m, v;
+    // with ReduceDtype::Fp32 the gradient buffers cost 4 bytes instead of 2.
+    for (name, params, grads, opt, total, grads32, total32) in [
+        ("ddp", 2 * psi, 2 * psi, 12 * psi, 16 * psi, 4 * psi, 18 * psi),
+        ("zero1", 2 * psi, 2 * psi, 12 * s, 4 * psi + 12 * s, 4 * psi, 6 * psi + 12 * s),
+        ("zero2", 2 * psi, 2 * s, 12 * s, 2 * psi + 14 * s, 4 * s, 2 * psi + 16 * s),
+        ("zero3", 2 * s, 2 * s, 12 * s, 16 * s, 4 * s, 18 * s),
     ] {
         let st: Strategy = name.parse().unwrap();
-        let res = run(Run { world: 2, cfg: mixed(st, Precision::Bf16), steps: 0..2, micro: 1, load: None, save: None });
-        for r in &res {
-            let m = r.memory;
-            assert_eq!((m.params, m.grads, m.optimizer), (params, grads, opt), "{name}: {m:?}");
-            assert!(r.outputs[1].loss < r.outputs[0].loss + 0.5);
+        for (rd, grads, total) in [(ReduceDtype::Compute, grads, total), (ReduceDtype::Fp32, grads32, total32)] {
+            let c = mixed_reduce(st, Precision::Bf16, rd);
+            let res = run(Run { world: 2, cfg: c, steps: 0..2, micro: 1, load: None, save: None });
+            for r in &res {
+                let m = r.memory;
+                assert_eq!((m.params, m.grads, m.optimizer), (params, grads, opt), "{name}/{rd}: {m:?}");
+                assert_eq!(m.model_state(), total, "{name}/{rd}: {m:?}");
+                assert!(r.outputs[1].loss < r.outputs[0].loss + 0.5);
+            }
         }
     }
 }
 
 #[test]
+fn bf16_compute_reduce_trains_at_world_2() {
+    // 12 steps on one fixed global batch, split over 2 ranks: the loss falls.
+    one_thread();
+    for st in [Strategy::Ddp, Strategy::Zero1, Strategy::Zero2, Strategy::Zero3] {
+        let store = std::sync::Arc::new(LocalStore::new());
+        let prefix = format!("bf16c{}", rand::random::<u64>());
+        let losses: Vec<(f32, f32)> = std::thread::scope(|sc| {
+            let hs: Vec<_> = (0..2)
+                .map(|rank| {
+                    let (store, prefix) = (store.clone(), prefix.clone());
+                    sc.spawn(move || {
+                        let pg = ProcessGroup::new(rank, 2, store, &prefix, CommOptions::default()).unwrap();
+                        let c = mixed_reduce(st, Precision::Bf16, ReduceDtype::Compute);
+                        let mut e = Engine::new(Gpt::new(tiny()), c, pg).unwrap();
+                        let rows = global_batch(3, 0, GLOBAL_B, tiny().seq, 256);
+                        let b = Batch::from_rows(&crate::model::rank_rows(&rows, rank, 2)).unwrap();
+                        let first = e.train_step(std::slice::from_ref(&b)).unwrap().loss;
+                        let mut last = first;
+                        for _ in 0..12 {
+                            last = e.train_step(std::slice::from_ref(&b)).unwrap().loss;
+                        }
+                        (first, last)
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (first, last) in losses {
+            assert!(last < first - 1.0, "{st}: bf16 compute-reduce loss {first} -> {last}");
+        }
+    }
+}
+
+#[test]
+fn bf16_reduce_dtypes_differ_and_fp32_reduce_is_the_old_path() {
+    // Both reduce dtypes reproduce their world-1 references bitwise, and they differ.
+    let want32 = params_of(&run(Run { world: 1, cfg: mixed_reduce(Strategy::Ddp, Precision::Bf16, ReduceDtype::Fp32), steps: 0..3, micro: 2, load: None, save: None }));
+    for st in [Strategy::Ddp, Strategy::Zero1, Strategy::Zero3] {
+        let got = params_of(&run(Run { world: 2, cfg: mixed_reduce(st, Precision::Bf16, ReduceDtype::Fp32), steps: 0..3, micro: 1, load: None, save: None }));
+        assert!(got == want32, "bf16/fp32-reduce {st} at world 2 differs from the world-1 reference");
+    }
+    let want16 = params_of(&run(Run { world: 1, cfg: mixed(Strategy::Ddp, Precision::Bf16), steps: 0..3, micro: 2, load: None, save: None }));
+    assert!(want16 != want32);
+}
+
+#[test]
 fn deterministic_bf16_ddp_equals_the_single_process_reference() {
-    for st in [Strategy::Ddp, Strategy::Zero2, Strategy::Zero3] {
+    // ReduceDtype::Compute (the default): bf16 gradients, reduced in bf16 (folded in f32 and
+    // rounded once); the world-1 reference accumulates its 2 micro-batches in bf16.
+    for st in [Strategy::Ddp, Strategy::Zero1, Strategy::Zero2, Strategy::Zero3] {
         let want = params_of(&run(Run { world: 1, cfg: mixed(Strategy::Ddp, Precision::Bf16), steps: 0..3, micro: 2, load: None, save: None }));
         let got = params_of(&run(Run { world: 2, cfg: mixed(st, Precision::Bf16), steps: 0..3, micro: 1, load: None, save: None }));
         assert!(got == want, "bf16 {st} at world 2 differs from the world-1 reference");

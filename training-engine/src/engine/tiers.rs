@@ -13,25 +13,39 @@
 //! values are copied (cast) into the compute copies. The update is elementwise, so the result
 //! is bitwise the in-memory one.
 //!
+//! # Gradient dtype ([`ReduceDtype`], FSDP's `reduce_dtype`)
+//! With [`ReduceDtype::Compute`] (the default) the gradients of the 16-bit compute copies are
+//! accumulated (micro-batches, in place, rounded after every addition), stored and reduced
+//! (all-reduce, reduce-scatter, hybrid all-reduce; the transport folds 16-bit values in f32
+//! and rounds once) in bf16/f16. They are upcast to fp32 only at the optimizer step, unit by
+//! unit: the upcast shard is divided by the micro-batch count and (f16) multiplied by the
+//! inverse loss scale in fp32, then updates the fp32 master (ZeRO-1 upcasts its reduced
+//! shard right after the reduce-scatter). With [`ReduceDtype::Fp32`] the gradient buffers are
+//! fp32: gradients are upcast as they are accumulated and reduced in fp32 (FSDP
+//! `reduce_dtype=float32`, DeepSpeed's fp32 gradient partition). fp32 training ignores it.
+//!
+//! Under ZeRO-3 without offload the engine keeps a 16-bit copy of the fp32 master shard (cast
+//! after every update and load); that copy is what is all-gathered (half the traffic), and
+//! the gathered unit is bitwise the cast of the gathered fp32 master.
+//!
 //! # Memory accounting ([`MemoryStats`](super::MemoryStats), per rank, AdamW, `S` = Σ shard lengths)
-//! `params` counts compute copies (2 bytes per element in bf16/f16), `grads` the gradient
-//! buffers, `optimizer` the in-memory fp32 master (when separate from the compute copies) and
-//! the state slots; `offloaded_host`/`offloaded_nvme` what the offload tier holds (host buffers
-//! rounded up to 4 KiB pages, NVMe file bytes with both slots of every tile, see `offload`).
+//! `params` counts compute copies (2 bytes per element in bf16/f16; the 16-bit shard under
+//! ZeRO-3), `grads` the gradient buffers (2 bytes per element with `ReduceDtype::Compute` in
+//! bf16/f16, 4 otherwise), `optimizer` the in-memory fp32 master (when separate from the
+//! compute copies) and the state slots; `offloaded_host`/`offloaded_nvme` what the offload
+//! tier holds (host buffers rounded up to 4 KiB pages, NVMe file bytes with both slots of every
+//! tile, see `offload`).
 //!
-//! | strategy | fp32 | bf16/f16 (this engine) | ZeRO paper (K = 12) |
+//! | strategy | fp32 | bf16/f16, reduce = compute (engine.md §6.1, K = 12) | bf16/f16, reduce = fp32 |
 //! |---|---|---|---|
-//! | DDP | 16Ψ | 2Ψ + 4Ψ + 12Ψ = 18Ψ | 16Ψ |
-//! | ZeRO-1 | 8Ψ + 8S | 2Ψ + 4Ψ + 12S = 6Ψ + 12S | 4Ψ + 12S |
-//! | ZeRO-2 | 4Ψ + 12S | 2Ψ + 4S + 12S = 2Ψ + 16S | 2Ψ + 14S |
-//! | ZeRO-3 | 16S | 0 + 4S + 12S = 16S | 16S |
+//! | DDP | 16Ψ | 2Ψ + 2Ψ + 12Ψ = 16Ψ | 2Ψ + 4Ψ + 12Ψ = 18Ψ |
+//! | ZeRO-1 | 8Ψ + 8S | 2Ψ + 2Ψ + 12S = 4Ψ + 12S | 2Ψ + 4Ψ + 12S = 6Ψ + 12S |
+//! | ZeRO-2 | 4Ψ + 12S | 2Ψ + 2S + 12S = 2Ψ + 14S | 2Ψ + 4S + 12S = 2Ψ + 16S |
+//! | ZeRO-3 | 16S | 2S + 2S + 12S = 16S | 2S + 4S + 12S = 18S |
 //!
-//! Deviations from the paper, on purpose: gradient buffers stay fp32 in every precision (the
-//! reduce dtype is fp32, gradients of 16-bit compute are upcast as they are accumulated, like
-//! FSDP's `reduce_dtype=float32` and DeepSpeed's fp32 gradient partition), so grads cost 4 bytes
-//! instead of 2; under ZeRO-3 no separate 16-bit parameter shard is kept (the fp32 master
-//! shard is all-gathered and cast to 16 bits when the unit is materialised), which saves the
-//! paper's 2S. Padding: `S·N = Ψ_pad ≥ Ψ` as in the fp32 table (see `layout`).
+//! (params + grads + fp32 master and m, v.) Padding: `S·N = Ψ_pad ≥ Ψ` as in the fp32 table
+//! (see `layout`). With offload the master and state leave `optimizer` for the tier, and under
+//! ZeRO-3 the in-memory shard is the fp32 master itself (counted in `params`, 4S).
 //!
 //! # f16 dynamic loss scaling
 //! The loss is multiplied by the scale (2^16 initially) before backward; the reduced gradients
@@ -45,6 +59,7 @@ use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Tensor, Var};
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
+use super::flat::{FlatBuf, FlatDtype};
 use super::{Engine, StepOutput, with_ref};
 use crate::comm::ReduceOp;
 use crate::error::{EngineError, EngineResult};
@@ -110,6 +125,59 @@ impl std::str::FromStr for Precision {
                 "unknown precision {s:?} (fp32|bf16|f16)"
             ))),
         }
+    }
+}
+
+/// Dtype of the gradient buffers and their reduction in mixed precision (FSDP
+/// `MixedPrecision.reduce_dtype`). In fp32 training both are fp32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ReduceDtype {
+    /// fp32 gradient buffers: 16-bit gradients are upcast as they are accumulated and reduced
+    /// in fp32 (FSDP `reduce_dtype=torch.float32`, DeepSpeed's fp32 gradient partition).
+    Fp32,
+    /// The compute dtype: gradients are accumulated, stored and reduced in bf16/f16 and upcast
+    /// to fp32 only at the optimizer step (FSDP `MixedPrecision(param_dtype=bf16)` without a
+    /// `reduce_dtype`, the ZeRO paper's accounting).
+    #[default]
+    Compute,
+}
+
+impl ReduceDtype {
+    /// `fp32 | compute`.
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceDtype::Fp32 => "fp32",
+            ReduceDtype::Compute => "compute",
+        }
+    }
+}
+
+impl std::fmt::Display for ReduceDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for ReduceDtype {
+    type Err = EngineError;
+
+    fn from_str(s: &str) -> EngineResult<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "fp32" | "f32" | "float32" => Ok(ReduceDtype::Fp32),
+            "compute" => Ok(ReduceDtype::Compute),
+            _ => Err(EngineError::Config(format!(
+                "unknown reduce dtype {s:?} (fp32|compute)"
+            ))),
+        }
+    }
+}
+
+/// The 16-bit flat dtype of a mixed precision (`None` for fp32).
+fn half_dtype(p: Precision) -> Option<FlatDtype> {
+    match p {
+        Precision::Fp32 => None,
+        Precision::Bf16 => Some(FlatDtype::Bf16),
+        Precision::F16 => Some(FlatDtype::F16),
     }
 }
 
@@ -318,6 +386,11 @@ impl<M: UnitModel> Engine<M> {
                 for (u, m) in self.units.iter_mut().zip(masters) {
                     u.master = m;
                 }
+            } else if let Some(dt) = half_dtype(precision) {
+                // ZeRO-3: the 16-bit parameter shard that is all-gathered.
+                for u in &mut self.units {
+                    u.shard16 = FlatBuf::from_f32(dt, &u.master);
+                }
             }
             return Ok(());
         }
@@ -408,6 +481,9 @@ impl<M: UnitModel> Engine<M> {
         }
         u.state = state;
         if z3 {
+            if !u.shard16.is_empty() {
+                u.shard16 = FlatBuf::from_f32(u.shard16.dtype(), &master);
+            }
             u.master = master;
         } else {
             write_master(&u.vars, ul, self.shard_rank, &master)?;
@@ -506,28 +582,36 @@ impl<M: UnitModel> Engine<M> {
         }
     }
 
-    /// f16: unscales the reduced gradients (`z1_shards` under ZeRO-1, the unit buffers
+    /// f16: unscales the reduced gradients (`z1_shards` under ZeRO-1, the fp32 unit buffers
     /// otherwise) and, if any is inf/NaN on any rank, halves the scale and returns the output
-    /// of a skipped step.
+    /// of a skipped step. `half_k = Some(k)`: the unit buffers are 16-bit and unscaled at the
+    /// step (see [`Engine::step_grad`]); they are only checked here, as the step will see them.
     pub(super) fn unscale_or_skip(
         &mut self,
         z1_shards: &mut [Vec<f32>],
+        half_k: Option<usize>,
         loss: f32,
     ) -> EngineResult<Option<StepOutput>> {
         let Some(scaler) = self.scaler else {
             return Ok(None);
         };
         let inv = 1.0 / scaler.scale;
-        let bufs: Vec<&mut Vec<f32>> = if self.cfg.strategy.zero_stage() == 1 {
-            z1_shards.iter_mut().collect()
-        } else {
-            self.units.iter_mut().map(|u| &mut u.grad).collect()
-        };
         let mut finite = true;
-        for b in bufs {
-            for x in b.iter_mut() {
-                *x *= inv;
-                finite &= x.is_finite();
+        if let Some(k) = half_k {
+            for ui in 0..self.units.len() {
+                finite &= self.step_grad(ui, k, Some(inv)).iter().all(|x| x.is_finite());
+            }
+        } else {
+            let bufs: Vec<&mut Vec<f32>> = if self.cfg.strategy.zero_stage() == 1 {
+                z1_shards.iter_mut().collect()
+            } else {
+                self.units.iter_mut().filter_map(|u| u.grad.as_f32_mut()).collect()
+            };
+            for b in bufs {
+                for x in b.iter_mut() {
+                    *x *= inv;
+                    finite &= x.is_finite();
+                }
             }
         }
         let mut flag = [if finite { 0f32 } else { 1.0 }];
