@@ -512,7 +512,6 @@ impl CustomOp2 for BiasGelu {
         l2: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
         let (y, b) = rows_and_bias(s1, l1, s2, l2, "bias-gelu")?;
-        let o = b.len();
         let mut out = vec![0f32; y.len()];
         simd_dispatch!(bias_gelu_fwd(y, b, &mut out));
         Ok((CpuStorage::F32(out), l1.shape().clone()))
