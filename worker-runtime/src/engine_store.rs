@@ -25,6 +25,16 @@ use rsrun_training_engine::comm::{CommError, Store};
 
 use crate::{WorkerContext, WorkerError};
 
+/// The one-thread runtime that runs an [`EngineStore`]'s calls.
+fn store_runtime() -> Result<tokio::runtime::Runtime, WorkerError> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("rsrun-store")
+        .enable_all()
+        .build()
+        .map_err(|e| WorkerError::Io { path: "tokio runtime".into(), source: e })
+}
+
 /// The rendezvous store of this worker's job and round, as the engine's blocking [`Store`].
 #[derive(Debug)]
 pub struct EngineStore {
@@ -48,12 +58,7 @@ impl EngineStore {
     /// # Errors
     /// No rendezvous service in the environment, a bad endpoint or token file, or no runtime thread.
     pub fn new(ctx: &WorkerContext) -> Result<Self, WorkerError> {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("rsrun-store")
-            .enable_all()
-            .build()
-            .map_err(|e| WorkerError::Io { path: "tokio runtime".into(), source: e })?;
+        let rt = store_runtime()?;
         let store = {
             let _in_rt = rt.enter();
             ctx.store()?
@@ -63,12 +68,7 @@ impl EngineStore {
 
     /// Wraps an existing store client (its channel must belong to a live runtime).
     pub fn from_client(store: StoreClient) -> Result<Self, WorkerError> {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("rsrun-store")
-            .enable_all()
-            .build()
-            .map_err(|e| WorkerError::Io { path: "tokio runtime".into(), source: e })?;
+        let rt = store_runtime()?;
         Ok(EngineStore { store, rt: Some(rt) })
     }
 

@@ -10,21 +10,23 @@ use rsrun_tests::{Daemon, KillOnDrop, RUN_DEADLINE, bin, code, rsrun, text};
 /// A tiny model so each run takes about a second.
 const MODEL: &[&str] = &["--d-model", "32", "--layers", "1", "--heads", "2", "--seq-len", "32", "--batch", "2", "--steps", "8", "--lr", "3e-3", "--warmup", "2"];
 
-fn node(dir: &Path, daemon: &Daemon, job: &str, extra: &[&str]) -> KillOnDrop {
+fn node(dir: &Path, daemon: &Daemon, job: &str, launcher: &[&str], extra: &[&str]) -> KillOnDrop {
     let mut cmd = rsrun(dir);
     cmd.args(["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint"])
         .arg(&daemon.addr)
         .args(["--rdzv-id", job, "--rdzv-conf", "last_call_timeout=0.5,join_timeout=60"])
+        .args(launcher)
         .arg(bin("train"))
         .args(MODEL)
         .args(extra);
     KillOnDrop::spawn(&mut cmd)
 }
 
-/// Runs one job on two nodes and returns rank 0's node output.
-fn two_nodes(dir: &Path, daemon: &Daemon, job: &str, extra: &[&str]) -> String {
-    let a = node(dir, daemon, job, extra);
-    let b = node(dir, daemon, job, extra);
+/// Runs one job on two nodes (with extra launcher flags, then extra train flags) and returns both
+/// nodes' output.
+fn two_nodes(dir: &Path, daemon: &Daemon, job: &str, launcher: &[&str], extra: &[&str]) -> String {
+    let a = node(dir, daemon, job, launcher, extra);
+    let b = node(dir, daemon, job, launcher, extra);
     let ta = std::thread::spawn(move || a.output_within(RUN_DEADLINE));
     let ob = b.output_within(RUN_DEADLINE);
     let oa = ta.join().unwrap();
@@ -59,7 +61,7 @@ fn every_strategy_trains_and_deterministic_runs_agree_with_one_process() {
     assert_eq!(code(&single.status), 0, "{}", text(&single));
     let reference = summary_field(&String::from_utf8_lossy(&single.stdout), "params_sha256");
     for strategy in ["ddp", "zero1", "zero2", "zero3", "fsdp", "hybrid"] {
-        let out = two_nodes(dir.path(), &daemon, &format!("train-{strategy}"), &["--strategy", strategy, "--deterministic", "--log-format", "json"]);
+        let out = two_nodes(dir.path(), &daemon, &format!("train-{strategy}"), &[], &["--strategy", strategy, "--deterministic", "--log-format", "json"]);
         let losses = json_losses(&out);
         assert_eq!(losses.len(), 8, "{strategy}: one JSON line per step:\n{out}");
         assert!(losses[7] < losses[0], "{strategy}: loss did not fall: {losses:?}");
@@ -191,27 +193,15 @@ fn killed_worker_on_one_of_two_nodes_restarts_both_from_the_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
     let ckpt = dir.path().join("ckpt");
     let ckpt_arg = ckpt.to_str().unwrap().to_string();
-    let plain = two_nodes(dir.path(), &daemon, "resume-plain", &["--strategy", "zero3", "--deterministic", "--run-dir", "plain"]);
+    let plain = two_nodes(dir.path(), &daemon, "resume-plain", &[], &["--strategy", "zero3", "--deterministic", "--run-dir", "plain"]);
     let want = summary_field(&plain, "params_sha256");
-    let restarted = {
-        let mk = || {
-            let mut cmd = rsrun(dir.path());
-            cmd.args(["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint"])
-                .arg(&daemon.addr)
-                .args(["--rdzv-id", "resume-killed", "--max-restarts", "1", "--rdzv-conf", "last_call_timeout=0.5,join_timeout=60"])
-                .arg(bin("train"))
-                .args(MODEL)
-                .args(["--strategy", "zero3", "--deterministic", "--run-dir", "restarted", "--checkpoint-dir", &ckpt_arg, "--checkpoint-every", "3", "--fail-at-step", "6"]);
-            KillOnDrop::spawn(&mut cmd)
-        };
-        let (a, b) = (mk(), mk());
-        let ta = std::thread::spawn(move || a.output_within(RUN_DEADLINE));
-        let ob = b.output_within(RUN_DEADLINE);
-        let oa = ta.join().unwrap();
-        assert_eq!(code(&oa.status), 0, "{}", text(&oa));
-        assert_eq!(code(&ob.status), 0, "{}", text(&ob));
-        String::from_utf8_lossy(&oa.stdout).into_owned() + &String::from_utf8_lossy(&ob.stdout)
-    };
+    let restarted = two_nodes(
+        dir.path(),
+        &daemon,
+        "resume-killed",
+        &["--max-restarts", "1"],
+        &["--strategy", "zero3", "--deterministic", "--run-dir", "restarted", "--checkpoint-dir", &ckpt_arg, "--checkpoint-every", "3", "--fail-at-step", "6"],
+    );
     assert_eq!(summary_field(&restarted, "resumed_from_step"), "3", "{restarted}");
     assert_eq!(summary_field(&restarted, "world"), "4");
     assert_eq!(summary_field(&restarted, "params_sha256"), want, "the restarted two-node run differs from the uninterrupted one");
