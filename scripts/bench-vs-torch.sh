@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 steps=${1:-30}
-PY=$(../shared/bench/setup-torch.sh)
+PY=$(scripts/torch-venv.sh)
 TORCHRUN=$(dirname "$PY")/torchrun
 REF=../shared/bench/reference_gpt.py
 cargo build --release -q -p rsrun-launcher -p rsrun-examples --bin rsrun --bin train

@@ -51,9 +51,11 @@ pub struct LaunchArgs {
     // ------------------------------------------------------------------------------------------------
     // torchrun: rendezvous
     /// Rendezvous backend: `c10d` (the rsrun-rendezvous daemon at --rdzv-endpoint; `rsrun` is an
-    /// alias) or `static` (--node-rank, --master-addr/--master-port, no elasticity).
+    /// alias) or `static` (fixed --node-rank, node rank 0 hosts the rendezvous at
+    /// --master-addr:--master-port, no elasticity). Default: `c10d` when --rdzv-endpoint is given
+    /// without --node-rank (torchrun would pick static), else `static`.
     #[arg(long = "rdzv-backend", alias = "rdzv_backend", env = "PET_RDZV_BACKEND",
-          default_value = "static", value_name = "BACKEND", help_heading = "Rendezvous")]
+          default_value = "", hide_default_value = true, value_name = "BACKEND", help_heading = "Rendezvous")]
     pub rdzv_backend: String,
 
     /// Rendezvous endpoint `HOST[:PORT]` (IPv6 as `[ADDR]:PORT`; default port 29400).

@@ -2,6 +2,10 @@
 //!
 //! The service is, by plan:
 //! - `--standalone`: an in-memory service embedded in this launcher on `127.0.0.1:0`;
+//! - the static backend (`--node-rank`, `--master-addr:--master-port`): an embedded service hosted by
+//!   node rank 0 at the master address, which every other node joins. Node ranks are fixed (each node's
+//!   `--node-rank`) and verified: two nodes with the same node rank fail the job naming both hosts, and
+//!   a join timeout names the node ranks that never came. Nothing is computed locally on trust.
 //! - `--rdzv-endpoint HOST:PORT`: the `rsrun-rendezvous` daemon there. torchrun's convenience is kept:
 //!   when HOST is this machine and nothing listens at the port, this launcher hosts an embedded service
 //!   there for everyone (`is_host` in `--rdzv-conf` forces either way). That service lives and dies
@@ -119,7 +123,40 @@ impl DaemonRdzv {
                 let hosting = embedded.is_some();
                 (endpoint.to_string(), embedded, hosting, addrs)
             }
-            RdzvPlan::Static { .. } => bail!("the static backend has no rendezvous service"),
+            RdzvPlan::Static { node_rank, master_addr, master_port } => {
+                let target = resolve(master_addr, *master_port).with_context(|| {
+                    format!("cannot resolve --master-addr {master_addr} (where node rank 0 hosts the static rendezvous)")
+                })?;
+                let addrs = advertised_addrs(plan, target);
+                let mut embedded = None;
+                if *node_rank == 0 {
+                    if !is_local_ip(target.ip()) {
+                        bail!(
+                            "node rank 0 hosts the static rendezvous at --master-addr {master_addr}, but {} is not an address of this host ({}): start node rank 0 on that host, or pass this host's address as --master-addr",
+                            target.ip(),
+                            plan.hostname
+                        );
+                    }
+                    let mut cfg = ServerConfig::in_memory(target);
+                    cfg.token_file = plan.token_file.clone();
+                    cfg.insecure = true;
+                    match spawn_with(cfg).await {
+                        Ok(server) => embedded = Some(server),
+                        // Something already serves there: another launcher that believes it is node
+                        // rank 0 (the verification after the join names both), or a stale job's.
+                        Err(err) if listening(target).await => {
+                            debug!(%err, "another launcher hosts the static rendezvous; joining it");
+                        }
+                        Err(err) => {
+                            return Err(anyhow::Error::new(err).context(format!(
+                                "node rank 0 cannot host the static rendezvous at {target} (--master-addr/--master-port)"
+                            )));
+                        }
+                    }
+                }
+                let hosting = embedded.is_some() && plan.nodes.max > 1;
+                (target.to_string(), embedded, hosting, addrs)
+            }
         };
         let mut cfg = ClientConfig::new(endpoint.clone());
         cfg.token = token;
@@ -152,13 +189,14 @@ impl DaemonRdzv {
             node_id: self.node.clone(),
             addrs: self.addrs.clone(),
             local_world_size: plan.nproc_per_node,
-            rank_hint: plan.rank_hint,
+            rank_hint: fixed_rank(plan).or(plan.rank_hint),
             config: JobSpec {
                 min_nodes: plan.nodes.min,
                 max_nodes: plan.nodes.max,
                 last_call: plan.timeouts.last_call,
                 lease: plan.timeouts.lease,
                 max_restarts: plan.max_restarts,
+                fixed_ranks: fixed_rank(plan).is_some(),
             },
             timeout: plan.timeouts.join,
             master_port,
@@ -192,6 +230,13 @@ impl DaemonRdzv {
         }
         let resp = match result {
             Ok(r) => r,
+            Err(RdzvError::Timeout(msg)) if fixed_rank(plan).is_some() => {
+                let who = match tokio::time::timeout(EXIT_CALL_TIMEOUT, self.client.status(Some(&self.job))).await {
+                    Ok(Ok(st)) => static_timeout_text(&st, plan.nodes.max),
+                    _ => format!("the static rendezvous at {} did not answer", self.endpoint),
+                };
+                bail!("rendezvous timed out after {:?} (join_timeout): {who} ({msg})", plan.timeouts.join);
+            }
             Err(RdzvError::Timeout(msg)) => {
                 let who = match tokio::time::timeout(EXIT_CALL_TIMEOUT, self.timeout_detail(plan)).await {
                     Ok(Some(who)) => who,
@@ -208,6 +253,12 @@ impl DaemonRdzv {
         };
         let round = resp.round.context("join answer without a round")?;
         let me = resp.node.context("join answer without this node's assignment")?;
+        if let Some(want) = fixed_rank(plan)
+            && me.node_rank != want
+        {
+            // Invariant of the service: with fixed ranks a duplicate fails the job at its join.
+            bail!("the rendezvous at {} gave node rank {} to this node started with --node-rank {want}", self.endpoint, me.node_rank);
+        }
         let assignment = RoundAssignment {
             round: round.round,
             node_rank: me.node_rank,
@@ -215,8 +266,12 @@ impl DaemonRdzv {
             rank_offset: me.rank_offset,
             local_world_size: me.local_world_size,
             world_size: round.world_size,
-            master_addr: round.master_addr.clone(),
-            master_port: u16::try_from(round.master_port).context("master port out of range")?,
+            // PyTorch's store: the one the service hosts for this round when it hosts one (alive for
+            // the whole round whichever rank exits first, fresh every round), else rank 0's own.
+            master_addr: if round.store_port != 0 { round.store_addr.clone() } else { round.master_addr.clone() },
+            master_port: u16::try_from(if round.store_port != 0 { round.store_port } else { round.master_port })
+                .context("master port out of range")?,
+            agent_store: round.store_port != 0,
             restart_count: round.restart_count,
             max_restarts: round.max_restarts,
             node_id: self.node.clone(),
@@ -643,6 +698,38 @@ fn timeout_text(st: &proto::StatusResponse, plan: &LaunchPlan) -> String {
         s.push_str(&format!("; {} more node(s) never came", missing - absent.len()));
     }
     s
+}
+
+/// The node rank this node must have: the static backend's `--node-rank`.
+fn fixed_rank(plan: &LaunchPlan) -> Option<u32> {
+    match plan.rdzv {
+        RdzvPlan::Static { node_rank, .. } => Some(node_rank),
+        _ => None,
+    }
+}
+
+/// Which fixed node ranks joined (and from where) and which never came, for the static backend's
+/// join timeout.
+fn static_timeout_text(st: &proto::StatusResponse, num_nodes: u32) -> String {
+    let joined: Vec<(u32, String)> = st
+        .jobs
+        .first()
+        .map(|j| {
+            j.nodes
+                .iter()
+                .filter_map(|n| n.rank_hint.map(|r| (r, node_label(n))))
+                .collect()
+        })
+        .unwrap_or_default();
+    let missing: Vec<String> =
+        (0..num_nodes).filter(|r| !joined.iter().any(|(j, _)| j == r)).map(|r| r.to_string()).collect();
+    let mut present: Vec<String> = joined.iter().map(|(r, who)| format!("{r} = {who}")).collect();
+    present.sort();
+    format!(
+        "node rank(s) {} of {num_nodes} never joined (joined: {}); start them with --node-rank and the same --master-addr/--master-port",
+        missing.join(", "),
+        if present.is_empty() { "none".to_owned() } else { present.join(", ") }
+    )
 }
 
 fn resolve(host: &str, port: u16) -> std::io::Result<SocketAddr> {

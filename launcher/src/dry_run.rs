@@ -32,9 +32,10 @@ pub fn render(plan: &LaunchPlan) -> String {
                 HostMode::Never => "",
             }
         ),
-        RdzvPlan::Static { master_addr, master_port, .. } => {
-            format!("static: MASTER_ADDR={master_addr} MASTER_PORT={master_port}, no elasticity")
-        }
+        RdzvPlan::Static { node_rank, master_addr, master_port } => format!(
+            "static: node rank 0 hosts the rendezvous at {master_addr}:{master_port}{}; fixed node ranks, verified; no elasticity",
+            if *node_rank == 0 { " (this node)" } else { "" }
+        ),
     };
     let _ = writeln!(s, "rendezvous   : {rdzv}");
     let _ = writeln!(
@@ -91,11 +92,12 @@ pub fn render(plan: &LaunchPlan) -> String {
         world_size: num_nodes * nproc,
         master_addr: String::new(),
         master_port: 0,
+        agent_store: true,
         restart_count: 0,
         max_restarts: plan.max_restarts,
         node_id: format!("{}:<pid>", plan.hostname),
         rdzv_endpoint: match &plan.rdzv {
-            RdzvPlan::Static { .. } => None,
+            RdzvPlan::Static { master_addr, master_port, .. } => Some(format!("{master_addr}:{master_port}")),
             RdzvPlan::Standalone => Some("127.0.0.1:<port>".into()),
             RdzvPlan::Daemon { endpoint, .. } => Some(endpoint.to_string()),
         },
@@ -121,12 +123,9 @@ pub fn render(plan: &LaunchPlan) -> String {
                 "MASTER_ADDR" => match &plan.rdzv {
                     RdzvPlan::Static { master_addr, .. } => master_addr.clone(),
                     RdzvPlan::Standalone => "127.0.0.1".into(),
-                    RdzvPlan::Daemon { .. } => "<address of node rank 0>".into(),
+                    RdzvPlan::Daemon { .. } => "<address of the rendezvous service>".into(),
                 },
-                "MASTER_PORT" => match &plan.rdzv {
-                    RdzvPlan::Static { master_port, .. } => master_port.to_string(),
-                    _ => "<free port chosen by node rank 0>".into(),
-                },
+                "MASTER_PORT" => "<port of the TCPStore the rendezvous serves for the round>".into(),
                 _ => v,
             };
             let _ = writeln!(s, "    {k}={v}");
@@ -174,7 +173,8 @@ mod tests {
         assert!(text.contains("command : /usr/bin/true 'x y' 1") || text.contains("command : /bin/true 'x y' 1"), "{text}");
         assert!(text.contains("    WORLD_SIZE=4"), "{text}");
         assert!(text.contains("    MASTER_ADDR=10.1.1.1"), "{text}");
-        assert!(text.contains("    MASTER_PORT=29500"), "{text}");
+        assert!(text.contains("    MASTER_PORT=<port of the TCPStore the rendezvous serves for the round>"), "{text}");
+        assert!(text.contains("static: node rank 0 hosts the rendezvous at 10.1.1.1:29500"), "{text}");
         assert!(text.contains("  cpus    : 2-3"), "{text}");
         assert_eq!(cpu_list(&[0, 1, 2, 5, 7, 8]), "0-2,5,7-8");
     }

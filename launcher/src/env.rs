@@ -35,8 +35,11 @@ pub struct RoundAssignment {
     pub world_size: u32,
     /// MASTER_ADDR: an address of the group-rank-0 node that the other nodes reach.
     pub master_addr: String,
-    /// MASTER_PORT: a free port reserved by the group-rank-0 node.
+    /// MASTER_PORT: the port of the TCPStore the rendezvous hosts for the round, or (`agent_store`
+    /// false) a free port reserved by the group-rank-0 node, where rank 0 hosts PyTorch's store.
     pub master_port: u16,
+    /// MASTER_ADDR:MASTER_PORT is a TCPStore served by rsrun (TORCHELASTIC_USE_AGENT_STORE=True).
+    pub agent_store: bool,
     /// Failure restarts the whole job consumed so far (TORCHELASTIC_RESTART_COUNT): job-global, the
     /// same on every node (see the module docs).
     pub restart_count: u32,
@@ -90,8 +93,9 @@ pub fn worker_env(
         ("TORCHELASTIC_RESTART_COUNT".into(), a.restart_count.to_string()),
         ("TORCHELASTIC_MAX_RESTARTS".into(), a.max_restarts.to_string()),
         ("TORCHELASTIC_RUN_ID".into(), plan.job_id.clone()),
-        // rsrun hosts no TCPStore: rank 0 hosts PyTorch's store on MASTER_PORT (env:// default).
-        ("TORCHELASTIC_USE_AGENT_STORE".into(), "False".into()),
+        // True: rsrun serves PyTorch's store at MASTER_ADDR:MASTER_PORT (it outlives rank 0, and every
+        // attempt gets a fresh one); False: rank 0 hosts it (env:// default).
+        ("TORCHELASTIC_USE_AGENT_STORE".into(), if a.agent_store { "True" } else { "False" }.into()),
         (
             "TORCHELASTIC_ERROR_FILE".into(),
             error_file.map(|p| p.display().to_string()).unwrap_or_default(),
@@ -138,6 +142,7 @@ mod tests {
             world_size: 8,
             master_addr: "10.0.0.1".into(),
             master_port: 41234,
+            agent_store: true,
             restart_count: 1,
             max_restarts: 3,
             node_id: "n1".into(),
@@ -169,7 +174,7 @@ mod tests {
         assert_eq!(get("TORCHELASTIC_RESTART_COUNT"), Some("1"));
         assert_eq!(get("TORCHELASTIC_MAX_RESTARTS"), Some("3"));
         assert_eq!(get("TORCHELASTIC_RUN_ID"), Some("job7"));
-        assert_eq!(get("TORCHELASTIC_USE_AGENT_STORE"), Some("False"));
+        assert_eq!(get("TORCHELASTIC_USE_AGENT_STORE"), Some("True"));
         assert_eq!(get("TORCHELASTIC_ERROR_FILE"), Some("/l/attempt_3/6/error.json"));
         assert_eq!(get("TORCH_NCCL_ASYNC_ERROR_HANDLING"), Some("1"));
         assert_eq!(get("OMP_NUM_THREADS"), Some("1"));

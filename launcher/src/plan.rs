@@ -236,13 +236,15 @@ pub enum RdzvPlan {
         /// Host an embedded service if the endpoint is this host and nothing listens there.
         host: HostMode,
     },
-    /// torchrun's static backend: fixed node rank, MASTER_ADDR/MASTER_PORT given, no elasticity.
+    /// torchrun's static backend: fixed node ranks, no elasticity. Node rank 0 hosts the rendezvous
+    /// at `master_addr:master_port`; the others join it, and duplicate or missing node ranks are
+    /// errors.
     Static {
-        /// This node's rank.
+        /// This node's rank (`--node-rank`).
         node_rank: u32,
-        /// MASTER_ADDR.
+        /// Where node rank 0 hosts the rendezvous (`--master-addr`, or the endpoint's host).
         master_addr: String,
-        /// MASTER_PORT.
+        /// Its port (`--master-port`, or the endpoint's port).
         master_port: u16,
     },
 }
@@ -893,10 +895,22 @@ impl LaunchPlan {
         let rconf = parse_rdzv_conf(&args.rdzv_conf, &mut notes)?;
 
         // Rendezvous: --standalone, implicit single-node standalone, static, or the daemon.
-        let backend = args.rdzv_backend.trim().to_ascii_lowercase();
         let endpoint = (!args.rdzv_endpoint.trim().is_empty())
             .then(|| Endpoint::parse(&args.rdzv_endpoint, "--rdzv-endpoint", DEFAULT_RDZV_PORT))
             .transpose()?;
+        let backend = match args.rdzv_backend.trim().to_ascii_lowercase() {
+            // Deviation from torchrun (which picks static): an endpoint without a fixed node rank
+            // means "meet at the rendezvous", and the static backend would give every such node
+            // node rank 0 (duplicate ranks).
+            b if b.is_empty() && endpoint.is_some() && args.node_rank.is_none() => {
+                if nodes.max > 1 {
+                    notes.push("--rdzv-endpoint without --rdzv-backend: using c10d (ranks assigned by the rendezvous)".into());
+                }
+                "c10d".to_owned()
+            }
+            b if b.is_empty() => "static".to_owned(),
+            b => b,
+        };
         let mut rank_hint = None;
         let (rdzv, job_id) = if args.standalone {
             if nodes.max > 1 {
@@ -921,7 +935,18 @@ impl LaunchPlan {
                                 nodes.max
                             ));
                         }
-                        let node_rank = args.node_rank.unwrap_or(0);
+                        let node_rank = match args.node_rank {
+                            Some(r) => r,
+                            None => {
+                                if nodes.max > 1 {
+                                    notes.push(format!(
+                                        "static backend without --node-rank: this node is node rank 0 (every node of {} needs its own --node-rank)",
+                                        nodes.max
+                                    ));
+                                }
+                                0
+                            }
+                        };
                         if node_rank >= nodes.max {
                             return Err(invalid(
                                 "--node-rank",
@@ -993,15 +1018,8 @@ impl LaunchPlan {
                 other => return Err(invalid("--rdzv-backend", other, "c10d (alias rsrun) or static")),
             }
         };
-        if matches!(rdzv, RdzvPlan::Static { .. }) {
-            // Nothing is sent anywhere: any id that can name a log directory will do.
-            if job_id.is_empty() || job_id.len() > 256 {
-                return Err(invalid("--rdzv-id", &job_id, "a non-empty id of at most 256 characters"));
-            }
-        } else {
-            // What the rendezvous service would reject at Join, found before anything starts.
-            check_job_id(&job_id)?;
-        }
+        // What the rendezvous service would reject at Join, found before anything starts.
+        check_job_id(&job_id)?;
         // Global ranks must fit: MAX nodes × workers per node.
         if nodes.max.checked_mul(nproc_per_node).is_none_or(|w| w > i32::MAX as u32) {
             return Err(PlanError::Conflict(format!(
@@ -1121,9 +1139,6 @@ impl LaunchPlan {
             }
             None => None,
         };
-        if token.is_some() && matches!(rdzv, RdzvPlan::Static { .. }) {
-            notes.push("--rdzv-token-file is not used by the static backend".into());
-        }
 
         // TLS to the daemon.
         let tls_ca = match (&args.rdzv_tls_ca, &rdzv) {
@@ -1145,7 +1160,7 @@ impl LaunchPlan {
                 None
             }
             (Some(_), RdzvPlan::Static { .. }) => {
-                notes.push("--rdzv-tls-ca is not used by the static backend".into());
+                notes.push("--rdzv-tls-ca is not used by the static backend: node rank 0 hosts a plain (non-TLS) rendezvous".into());
                 None
             }
         };

@@ -585,6 +585,7 @@ mod tests {
             world_size: nproc,
             master_addr: "127.0.0.1".into(),
             master_port: 29500,
+            agent_store: false,
             restart_count: 0,
             max_restarts: 0,
             node_id: "n0".into(),

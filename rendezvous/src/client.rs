@@ -118,6 +118,8 @@ pub struct JobSpec {
     pub lease: Duration,
     /// Global restart budget.
     pub max_restarts: u32,
+    /// Fixed node ranks (static backend): `rank_hint` is this node's rank, duplicates fail the job.
+    pub fixed_ranks: bool,
 }
 
 impl JobSpec {
@@ -128,6 +130,7 @@ impl JobSpec {
             last_call_ms: self.last_call.as_millis() as u64,
             lease_ms: self.lease.as_millis() as u64,
             max_restarts: self.max_restarts,
+            fixed_ranks: self.fixed_ranks,
         }
     }
 }

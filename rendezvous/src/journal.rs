@@ -5,6 +5,8 @@
 //!   CRC-32 of the payload (u32 LE), payload = postcard-encoded [`State`].
 //! - `journal-<first seq, 20 digits>.log`: records `[len u32 LE][crc32 u32 LE][postcard Entry]`.
 //! - `lock`: held with `flock` so two daemons never share a directory.
+//! - `format`: the encoding version of the records and the snapshot ([`FORMAT_VERSION`]). A directory
+//!   written in another version is refused with an error naming both versions, never misread.
 //!
 //! Every record carries its sequence number; recovery loads the snapshot and replays the records
 //! after the snapshot's sequence, so a crash between writing a snapshot and deleting the older logs
@@ -25,6 +27,9 @@ use crate::state::{Command, Ms, State};
 use crate::validate::Limits;
 
 const SNAPSHOT_MAGIC: &[u8; 8] = b"RSRUNSN1";
+/// Version of the postcard encoding of [`Entry`] and [`State`]; bumped whenever a journaled type
+/// changes shape. 2: `JobSpec::fixed_ranks`. Directories without a `format` file hold version 1.
+pub const FORMAT_VERSION: u32 = 2;
 /// Largest record accepted when reading (a longer length field is damage, not data).
 const MAX_RECORD: u32 = 512 << 20;
 
@@ -86,6 +91,29 @@ fn log_name(first_seq: u64) -> String {
 
 fn fsync_dir(dir: &Path) -> Result<(), RdzvError> {
     File::open(dir).and_then(|d| d.sync_all()).map_err(|e| storage(dir, "cannot fsync directory", e))
+}
+
+/// Checks (or, for a new directory, writes) the directory's encoding version.
+fn check_format(dir: &Path, has_data: bool) -> Result<(), RdzvError> {
+    let path = dir.join("format");
+    let found = match fs::read_to_string(&path) {
+        Ok(text) => text.trim().parse::<u32>().map_err(|_| storage(&path, "not a format version", format!("{:?}", text.trim())))?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && !has_data => {
+            return write_atomic(dir, &path, format!("{FORMAT_VERSION}\n").as_bytes());
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => 1,
+        Err(e) => return Err(storage(&path, "cannot read", e)),
+    };
+    if found != FORMAT_VERSION {
+        return Err(storage(
+            &path,
+            "unsupported journal format",
+            format!(
+                "the data directory holds format {found}, this rsrun-rendezvous reads format {FORMAT_VERSION}: let its jobs end under the rsrun-rendezvous that wrote it, or start with an empty --data-dir"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Writes `bytes` to `path` atomically: temp file, fsync, rename, directory fsync.
@@ -220,8 +248,9 @@ impl Journal {
             storage(&lock_path, "data directory is in use by another rsrun-rendezvous", e)
         })?;
         let snap_path = dir.join("snapshot");
-        let (mut state, mut seq) = read_snapshot(&snap_path)?.unwrap_or_default();
         let logs = logs_in(dir)?;
+        check_format(dir, snap_path.exists() || !logs.is_empty())?;
+        let (mut state, mut seq) = read_snapshot(&snap_path)?.unwrap_or_default();
         let mut replayed = 0;
         let mut truncated_bytes = 0;
         for (i, (_, path)) in logs.iter().enumerate() {
@@ -330,7 +359,7 @@ mod tests {
             local_world_size: 1,
             rank_hint: None,
             master_port: 1,
-            spec: JobSpec { min_nodes: 2, max_nodes: 2, last_call_ms: 0, lease_ms: 1000, max_restarts: 0 },
+            spec: JobSpec { min_nodes: 2, max_nodes: 2, last_call_ms: 0, lease_ms: 1000, max_restarts: 0, fixed_ranks: false },
         })
     }
 
@@ -370,6 +399,25 @@ mod tests {
         assert!(rec.truncated_bytes > 0);
         let job = rec.state.job("j").unwrap();
         assert!(job.store.contains_key("k1") && job.store.contains_key("k2") && !job.store.contains_key("k3"));
+    }
+
+    #[test]
+    fn another_format_is_refused_naming_both_versions() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let (mut j, _) = Journal::open(dir.path()).unwrap();
+            write(&mut j, 1, &[join("a")]);
+        }
+        assert_eq!(fs::read_to_string(dir.path().join("format")).unwrap().trim(), FORMAT_VERSION.to_string());
+        // Data written before the format file existed is version 1.
+        fs::remove_file(dir.path().join("format")).unwrap();
+        let err = Journal::open(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("holds format 1") && err.contains(&format!("reads format {FORMAT_VERSION}")), "{err}");
+        fs::write(dir.path().join("format"), "9\n").unwrap();
+        let err = Journal::open(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("holds format 9"), "{err}");
+        fs::write(dir.path().join("format"), "x\n").unwrap();
+        assert!(Journal::open(dir.path()).unwrap_err().to_string().contains("not a format version"));
     }
 
     #[test]

@@ -19,6 +19,7 @@ use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status};
+use tracing::Instrument;
 
 use crate::RdzvError;
 use crate::auth::Principal;
@@ -537,6 +538,7 @@ fn job_spec(config: Option<&pb::JobConfig>) -> Result<JobSpec, RdzvError> {
         last_call_ms: c.last_call_ms,
         lease_ms: c.lease_ms,
         max_restarts: c.max_restarts,
+        fixed_ranks: c.fixed_ranks,
     })
 }
 
@@ -599,8 +601,10 @@ impl pb::rendezvous_server::Rendezvous for Service {
             });
             self.core.execute(cmd).await?;
             let (job, node) = (r.job_id.as_str(), r.node_id.as_str());
+            // Instrumented, never entered across an await: an entered span would leak into whatever
+            // else runs on this thread meanwhile, and spans would nest into each other.
             let span = tracing::info_span!("join", job, node);
-            let _e = span.enter();
+            async move {
             // A pending join holds the node's lease: it is renewed every third of the lease while the
             // call waits, and lapses when the caller goes away (the call is cancelled).
             let lease = self.core.read(|s| Ok(s.job(job)?.spec.lease_ms)).await?;
@@ -639,6 +643,9 @@ impl pb::rendezvous_server::Rendezvous for Service {
                     other => return other,
                 }
             }
+            }
+            .instrument(span)
+            .await
         })
         .await
     }

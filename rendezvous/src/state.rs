@@ -65,6 +65,9 @@ pub struct JobSpec {
     pub lease_ms: u64,
     /// Global restart budget for worker failures.
     pub max_restarts: u32,
+    /// Node ranks are fixed (torchrun's static backend): every node names its rank as `rank_hint`,
+    /// in `0..max_nodes`, and two live nodes naming the same rank fail the job.
+    pub fixed_ranks: bool,
 }
 
 impl JobSpec {
@@ -97,6 +100,12 @@ impl JobSpec {
                 format!("{} ms; at most {MAX_LAST_CALL_MS} ms", self.last_call_ms),
             ));
         }
+        if self.fixed_ranks && self.min_nodes != self.max_nodes {
+            return Err(RdzvError::invalid(
+                "config.fixed_ranks",
+                format!("with nnodes {}:{}; fixed node ranks need a fixed node count", self.min_nodes, self.max_nodes),
+            ));
+        }
         if self.max_restarts > MAX_RESTARTS {
             return Err(RdzvError::invalid(
                 "config.max_restarts",
@@ -108,8 +117,13 @@ impl JobSpec {
 
     fn describe(&self) -> String {
         format!(
-            "nnodes {}:{}, max_restarts {}, last_call {} ms, lease {} ms",
-            self.min_nodes, self.max_nodes, self.max_restarts, self.last_call_ms, self.lease_ms
+            "nnodes {}:{}, max_restarts {}, last_call {} ms, lease {} ms{}",
+            self.min_nodes,
+            self.max_nodes,
+            self.max_restarts,
+            self.last_call_ms,
+            self.lease_ms,
+            if self.fixed_ranks { ", fixed node ranks" } else { "" }
         )
     }
 }
@@ -496,6 +510,15 @@ impl Effects {
     }
 }
 
+/// `host (addr, node id)` for messages that must tell nodes apart (several may share a host).
+fn node_label(hostname: &str, addrs: &[String], id: &str) -> String {
+    let name = if hostname.is_empty() { id } else { hostname };
+    match addrs.first() {
+        Some(a) if a != name => format!("{name} ({a}, node {id})"),
+        _ => format!("{name} (node {id})"),
+    }
+}
+
 /// Assigns node ranks `0..n` to the participants of a round.
 ///
 /// In order: a node's rank hint when in range and free (conflicts go to the smaller node id); then its
@@ -626,6 +649,9 @@ impl Job {
                 master_port: *master_port,
                 restart_count: self.restart_count,
                 max_restarts: self.spec.max_restarts,
+                // The executor fills in the TCPStore it hosts (I/O, not state).
+                store_addr: String::new(),
+                store_port: 0,
             }),
             node: Some(pb::NodeAssignment {
                 node_id: node.to_string(),
@@ -1230,6 +1256,29 @@ impl State {
                 job.spec.max_nodes
             )));
         }
+        // Fixed node ranks (static backend): a rank out of range is bad input; a rank another live
+        // node holds fails the job, naming both, so that no worker of it ever starts.
+        let mut duplicate = None;
+        if job.spec.fixed_ranks && !known {
+            let Some(want) = j.rank_hint.filter(|r| *r < job.spec.max_nodes) else {
+                return Err(RdzvError::invalid(
+                    "rank_hint",
+                    format!(
+                        "{:?}; job {:?} has fixed node ranks: every node names its rank in 0..{}",
+                        j.rank_hint, job.id, job.spec.max_nodes
+                    ),
+                ));
+            };
+            if let Some(holder) = job.nodes.values().find(|n| n.rank_hint == Some(want)) {
+                duplicate = Some(format!(
+                    "duplicate node rank {want}: {} and {} were both started with --node-rank {want}; give each of the {} nodes a distinct --node-rank in 0..{}",
+                    node_label(&holder.hostname, &holder.addrs, &holder.id),
+                    node_label(&j.hostname, &j.addrs, &j.node),
+                    job.spec.max_nodes,
+                    job.spec.max_nodes
+                ));
+            }
+        }
         let last_rank = job.nodes.get(&j.node).and_then(|n| n.last_rank);
         let node = Node {
             id: j.node.clone(),
@@ -1250,6 +1299,10 @@ impl State {
             return Ok((Outcome::Joined, Effects::default()));
         }
         job.nodes.insert(j.node.clone(), node);
+        if let Some(reason) = duplicate {
+            job.fail(reason, now);
+            return Ok((Outcome::Joined, Effects::changed()));
+        }
         let max = job.spec.max_nodes as usize;
         match &mut job.phase {
             Phase::Forming { joined, rejoining, .. } => {
@@ -1364,6 +1417,7 @@ impl State {
                     local_world_size: n.local_world_size,
                     rank_offset: member.map(|m| m.rank_offset as i32).unwrap_or(-1),
                     last_heartbeat_unix_ms: n.last_heartbeat,
+                    rank_hint: n.rank_hint,
                 }
             })
             .collect();

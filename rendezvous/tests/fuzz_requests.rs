@@ -55,7 +55,7 @@ fn call() -> impl Strategy<Value = Call> {
                 addrs,
                 local_world_size: lws % 5,
                 rank_hint: hint,
-                config: cfg.map(|(min, max, lc, lease, r)| pb::JobConfig { min_nodes: min, max_nodes: max, last_call_ms: lc % 100, lease_ms: lease, max_restarts: r % 3 }),
+                config: cfg.map(|(min, max, lc, lease, r)| pb::JobConfig { min_nodes: min, max_nodes: max, last_call_ms: lc % 100, lease_ms: lease, max_restarts: r % 3, fixed_ranks: r & 4 != 0 }),
                 timeout_ms,
                 master_port: port,
                 hostname: String::new(),

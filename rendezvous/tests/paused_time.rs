@@ -17,7 +17,7 @@ fn join_req(node: &str, min: u32, max: u32, timeout_ms: u64) -> pb::JoinRequest 
         addrs: vec!["10.0.0.1".into()],
         local_world_size: 1,
         rank_hint: None,
-        config: Some(pb::JobConfig { min_nodes: min, max_nodes: max, last_call_ms: 2_000, lease_ms: 1_000, max_restarts: 0 }),
+        config: Some(pb::JobConfig { min_nodes: min, max_nodes: max, last_call_ms: 2_000, lease_ms: 1_000, max_restarts: 0, fixed_ranks: false }),
         timeout_ms,
         master_port: 1234,
         hostname: node.into(),

@@ -16,7 +16,7 @@ use tonic::Code;
 const WAIT: Duration = Duration::from_secs(20);
 
 fn spec(min: u32, max: u32, lease_ms: u64) -> JobSpec {
-    JobSpec { min_nodes: min, max_nodes: max, last_call: Duration::from_millis(200), lease: Duration::from_millis(lease_ms), max_restarts: 1 }
+    JobSpec { min_nodes: min, max_nodes: max, last_call: Duration::from_millis(200), lease: Duration::from_millis(lease_ms), max_restarts: 1, fixed_ranks: false }
 }
 
 fn join_spec(job: &str, node: &str, spec: &JobSpec) -> JoinSpec {
@@ -291,7 +291,7 @@ async fn bad_requests_get_precise_statuses() {
             addrs: vec![junk(&mut rng)],
             local_world_size: rng.random(),
             rank_hint: Some(rng.random()),
-            config: Some(pb::JobConfig { min_nodes: rng.random(), max_nodes: rng.random(), last_call_ms: rng.random(), lease_ms: rng.random(), max_restarts: rng.random() }),
+            config: Some(pb::JobConfig { min_nodes: rng.random(), max_nodes: rng.random(), last_call_ms: rng.random(), lease_ms: rng.random(), max_restarts: rng.random(), fixed_ranks: rng.random() }),
             timeout_ms: rng.random_range(0..50),
             master_port: rng.random(),
             hostname: junk(&mut rng),

@@ -1,12 +1,18 @@
-//! Shared helpers for the end-to-end tests: find the built binaries, run them in temporary
-//! directories with deadlines, start a rendezvous daemon on a free loopback port, check processes.
+//! Shared helpers for the end-to-end tests: find (and build) the workspace binaries, run them in
+//! temporary directories with deadlines, start a rendezvous daemon on a free loopback port, check
+//! processes.
 //!
-//! The tests run the real `rsrun`, `hello` and `rsrun-rendezvous` binaries of this workspace. Build
-//! them first: `cargo build --workspace && cargo test -p rsrun-tests`.
+//! The tests run the real `rsrun`, `hello`, `train` and `rsrun-rendezvous` binaries of this
+//! workspace. `cargo test` builds binaries only for packages that have integration tests of their
+//! own, so the first call to [`bin`] in a test process runs `cargo build --workspace --all-targets`
+//! with the same cargo, profile and target directory: after `cargo test --workspace` that only
+//! links the missing binaries, after `cargo test -p rsrun-tests` it also brings stale ones up to
+//! date. No manual build step is needed.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 /// Generous deadline for a launcher run in a test (correctness, not speed).
@@ -19,11 +25,69 @@ pub fn target_dir() -> PathBuf {
     exe.parent().and_then(Path::parent).expect("target directory").to_owned()
 }
 
-/// Path of a workspace binary; panics with the build command when it is missing.
+/// Path of a workspace binary, built (once per test process) if missing or stale.
 pub fn bin(name: &str) -> PathBuf {
+    static BUILT: OnceLock<Result<(), String>> = OnceLock::new();
+    if let Err(err) = BUILT.get_or_init(build_workspace_binaries) {
+        panic!("{err}");
+    }
     let p = target_dir().join(name);
-    assert!(p.is_file(), "{} is not built: run `cargo build --workspace` before `cargo test -p rsrun-tests`", p.display());
+    assert!(p.is_file(), "{} is not built by `cargo build --workspace`: is {name:?} a binary of this workspace?", p.display());
     p
+}
+
+/// `cargo build --workspace --all-targets` into the test binary's own target directory and profile.
+///
+/// `--all-targets` resolves features exactly as `cargo test --workspace` does (dev-dependencies
+/// included), so nothing that the test run already compiled is compiled again.
+fn build_workspace_binaries() -> Result<(), String> {
+    if std::env::var_os("RSRUN_TESTS_NO_BUILD").is_some() {
+        return Ok(());
+    }
+    let profile_dir = target_dir();
+    let profile = profile_dir.file_name().and_then(|p| p.to_str()).unwrap_or("debug").to_owned();
+    let target_root = profile_dir.parent().ok_or("test binary outside a target directory")?.to_owned();
+    let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).parent().ok_or("tests/ has no parent")?.to_owned();
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| env!("CARGO").into());
+    let mut cmd = Command::new(&cargo);
+    cmd.current_dir(&workspace)
+        .args(["build", "--workspace", "--all-targets", "--quiet", "--target-dir"])
+        .arg(&target_root);
+    match profile.as_str() {
+        "debug" => {}
+        "release" => {
+            cmd.arg("--release");
+        }
+        other => {
+            cmd.args(["--profile", other]);
+        }
+    }
+    // What cargo sets for the test process itself describes this package, not the build.
+    for (k, _) in std::env::vars_os() {
+        let k = k.to_string_lossy();
+        if ["CARGO_PKG_", "CARGO_MANIFEST_", "CARGO_CRATE_", "CARGO_BIN_", "CARGO_PRIMARY_PACKAGE", "CARGO_TARGET_TMPDIR"]
+            .iter()
+            .any(|p| k.starts_with(p))
+        {
+            cmd.env_remove(&*k);
+        }
+    }
+    let started = Instant::now();
+    let out = cmd
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| format!("cannot run {} to build the workspace binaries: {e}", Path::new(&cargo).display()))?;
+    if !out.status.success() {
+        return Err(format!(
+            "`cargo build --workspace --all-targets` (for the e2e tests' binaries) failed with {}:\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        ));
+    }
+    if started.elapsed() > Duration::from_secs(5) {
+        eprintln!("e2e: built the workspace binaries in {:.1?}", started.elapsed());
+    }
+    Ok(())
 }
 
 /// A `rsrun` command running in `dir`, with a clean launcher environment.
@@ -202,15 +266,48 @@ impl Daemon {
     }
 }
 
-/// `python3` with torch importable, if any (`RSRUN_TEST_PYTHON` overrides the interpreter).
+/// `python3` with torch importable, if any. `RSRUN_TEST_PYTHON` names the interpreter (CI sets it,
+/// from `scripts/torch-venv.sh`); when it is set, torch must import — a broken venv fails the tests
+/// instead of skipping them.
 pub fn python_with_torch() -> Option<PathBuf> {
-    let py = std::env::var("RSRUN_TEST_PYTHON").unwrap_or_else(|_| "python3".into());
-    let ok = Command::new(&py)
-        .args(["-c", "import torch"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false);
+    let explicit = std::env::var("RSRUN_TEST_PYTHON").ok().filter(|p| !p.is_empty());
+    let py = explicit.clone().unwrap_or_else(|| "python3".into());
+    let out = Command::new(&py).args(["-c", "import torch, torch.distributed as d; assert d.is_available()"]).output();
+    let ok = out.as_ref().map(|o| o.status.success()).unwrap_or(false);
+    if !ok && explicit.is_some() {
+        panic!(
+            "RSRUN_TEST_PYTHON={py} cannot import torch.distributed: {}",
+            match &out {
+                Ok(o) => String::from_utf8_lossy(&o.stderr).into_owned(),
+                Err(e) => e.to_string(),
+            }
+        );
+    }
     ok.then(|| PathBuf::from(py))
+}
+
+/// A CA, and a certificate it signed for 127.0.0.1 and localhost, written into `dir`:
+/// `(ca.pem, cert.pem, key.pem)`.
+pub fn tls_files(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
+    let ca_key = KeyPair::generate().expect("CA key");
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    let ca_cert = ca_params.self_signed(&ca_key).expect("CA certificate");
+    let issuer = Issuer::new(ca_params, ca_key);
+    let leaf_key = KeyPair::generate().expect("leaf key");
+    let leaf = CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()])
+        .expect("leaf params")
+        .signed_by(&leaf_key, &issuer)
+        .expect("leaf certificate");
+    let (ca, cert, key) = (dir.join("ca.pem"), dir.join("cert.pem"), dir.join("key.pem"));
+    std::fs::write(&ca, ca_cert.pem()).expect("write ca.pem");
+    std::fs::write(&cert, leaf.pem()).expect("write cert.pem");
+    std::fs::write(&key, leaf_key.serialize_pem()).expect("write key.pem");
+    (ca, cert, key)
+}
+
+/// A loopback port that was free a moment ago (for flags that cannot take port 0).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0").local_addr().expect("local addr").port()
 }

@@ -128,7 +128,7 @@ mod tests {
                     addrs: vec!["127.0.0.1".into()],
                     local_world_size: 2,
                     rank_hint: None,
-                    config: JobSpec { min_nodes: 1, max_nodes: 1, last_call: Duration::ZERO, lease: Duration::from_secs(60), max_restarts: 0 },
+                    config: JobSpec { min_nodes: 1, max_nodes: 1, last_call: Duration::ZERO, lease: Duration::from_secs(60), max_restarts: 0, fixed_ranks: false },
                     timeout: Duration::from_secs(10),
                     master_port: 0,
                     hostname: "h".into(),

@@ -127,6 +127,7 @@ async fn main() -> anyhow::Result<()> {
                 last_call: Duration::ZERO,
                 lease: Duration::from_secs(300),
                 max_restarts: 0,
+                fixed_ranks: false,
             };
             let node = format!("agent-{i}");
             start_line.wait().await;

@@ -94,6 +94,24 @@ fn implicit_standalone_and_static() {
     let p = resolve(&["--nnodes", "2", "--node-rank", "1", "--master-addr", "h", "true"]).unwrap();
     assert_eq!(p.rdzv, RdzvPlan::Static { node_rank: 1, master_addr: "h".into(), master_port: 29500 });
     assert!(err(&["--nnodes", "2", "--node-rank", "2", "true"]).contains("--node-rank"));
+    // Static without --node-rank on several nodes: node rank 0, and a note that says so.
+    let p = resolve(&["--nnodes", "2", "--rdzv-backend", "static", "--master-addr", "h", "true"]).unwrap();
+    assert_eq!(p.rdzv, RdzvPlan::Static { node_rank: 0, master_addr: "h".into(), master_port: 29500 });
+    assert!(p.notes.iter().any(|n| n.contains("without --node-rank")), "{:?}", p.notes);
+}
+
+#[test]
+fn an_endpoint_without_backend_or_node_rank_means_c10d() {
+    // The README's cluster command: every node the same, ranks from the rendezvous.
+    let p = resolve(&["--nnodes", "2", "--rdzv-endpoint", "h:29400", "--rdzv-id", "j", "true"]).unwrap();
+    assert_eq!(p.rdzv, RdzvPlan::Daemon { endpoint: Endpoint { host: "h".into(), port: 29400 }, host: HostMode::Auto });
+    assert!(p.notes.iter().any(|n| n.contains("using c10d")), "{:?}", p.notes);
+    // With --node-rank it is torchrun's static backend at the endpoint.
+    let p = resolve(&["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "h:29400", "true"]).unwrap();
+    assert_eq!(p.rdzv, RdzvPlan::Static { node_rank: 1, master_addr: "h".into(), master_port: 29400 });
+    // PET_RDZV_BACKEND or the flag still decide.
+    let p = resolve(&["--nnodes", "2", "--rdzv-backend", "static", "--rdzv-endpoint", "h:29400", "true"]).unwrap();
+    assert!(matches!(p.rdzv, RdzvPlan::Static { node_rank: 0, .. }));
 }
 
 #[test]
@@ -202,8 +220,8 @@ fn job_ids_the_rendezvous_would_reject_are_plan_errors() {
     }
     // Implicit standalone (one node, no port) sends the id to the embedded service too.
     assert!(resolve(&["--rdzv-id", "a b", "true"]).is_err());
-    // The static backend sends it nowhere.
-    assert_eq!(resolve(&["--nnodes", "2", "--master-addr", "h", "--rdzv-id", "a b", "true"]).unwrap().job_id, "a b");
+    // So does the static backend (node rank 0 hosts a rendezvous).
+    assert!(resolve(&["--nnodes", "2", "--master-addr", "h", "--rdzv-id", "a b", "true"]).is_err());
 }
 
 #[test]

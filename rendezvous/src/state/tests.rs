@@ -7,7 +7,7 @@ const LEASE: u64 = 1_000;
 const LAST_CALL: u64 = 500;
 
 fn spec(min: u32, max: u32, restarts: u32) -> JobSpec {
-    JobSpec { min_nodes: min, max_nodes: max, last_call_ms: LAST_CALL, lease_ms: LEASE, max_restarts: restarts }
+    JobSpec { min_nodes: min, max_nodes: max, last_call_ms: LAST_CALL, lease_ms: LEASE, max_restarts: restarts, fixed_ranks: false }
 }
 
 fn join_cmd(node: &str, lws: u32, hint: Option<u32>, spec: &JobSpec) -> Command {
@@ -218,6 +218,46 @@ fn hints_are_honoured_and_conflicts_go_to_smaller_id() {
         w.ranks(),
         vec![("n1".to_string(), 0), ("n2".to_string(), 1), ("n0".to_string(), 2)],
     );
+}
+
+#[test]
+fn fixed_ranks_are_kept_and_a_duplicate_fails_the_job_naming_both() {
+    let mut w = World::new(3, 3, 2);
+    w.spec.fixed_ranks = true;
+    w.join_with("b", 1, Some(2)).unwrap();
+    w.join_with("a", 1, Some(1)).unwrap();
+    w.join_with("c", 1, Some(0)).unwrap();
+    // Ranks as named, not by node id.
+    assert_eq!(w.ranks(), vec![("c".to_string(), 0), ("a".to_string(), 1), ("b".to_string(), 2)]);
+
+    let mut w = World::new(3, 3, 2);
+    w.spec.fixed_ranks = true;
+    w.join_with("n0", 1, Some(0)).unwrap();
+    w.join_with("n1", 1, Some(1)).unwrap();
+    // A retried join of the same node is not a duplicate.
+    w.join_with("n1", 1, Some(1)).unwrap();
+    assert!(matches!(w.job().phase, Phase::Forming { .. }));
+    w.join_with("other", 1, Some(1)).unwrap();
+    assert!(matches!(w.job().phase, Phase::Failed { .. }), "{:?}", w.job().phase);
+    let reason = &w.job().reason;
+    assert!(reason.contains("duplicate node rank 1") && reason.contains("host-n1") && reason.contains("host-other"), "{reason}");
+    // Every node is refused with the reason from now on.
+    let e = w.join_with("n2", 1, Some(2)).unwrap_err().to_string();
+    assert!(e.contains("duplicate node rank 1"), "{e}");
+}
+
+#[test]
+fn fixed_ranks_need_a_rank_in_range_and_a_fixed_node_count() {
+    let mut w = World::new(2, 2, 0);
+    w.spec.fixed_ranks = true;
+    for hint in [None, Some(2)] {
+        let e = w.join_with("n0", 1, hint).unwrap_err().to_string();
+        assert!(e.contains("rank_hint") && e.contains("0..2"), "{e}");
+    }
+    let mut w = World::new(1, 2, 0);
+    w.spec.fixed_ranks = true;
+    let e = w.join_with("n0", 1, Some(0)).unwrap_err().to_string();
+    assert!(e.contains("fixed_ranks") && e.contains("1:2"), "{e}");
 }
 
 #[test]

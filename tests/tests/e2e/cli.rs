@@ -70,7 +70,7 @@ fn dry_run_prints_the_plan_and_starts_nothing() {
     let s = String::from_utf8_lossy(&out.stdout);
     for needle in [
         "job          : job9",
-        "static: MASTER_ADDR=10.0.0.1 MASTER_PORT=29555",
+        "static: node rank 0 hosts the rendezvous at 10.0.0.1:29555; fixed node ranks, verified",
         "worker rank 2 (local_rank 0, node_rank 1)",
         "worker rank 3 (local_rank 1, node_rank 1)",
         "lr=1",
@@ -79,7 +79,8 @@ fn dry_run_prints_the_plan_and_starts_nothing() {
         "    GROUP_RANK=1",
         "    LOCAL_WORLD_SIZE=2",
         "    MASTER_ADDR=10.0.0.1",
-        "    MASTER_PORT=29555",
+        "    MASTER_PORT=<port of the TCPStore the rendezvous serves for the round>",
+        "    RSRUN_RDZV_ENDPOINT=10.0.0.1:29555",
         "    TORCHELASTIC_RUN_ID=job9",
         "    OMP_NUM_THREADS=1",
     ] {

@@ -121,14 +121,18 @@ fn user_omp_num_threads_is_kept_and_single_worker_gets_none() {
 }
 
 #[test]
-fn static_backend_uses_master_addr_and_port() {
+fn static_backend_hosts_the_rendezvous_at_master_addr_and_port() {
     let dir = tempfile::tempdir().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
     let out = run(rsrun(dir.path())
-        .args(["--rdzv-backend", "static", "--master-addr", "127.0.0.1", "--master-port", "29777"])
+        .args(["--rdzv-backend", "static", "--master-addr", "127.0.0.1", "--master-port", &port])
         .args(["--nproc-per-node", "2", "sh", "-c", "cat /proc/self/environ > env.$RANK"]));
     assert_eq!(code(&out.status), 0, "{}", text(&out));
     let env = read_env(&dir.path().join("env.1"));
-    assert_eq!(env["MASTER_PORT"], "29777");
+    assert_eq!(env["MASTER_ADDR"], "127.0.0.1");
+    // Node rank 0 serves the rendezvous at --master-port; workers get a port of their own.
+    assert_eq!(env["RSRUN_RDZV_ENDPOINT"], format!("127.0.0.1:{port}"));
+    assert_ne!(env["MASTER_PORT"], port);
     assert_eq!(env["TORCHELASTIC_RUN_ID"], "none");
-    assert!(!env.contains_key("RSRUN_RDZV_ENDPOINT"));
+    assert_eq!((env["RANK"].as_str(), env["WORLD_SIZE"].as_str(), env["GROUP_RANK"].as_str()), ("1", "2", "0"));
 }

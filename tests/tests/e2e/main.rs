@@ -1,6 +1,7 @@
 //! End-to-end tests: real `rsrun` processes, real workers, real rendezvous daemons on loopback.
 //!
-//! Build the binaries first: `cargo build --workspace && cargo test -p rsrun-tests`.
+//! `cargo test --workspace` (or `cargo test -p rsrun-tests`) is all it takes: the first test that
+//! needs a binary builds the workspace's binaries (see `rsrun_tests::bin`).
 
 mod cli;
 mod env;
@@ -11,5 +12,6 @@ mod netns;
 mod rdzv_faults;
 mod restarts;
 mod signals;
+mod static_rdzv;
 mod torch;
 mod train;

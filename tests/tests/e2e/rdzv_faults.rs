@@ -5,7 +5,7 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use rsrun_tests::{Daemon, KillOnDrop, RUN_DEADLINE, alive, code, read_pids, rsrun, text, wait_until};
+use rsrun_tests::{Daemon, KillOnDrop, RUN_DEADLINE, alive, code, read_pids, rsrun, text, tls_files, wait_until};
 
 fn kill(pid: i32, sig: i32) {
     // SAFETY: plain kill(2).
@@ -85,26 +85,6 @@ fn a_daemon_gone_for_good_stops_the_workers_and_names_the_endpoint() {
     assert!(stderr.contains(&format!("lost contact with the rendezvous service at {addr}")), "{}", text(&out));
     assert!(!alive(worker), "worker {worker} survived");
     assert_eq!(read_pids(&pids_file).len(), 1, "workers were restarted against a dead daemon:\n{}", text(&out));
-}
-
-/// A CA, and a certificate it signed for 127.0.0.1 and localhost: (ca.pem, cert.pem, key.pem).
-fn tls_files(dir: &Path) -> (std::path::PathBuf, std::path::PathBuf, std::path::PathBuf) {
-    use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
-    let ca_key = KeyPair::generate().unwrap();
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    let ca_cert = ca_params.self_signed(&ca_key).unwrap();
-    let issuer = Issuer::new(ca_params, ca_key);
-    let leaf_key = KeyPair::generate().unwrap();
-    let leaf = CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()])
-        .unwrap()
-        .signed_by(&leaf_key, &issuer)
-        .unwrap();
-    let (ca, cert, key) = (dir.join("ca.pem"), dir.join("cert.pem"), dir.join("key.pem"));
-    std::fs::write(&ca, ca_cert.pem()).unwrap();
-    std::fs::write(&cert, leaf.pem()).unwrap();
-    std::fs::write(&key, leaf_key.serialize_pem()).unwrap();
-    (ca, cert, key)
 }
 
 #[test]

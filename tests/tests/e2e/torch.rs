@@ -1,6 +1,6 @@
 //! PyTorch compatibility: an unmodified `init_process_group("gloo")` with the default env:// init runs
 //! across two nodes. Runs when `python3 -c 'import torch'` works (or RSRUN_TEST_PYTHON points at such
-//! an interpreter; `scripts/test-torch.sh` makes one); skipped with a message otherwise.
+//! an interpreter; `scripts/torch-venv.sh` makes one); skipped with a message otherwise.
 
 use rsrun_tests::{Daemon, KillOnDrop, RUN_DEADLINE, code, python_with_torch, rsrun, text};
 
@@ -24,7 +24,7 @@ main()
 #[test]
 fn gloo_all_reduce_across_two_nodes() {
     let Some(python) = python_with_torch() else {
-        eprintln!("skipped: torch is not importable (run scripts/test-torch.sh to make a venv with torch)");
+        eprintln!("skipped: torch is not importable (run scripts/torch-venv.sh to make a venv with torch)");
         return;
     };
     let daemon = Daemon::start();

@@ -1,0 +1,242 @@
+//! Every shell command in README.md's fenced `sh` blocks is run here, as printed, with only what
+//! cannot run on one test machine substituted: host names become 127.0.0.1, fixed ports become free
+//! ports, system paths become temporary directories, and cluster-sized counts (nodes, workers,
+//! steps) shrink. A README command without a test here, or a test whose command is no longer in the
+//! README, fails `every_readme_command_is_run_by_a_test`.
+//!
+//! This is a test binary of its own so that the README's build command does not compete for the
+//! cores with the timing-sensitive end-to-end tests; inside it the tests take turns (`SERIAL`).
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use rsrun_tests::{KillOnDrop, RUN_DEADLINE, bin, code, free_port, text, tls_files};
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn workspace() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_owned()
+}
+
+/// The commands of README.md's fenced `sh` blocks: continuation lines joined, trailing comments cut.
+fn readme_commands() -> Vec<String> {
+    let text = std::fs::read_to_string(workspace().join("README.md")).unwrap();
+    let mut out = Vec::new();
+    let mut in_sh = false;
+    let mut pending = String::new();
+    for line in text.lines() {
+        let trimmed = line.trim_start();
+        if let Some(info) = trimmed.strip_prefix("```") {
+            in_sh = !in_sh && matches!(info.trim(), "sh" | "bash" | "shell" | "console");
+            continue;
+        }
+        if !in_sh {
+            continue;
+        }
+        let code = strip_comment(line);
+        let code = code.trim();
+        if code.is_empty() && pending.is_empty() {
+            continue;
+        }
+        match code.strip_suffix('\\') {
+            Some(head) => {
+                pending.push_str(head.trim());
+                pending.push(' ');
+            }
+            None => {
+                pending.push_str(code);
+                out.push(std::mem::take(&mut pending).trim().to_owned());
+            }
+        }
+    }
+    out
+}
+
+/// `cmd   # comment` → `cmd` (a `#` inside quotes or a word is kept).
+fn strip_comment(line: &str) -> String {
+    let (mut single, mut double) = (false, false);
+    let mut prev = ' ';
+    for (i, c) in line.char_indices() {
+        match c {
+            '\'' if !double => single = !single,
+            '"' if !single => double = !double,
+            '#' if !single && !double && prev.is_whitespace() => return line[..i].to_owned(),
+            _ => {}
+        }
+        prev = c;
+    }
+    line.to_owned()
+}
+
+/// Asserts that README.md shows `cmd` exactly, and returns it.
+fn readme(cmd: &str) -> String {
+    let cmds = readme_commands();
+    assert!(cmds.iter().any(|c| c == cmd), "README.md no longer shows {cmd:?}; its commands are:\n{cmds:#?}");
+    cmd.to_owned()
+}
+
+const QUICKSTART: &str =
+    "cargo build --release --workspace && ./target/release/rsrun --standalone --nproc-per-node 2 ./target/release/train --steps 60";
+const TEST_COMMAND: &str = "cargo test --workspace";
+const TORCH_SCRIPT: &str = "rsrun --standalone --nproc-per-node 4 train.py --lr 3e-4";
+const TORCH_MODULE: &str = "rsrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint head:29400 --rdzv-id job7 -m my.module";
+const TOKENS: &str = "openssl rand -hex 32 > /etc/rsrun/tokens";
+const DAEMON: &str = "rsrun-rendezvous serve --listen 0.0.0.0:29400 --token-file /etc/rsrun/tokens --data-dir /var/lib/rsrun --tls-cert cert.pem --tls-key key.pem --metrics-listen 0.0.0.0:9400";
+const CLUSTER_NODE: &str = "rsrun --nnodes 4 --nproc-per-node 8 --rdzv-endpoint head:29400 --rdzv-id job7 --rdzv-token-file /etc/rsrun/tokens --rdzv-tls-ca ca.pem --max-restarts 3 train --steps 1000";
+const STATIC_0: &str = "rsrun --nnodes 2 --node-rank 0 --master-addr head --master-port 29500 --nproc-per-node 8 train";
+const STATIC_1: &str = "rsrun --nnodes 2 --node-rank 1 --master-addr head --master-port 29500 --nproc-per-node 8 train";
+
+/// Every command a test below runs.
+const COVERED: &[&str] = &[QUICKSTART, TEST_COMMAND, TORCH_SCRIPT, TORCH_MODULE, TOKENS, DAEMON, CLUSTER_NODE, STATIC_0, STATIC_1];
+
+#[test]
+fn every_readme_command_is_run_by_a_test() {
+    let shown: BTreeSet<String> = readme_commands().into_iter().collect();
+    let covered: BTreeSet<String> = COVERED.iter().map(|s| s.to_string()).collect();
+    let untested: Vec<_> = shown.difference(&covered).collect();
+    let stale: Vec<_> = covered.difference(&shown).collect();
+    assert!(untested.is_empty(), "README.md commands that no test runs: {untested:#?}");
+    assert!(stale.is_empty(), "tests for commands README.md no longer shows: {stale:#?}");
+}
+
+/// `bash -c CMD` in `dir` with this build's binaries first on PATH (as after an install).
+fn shell(dir: &Path, cmd: &str) -> Command {
+    let bin_dir = bin("rsrun").parent().unwrap().to_owned();
+    let path = format!("{}:{}", bin_dir.display(), std::env::var("PATH").unwrap_or_default());
+    let mut c = Command::new("bash");
+    c.arg("-c").arg(cmd).current_dir(dir).env("PATH", path).env("RUST_BACKTRACE", "0");
+    for (k, _) in std::env::vars() {
+        if k.starts_with("PET_") || k.starts_with("TORCHELASTIC_") || k.starts_with("SLURM_") || k == "RSRUN_LOG" {
+            c.env_remove(k);
+        }
+    }
+    c
+}
+
+fn run_all(cmds: Vec<Command>, deadline: Duration) -> Vec<Output> {
+    let handles: Vec<_> = cmds
+        .into_iter()
+        .map(|mut c| {
+            let child = KillOnDrop::spawn(&mut c);
+            std::thread::spawn(move || child.output_within(deadline))
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+fn ok(outs: &[Output]) {
+    for o in outs {
+        assert_eq!(code(&o.status), 0, "{}", text(o));
+    }
+}
+
+fn stdout_of(outs: &[Output]) -> String {
+    outs.iter().map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).collect()
+}
+
+#[test]
+fn quickstart_builds_and_trains() {
+    let _turn = serial();
+    // As printed, in the repository root: the release build (minutes the first time) and the run.
+    let out = run_all(vec![shell(&workspace(), &readme(QUICKSTART))], Duration::from_secs(3600)).remove(0);
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    let all = text(&out);
+    assert!(all.contains("summary:") && all.contains("params_sha256="), "{all}");
+    assert!(all.contains("metrics.jsonl") && all.contains("loss.svg"), "{all}");
+}
+
+#[test]
+fn readme_test_command_is_what_ci_runs() {
+    let cmd = readme(TEST_COMMAND);
+    // This command runs this test: CI runs it, verbatim, on a fresh clone.
+    let ci = std::fs::read_to_string(workspace().join(".ci/run")).unwrap();
+    assert!(ci.lines().any(|l| l.trim() == cmd), ".ci/run does not run {cmd:?}:\n{ci}");
+}
+
+#[test]
+fn pytorch_script_and_module_commands() {
+    let _turn = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let probe = "import os, sys\nprint(f\"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']} args {sys.argv[1:]}\", flush=True)\n";
+    std::fs::write(dir.path().join("train.py"), probe).unwrap();
+    std::fs::create_dir_all(dir.path().join("my")).unwrap();
+    std::fs::write(dir.path().join("my/__init__.py"), "").unwrap();
+    std::fs::write(dir.path().join("my/module.py"), probe).unwrap();
+
+    let outs = run_all(vec![shell(dir.path(), &readme(TORCH_SCRIPT))], RUN_DEADLINE);
+    ok(&outs);
+    let s = stdout_of(&outs);
+    for r in 0..4 {
+        assert!(s.contains(&format!("rank {r} of 4 args ['--lr', '3e-4']")), "{s}");
+    }
+
+    let cmd = readme(TORCH_MODULE).replace("head:29400", &format!("127.0.0.1:{}", free_port()));
+    let outs = run_all(vec![shell(dir.path(), &cmd), shell(dir.path(), &cmd)], RUN_DEADLINE);
+    ok(&outs);
+    let s = stdout_of(&outs);
+    for r in 0..16 {
+        assert!(s.contains(&format!("rank {r} of 16 args []")), "{s}");
+    }
+}
+
+#[test]
+fn cluster_daemon_with_tokens_tls_and_two_nodes() {
+    let _turn = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    tls_files(d);
+    std::fs::create_dir_all(d.join("etc/rsrun")).unwrap();
+    let (port, metrics) = (free_port().to_string(), free_port().to_string());
+    let paths = |c: &str| c.replace("/etc/rsrun", &d.join("etc/rsrun").display().to_string()).replace("/var/lib/rsrun", &d.join("var/lib/rsrun").display().to_string());
+
+    let out = run_all(vec![shell(d, &paths(&readme(TOKENS)))], RUN_DEADLINE).remove(0);
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    assert_eq!(std::fs::read_to_string(d.join("etc/rsrun/tokens")).unwrap().trim().len(), 64);
+
+    // The daemon listens on every interface, as documented; the test only talks to 127.0.0.1.
+    let daemon_cmd = paths(&readme(DAEMON)).replace(":29400", &format!(":{port}")).replace(":9400", &format!(":{metrics}"));
+    let mut daemon = shell(d, &format!("exec {daemon_cmd}"));
+    let daemon = KillOnDrop::spawn(&mut daemon);
+    let up = rsrun_tests::wait_until(Duration::from_secs(30), || std::net::TcpStream::connect(("127.0.0.1", port.parse::<u16>().unwrap())).is_ok());
+    assert!(up, "the daemon did not listen on {port}");
+
+    // Every node runs the same command: a small cluster (2 nodes × 1 worker, 3 steps) on one host.
+    let node = paths(&readme(CLUSTER_NODE))
+        .replace("head:29400", &format!("127.0.0.1:{port}"))
+        .replace("--nnodes 4 --nproc-per-node 8", "--nnodes 2 --nproc-per-node 1")
+        .replace("--steps 1000", "--steps 3");
+    let outs = run_all(vec![shell(d, &node), shell(d, &node)], RUN_DEADLINE * 3);
+    ok(&outs);
+    assert!(text(&outs[0]).contains("summary:") || text(&outs[1]).contains("summary:"), "{}\n{}", text(&outs[0]), text(&outs[1]));
+
+    // The durable state is where the README says.
+    assert!(d.join("var/lib/rsrun/format").is_file());
+    drop(daemon);
+}
+
+#[test]
+fn static_backend_pair() {
+    let _turn = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port().to_string();
+    let small = |c: &str| {
+        c.replace("--master-addr head", "--master-addr 127.0.0.1")
+            .replace("29500", &port)
+            .replace("--nproc-per-node 8", "--nproc-per-node 1")
+            .replace(" train", " train --steps 3")
+    };
+    let outs = run_all(
+        vec![shell(dir.path(), &small(&readme(STATIC_1))), shell(dir.path(), &small(&readme(STATIC_0)))],
+        RUN_DEADLINE * 3,
+    );
+    ok(&outs);
+    // Node rank 0 runs global rank 0: its launcher shows the summary.
+    assert!(text(&outs[1]).contains("summary:"), "{}", text(&outs[1]));
+}
