@@ -5,10 +5,13 @@
 //! strings. [`crate::plan::LaunchPlan::resolve`] validates it and turns it into a plan; that is where
 //! every semantic error (bad `--nnodes`, unknown program, ...) is reported.
 
+use std::collections::BTreeMap;
+use std::ffi::OsString;
 use std::path::PathBuf;
 
-use clap::Parser;
 use clap::builder::BoolishValueParser;
+use clap::parser::ValueSource;
+use clap::{CommandFactory, FromArgMatches, Parser};
 
 /// `rsrun [OPTIONS] PROGRAM [ARGS...]`: a torchrun-compatible launcher.
 ///
@@ -265,6 +268,28 @@ pub struct LaunchArgs {
     pub print_completion: Option<String>,
 
     // ------------------------------------------------------------------------------------------------
+    // rsrun: the cluster path
+    /// Hostfile: one host per line, `host slots=N`, `host:N`, a bare `host` (slots from
+    /// --nproc-per-node, else detected on the host), Slurm hostlists `node[01-04] slots=8`, `#`
+    /// comments. File order is node order. The job is started on every host over ssh.
+    #[arg(long, env = "RSRUN_HOSTFILE", value_name = "FILE", help_heading = "Cluster")]
+    pub hostfile: Option<PathBuf>,
+
+    /// Host list `h1:2,h2:4` (hostlists `n[1-4]:8` and `[ipv6]:N` allowed); like --hostfile.
+    #[arg(short = 'H', long, env = "RSRUN_HOSTS", value_name = "HOST[:N],...", help_heading = "Cluster")]
+    pub hosts: Option<String>,
+
+    /// Use only these hosts and slots of the host table: `w1`, `w0@w1:0,2`, `w[0-3]:0-1`.
+    #[arg(short = 'i', long, env = "RSRUN_INCLUDE", value_name = "HOST[:SLOTS]@...",
+          help_heading = "Cluster")]
+    pub include: Option<String>,
+
+    /// Leave out these hosts or slots of the host table: `w1`, `w1:0`, `w[0-1]`.
+    #[arg(short = 'e', long, env = "RSRUN_EXCLUDE", value_name = "HOST[:SLOTS]@...",
+          help_heading = "Cluster")]
+    pub exclude: Option<String>,
+
+    // ------------------------------------------------------------------------------------------------
     // rsrun
     /// Print the resolved plan (nodes, ranks, environment and command line per worker) and exit.
     #[arg(long = "dry-run", alias = "dry_run", env = "PET_DRY_RUN",
@@ -277,9 +302,81 @@ pub struct LaunchArgs {
     #[arg(value_name = "PROGRAM [ARGS]", required = true, num_args = 1.., trailing_var_arg = true,
           allow_hyphen_values = true)]
     pub command: Vec<String>,
+
+    /// Where each option's value came from (filled by [`LaunchArgs::parse_with_origins`]).
+    #[arg(skip)]
+    pub origins: ArgOrigins,
+}
+
+/// Where an option's value came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Origin {
+    /// Typed on the command line.
+    CommandLine,
+    /// Read from this environment variable (`PET_NNODES`, `RSRUN_HOSTFILE`).
+    Env(String),
+    /// The default (or not given at all).
+    Default,
+}
+
+/// The origin of every option that was given, by clap id (the field name). Options not listed have
+/// their default. Plain `Parser::parse` leaves this empty: use [`LaunchArgs::parse_with_origins`]
+/// wherever cluster detection matters (explicit options take precedence over Slurm and Kubernetes).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ArgOrigins(BTreeMap<String, Origin>);
+
+impl ArgOrigins {
+    /// Records that option `id` came from `origin`.
+    pub fn set(&mut self, id: &str, origin: Origin) {
+        self.0.insert(id.to_owned(), origin);
+    }
 }
 
 impl LaunchArgs {
+    /// Parses the process's arguments like `Parser::parse` (printing usage errors and exiting 2), and
+    /// records where each value came from.
+    pub fn parse_with_origins() -> Self {
+        Self::try_parse_with_origins_from(std::env::args_os()).unwrap_or_else(|e| e.exit())
+    }
+
+    /// Parses `argv` (with the program name first) and records where each value came from.
+    ///
+    /// # Errors
+    /// clap's usage errors.
+    pub fn try_parse_with_origins_from<I, T>(argv: I) -> Result<Self, clap::Error>
+    where
+        I: IntoIterator<Item = T>,
+        T: Into<OsString> + Clone,
+    {
+        let cmd = Self::command();
+        let envs: BTreeMap<String, String> = cmd
+            .get_arguments()
+            .filter_map(|a| Some((a.get_id().to_string(), a.get_env()?.to_string_lossy().into_owned())))
+            .collect();
+        let matches = cmd.try_get_matches_from(argv)?;
+        let mut args = Self::from_arg_matches(&matches)?;
+        for id in matches.ids() {
+            let id = id.as_str();
+            let origin = match matches.value_source(id) {
+                Some(ValueSource::CommandLine) => Origin::CommandLine,
+                Some(ValueSource::EnvVariable) => Origin::Env(envs.get(id).cloned().unwrap_or_default()),
+                _ => continue,
+            };
+            args.origins.set(id, origin);
+        }
+        Ok(args)
+    }
+
+    /// Where option `id` (the field name, e.g. `nnodes`) came from.
+    pub fn origin(&self, id: &str) -> Origin {
+        self.origins.0.get(id).cloned().unwrap_or(Origin::Default)
+    }
+
+    /// Whether option `id` was given, on the command line or in the environment.
+    pub fn given(&self, id: &str) -> bool {
+        self.origin(id) != Origin::Default
+    }
+
     /// The program (first word of the command).
     pub fn program(&self) -> &str {
         self.command.first().map(String::as_str).unwrap_or("")

@@ -4,6 +4,7 @@
 use std::fmt::Write as _;
 
 use crate::env::{RoundAssignment, worker_env};
+use crate::multinode::{HostTable, LaunchMode, Slots};
 use crate::plan::{GpuBind, HostMode, LaunchPlan, RdzvPlan};
 
 /// Renders the plan. For elastic backends, ranks are only known once the round forms; the text shows
@@ -13,9 +14,12 @@ pub fn render(plan: &LaunchPlan) -> String {
     let nproc = plan.nproc_per_node;
     let (node_rank, num_nodes, exact) = match &plan.rdzv {
         RdzvPlan::Static { node_rank, .. } => (*node_rank, plan.nodes.max, true),
+        RdzvPlan::Standalone if plan.hosts.is_some() => (0, plan.nodes.max, true),
         RdzvPlan::Standalone => (0, 1, true),
         RdzvPlan::Daemon { .. } => (plan.rank_hint.unwrap_or(0).min(plan.nodes.max - 1), plan.nodes.max, false),
     };
+    // Nodes may differ in slots (a host table): the table's world size is the truth.
+    let world_size = plan.hosts.as_ref().and_then(HostTable::world_size).unwrap_or(num_nodes * nproc);
     let _ = writeln!(s, "rsrun dry run (nothing is started)");
     let _ = writeln!(s, "job          : {}", plan.job_id);
     let rdzv = match &plan.rdzv {
@@ -37,7 +41,23 @@ pub fn render(plan: &LaunchPlan) -> String {
             if *node_rank == 0 { " (this node)" } else { "" }
         ),
     };
+    let _ = writeln!(s, "launch       : {}", plan.mode);
+    if let LaunchMode::SlurmC { srun } = &plan.mode {
+        let _ = writeln!(s, "srun         : {} <absolute path of rsrun> <the same arguments>", srun.join(" "));
+    }
+    let rdzv = match (&plan.mode, &plan.rdzv) {
+        (LaunchMode::Hosts, RdzvPlan::Standalone) => {
+            "embedded in this launcher, bound to the address that routes to the hosts (ssh launcher)".to_owned()
+        }
+        _ => rdzv,
+    };
     let _ = writeln!(s, "rendezvous   : {rdzv}");
+    for src in &plan.sources {
+        let _ = writeln!(s, "source       : {} = {} ({})", src.name, src.value, src.source);
+    }
+    if let Some(table) = &plan.hosts {
+        render_table(&mut s, table);
+    }
     let _ = writeln!(
         s,
         "nodes        : {}{}",
@@ -51,7 +71,7 @@ pub fn render(plan: &LaunchPlan) -> String {
     let _ = writeln!(
         s,
         "workers      : {nproc} per node, world size {}{}",
-        num_nodes * nproc,
+        world_size,
         if exact { "" } else { " (at MAX nodes)" }
     );
     let _ = writeln!(s, "restarts     : {} (one budget for the whole job)", plan.max_restarts);
@@ -89,7 +109,7 @@ pub fn render(plan: &LaunchPlan) -> String {
         num_nodes,
         rank_offset: node_rank * nproc,
         local_world_size: nproc,
-        world_size: num_nodes * nproc,
+        world_size,
         master_addr: String::new(),
         master_port: 0,
         agent_store: true,
@@ -106,7 +126,17 @@ pub fn render(plan: &LaunchPlan) -> String {
         let rank = a.rank(local_rank);
         let error_file = plan.logs.worker_dir(&plan.job_id, 0, rank).map(|d| d.join("error.json"));
         let _ = writeln!(s);
-        let _ = writeln!(s, "worker rank {rank} (local_rank {local_rank}, node_rank {node_rank}):");
+        match &plan.task_ranks {
+            Some(t) => {
+                let _ = writeln!(s, "worker rank {rank} (local_rank {}, node_rank {}; from srun):", t.local_rank, t.node_rank);
+            }
+            None if plan.hosts.is_some() => {
+                let _ = writeln!(s, "worker rank {rank} (local_rank {local_rank}, node_rank {node_rank}; as started on the first host):");
+            }
+            None => {
+                let _ = writeln!(s, "worker rank {rank} (local_rank {local_rank}, node_rank {node_rank}):");
+            }
+        }
         let argv = plan.program.argv(local_rank);
         let cmd: Vec<String> =
             std::iter::once(plan.program.exe.display().to_string()).chain(argv).map(|a| shell_quote(&a)).collect();
@@ -133,6 +163,28 @@ pub fn render(plan: &LaunchPlan) -> String {
         let _ = writeln!(s, "    RSRUN_PROGRESS_FD=<fd of the progress socket>");
     }
     s
+}
+
+/// The node table: host, node rank, slots, devices, global ranks, where it was listed.
+fn render_table(s: &mut String, table: &HostTable) {
+    let world = table.world_size().map(|w| w.to_string()).unwrap_or_else(|| "known after preflight".into());
+    let _ = writeln!(s, "hosts        : {} nodes from {}, world size {world}", table.entries.len(), table.origin);
+    let width = table.entries.iter().map(|e| e.host.len()).max().unwrap_or(4).max(4);
+    let _ = writeln!(s, "  {:<4}  {:<width$}  {:<5}  {:<9}  {:<11}  source", "node", "host", "slots", "devices", "ranks");
+    for (i, (e, ranks)) in table.entries.iter().zip(table.rank_ranges()).enumerate() {
+        let devices = match (&e.devices, e.slots) {
+            (Some(d), _) => cpu_list(&d.iter().map(|x| *x as usize).collect::<Vec<_>>()),
+            (None, Slots::Count(n)) if n > 1 => format!("0-{}", n - 1),
+            (None, Slots::Count(_)) => "0".to_owned(),
+            (None, Slots::Auto) => "all".to_owned(),
+        };
+        let ranks = match ranks {
+            Some(r) if r.len() == 1 => r.start.to_string(),
+            Some(r) => format!("{}-{}", r.start, r.end - 1),
+            None => "after preflight".to_owned(),
+        };
+        let _ = writeln!(s, "  {i:<4}  {:<width$}  {:<5}  {devices:<9}  {ranks:<11}  {}", e.host, e.slots.to_string(), e.source);
+    }
 }
 
 fn shell_quote(s: &str) -> String {

@@ -76,17 +76,23 @@ pub fn worker_env(
     error_file: Option<&Path>,
 ) -> Vec<(String, String)> {
     let rank = a.rank(local_rank);
-    let visible_local_rank = if plan.virtual_local_rank { 0 } else { local_rank };
+    // Slurm mode B: srun started this process as one rank, and Slurm's numbering is the truth for
+    // the local and node-level names (the static backend sees one worker per task).
+    let (local_rank_shown, local_world, group_rank, group_world) = match &plan.task_ranks {
+        Some(t) => (t.local_rank, t.local_world_size, t.node_rank, t.num_nodes),
+        None => (local_rank, a.local_world_size, a.node_rank, a.num_nodes),
+    };
+    let visible_local_rank = if plan.virtual_local_rank { 0 } else { local_rank_shown };
     let mut env: Vec<(String, String)> = vec![
         ("LOCAL_RANK".into(), visible_local_rank.to_string()),
         ("RANK".into(), rank.to_string()),
-        ("GROUP_RANK".into(), a.node_rank.to_string()),
+        ("GROUP_RANK".into(), group_rank.to_string()),
         // One role per job: role rank and world are the global ones.
         ("ROLE_RANK".into(), rank.to_string()),
         ("ROLE_NAME".into(), plan.role.clone()),
-        ("LOCAL_WORLD_SIZE".into(), a.local_world_size.to_string()),
+        ("LOCAL_WORLD_SIZE".into(), local_world.to_string()),
         ("WORLD_SIZE".into(), a.world_size.to_string()),
-        ("GROUP_WORLD_SIZE".into(), a.num_nodes.to_string()),
+        ("GROUP_WORLD_SIZE".into(), group_world.to_string()),
         ("ROLE_WORLD_SIZE".into(), a.world_size.to_string()),
         ("MASTER_ADDR".into(), a.master_addr.clone()),
         ("MASTER_PORT".into(), a.master_port.to_string()),

@@ -22,6 +22,7 @@ pub mod daemon;
 pub mod dry_run;
 pub mod env;
 pub mod logs;
+pub mod multinode;
 pub mod plan;
 pub mod rdzv;
 pub mod report;

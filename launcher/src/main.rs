@@ -7,9 +7,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use clap::Parser;
 use rsrun_launcher::cli::LaunchArgs;
 use rsrun_launcher::logs::ConsoleEvent;
+use rsrun_launcher::multinode::LaunchMode;
 use rsrun_launcher::signals::Signals;
 use rsrun_launcher::worker::Guardian;
 use rsrun_launcher::{HostInfo, LaunchPlan, RunContext};
@@ -18,7 +18,7 @@ use tokio_util::sync::CancellationToken;
 
 fn main() -> ExitCode {
     // clap prints usage errors itself and exits 2.
-    let args = LaunchArgs::parse();
+    let args = LaunchArgs::parse_with_origins();
     init_tracing();
     let plan = match LaunchPlan::resolve(&args, &HostInfo::probe()) {
         Ok(plan) => plan,
@@ -38,6 +38,16 @@ fn main() -> ExitCode {
     for note in &plan.notes {
         eprintln!("rsrun: {note}");
     }
+    match &plan.mode {
+        LaunchMode::SlurmC { srun } => return exec_under_srun(srun),
+        LaunchMode::Hosts => {
+            eprintln!(
+                "rsrun: error: starting the hosts of --hostfile/-H over ssh is not available in this build yet; --dry-run shows the plan"
+            );
+            return ExitCode::from(2);
+        }
+        _ => {}
+    }
     match launch(plan) {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
         Err(err) => {
@@ -45,6 +55,26 @@ fn main() -> ExitCode {
             ExitCode::from(1)
         }
     }
+}
+
+/// Slurm mode C: replaces this process with `srun ... <this rsrun> <the same arguments>`; each task
+/// then runs in mode A.
+fn exec_under_srun(srun: &[String]) -> ExitCode {
+    use std::os::unix::process::CommandExt;
+    let exe = match std::env::current_exe() {
+        Ok(exe) => exe,
+        Err(err) => {
+            eprintln!("rsrun: error: cannot find this rsrun's path for srun: {err}");
+            return ExitCode::from(2);
+        }
+    };
+    let err = std::process::Command::new(&srun[0])
+        .args(&srun[1..])
+        .arg(exe)
+        .args(std::env::args_os().skip(1))
+        .exec();
+    eprintln!("rsrun: error: cannot run {}: {err}", srun[0]);
+    ExitCode::from(2)
 }
 
 fn launch(plan: LaunchPlan) -> anyhow::Result<i32> {

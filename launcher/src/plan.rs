@@ -11,6 +11,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::cli::LaunchArgs;
+use crate::multinode::{self, HostTable, LaunchMode, Source, Sourced, TaskRanks};
 use crate::signals::SignalPolicy;
 
 /// The default port of the rendezvous daemon (torchrun's c10d default).
@@ -37,6 +38,26 @@ pub enum PlanError {
     /// The program cannot be found or run.
     #[error("{0}")]
     Program(String),
+    /// A hostfile, host list, `--include`/`--exclude`, Slurm or Kubernetes problem; the message is
+    /// complete (multinode.md §1.5).
+    #[error("{0}")]
+    Hosts(String),
+    /// A malformed hostlist expression (`n[3-1]`): the token and why.
+    #[error("invalid hostlist \"{list}\": {reason}")]
+    Hostlist {
+        /// The offending token.
+        list: String,
+        /// Why it is wrong.
+        reason: String,
+    },
+    /// An error found at a place: `hostfile ./hosts:3`, `-H "w1,w2:4"`, `SLURM_STEP_NODELIST=...`.
+    #[error("{place}: {error}")]
+    At {
+        /// Where.
+        place: String,
+        /// What.
+        error: Box<PlanError>,
+    },
 }
 
 fn invalid(flag: &'static str, value: &str, expected: impl Into<String>) -> PlanError {
@@ -551,6 +572,17 @@ pub struct LaunchPlan {
     pub notes: Vec<String>,
     /// Print the plan and exit.
     pub dry_run: bool,
+    /// How the job is launched: single node, c10d, static, hostfile/ssh, Slurm A/B/C, Kubernetes.
+    pub mode: LaunchMode,
+    /// The node table of `--hostfile` / `-H` (after `--include`/`--exclude`, `--nnodes`,
+    /// `--nproc-per-node`), in node-rank order; the ssh launcher starts one agent per entry.
+    pub hosts: Option<HostTable>,
+    /// Slurm mode B: srun started this process as one rank; RANK, LOCAL_RANK, LOCAL_WORLD_SIZE,
+    /// GROUP_RANK and GROUP_WORLD_SIZE come from Slurm (the static backend runs one worker).
+    pub task_ranks: Option<TaskRanks>,
+    /// The resolved topology values and where each came from (flag, `PET_*`, `SLURM_*`, hostfile
+    /// line), in display order.
+    pub sources: Vec<Sourced>,
 }
 
 /// Parses `30`, `2.5`, `500ms`, `30s`, `5m`, `1h`.
@@ -889,8 +921,18 @@ impl LaunchPlan {
     /// The first user error found.
     pub fn resolve(args: &LaunchArgs, host: &HostInfo) -> Result<LaunchPlan, PlanError> {
         let mut notes = Vec::new();
-        let nodes = NodeRange::parse(&args.nnodes)?;
-        let nproc_per_node = parse_nproc(&args.nproc_per_node, host)?;
+        // The cluster path first: a host table, Slurm, Kubernetes (explicit options > Slurm >
+        // Kubernetes/PET_*); what it leaves undecided comes from the options below.
+        let cluster = multinode::resolve(args, host)?;
+        notes.extend(cluster.notes.iter().cloned());
+        let nodes = match cluster.nodes {
+            Some(n) => n,
+            None => NodeRange::parse(&args.nnodes)?,
+        };
+        let nproc_per_node = match cluster.nproc_per_node {
+            Some(n) => n,
+            None => parse_nproc(&args.nproc_per_node, host)?,
+        };
         let program = resolve_program(args, host, &mut notes)?;
         let rconf = parse_rdzv_conf(&args.rdzv_conf, &mut notes)?;
 
@@ -912,7 +954,10 @@ impl LaunchPlan {
             b => b,
         };
         let mut rank_hint = None;
-        let (rdzv, job_id) = if args.standalone {
+        let (rdzv, job_id) = if let Some((rdzv, job_id, hint)) = cluster.rdzv.clone() {
+            rank_hint = hint;
+            (rdzv, job_id)
+        } else if args.standalone {
             if nodes.max > 1 {
                 return Err(PlanError::Conflict(format!(
                     "--standalone runs a single node, but --nnodes is {nodes}"
@@ -1194,6 +1239,13 @@ impl LaunchPlan {
             extra_env.push(("TORCH_NCCL_ASYNC_ERROR_HANDLING".to_owned(), "1".to_owned()));
         }
 
+        let mode = match (&cluster.mode, &rdzv) {
+            (LaunchMode::SingleNode, RdzvPlan::Static { .. }) => LaunchMode::Static,
+            (LaunchMode::SingleNode, RdzvPlan::Daemon { .. }) => LaunchMode::Rendezvous,
+            (m, _) => m.clone(),
+        };
+        let sources = topology_sources(args, &cluster, nodes, nproc_per_node, &rdzv, &job_id);
+
         Ok(LaunchPlan {
             job_id,
             rdzv,
@@ -1217,8 +1269,62 @@ impl LaunchPlan {
             extra_env,
             notes,
             dry_run: args.dry_run,
+            mode,
+            hosts: cluster.hosts,
+            task_ranks: cluster.task_ranks,
+            sources,
         })
     }
+}
+
+/// The cluster path's sources, completed with the options' own for the values it left to them.
+fn topology_sources(
+    args: &LaunchArgs,
+    cluster: &multinode::Cluster,
+    nodes: NodeRange,
+    nproc: u32,
+    rdzv: &RdzvPlan,
+    job_id: &str,
+) -> Vec<Sourced> {
+    let mut out = cluster.sources.clone();
+    let has = |out: &[Sourced], name: &str| out.iter().any(|s| s.name == name);
+    let opt = |id: &str, flag: &str| multinode::option_source(args, id, flag);
+    if !has(&out, "nnodes") {
+        out.push(Sourced { name: "nnodes", value: nodes.to_string(), source: opt("nnodes", "--nnodes") });
+    }
+    if !has(&out, "nproc per node") && cluster.hosts.is_none() {
+        out.push(Sourced {
+            name: "nproc per node",
+            value: nproc.to_string(),
+            source: opt("nproc_per_node", "--nproc-per-node"),
+        });
+    }
+    match rdzv {
+        RdzvPlan::Static { node_rank, master_addr, master_port } => {
+            if !has(&out, "node rank") && !has(&out, "rank") {
+                out.push(Sourced { name: "node rank", value: node_rank.to_string(), source: opt("node_rank", "--node-rank") });
+            }
+            if !has(&out, "MASTER_ADDR") {
+                let source = if args.master_addr.is_some() { opt("master_addr", "--master-addr") } else { opt("rdzv_endpoint", "--rdzv-endpoint") };
+                out.push(Sourced { name: "MASTER_ADDR", value: master_addr.clone(), source });
+            }
+            if !has(&out, "MASTER_PORT") && !has(&out, "rendezvous port") {
+                let source = if args.master_port.is_some() { opt("master_port", "--master-port") } else { opt("rdzv_endpoint", "--rdzv-endpoint") };
+                out.push(Sourced { name: "MASTER_PORT", value: master_port.to_string(), source });
+            }
+        }
+        RdzvPlan::Daemon { endpoint, .. } => {
+            if !has(&out, "rendezvous") {
+                out.push(Sourced { name: "rendezvous", value: endpoint.to_string(), source: opt("rdzv_endpoint", "--rdzv-endpoint") });
+            }
+        }
+        RdzvPlan::Standalone => {}
+    }
+    if !has(&out, "run id") && !matches!(rdzv, RdzvPlan::Standalone) {
+        let source = if args.rdzv_id.is_some() { opt("rdzv_id", "--rdzv-id") } else { Source::Default };
+        out.push(Sourced { name: "run id", value: job_id.to_owned(), source });
+    }
+    out
 }
 
 #[cfg(test)]

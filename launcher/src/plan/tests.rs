@@ -1,5 +1,4 @@
 use super::*;
-use clap::Parser;
 
 /// A host with 4 CPUs, 2 NUMA nodes, no GPU, and PATH containing /bin and /usr/bin.
 pub(crate) fn host() -> HostInfo {
@@ -15,9 +14,38 @@ pub(crate) fn host() -> HostInfo {
     }
 }
 
-/// Parses argv (without the program name) with a clean `PET_*`-free environment.
+/// Parses argv (without the program name) with a clean `PET_*`-free environment, recording origins
+/// as the binary does.
 pub(crate) fn parse(args: &[&str]) -> LaunchArgs {
-    LaunchArgs::try_parse_from(std::iter::once("rsrun").chain(args.iter().copied())).unwrap()
+    LaunchArgs::try_parse_with_origins_from(std::iter::once("rsrun").chain(args.iter().copied())).unwrap()
+}
+
+/// Parses argv as the binary would inside an environment `env`: every `PET_<NAME>` in it becomes
+/// the option `--<name>` unless argv already has it (clap's fallback), with its origin recorded as
+/// that variable; the host's environment is `env` plus `host()`'s.
+pub(crate) fn parse_env(args: &[&str], env: &[(&str, &str)]) -> (LaunchArgs, HostInfo) {
+    let mut argv: Vec<String> = vec!["rsrun".into()];
+    let mut from_env = Vec::new();
+    let (opts, program) = args.split_at(args.len() - 1);
+    argv.extend(opts.iter().map(|s| s.to_string()));
+    for (k, v) in env {
+        if let Some(name) = k.strip_prefix("PET_") {
+            let id = name.to_ascii_lowercase();
+            let flag = format!("--{}", id.replace('_', "-"));
+            if !opts.iter().any(|o| *o == flag || o.starts_with(&format!("{flag}="))) {
+                argv.push(format!("{flag}={v}"));
+                from_env.push((id, k.to_string()));
+            }
+        }
+    }
+    argv.push(program[0].to_owned());
+    let mut a = LaunchArgs::try_parse_with_origins_from(argv).unwrap();
+    for (id, var) in from_env {
+        a.origins.set(&id, crate::cli::Origin::Env(var));
+    }
+    let mut h = host();
+    h.env.extend(env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+    (a, h)
 }
 
 fn resolve(args: &[&str]) -> Result<LaunchPlan, PlanError> {

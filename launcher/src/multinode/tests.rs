@@ -1,0 +1,486 @@
+//! Dry-run fixtures: Slurm modes A, B and C, `--preserve-env`, and Kubernetes v1-static, v1-elastic
+//! and v2, resolved through `LaunchPlan::resolve` with a constructed environment.
+
+use super::*;
+use crate::dry_run::render;
+use crate::plan::tests::parse_env;
+use crate::plan::{Endpoint, HostMode, LaunchPlan};
+
+fn plan(args: &[&str], env: &[(&str, &str)]) -> Result<LaunchPlan, String> {
+    let (a, h) = parse_env(args, env);
+    LaunchPlan::resolve(&a, &h).map_err(|e| e.to_string())
+}
+
+fn sources(p: &LaunchPlan) -> Vec<String> {
+    p.sources.iter().map(|s| format!("{} = {} ({})", s.name, s.value, s.source)).collect()
+}
+
+/// `srun --nodes=2 --ntasks-per-node=1 rsrun true` on node `node` of gpu[01-02], 4 GPUs each.
+fn slurm_a(node: &str, name: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("SLURM_JOB_ID", "4242".into()),
+        ("SLURM_STEP_ID", "0".into()),
+        ("SLURM_JOB_NODELIST", "gpu[01-02]".into()),
+        ("SLURM_STEP_NODELIST", "gpu[01-02]".into()),
+        ("SLURM_STEP_NUM_NODES", "2".into()),
+        ("SLURM_STEP_NUM_TASKS", "2".into()),
+        ("SLURM_STEP_TASKS_PER_NODE", "1(x2)".into()),
+        ("SLURM_NNODES", "2".into()),
+        ("SLURM_NODEID", node.into()),
+        ("SLURM_PROCID", node.into()),
+        ("SLURM_LOCALID", "0".into()),
+        ("SLURMD_NODENAME", name.into()),
+        ("SLURM_GPUS_ON_NODE", "4".into()),
+        ("SLURM_LAUNCH_NODE_IPADDR", "10.9.9.9".into()),
+    ]
+}
+
+fn env_ref<'a>(v: &'a [(&'static str, String)]) -> Vec<(&'static str, &'a str)> {
+    v.iter().map(|(k, v)| (*k, v.as_str())).collect()
+}
+
+fn with(mut v: Vec<(&'static str, String)>, k: &'static str, val: &str) -> Vec<(&'static str, String)> {
+    v.retain(|(n, _)| *n != k);
+    v.push((k, val.to_owned()));
+    v
+}
+
+fn without(mut v: Vec<(&'static str, String)>, k: &str) -> Vec<(&'static str, String)> {
+    v.retain(|(n, _)| *n != k);
+    v
+}
+
+// 61000 + (4242 * 32 + 0) mod 4536 = 61000 + 135744 mod 4536 = 61000 + 4200.
+const SLURM_PORT: u16 = 65200;
+
+#[test]
+fn slurm_mode_a_node_1() {
+    let p = plan(&["true"], &env_ref(&slurm_a("1", "gpu02"))).unwrap();
+    assert_eq!(p.mode, LaunchMode::SlurmA);
+    assert_eq!(p.nodes, NodeRange { min: 2, max: 2 });
+    assert_eq!(p.nproc_per_node, 4);
+    assert_eq!(
+        p.rdzv,
+        RdzvPlan::Daemon { endpoint: Endpoint { host: "gpu01".into(), port: SLURM_PORT }, host: HostMode::Never }
+    );
+    assert_eq!(p.job_id, "slurm-4242.0.r0");
+    assert_eq!(p.rank_hint, Some(1));
+    assert_eq!(p.task_ranks, None);
+    assert_eq!(
+        sources(&p),
+        [
+            "nnodes = 2 (SLURM_STEP_NUM_NODES)",
+            "node rank = 1 (SLURM_NODEID)",
+            "node list = gpu[01-02] (SLURM_STEP_NODELIST)",
+            "rendezvous port = 65200 (61000 + (SLURM_JOB_ID*32 + SLURM_STEP_ID) mod 4536)",
+            "nproc per node = 4 (SLURM_GPUS_ON_NODE)",
+            "rendezvous = gpu01:65200 (first host of SLURM_STEP_NODELIST)",
+            "run id = slurm-4242.0.r0 (SLURM_JOB_ID, SLURM_STEP_ID, SLURM_RESTART_COUNT)",
+        ]
+    );
+    let text = render(&p);
+    assert!(text.contains("launch       : Slurm mode A: srun started one rsrun per node"), "{text}");
+    assert!(text.contains("worker rank 7 (local_rank 3, node_rank 1)"), "{text}");
+    assert!(!text.contains("10.9.9.9"), "SLURM_LAUNCH_NODE_IPADDR is never used: {text}");
+}
+
+#[test]
+fn slurm_mode_a_node_0_hosts_the_service() {
+    let p = plan(&["--nproc-per-node", "2", "true"], &env_ref(&slurm_a("0", "gpu01"))).unwrap();
+    assert_eq!(
+        p.rdzv,
+        RdzvPlan::Daemon { endpoint: Endpoint { host: "gpu01".into(), port: SLURM_PORT }, host: HostMode::Always }
+    );
+    assert_eq!(p.nproc_per_node, 2);
+    assert!(sources(&p).contains(&"nproc per node = 2 (--nproc-per-node)".to_owned()));
+}
+
+#[test]
+fn slurm_mode_a_on_loopback_as_in_the_simulation() {
+    // multinode.md §5.6: names that resolve with no help.
+    let env = with(with(slurm_a("1", "127.0.0.2"), "SLURM_STEP_NODELIST", "127.0.0.[1-2]"), "SLURM_GPUS_ON_NODE", "0");
+    let p = plan(&["true"], &env_ref(&env)).unwrap();
+    assert_eq!(p.nproc_per_node, 1);
+    assert_eq!(p.rdzv, RdzvPlan::Daemon { endpoint: Endpoint { host: "127.0.0.1".into(), port: SLURM_PORT }, host: HostMode::Never });
+}
+
+#[test]
+fn slurm_self_check_and_shape() {
+    let e = plan(&["true"], &env_ref(&slurm_a("1", "gpu07"))).unwrap_err();
+    assert!(e.starts_with("SLURMD_NODENAME=gpu07 but node SLURM_NODEID=1 of SLURM_STEP_NODELIST is gpu02"), "{e}");
+    let e = plan(&["true"], &env_ref(&with(slurm_a("1", "gpu02"), "SLURM_STEP_NUM_NODES", "3"))).unwrap_err();
+    assert_eq!(e, "SLURM_STEP_NODELIST=gpu[01-02] has 2 hosts but SLURM_STEP_NUM_NODES is 3");
+    let e = plan(&["true"], &env_ref(&with(slurm_a("1", "gpu02"), "SLURM_STEP_NODELIST", "gpu[02-01]"))).unwrap_err();
+    assert_eq!(e, "SLURM_STEP_NODELIST=gpu[02-01]: invalid hostlist \"gpu[02-01]\": range start 2 > end 1");
+    let e = plan(&["true"], &env_ref(&with(slurm_a("1", "gpu02"), "SLURM_STEP_TASKS_PER_NODE", "1(x3)"))).unwrap_err();
+    assert!(e.contains("does not match 2 nodes"), "{e}");
+    // SLURMD_NODENAME unset: no check.
+    assert!(plan(&["true"], &env_ref(&without(slurm_a("1", "x"), "SLURMD_NODENAME"))).is_ok());
+}
+
+#[test]
+fn slurm_options_that_contradict_the_step_are_errors() {
+    let env = slurm_a("1", "gpu02");
+    assert_eq!(
+        plan(&["--nnodes", "3", "true"], &env_ref(&env)).unwrap_err(),
+        "--nnodes 3 but the Slurm step has 2 nodes (SLURM_STEP_NUM_NODES)"
+    );
+    assert_eq!(
+        plan(&["--node-rank", "0", "true"], &env_ref(&env)).unwrap_err(),
+        "--node-rank 0 but this is node 1 of the Slurm step (SLURM_NODEID)"
+    );
+    assert!(plan(&["--nnodes", "2", "--node-rank", "1", "true"], &env_ref(&env)).is_ok());
+}
+
+#[test]
+fn slurm_explicit_flags_win() {
+    let env = slurm_a("1", "gpu02");
+    let p = plan(&["--rdzv-endpoint", "head:29400", "--rdzv-id", "mine", "true"], &env_ref(&env)).unwrap();
+    assert_eq!(p.rdzv, RdzvPlan::Daemon { endpoint: Endpoint { host: "head".into(), port: 29400 }, host: HostMode::Auto });
+    assert_eq!(p.job_id, "mine");
+    assert!(sources(&p).contains(&"rendezvous = head:29400 (--rdzv-endpoint)".to_owned()));
+    let p = plan(&["--rdzv-backend", "static", "true"], &env_ref(&env)).unwrap();
+    assert_eq!(p.rdzv, RdzvPlan::Static { node_rank: 1, master_addr: "gpu01".into(), master_port: SLURM_PORT });
+    let p = plan(&["--standalone", "true"], &env_ref(&env)).unwrap();
+    assert_eq!(p.rdzv, RdzvPlan::Standalone);
+    assert!(p.notes.iter().any(|n| n.contains("--standalone")));
+}
+
+#[test]
+fn slurm_ports_and_run_ids() {
+    let env = with(slurm_a("1", "gpu02"), "SLURM_STEP_RESV_PORTS", "12000-12003");
+    let p = plan(&["true"], &env_ref(&env)).unwrap();
+    assert_eq!(p.rdzv, RdzvPlan::Daemon { endpoint: Endpoint { host: "gpu01".into(), port: 12000 }, host: HostMode::Never });
+    assert!(sources(&p).contains(&"rendezvous port = 12000 (SLURM_STEP_RESV_PORTS)".to_owned()));
+    let env = with(with(slurm_a("1", "gpu02"), "SLURM_ARRAY_JOB_ID", "4200"), "SLURM_ARRAY_TASK_ID", "7");
+    let env = with(with(env, "SLURM_RESTART_COUNT", "2"), "SLURM_STEP_ID", "3");
+    let p = plan(&["true"], &env_ref(&env)).unwrap();
+    assert_eq!(p.job_id, "slurm-4200_7.3.r2");
+    // 61000 + (4242*32 + 3) mod 4536 = 61000 + 4203.
+    assert_eq!(p.rdzv, RdzvPlan::Daemon { endpoint: Endpoint { host: "gpu01".into(), port: 65203 }, host: HostMode::Never });
+    assert!(plan(&["true"], &env_ref(&with(slurm_a("1", "gpu02"), "SLURM_STEP_RESV_PORTS", "x"))).is_err());
+}
+
+#[test]
+fn slurm_preserve_env_prefers_the_step_values() {
+    // `srun --preserve-env` keeps the job's SLURM_NNODES/SLURM_NTASKS/SLURM_TASKS_PER_NODE.
+    let env = with(with(with(slurm_a("1", "gpu02"), "SLURM_NNODES", "4"), "SLURM_NTASKS", "4"), "SLURM_TASKS_PER_NODE", "1(x4)");
+    let env = with(env, "SLURM_JOB_NODELIST", "gpu[01-04]");
+    let p = plan(&["true"], &env_ref(&env)).unwrap();
+    assert_eq!(p.nodes, NodeRange { min: 2, max: 2 });
+    assert_eq!(p.rdzv, RdzvPlan::Daemon { endpoint: Endpoint { host: "gpu01".into(), port: SLURM_PORT }, host: HostMode::Never });
+}
+
+/// `srun --nodes=2 --ntasks-per-node=2 rsrun true`: task PROCID on node NODEID.
+fn slurm_b(procid: u32) -> Vec<(&'static str, String)> {
+    let node = procid / 2;
+    let v = slurm_a(&node.to_string(), &format!("gpu0{}", node + 1));
+    let v = with(with(v, "SLURM_STEP_NUM_TASKS", "4"), "SLURM_STEP_TASKS_PER_NODE", "2(x2)");
+    with(with(v, "SLURM_PROCID", &procid.to_string()), "SLURM_LOCALID", &(procid % 2).to_string())
+}
+
+#[test]
+fn slurm_mode_b_maps_the_task_ranks() {
+    let p = plan(&["true"], &env_ref(&slurm_b(3))).unwrap();
+    assert_eq!(p.mode, LaunchMode::SlurmB);
+    assert_eq!(p.nodes, NodeRange { min: 4, max: 4 });
+    assert_eq!(p.nproc_per_node, 1);
+    assert_eq!(p.rdzv, RdzvPlan::Static { node_rank: 3, master_addr: "gpu01".into(), master_port: SLURM_PORT });
+    assert_eq!(p.job_id, "slurm-4242.0.r0");
+    assert_eq!(
+        p.task_ranks,
+        Some(TaskRanks { rank: 3, local_rank: 1, world_size: 4, local_world_size: 2, node_rank: 1, num_nodes: 2 })
+    );
+    let text = render(&p);
+    for line in [
+        "worker rank 3 (local_rank 1, node_rank 1; from srun):",
+        "    LOCAL_RANK=1",
+        "    RANK=3",
+        "    GROUP_RANK=1",
+        "    LOCAL_WORLD_SIZE=2",
+        "    WORLD_SIZE=4",
+        "    GROUP_WORLD_SIZE=2",
+        "    MASTER_ADDR=gpu01",
+        "    MASTER_PORT=65200",
+        "source       : rank = 3 (SLURM_PROCID)",
+    ] {
+        assert!(text.contains(line), "missing {line:?} in\n{text}");
+    }
+    // One worker per task, every task.
+    for procid in 0..4 {
+        let p = plan(&["true"], &env_ref(&slurm_b(procid))).unwrap();
+        assert_eq!(p.task_ranks.as_ref().map(|t| t.rank), Some(procid));
+        assert_eq!(p.rdzv, RdzvPlan::Static { node_rank: procid, master_addr: "gpu01".into(), master_port: SLURM_PORT });
+    }
+}
+
+#[test]
+fn slurm_mode_b_refuses_a_double_launch() {
+    let e = plan(&["--nproc-per-node", "8", "true"], &env_ref(&slurm_b(0))).unwrap_err();
+    assert_eq!(
+        e,
+        "srun started 2 tasks on this node (SLURM_STEP_TASKS_PER_NODE=2(x2)), and each task is already one worker: --nproc-per-node 8 would start 32 workers instead of 4; use `srun --ntasks-per-node=1 rsrun --nproc-per-node 8` or drop --nproc-per-node"
+    );
+    // PET_NPROC_PER_NODE counts as given too.
+    let env = with(slurm_b(0), "PET_NPROC_PER_NODE", "8");
+    assert!(plan(&["true"], &env_ref(&env)).unwrap_err().contains("already one worker"));
+    assert!(plan(&["--nproc-per-node", "1", "true"], &env_ref(&slurm_b(0))).is_ok());
+}
+
+#[test]
+fn slurm_mode_b_warns_about_per_task_gpu_binding() {
+    let env = with(slurm_b(1), "CUDA_VISIBLE_DEVICES", "1");
+    let p = plan(&["true"], &env_ref(&env)).unwrap();
+    assert!(p.notes.contains(&"LOCAL_RANK=1 but this task sees 1 GPU; use --virtual-local-rank or srun --gpu-bind=none".to_owned()));
+}
+
+fn slurm_batch(nodes: &str) -> Vec<(&'static str, String)> {
+    vec![
+        ("SLURM_JOB_ID", "4242".into()),
+        ("SLURM_JOB_NODELIST", "gpu[01-02]".into()),
+        ("SLURM_JOB_NUM_NODES", nodes.into()),
+        ("SLURM_NNODES", nodes.into()),
+        ("SLURM_GPUS_ON_NODE", "2".into()),
+        ("SLURM_NODEID", "0".into()),
+    ]
+}
+
+#[test]
+fn slurm_mode_c_reruns_under_srun() {
+    let p = plan(&["true"], &env_ref(&slurm_batch("2"))).unwrap();
+    let srun = ["srun", "--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--export=ALL"];
+    assert_eq!(p.mode, LaunchMode::SlurmC { srun: srun.iter().map(|s| s.to_string()).collect() });
+    let text = render(&p);
+    assert!(text.contains("srun         : srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 --export=ALL <absolute path of rsrun> <the same arguments>"), "{text}");
+    // Explicit rendezvous options: this node only, as configured.
+    let p = plan(&["--nnodes", "2", "--master-addr", "h", "true"], &env_ref(&slurm_batch("2"))).unwrap();
+    assert_eq!(p.mode, LaunchMode::Static);
+    assert!(p.notes.iter().any(|n| n.contains("outside an srun step, with --")), "{:?}", p.notes);
+}
+
+#[test]
+fn slurm_batch_on_one_node_runs_locally() {
+    let p = plan(&["true"], &env_ref(&slurm_batch("1"))).unwrap();
+    assert_eq!(p.mode, LaunchMode::SlurmLocal);
+    assert_eq!(p.rdzv, RdzvPlan::Standalone);
+    assert_eq!(p.nproc_per_node, 2);
+}
+
+#[test]
+fn slurm_and_host_tables() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("hosts"), "a slots=1\n").unwrap();
+    let run = |env: &[(&'static str, String)]| {
+        let (a, mut h) = parse_env(&["--hostfile", "./hosts", "true"], &env_ref(env));
+        h.cwd = dir.path().to_owned();
+        LaunchPlan::resolve(&a, &h).map_err(|e| e.to_string())
+    };
+    let p = run(&slurm_batch("2")).unwrap();
+    assert_eq!(p.mode, LaunchMode::Hosts);
+    assert!(p.notes.iter().any(|n| n.contains("over ssh, not with srun")));
+    assert!(run(&slurm_a("0", "gpu01")).unwrap_err().starts_with("--hostfile/-H inside an srun step"));
+}
+
+#[test]
+fn hostfile_dry_run_shows_the_node_table() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("hosts"), "# cluster\nw0 slots=4\nw1 slots=4\nw2 slots=2\n").unwrap();
+    let (a, mut h) = parse_env(&["--hostfile", "./hosts", "-i", "w0@w1:0,2@w2", "true"], &[]);
+    h.cwd = dir.path().to_owned();
+    let p = LaunchPlan::resolve(&a, &h).unwrap();
+    assert_eq!(p.mode, LaunchMode::Hosts);
+    assert_eq!(p.nodes, NodeRange { min: 3, max: 3 });
+    assert_eq!(p.nproc_per_node, 4);
+    let t = p.hosts.as_ref().unwrap();
+    assert_eq!(t.entries[1].devices, Some(vec![0, 2]));
+    assert_eq!(t.world_size(), Some(8));
+    let text = render(&p);
+    for line in [
+        "launch       : hostfile/ssh: one command starts every node",
+        "hosts        : 3 nodes from hostfile ./hosts, world size 8",
+        "  node  host  slots  devices    ranks        source",
+        "  0     w0    4      0-3        0-3          ./hosts:2",
+        "  1     w1    2      0,2        4-5          ./hosts:3",
+        "  2     w2    2      0-1        6-7          ./hosts:4",
+        "source       : nnodes = 3 (3 hosts in hostfile ./hosts)",
+        "    WORLD_SIZE=8",
+    ] {
+        assert!(text.contains(line), "missing {line:?} in\n{text}");
+    }
+}
+
+// ---- Kubernetes ----
+
+/// A PyTorchJob v1 pod (master + 1 worker, nprocPerNode 2): the worker's environment.
+fn pytorchjob_v1_worker() -> Vec<(&'static str, &'static str)> {
+    vec![
+        ("MASTER_ADDR", "job-master-0"),
+        ("MASTER_PORT", "23456"),
+        ("WORLD_SIZE", "4"),
+        ("RANK", "1"),
+        ("PET_MASTER_ADDR", "job-master-0"),
+        ("PET_MASTER_PORT", "23456"),
+        ("PET_NODE_RANK", "1"),
+        ("PET_NNODES", "2"),
+        ("PET_NPROC_PER_NODE", "2"),
+        ("PYTHONUNBUFFERED", "1"),
+    ]
+}
+
+#[test]
+fn k8s_v1_static() {
+    let p = plan(&["true"], &pytorchjob_v1_worker()).unwrap();
+    assert_eq!(p.mode, LaunchMode::K8sV1Static);
+    assert_eq!(p.nodes, NodeRange { min: 2, max: 2 });
+    assert_eq!(p.nproc_per_node, 2);
+    assert_eq!(
+        p.rdzv,
+        RdzvPlan::Daemon { endpoint: Endpoint { host: "job-master-0".into(), port: 23456 }, host: HostMode::Never }
+    );
+    assert_eq!(p.job_id, "k8s-job-master-0");
+    assert_eq!(p.rank_hint, Some(1));
+    assert_eq!(
+        sources(&p),
+        [
+            "nnodes = 2 (PET_NNODES)",
+            "node rank = 1 (PET_NODE_RANK)",
+            "rendezvous = job-master-0:23456 (PET_MASTER_ADDR and PET_MASTER_PORT, hosted by node rank 0)",
+            "run id = k8s-job-master-0 (k8s-<PET_MASTER_ADDR>)",
+            "nproc per node = 2 (PET_NPROC_PER_NODE)",
+        ]
+    );
+    for note in [
+        "ignored RANK=1 from the environment (PyTorchJob sets it to the node index)",
+        "ignored MASTER_PORT=23456 from the environment (rsrun sets it for each worker)",
+    ] {
+        assert!(p.notes.contains(&note.to_owned()), "{:?}", p.notes);
+    }
+    let text = render(&p);
+    assert!(text.contains("    RANK=2\n"), "{text}");
+    assert!(text.contains("    MASTER_PORT=<free port chosen by node rank 0>"), "{text}");
+    assert!(!text.contains("    MASTER_PORT=23456"), "{text}");
+}
+
+#[test]
+fn k8s_v1_elastic() {
+    let env = [
+        ("PET_RDZV_ENDPOINT", "job-worker-0:29400"),
+        ("PET_RDZV_BACKEND", "c10d"),
+        ("PET_RDZV_ID", "job-uid"),
+        ("PET_NNODES", "1:3"),
+        ("PET_NPROC_PER_NODE", "1"),
+        ("PET_MAX_RESTARTS", "3"),
+    ];
+    let p = plan(&["true"], &env).unwrap();
+    assert_eq!(p.mode, LaunchMode::K8sV1Elastic);
+    assert_eq!(p.nodes, NodeRange { min: 1, max: 3 });
+    assert_eq!(
+        p.rdzv,
+        RdzvPlan::Daemon { endpoint: Endpoint { host: "job-worker-0".into(), port: 29400 }, host: HostMode::Auto }
+    );
+    assert_eq!(p.job_id, "job-uid");
+    assert_eq!(p.max_restarts, 3);
+    assert_eq!(
+        sources(&p),
+        [
+            "nnodes = 1:3 (PET_NNODES)",
+            "rendezvous = job-worker-0:29400 (PET_RDZV_ENDPOINT)",
+            "run id = job-uid (PET_RDZV_ID)",
+            "nproc per node = 1 (PET_NPROC_PER_NODE)",
+        ]
+    );
+    // No PET_RDZV_BACKEND: still the rendezvous service, not the static backend.
+    let p = plan(&["true"], &env[..1]).unwrap();
+    assert_eq!(p.rdzv, RdzvPlan::Daemon { endpoint: Endpoint { host: "job-worker-0".into(), port: 29400 }, host: HostMode::Auto });
+    assert_eq!(p.job_id, "k8s-job-worker-0");
+}
+
+/// A TrainJob (Trainer v2) pod: `PET_*` only, plus garbage worker-level names.
+fn trainjob_v2(rank: &'static str) -> Vec<(&'static str, &'static str)> {
+    vec![
+        ("PET_NNODES", "2"),
+        ("PET_NPROC_PER_NODE", "2"),
+        ("PET_NODE_RANK", rank),
+        ("PET_MASTER_ADDR", "tj-node-0-0.tj"),
+        ("PET_MASTER_PORT", "29500"),
+        ("RANK", "1"),
+        ("WORLD_SIZE", "4"),
+        ("MASTER_PORT", "1"),
+    ]
+}
+
+#[test]
+fn k8s_v2() {
+    let p = plan(&["true"], &trainjob_v2("0")).unwrap();
+    assert_eq!(p.mode, LaunchMode::K8sV2);
+    assert_eq!(
+        p.rdzv,
+        RdzvPlan::Daemon { endpoint: Endpoint { host: "tj-node-0-0.tj".into(), port: 29500 }, host: HostMode::Always }
+    );
+    assert_eq!(p.job_id, "k8s-tj-node-0-0.tj");
+    assert_eq!(p.rank_hint, Some(0));
+    assert_eq!(p.nodes, NodeRange { min: 2, max: 2 });
+    assert!(p.notes.iter().any(|n| n.starts_with("workers get a MASTER_PORT picked free by node rank 0: 29500 (PET_MASTER_PORT)")));
+    let text = render(&p);
+    assert!(text.contains("launch       : Kubernetes TrainJob v2"), "{text}");
+    assert!(text.contains("    MASTER_PORT=<free port chosen by node rank 0>"), "{text}");
+    assert!(text.contains("    WORLD_SIZE=4\n") && text.contains("    RANK=1\n"), "{text}");
+    let p = plan(&["true"], &trainjob_v2("1")).unwrap();
+    assert_eq!(p.rdzv, RdzvPlan::Daemon { endpoint: Endpoint { host: "tj-node-0-0.tj".into(), port: 29500 }, host: HostMode::Never });
+    let text = render(&p);
+    assert!(text.contains("    RANK=2\n") && text.contains("    RANK=3\n"), "{text}");
+}
+
+#[test]
+fn k8s_node_rank_from_the_indexed_job_never_from_rank() {
+    let mut env = trainjob_v2("0");
+    env.retain(|(k, _)| *k != "PET_NODE_RANK");
+    let e = plan(&["true"], &env).unwrap_err();
+    assert!(e.starts_with("PET_NNODES=2 but neither PET_NODE_RANK nor JOB_COMPLETION_INDEX is set"), "{e}");
+    env.push(("JOB_COMPLETION_INDEX", "1"));
+    let p = plan(&["true"], &env).unwrap();
+    assert_eq!(p.rank_hint, Some(1));
+    assert!(sources(&p).contains(&"node rank = 1 (JOB_COMPLETION_INDEX)".to_owned()));
+}
+
+#[test]
+fn k8s_explicit_static_backend_keeps_torchrun_parity() {
+    let p = plan(&["--rdzv-backend", "static", "true"], &trainjob_v2("1")).unwrap();
+    assert_eq!(p.rdzv, RdzvPlan::Static { node_rank: 1, master_addr: "tj-node-0-0.tj".into(), master_port: 29500 });
+    assert_eq!(p.mode, LaunchMode::K8sV2);
+    let p = plan(&["true"], &[trainjob_v2("1"), vec![("PET_RDZV_BACKEND", "static")]].concat()).unwrap();
+    assert!(matches!(p.rdzv, RdzvPlan::Static { .. }));
+}
+
+#[test]
+fn slurm_wins_over_kubernetes_and_flags_over_both() {
+    // The pod's PET_NODE_RANK=0 and PET_MASTER_* lose to SLURM_NODEID=1 and the Slurm node list.
+    let slurm = slurm_a("1", "gpu02");
+    let env: Vec<(&str, &str)> = [env_ref(&slurm), trainjob_v2("0")].concat();
+    let p = plan(&["true"], &env).unwrap();
+    assert_eq!(p.mode, LaunchMode::SlurmA);
+    assert_eq!(p.rank_hint, Some(1));
+    assert_eq!(p.rdzv, RdzvPlan::Daemon { endpoint: Endpoint { host: "gpu01".into(), port: SLURM_PORT }, host: HostMode::Never });
+    let env: Vec<(&str, &str)> = [env_ref(&slurm), vec![("PET_RDZV_ENDPOINT", "elsewhere:1"), ("PET_RDZV_ID", "pet")]].concat();
+    let p = plan(&["true"], &env).unwrap();
+    assert_eq!(p.rdzv, RdzvPlan::Daemon { endpoint: Endpoint { host: "gpu01".into(), port: SLURM_PORT }, host: HostMode::Never });
+    assert_eq!(p.job_id, "slurm-4242.0.r0");
+    let p = plan(&["--rdzv-id", "x", "true"], &trainjob_v2("0")).unwrap();
+    assert_eq!(p.job_id, "x");
+}
+
+#[test]
+fn no_cluster_modes() {
+    assert_eq!(plan(&["true"], &[]).unwrap().mode, LaunchMode::SingleNode);
+    let p = plan(&["--nnodes", "2", "--master-addr", "h", "true"], &[]).unwrap();
+    assert_eq!(p.mode, LaunchMode::Static);
+    assert_eq!(
+        sources(&p),
+        ["nnodes = 2 (--nnodes)", "nproc per node = 1 (default)", "node rank = 0 (default)", "MASTER_ADDR = h (--master-addr)", "MASTER_PORT = 29500 (default)", "run id = none (default)"]
+    );
+    let p = plan(&["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "true"], &[]).unwrap();
+    assert_eq!(p.mode, LaunchMode::Rendezvous);
+    // One node with PET_MASTER_* is no Kubernetes job.
+    let p = plan(&["true"], &[("PET_MASTER_ADDR", "a"), ("PET_MASTER_PORT", "5")]).unwrap();
+    assert_eq!(p.mode, LaunchMode::Static);
+}
