@@ -93,8 +93,29 @@ const CLUSTER_NODE: &str = "rsrun --nnodes 4 --nproc-per-node 8 --rdzv-endpoint 
 const STATIC_0: &str = "rsrun --nnodes 2 --node-rank 0 --master-addr head --master-port 29500 --nproc-per-node 8 train";
 const STATIC_1: &str = "rsrun --nnodes 2 --node-rank 1 --master-addr head --master-port 29500 --nproc-per-node 8 train";
 
+const HOSTFILE_WRITE: &str = r"printf '# two hosts\nnode1 slots=2\nnode2 slots=2\n' > hosts";
+const HOSTFILE_DRY_RUN: &str = "rsrun --hostfile hosts --dry-run true";
+const HOSTS_INCLUDE_DRY_RUN: &str = "rsrun -H 'node[1-2]:2' --include 'node1:1@node2' --dry-run true";
+const SLURM_DRY_RUN: &str = "SLURM_JOB_ID=4242 SLURM_STEP_ID=0 SLURM_STEP_NODELIST='127.0.0.[1-2]' SLURM_STEP_NUM_NODES=2 SLURM_STEP_NUM_TASKS=2 SLURM_STEP_TASKS_PER_NODE='1(x2)' SLURM_NODEID=1 rsrun --dry-run true";
+const K8S_DRY_RUN: &str = "PET_NNODES=2 PET_NODE_RANK=1 PET_MASTER_ADDR=127.0.0.1 PET_MASTER_PORT=29500 PET_NPROC_PER_NODE=2 rsrun --dry-run true";
+
 /// Every command a test below runs.
-const COVERED: &[&str] = &[QUICKSTART, TEST_COMMAND, TORCH_SCRIPT, TORCH_MODULE, TOKENS, DAEMON, CLUSTER_NODE, STATIC_0, STATIC_1];
+const COVERED: &[&str] = &[
+    QUICKSTART,
+    TEST_COMMAND,
+    TORCH_SCRIPT,
+    TORCH_MODULE,
+    TOKENS,
+    DAEMON,
+    CLUSTER_NODE,
+    STATIC_0,
+    STATIC_1,
+    HOSTFILE_WRITE,
+    HOSTFILE_DRY_RUN,
+    HOSTS_INCLUDE_DRY_RUN,
+    SLURM_DRY_RUN,
+    K8S_DRY_RUN,
+];
 
 #[test]
 fn every_readme_command_is_run_by_a_test() {
@@ -239,4 +260,27 @@ fn static_backend_pair() {
     ok(&outs);
     // Node rank 0 runs global rank 0: its launcher shows the summary.
     assert!(text(&outs[1]).contains("summary:"), "{}", text(&outs[1]));
+}
+
+#[test]
+fn cluster_path_dry_runs() {
+    let _turn = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let run = |cmd: &str| {
+        let out = run_all(vec![shell(dir.path(), &readme(cmd))], RUN_DEADLINE).remove(0);
+        assert_eq!(code(&out.status), 0, "{cmd}\n{}", text(&out));
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    run(HOSTFILE_WRITE);
+    let s = run(HOSTFILE_DRY_RUN);
+    for needle in ["  0     node1  2      0-1        0-1          hosts:2", "  1     node2  2      0-1        2-3          hosts:3"] {
+        assert!(s.contains(needle), "{needle:?} missing:\n{s}");
+    }
+    let s = run(HOSTS_INCLUDE_DRY_RUN);
+    assert!(s.contains("  0     node1  1      1          0            -H"), "{s}");
+    assert!(s.contains("world size 3"), "{s}");
+    let s = run(SLURM_DRY_RUN);
+    assert!(s.contains("Slurm mode A") && s.contains("node rank = 1 (SLURM_NODEID)") && s.contains("job          : slurm-4242.0.r0"), "{s}");
+    let s = run(K8S_DRY_RUN);
+    assert!(s.contains("Kubernetes") && s.contains("node rank = 1 (PET_NODE_RANK)"), "{s}");
 }

@@ -201,7 +201,7 @@ fn slurm_mode_b_maps_the_task_ranks() {
         "    WORLD_SIZE=4",
         "    GROUP_WORLD_SIZE=2",
         "    MASTER_ADDR=gpu01",
-        "    MASTER_PORT=65200",
+        "    MASTER_PORT=<port of the TCPStore the rendezvous serves for the round>",
         "source       : rank = 3 (SLURM_PROCID)",
     ] {
         assert!(text.contains(line), "missing {line:?} in\n{text}");
@@ -357,7 +357,7 @@ fn k8s_v1_static() {
     }
     let text = render(&p);
     assert!(text.contains("    RANK=2\n"), "{text}");
-    assert!(text.contains("    MASTER_PORT=<free port chosen by node rank 0>"), "{text}");
+    assert!(text.contains("    MASTER_PORT=<port of the TCPStore the rendezvous serves for the round>"), "{text}");
     assert!(!text.contains("    MASTER_PORT=23456"), "{text}");
 }
 
@@ -423,7 +423,7 @@ fn k8s_v2() {
     assert!(p.notes.iter().any(|n| n.starts_with("workers get a MASTER_PORT picked free by node rank 0: 29500 (PET_MASTER_PORT)")));
     let text = render(&p);
     assert!(text.contains("launch       : Kubernetes TrainJob v2"), "{text}");
-    assert!(text.contains("    MASTER_PORT=<free port chosen by node rank 0>"), "{text}");
+    assert!(text.contains("    MASTER_PORT=<port of the TCPStore the rendezvous serves for the round>"), "{text}");
     assert!(text.contains("    WORLD_SIZE=4\n") && text.contains("    RANK=1\n"), "{text}");
     let p = plan(&["true"], &trainjob_v2("1")).unwrap();
     assert_eq!(p.rdzv, RdzvPlan::Daemon { endpoint: Endpoint { host: "tj-node-0-0.tj".into(), port: 29500 }, host: HostMode::Never });
