@@ -100,6 +100,37 @@ pub enum RdzvError {
         /// Why.
         message: String,
     },
+    // === TCPStore (PyTorch's store protocol, `tcpstore`) ===
+    /// A TCPStore request broke the protocol (unknown command, missing or wrong VALIDATE, bad field).
+    #[error("tcpstore protocol violation: {0}")]
+    TcpStoreProtocol(String),
+    /// A TCPStore request or the keyspace went over a configured limit.
+    #[error("tcpstore {limit} {value} exceeds the limit of {max}")]
+    TcpStoreLimit {
+        /// Which limit (`key size`, `value size`, `request size`, `keys per request`, `store size`).
+        limit: &'static str,
+        /// The size or count that was asked for.
+        value: u64,
+        /// The configured maximum.
+        max: u64,
+    },
+    /// ADD or BARRIER found a stored value that is not a 64-bit integer (torch's `std::stoll` fails
+    /// there too), or the sum overflows.
+    #[error("tcpstore value of key {key:?} is not a 64-bit integer or overflows: {value:?}")]
+    TcpStoreNotANumber {
+        /// The key (lossy UTF-8, shortened).
+        key: String,
+        /// The stored value, or the overflowing sum (lossy UTF-8, shortened).
+        value: String,
+    },
+    /// A TCPStore client (our own, used by tests and benchmarks) failed to talk to a server.
+    #[error("tcpstore client for {addr}: {message}")]
+    TcpStoreClient {
+        /// The server address.
+        addr: String,
+        /// What happened.
+        message: String,
+    },
     /// Client side: a status from the server that maps to no other variant.
     #[error("rendezvous rpc failed ({code:?}): {message}")]
     Rpc {
@@ -119,18 +150,19 @@ impl RdzvError {
     /// The gRPC code this error travels as.
     pub fn code(&self) -> Code {
         match self {
-            RdzvError::InvalidArgument { .. } => Code::InvalidArgument,
+            RdzvError::InvalidArgument { .. } | RdzvError::TcpStoreProtocol(_) => Code::InvalidArgument,
             RdzvError::JobNotFound { .. } | RdzvError::KeyNotFound { .. } => Code::NotFound,
             RdzvError::StaleRound { .. }
             | RdzvError::JobEnded { .. }
             | RdzvError::FailedPrecondition(_)
-            | RdzvError::NotMember { .. } => Code::FailedPrecondition,
+            | RdzvError::NotMember { .. }
+            | RdzvError::TcpStoreNotANumber { .. } => Code::FailedPrecondition,
             RdzvError::AlreadyExists(_) => Code::AlreadyExists,
             RdzvError::PermissionDenied(_) => Code::PermissionDenied,
             RdzvError::Unauthenticated(_) => Code::Unauthenticated,
-            RdzvError::ResourceExhausted(_) => Code::ResourceExhausted,
+            RdzvError::ResourceExhausted(_) | RdzvError::TcpStoreLimit { .. } => Code::ResourceExhausted,
             RdzvError::Timeout(_) => Code::DeadlineExceeded,
-            RdzvError::Unavailable(_) | RdzvError::ShuttingDown | RdzvError::Connect { .. } => {
+            RdzvError::Unavailable(_) | RdzvError::ShuttingDown | RdzvError::Connect { .. } | RdzvError::TcpStoreClient { .. } => {
                 Code::Unavailable
             }
             RdzvError::Storage { .. } => Code::Internal,

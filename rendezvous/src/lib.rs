@@ -6,6 +6,8 @@
 //!   and the gRPC handlers over it.
 //! - [`server`]: serving (listen, auth, TLS, metrics, shutdown) and the embedded in-memory mode.
 //! - [`client`]: the typed async client used by the launcher and the worker runtime.
+//! - [`tcpstore`]: a server (and a small client) for PyTorch's TCPStore protocol, so unmodified torch
+//!   workers can use a store that rsrun serves.
 #![warn(missing_docs)]
 
 pub mod auth;
@@ -16,6 +18,7 @@ pub mod metrics;
 pub mod server;
 pub mod service;
 pub mod state;
+pub mod tcpstore;
 pub mod validate;
 
 pub use error::RdzvError;

@@ -1,4 +1,5 @@
-//! `rsrun-rendezvous`: the rendezvous daemon (`serve`) and its operator view (`status`).
+//! `rsrun-rendezvous`: the rendezvous daemon (`serve`), its operator view (`status`), and a
+//! standalone PyTorch TCPStore server (`tcpstore`).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -9,6 +10,7 @@ use anyhow::Context;
 use clap::{Parser, Subcommand};
 use rsrun_rendezvous::client::{ClientConfig, RdzvClient};
 use rsrun_rendezvous::server::{self, ServerConfig};
+use rsrun_rendezvous::tcpstore::{TcpStoreLimits, TcpStoreServer};
 use rsrun_rendezvous::validate::Limits;
 use tokio_util::sync::CancellationToken;
 
@@ -25,6 +27,42 @@ enum Cmd {
     Serve(ServeArgs),
     /// Show jobs, rounds, nodes, ranks and heartbeats.
     Status(StatusArgs),
+    /// Serve one PyTorch TCPStore (an empty keyspace per start) until SIGINT or SIGTERM.
+    #[command(long_about = "Serve one PyTorch TCPStore (torch >= 2.2 clients) with an empty keyspace until SIGINT or \
+SIGTERM. The first line on stdout is the bound address (or, with --print-port, the port alone).\n\n\
+Point unmodified workers at it with TORCHELASTIC_USE_AGENT_STORE=True and MASTER_ADDR/MASTER_PORT.\n\n\
+SECURITY: the TCPStore protocol has no authentication and torch stores pickled state in it, so anyone who \
+can reach the port can read and write every key (and run code on the processes that unpickle it). \
+Only loopback addresses are accepted unless --insecure is given; then bind the job's own network, never 0.0.0.0.")]
+    Tcpstore(TcpStoreArgs),
+}
+
+#[derive(Parser, Debug)]
+struct TcpStoreArgs {
+    /// Address to listen on (port 0 picks a free port).
+    #[arg(long, default_value = "127.0.0.1:0")]
+    listen: SocketAddr,
+    /// Print only the bound port as the first stdout line (default: the address).
+    #[arg(long)]
+    print_port: bool,
+    /// Allow a non-loopback listen address (the protocol has no authentication).
+    #[arg(long)]
+    insecure: bool,
+    /// Largest key in bytes (torch's libuv server: 8 KiB).
+    #[arg(long, default_value_t = 8 << 10, value_parser = clap::value_parser!(u64).range(1..=(1 << 30)))]
+    max_key_bytes: u64,
+    /// Largest value in bytes (torch's libuv server: 8 MiB).
+    #[arg(long, default_value_t = 8 << 20, value_parser = clap::value_parser!(u64).range(1..=(1 << 32)))]
+    max_value_bytes: u64,
+    /// Most keys in one CHECK, WAIT, MULTI_GET or MULTI_SET.
+    #[arg(long, default_value_t = 128 << 10, value_parser = clap::value_parser!(u64).range(1..=(1 << 24)))]
+    max_keys_per_request: u64,
+    /// Largest single request in bytes.
+    #[arg(long, default_value_t = 64 << 20, value_parser = clap::value_parser!(u64).range(1..=(1 << 34)))]
+    max_request_bytes: u64,
+    /// Most bytes of keys and values the store holds.
+    #[arg(long, default_value_t = 1 << 30, value_parser = clap::value_parser!(u64).range(1..=(1 << 40)))]
+    max_total_bytes: u64,
 }
 
 #[derive(Parser, Debug)]
@@ -100,6 +138,7 @@ fn main() -> ExitCode {
         match cli.command {
             Cmd::Serve(args) => serve(args).await,
             Cmd::Status(args) => status(args).await,
+            Cmd::Tcpstore(args) => tcpstore(args).await,
         }
     });
     match result {
@@ -134,20 +173,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             ..Limits::default()
         },
     };
-    let shutdown = CancellationToken::new();
-    let s = shutdown.clone();
-    tokio::spawn(async move {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(t) => t,
-            Err(_) => return,
-        };
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
-        }
-        tracing::info!("shutting down");
-        s.cancel();
-    });
+    let shutdown = cancel_on_signals();
     server::serve(config, shutdown, |bound| {
         use std::io::Write;
         let mut out = std::io::stdout().lock();
@@ -159,6 +185,83 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     })
     .await
     .context("rendezvous service failed")
+}
+
+/// A token cancelled by the first SIGINT or SIGTERM. The handlers are installed before it returns,
+/// so a signal sent once the caller printed its address is never missed.
+fn cancel_on_signals() -> CancellationToken {
+    use tokio::signal::unix::{SignalKind, signal};
+    let shutdown = CancellationToken::new();
+    let (int, term) = match (signal(SignalKind::interrupt()), signal(SignalKind::terminate())) {
+        (Ok(i), Ok(t)) => (i, t),
+        (Err(e), _) | (_, Err(e)) => {
+            tracing::warn!(error = %e, "cannot install signal handlers");
+            return shutdown;
+        }
+    };
+    let s = shutdown.clone();
+    tokio::spawn(async move {
+        let (mut int, mut term) = (int, term);
+        tokio::select! {
+            _ = int.recv() => {}
+            _ = term.recv() => {}
+        }
+        tracing::info!("shutting down");
+        s.cancel();
+    });
+    shutdown
+}
+
+/// Raises the soft open-file limit to the hard one: every rank holds a connection.
+fn raise_nofile_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => {
+            if let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+                tracing::warn!(soft, hard, error = %e, "cannot raise the open-file limit");
+            }
+        }
+        Ok(_) => {}
+        Err(e) => tracing::warn!(error = %e, "cannot read the open-file limit"),
+    }
+}
+
+async fn tcpstore(args: TcpStoreArgs) -> anyhow::Result<()> {
+    if !args.listen.ip().is_loopback() && !args.insecure {
+        return Err(rsrun_rendezvous::RdzvError::invalid(
+            "listen",
+            format!(
+                "{} is not a loopback address: the TCPStore protocol has no authentication, so anyone who can reach \
+                 it could read and write the job's keys. Give --insecure to accept the risk (and bind the job's own \
+                 network, not 0.0.0.0)",
+                args.listen
+            ),
+        )
+        .into());
+    }
+    let to_usize = |name: &'static str, v: u64| {
+        usize::try_from(v).map_err(|_| rsrun_rendezvous::RdzvError::invalid(name, format!("{v} does not fit this platform")))
+    };
+    let limits = TcpStoreLimits {
+        max_key_bytes: to_usize("max_key_bytes", args.max_key_bytes)?,
+        max_value_bytes: to_usize("max_value_bytes", args.max_value_bytes)?,
+        max_keys_per_request: to_usize("max_keys_per_request", args.max_keys_per_request)?,
+        max_request_bytes: to_usize("max_request_bytes", args.max_request_bytes)?,
+        max_total_bytes: to_usize("max_total_bytes", args.max_total_bytes)?,
+    };
+    raise_nofile_limit();
+    let shutdown = cancel_on_signals();
+    let server = TcpStoreServer::start(args.listen, limits, shutdown.clone()).await.context("cannot start the tcpstore server")?;
+    {
+        use std::io::Write;
+        let addr = server.local_addr();
+        let line = if args.print_port { addr.port().to_string() } else { addr.to_string() };
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "{line}").and_then(|()| out.flush()).context("cannot write the address to stdout")?;
+    }
+    shutdown.cancelled().await;
+    server.shutdown().await;
+    Ok(())
 }
 
 fn age(now: u64, then: u64) -> String {

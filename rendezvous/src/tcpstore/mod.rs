@@ -1,0 +1,100 @@
+//! A server for PyTorch's TCPStore protocol, so that unmodified torch workers (started with
+//! `TORCHELASTIC_USE_AGENT_STORE=True` and `MASTER_ADDR`/`MASTER_PORT` naming it) use a store that
+//! rsrun serves instead of rank 0.
+//!
+//! A pure core plus thin I/O:
+//!
+//! - [`proto`]: the wire format (torch ≥ 2.2, commands 0 – 18 as numbered in 2.12 – 2.15), an
+//!   incremental request parser and the request/reply encoders;
+//! - [`state`]: the keyspace, queues, waits and barriers; applying a request returns its reply and
+//!   the other connections' waits it completed, and does no I/O;
+//! - [`replies`]: per-connection reply ordering around pending waits;
+//! - [`server`]: [`TcpStoreServer`], the tokio listener and connection tasks;
+//! - [`client`]: [`TcpStoreClient`], a small raw-protocol client for tests, benchmarks and probes.
+//!
+//! The protocol has no authentication and torch pickles state through it: bind a server to
+//! loopback or to the job's own interface, never to every interface by default. One server is one
+//! keyspace; a job attempt gets a fresh server (so no attempt reads its predecessor's keys).
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), rsrun_rendezvous::RdzvError> {
+//! use rsrun_rendezvous::tcpstore::{TcpStoreClient, TcpStoreLimits, TcpStoreServer};
+//! let shutdown = tokio_util::sync::CancellationToken::new();
+//! let server = TcpStoreServer::start("127.0.0.1:0".parse().unwrap(), TcpStoreLimits::default(), shutdown).await?;
+//! let mut client = TcpStoreClient::connect(server.local_addr()).await?;
+//! client.set(b"/k", b"v").await?;
+//! assert_eq!(client.get(b"/k").await?, b"v");
+//! server.shutdown().await;
+//! # Ok(()) }
+//! ```
+
+pub mod client;
+pub mod proto;
+pub mod replies;
+pub mod server;
+pub mod state;
+
+pub use client::TcpStoreClient;
+pub use server::{TcpStoreServer, TcpStoreStats};
+
+use crate::RdzvError;
+use proto::ParseLimits;
+
+/// Caps on what one connection may send and what the keyspace may hold. A connection that goes
+/// over one is closed and the server logs a line naming the peer and the limit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TcpStoreLimits {
+    /// Largest key or queue name, bytes. torch's libuv server allows 8 KiB.
+    pub max_key_bytes: usize,
+    /// Largest value, bytes. torch's libuv server allows 8 MiB.
+    pub max_value_bytes: usize,
+    /// Most keys in one CHECK, WAIT, MULTI_GET or MULTI_SET. torch's libuv server allows 128 Ki.
+    pub max_keys_per_request: usize,
+    /// Largest single request on the wire, bytes (a MULTI_SET of many values, a WAIT of many keys).
+    pub max_request_bytes: usize,
+    /// Most bytes of keys and values the keyspace holds (queues included).
+    pub max_total_bytes: usize,
+}
+
+impl Default for TcpStoreLimits {
+    /// torch's libuv caps (8 KiB keys, 8 MiB values, 128 Ki keys per request), 64 MiB per request,
+    /// 1 GiB per keyspace.
+    fn default() -> Self {
+        TcpStoreLimits {
+            max_key_bytes: 8 << 10,
+            max_value_bytes: 8 << 20,
+            max_keys_per_request: 128 << 10,
+            max_request_bytes: 64 << 20,
+            max_total_bytes: 1 << 30,
+        }
+    }
+}
+
+impl TcpStoreLimits {
+    /// The parser's share of the caps.
+    pub fn parse_limits(&self) -> ParseLimits {
+        ParseLimits {
+            max_key_bytes: self.max_key_bytes,
+            max_value_bytes: self.max_value_bytes,
+            max_keys_per_request: self.max_keys_per_request,
+            max_request_bytes: self.max_request_bytes,
+        }
+    }
+
+    /// # Errors
+    /// [`RdzvError::InvalidArgument`] naming a limit that is zero.
+    pub fn validate(&self) -> Result<(), RdzvError> {
+        for (name, v) in [
+            ("max_key_bytes", self.max_key_bytes),
+            ("max_value_bytes", self.max_value_bytes),
+            ("max_keys_per_request", self.max_keys_per_request),
+            ("max_request_bytes", self.max_request_bytes),
+            ("max_total_bytes", self.max_total_bytes),
+        ] {
+            if v == 0 {
+                return Err(RdzvError::invalid(name, "0: must be at least 1"));
+            }
+        }
+        Ok(())
+    }
+}

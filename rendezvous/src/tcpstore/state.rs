@@ -1,0 +1,453 @@
+//! The pure core of the TCPStore server: one keyspace, its queues, and the pending WAITs and
+//! BARRIERs. No I/O, no clock: [`StoreState::apply`] takes a connection's request and returns its
+//! reply plus the pending waits of any connection that the request completed.
+//!
+//! Semantics follow torch 2.15 (tcpstore.md §3, §4) except for the defects listed in its §7:
+//!
+//! - a wait is woken only by a real change: SET, ADD, APPEND, MULTI_SET, a COMPARE_SET that stores
+//!   (never a failed one), BARRIER (it writes its counter); a QUEUE_PUSH wakes one wait on that name;
+//! - a multi-key wait tracks each of its keys: it completes when every key it waited for has been
+//!   written (or pushed to) once since it was registered, so two pushes to one queue do not complete
+//!   a wait that also needs another key;
+//! - a wait is completed, cancelled (CANCEL_WAIT, disconnect) or pending, never two of these, so a
+//!   connection gets at most one STOP_WAITING per WAIT and never after its WAIT_CANCELED;
+//! - DELETE_KEY neither wakes nor cancels waits (as torch);
+//! - BARRIER waiters are woken by the BARRIER call that reaches the count, not by other writes to
+//!   the counter key.
+
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+
+use crate::RdzvError;
+use crate::tcpstore::proto::{self, NOT_READY, READY, Request, STOP_WAITING, WAIT_CANCELED};
+
+/// A key or queue name: raw bytes.
+pub type Key = Vec<u8>;
+
+/// A connection, as the I/O layer numbers them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ConnId(pub u64);
+
+/// One pending WAIT or BARRIER. Ids order by registration (queue pushes wake the oldest wait).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WaitId {
+    seq: u64,
+    conn: ConnId,
+}
+
+impl WaitId {
+    /// The connection that waits.
+    pub fn conn(self) -> ConnId {
+        self.conn
+    }
+}
+
+/// What the requesting connection gets back.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reply {
+    /// Nothing (SET, APPEND, MULTI_SET, QUEUE_PUSH, VALIDATE).
+    None,
+    /// These bytes, now.
+    Bytes(Vec<u8>),
+    /// A STOP_WAITING later, when the wait completes (unless it is cancelled first).
+    Pending(WaitId),
+}
+
+/// The effects of one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Applied {
+    /// For the requesting connection.
+    pub reply: Reply,
+    /// Pending waits (of any connection) that this request completed: each gets one STOP_WAITING.
+    pub woken: Vec<WaitId>,
+    /// The requesting connection's waits that this request (CANCEL_WAIT) removed: they get nothing.
+    pub cancelled: Vec<WaitId>,
+}
+
+#[derive(Debug)]
+enum PendingWait {
+    /// A WAIT on `keys` (distinct, each missing when registered); `remaining` of them not yet written.
+    Keys { remaining: usize, keys: Vec<Key> },
+    /// A BARRIER on `key`.
+    Barrier { key: Key },
+}
+
+/// Numbers for metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct StoreStats {
+    /// Keys in the key-value namespace (what GETNUMKEYS answers).
+    pub n_keys: usize,
+    /// Non-empty queues.
+    pub n_queues: usize,
+    /// Bytes held: keys plus values, queue names plus items.
+    pub n_bytes: usize,
+    /// Pending WAITs and BARRIERs.
+    pub n_waits: usize,
+}
+
+/// One TCPStore keyspace and its waiters.
+#[derive(Debug)]
+pub struct StoreState {
+    /// Cap on `n_bytes`; a write that would pass it is refused (and its connection closed).
+    max_total_bytes: usize,
+    kv: HashMap<Key, Vec<u8>>,
+    /// FIFO queues, a namespace apart from `kv`; empty queues are removed.
+    queues: HashMap<Key, VecDeque<Vec<u8>>>,
+    /// Keys plus values, queue names plus items.
+    n_bytes: usize,
+    /// WAITs registered on a key that was missing; a write of the key completes that part of each.
+    key_waiters: HashMap<Key, BTreeSet<WaitId>>,
+    /// BARRIERs waiting on a counter key.
+    barrier_waiters: HashMap<Key, BTreeSet<WaitId>>,
+    waits: HashMap<WaitId, PendingWait>,
+    conn_waits: HashMap<ConnId, BTreeSet<WaitId>>,
+    next_seq: u64,
+}
+
+impl StoreState {
+    /// An empty keyspace holding at most `max_total_bytes` of keys and values.
+    pub fn new(max_total_bytes: usize) -> Self {
+        StoreState {
+            max_total_bytes,
+            kv: HashMap::new(),
+            queues: HashMap::new(),
+            n_bytes: 0,
+            key_waiters: HashMap::new(),
+            barrier_waiters: HashMap::new(),
+            waits: HashMap::new(),
+            conn_waits: HashMap::new(),
+            next_seq: 0,
+        }
+    }
+
+    /// Counts for metrics.
+    pub fn stats(&self) -> StoreStats {
+        StoreStats { n_keys: self.kv.len(), n_queues: self.queues.len(), n_bytes: self.n_bytes, n_waits: self.waits.len() }
+    }
+
+    /// Applies one request of connection `conn`.
+    ///
+    /// # Errors
+    /// The request must close its connection: ADD or BARRIER on a value that is not a 64-bit
+    /// integer (or that would overflow), or a write past the keyspace's byte cap. The state is
+    /// unchanged by the failing request (a MULTI_SET keeps the pairs before the failing one, as n
+    /// SETs would).
+    pub fn apply(&mut self, conn: ConnId, req: Request) -> Result<Applied, RdzvError> {
+        let mut woken = Vec::new();
+        let reply = match req {
+            Request::Validate { .. } => Reply::None,
+            Request::Ping { nonce } => Reply::Bytes(nonce.to_le_bytes().to_vec()),
+            Request::Set { key, value } => {
+                self.write(key, value, &mut woken)?;
+                Reply::None
+            }
+            Request::CompareSet { key, expected, desired } => {
+                let current = match self.kv.get(&key) {
+                    None if expected.is_empty() => {
+                        self.write(key, desired.clone(), &mut woken)?;
+                        desired
+                    }
+                    // torch answers `expected` for a missing key (tcpstore.md §4.3); clients rely on it.
+                    None => expected,
+                    Some(cur) if *cur == expected => {
+                        self.write(key, desired.clone(), &mut woken)?;
+                        desired
+                    }
+                    Some(cur) => cur.clone(),
+                };
+                Reply::Bytes(bytes_reply(&current))
+            }
+            Request::Get { key } => Reply::Bytes(bytes_reply(self.kv.get(&key).map_or(&[][..], |v| v))),
+            Request::Add { key, delta } => {
+                let old = match self.kv.get(&key) {
+                    None => 0,
+                    Some(v) => stoll(v).ok_or_else(|| not_a_number(&key, v))?,
+                };
+                let new = old
+                    .checked_add(delta)
+                    .ok_or_else(|| not_a_number(&key, format!("{old} + {delta}").as_bytes()))?;
+                self.write(key, new.to_string().into_bytes(), &mut woken)?;
+                Reply::Bytes(new.to_le_bytes().to_vec())
+            }
+            Request::Check { keys } => Reply::Bytes(vec![if keys.iter().all(|k| self.present(k)) { READY } else { NOT_READY }]),
+            Request::Wait { keys } => self.wait(conn, keys),
+            Request::GetNumKeys => Reply::Bytes((self.kv.len() as i64).to_le_bytes().to_vec()),
+            Request::DeleteKey { key } => {
+                let deleted = match self.kv.remove(&key) {
+                    Some(v) => {
+                        self.n_bytes -= key.len() + v.len();
+                        1i64
+                    }
+                    None => 0,
+                };
+                Reply::Bytes(deleted.to_le_bytes().to_vec())
+            }
+            Request::Append { key, value } => {
+                match self.kv.get_mut(&key) {
+                    // A present key has no waiters (waits register only on missing keys).
+                    Some(v) => {
+                        let new_total = self.n_bytes + value.len();
+                        if new_total > self.max_total_bytes {
+                            return Err(total_exceeded(new_total, self.max_total_bytes));
+                        }
+                        self.n_bytes = new_total;
+                        v.extend_from_slice(&value);
+                    }
+                    None => self.write(key, value, &mut woken)?,
+                }
+                Reply::None
+            }
+            Request::MultiGet { keys } => {
+                let mut out = Vec::new();
+                for k in &keys {
+                    proto::put_bytes(&mut out, self.kv.get(k).map_or(&[][..], |v| v));
+                }
+                Reply::Bytes(out)
+            }
+            Request::MultiSet { pairs } => {
+                for (k, v) in pairs {
+                    self.write(k, v, &mut woken)?;
+                }
+                Reply::None
+            }
+            Request::CancelWait => {
+                let cancelled = self.drop_waits(conn);
+                return Ok(Applied { reply: Reply::Bytes(vec![WAIT_CANCELED]), woken, cancelled });
+            }
+            Request::QueuePush { key, value } => {
+                self.push(key, value, &mut woken)?;
+                Reply::None
+            }
+            Request::QueuePop { key } => {
+                let mut out = Vec::new();
+                match self.queues.get_mut(&key) {
+                    None => proto::put_i64(&mut out, 0),
+                    Some(q) => {
+                        proto::put_i64(&mut out, q.len() as i64);
+                        if let Some(item) = q.pop_front() {
+                            self.n_bytes -= item.len();
+                            proto::put_bytes(&mut out, &item);
+                        }
+                        if q.is_empty() {
+                            self.queues.remove(&key);
+                            self.n_bytes -= key.len();
+                        }
+                    }
+                }
+                Reply::Bytes(out)
+            }
+            Request::QueueLen { key } => Reply::Bytes((self.queues.get(&key).map_or(0, VecDeque::len) as i64).to_le_bytes().to_vec()),
+            Request::ListKeys => {
+                let mut out = Vec::new();
+                proto::put_i64(&mut out, self.kv.len() as i64);
+                for k in self.kv.keys() {
+                    proto::put_bytes(&mut out, k);
+                }
+                Reply::Bytes(out)
+            }
+            Request::Barrier { key, world_size } => {
+                let count = match self.kv.get(&key) {
+                    None => 1,
+                    Some(v) => stoll(v)
+                        .and_then(|c| c.checked_add(1))
+                        .ok_or_else(|| not_a_number(&key, v))?,
+                };
+                self.write(key.clone(), count.to_string().into_bytes(), &mut woken)?;
+                if count >= world_size {
+                    if let Some(set) = self.barrier_waiters.remove(&key) {
+                        for id in set {
+                            self.finish(id);
+                            woken.push(id);
+                        }
+                    }
+                    Reply::Bytes(vec![STOP_WAITING])
+                } else {
+                    let id = self.register(conn, PendingWait::Barrier { key: key.clone() });
+                    self.barrier_waiters.entry(key).or_default().insert(id);
+                    Reply::Pending(id)
+                }
+            }
+        };
+        Ok(Applied { reply, woken, cancelled: Vec::new() })
+    }
+
+    /// Forgets a connection that went away: its pending waits are dropped without reply.
+    pub fn disconnect(&mut self, conn: ConnId) {
+        self.drop_waits(conn);
+    }
+
+    /// A key counts as present for CHECK and WAIT if it is in the key-value namespace or names a
+    /// non-empty queue (as in torch's libuv server).
+    fn present(&self, key: &[u8]) -> bool {
+        self.kv.contains_key(key) || self.queues.contains_key(key)
+    }
+
+    fn wait(&mut self, conn: ConnId, keys: Vec<Key>) -> Reply {
+        let mut seen = HashSet::new();
+        let missing: Vec<Key> = keys.into_iter().filter(|k| !self.present(k) && seen.insert(k.clone())).collect();
+        if missing.is_empty() {
+            return Reply::Bytes(vec![STOP_WAITING]);
+        }
+        let id = self.register(conn, PendingWait::Keys { remaining: missing.len(), keys: Vec::new() });
+        for k in &missing {
+            self.key_waiters.entry(k.clone()).or_default().insert(id);
+        }
+        if let Some(PendingWait::Keys { keys, .. }) = self.waits.get_mut(&id) {
+            *keys = missing;
+        }
+        Reply::Pending(id)
+    }
+
+    fn register(&mut self, conn: ConnId, wait: PendingWait) -> WaitId {
+        let id = WaitId { seq: self.next_seq, conn };
+        self.next_seq += 1;
+        self.waits.insert(id, wait);
+        self.conn_waits.entry(conn).or_default().insert(id);
+        id
+    }
+
+    /// Removes a wait that completed (it is in no waiter set any more).
+    fn finish(&mut self, id: WaitId) {
+        self.waits.remove(&id);
+        if let Some(set) = self.conn_waits.get_mut(&id.conn) {
+            set.remove(&id);
+            if set.is_empty() {
+                self.conn_waits.remove(&id.conn);
+            }
+        }
+    }
+
+    /// Removes every pending wait of `conn` and returns them.
+    fn drop_waits(&mut self, conn: ConnId) -> Vec<WaitId> {
+        let Some(ids) = self.conn_waits.remove(&conn) else { return Vec::new() };
+        for id in &ids {
+            match self.waits.remove(id) {
+                Some(PendingWait::Keys { keys, .. }) => {
+                    for k in keys {
+                        remove_waiter(&mut self.key_waiters, &k, id);
+                    }
+                }
+                Some(PendingWait::Barrier { key }) => remove_waiter(&mut self.barrier_waiters, &key, id),
+                None => {}
+            }
+        }
+        ids.into_iter().collect()
+    }
+
+    /// Stores `key = value` and completes the waits that were waiting for `key`.
+    fn write(&mut self, key: Key, value: Vec<u8>, woken: &mut Vec<WaitId>) -> Result<(), RdzvError> {
+        let old = self.kv.get(&key).map_or(0, |v| key.len() + v.len());
+        let new_total = self.n_bytes - old + key.len() + value.len();
+        self.check_total(new_total)?;
+        self.n_bytes = new_total;
+        if let Some(set) = self.key_waiters.remove(&key) {
+            for id in set {
+                self.key_written(id, woken);
+            }
+        }
+        self.kv.insert(key, value);
+        Ok(())
+    }
+
+    /// Appends to queue `key` and completes that part of the oldest wait on `key`, if any.
+    fn push(&mut self, key: Key, value: Vec<u8>, woken: &mut Vec<WaitId>) -> Result<(), RdzvError> {
+        let new_queue = !self.queues.contains_key(&key);
+        let new_total = self.n_bytes + value.len() + if new_queue { key.len() } else { 0 };
+        self.check_total(new_total)?;
+        self.n_bytes = new_total;
+        if let Some(set) = self.key_waiters.get_mut(&key) {
+            let first = set.pop_first();
+            if set.is_empty() {
+                self.key_waiters.remove(&key);
+            }
+            if let Some(id) = first {
+                self.key_written(id, woken);
+            }
+        }
+        self.queues.entry(key).or_default().push_back(value);
+        Ok(())
+    }
+
+    /// One of `id`'s keys was written (and `id` already left that key's waiter set).
+    fn key_written(&mut self, id: WaitId, woken: &mut Vec<WaitId>) {
+        if let Some(PendingWait::Keys { remaining, .. }) = self.waits.get_mut(&id) {
+            *remaining -= 1;
+            if *remaining == 0 {
+                self.finish(id);
+                woken.push(id);
+            }
+        }
+    }
+
+    fn check_total(&self, new_total: usize) -> Result<(), RdzvError> {
+        if new_total > self.max_total_bytes {
+            return Err(total_exceeded(new_total, self.max_total_bytes));
+        }
+        Ok(())
+    }
+}
+
+fn total_exceeded(new_total: usize, max: usize) -> RdzvError {
+    RdzvError::TcpStoreLimit { limit: "store size", value: new_total as u64, max: max as u64 }
+}
+
+fn remove_waiter(map: &mut HashMap<Key, BTreeSet<WaitId>>, key: &[u8], id: &WaitId) {
+    if let Some(set) = map.get_mut(key) {
+        set.remove(id);
+        if set.is_empty() {
+            map.remove(key);
+        }
+    }
+}
+
+fn bytes_reply(v: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(8 + v.len());
+    proto::put_bytes(&mut out, v);
+    out
+}
+
+/// At most this many bytes of a key or value go into an error message.
+const SHOWN_BYTES: usize = 64;
+
+fn shown(b: &[u8]) -> String {
+    let s = String::from_utf8_lossy(&b[..b.len().min(SHOWN_BYTES)]).into_owned();
+    if b.len() > SHOWN_BYTES { format!("{s}...") } else { s }
+}
+
+fn not_a_number(key: &[u8], value: &[u8]) -> RdzvError {
+    RdzvError::TcpStoreNotANumber { key: shown(key), value: shown(value) }
+}
+
+/// C++ `std::stoll(s, nullptr, 10)` on raw bytes: skips leading whitespace, takes an optional sign
+/// and at least one digit, ignores whatever follows the digits (`" 12abc"` is 12). `None` where
+/// `stoll` throws: no digits, or out of the `i64` range.
+pub fn stoll(b: &[u8]) -> Option<i64> {
+    let mut i = 0;
+    while i < b.len() && matches!(b[i], b' ' | b'\t' | b'\n' | 0x0b | 0x0c | b'\r') {
+        i += 1;
+    }
+    let negative = match b.get(i) {
+        Some(b'-') => {
+            i += 1;
+            true
+        }
+        Some(b'+') => {
+            i += 1;
+            false
+        }
+        _ => false,
+    };
+    let start = i;
+    // Accumulate negatively so that i64::MIN parses.
+    let mut v: i64 = 0;
+    while let Some(d) = b.get(i).filter(|d| d.is_ascii_digit()) {
+        v = v.checked_mul(10)?.checked_sub(i64::from(d - b'0'))?;
+        i += 1;
+    }
+    if i == start {
+        return None;
+    }
+    if negative { Some(v) } else { v.checked_neg() }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,371 @@
+use super::*;
+use crate::tcpstore::replies::ReplyQueue;
+
+const A: ConnId = ConnId(1);
+const B: ConnId = ConnId(2);
+
+fn k(s: &str) -> Vec<u8> {
+    s.as_bytes().to_vec()
+}
+
+fn store() -> StoreState {
+    StoreState::new(1 << 20)
+}
+
+fn ok(s: &mut StoreState, conn: ConnId, req: Request) -> Applied {
+    let a = s.apply(conn, req).unwrap();
+    check_invariants(s);
+    a
+}
+
+/// The reply bytes of a request that answers at once.
+fn bytes(s: &mut StoreState, conn: ConnId, req: Request) -> Vec<u8> {
+    match ok(s, conn, req).reply {
+        Reply::Bytes(b) => b,
+        other => panic!("expected bytes, got {other:?}"),
+    }
+}
+
+fn pending(s: &mut StoreState, conn: ConnId, req: Request) -> WaitId {
+    match ok(s, conn, req).reply {
+        Reply::Pending(id) => id,
+        other => panic!("expected a pending wait, got {other:?}"),
+    }
+}
+
+fn blob(v: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    proto::put_bytes(&mut out, v);
+    out
+}
+
+fn set(key: &str, value: &str) -> Request {
+    Request::Set { key: k(key), value: k(value) }
+}
+
+fn wait(keys: &[&str]) -> Request {
+    Request::Wait { keys: keys.iter().map(|s| k(s)).collect() }
+}
+
+/// Byte accounting and waiter bookkeeping agree with the data.
+fn check_invariants(s: &StoreState) {
+    let kv: usize = s.kv.iter().map(|(k, v)| k.len() + v.len()).sum();
+    let q: usize = s.queues.iter().map(|(k, q)| k.len() + q.iter().map(Vec::len).sum::<usize>()).sum();
+    assert_eq!(s.n_bytes, kv + q, "byte accounting");
+    assert!(s.queues.values().all(|q| !q.is_empty()), "an empty queue was kept");
+    for (key, set) in &s.key_waiters {
+        assert!(!set.is_empty());
+        assert!(!s.kv.contains_key(key), "a waiter is registered on a present key");
+        for id in set {
+            assert!(matches!(s.waits.get(id), Some(PendingWait::Keys { .. })), "dangling key waiter {id:?}");
+        }
+    }
+    for set in s.barrier_waiters.values() {
+        assert!(!set.is_empty());
+        assert!(set.iter().all(|id| matches!(s.waits.get(id), Some(PendingWait::Barrier { .. }))));
+    }
+    for (id, w) in &s.waits {
+        assert!(s.conn_waits.get(&id.conn).is_some_and(|c| c.contains(id)), "wait {id:?} not listed for its connection");
+        if let PendingWait::Keys { remaining, keys } = w {
+            let registered = keys.iter().filter(|k| s.key_waiters.get(*k).is_some_and(|set| set.contains(id))).count();
+            assert_eq!(*remaining, registered, "remaining count of {id:?}");
+            assert!(*remaining > 0);
+        }
+    }
+    let listed: usize = s.conn_waits.values().map(BTreeSet::len).sum();
+    assert_eq!(listed, s.waits.len());
+}
+
+#[test]
+fn reference_byte_examples() {
+    // tcpstore.md §3, "Byte examples".
+    let mut s = store();
+    assert_eq!(bytes(&mut s, A, Request::Ping { nonce: 0xAABB_CCDD }), [0xdd, 0xcc, 0xbb, 0xaa]);
+    assert_eq!(ok(&mut s, A, set("/k", "abc")).reply, Reply::None);
+    assert_eq!(bytes(&mut s, A, Request::Get { key: k("/k") }), blob(b"abc"));
+    assert_eq!(bytes(&mut s, A, Request::Add { key: k("/ctr"), delta: 5 }), 5i64.to_le_bytes());
+    assert_eq!(bytes(&mut s, A, Request::Add { key: k("/ctr"), delta: -7 }), [0xfe, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff]);
+    assert_eq!(bytes(&mut s, A, Request::Get { key: k("/ctr") }), blob(b"-2"));
+    assert_eq!(bytes(&mut s, A, Request::Check { keys: vec![k("/k"), k("/nope")] }), [NOT_READY]);
+    ok(&mut s, A, Request::MultiSet { pairs: vec![(k("m1"), k("x")), (k("m2"), k("y"))] });
+    assert_eq!(bytes(&mut s, A, Request::MultiGet { keys: vec![k("m1"), k("m2")] }), [blob(b"x"), blob(b"y")].concat());
+    ok(&mut s, A, Request::QueuePush { key: k("/q"), value: k("q1") });
+    assert_eq!(bytes(&mut s, A, Request::QueuePop { key: k("/q") }), [&1i64.to_le_bytes()[..], &blob(b"q1")].concat());
+    assert_eq!(bytes(&mut s, A, Request::QueuePop { key: k("/q") }), 0i64.to_le_bytes());
+    assert_eq!(bytes(&mut s, A, Request::CancelWait), [WAIT_CANCELED]);
+}
+
+#[test]
+fn get_and_multi_get_of_missing_keys_are_empty() {
+    let mut s = store();
+    assert_eq!(bytes(&mut s, A, Request::Get { key: k("/nope") }), blob(b""));
+    ok(&mut s, A, set("a", "1"));
+    assert_eq!(bytes(&mut s, A, Request::MultiGet { keys: vec![k("a"), k("nope")] }), [blob(b"1"), blob(b"")].concat());
+}
+
+#[test]
+fn compare_set_follows_torch_including_the_missing_key_reply() {
+    let mut s = store();
+    let cas = |key: &str, e: &str, d: &str| Request::CompareSet { key: k(key), expected: k(e), desired: k(d) };
+    // Missing key, non-empty expected: echoes `expected` and stores nothing.
+    assert_eq!(bytes(&mut s, A, cas("/c", "old", "new")), blob(b"old"));
+    assert_eq!(bytes(&mut s, A, Request::GetNumKeys), 0i64.to_le_bytes());
+    // Missing key, empty expected: creates.
+    assert_eq!(bytes(&mut s, A, cas("/c", "", "new")), blob(b"new"));
+    // Present key, wrong expected: the current value.
+    assert_eq!(bytes(&mut s, A, cas("/c", "zzz", "other")), blob(b"new"));
+    // Present key, right expected: swapped.
+    assert_eq!(bytes(&mut s, A, cas("/c", "new", "newer")), blob(b"newer"));
+    assert_eq!(bytes(&mut s, A, Request::Get { key: k("/c") }), blob(b"newer"));
+}
+
+#[test]
+fn add_parses_like_stoll_and_refuses_non_numbers() {
+    let mut s = store();
+    ok(&mut s, A, set("/n", " 12abc"));
+    assert_eq!(bytes(&mut s, A, Request::Add { key: k("/n"), delta: 1 }), 13i64.to_le_bytes());
+    assert_eq!(bytes(&mut s, A, Request::Get { key: k("/n") }), blob(b"13"));
+    // test_store.py: add 1 + 2 + 3 → "6".
+    for d in [1, 2, 3] {
+        ok(&mut s, A, Request::Add { key: k("key"), delta: d });
+    }
+    assert_eq!(bytes(&mut s, A, Request::Get { key: k("key") }), blob(b"6"));
+    ok(&mut s, A, set("/p", "potato"));
+    let err = s.apply(A, Request::Add { key: k("/p"), delta: 1 }).unwrap_err();
+    assert_eq!(err, RdzvError::TcpStoreNotANumber { key: "/p".into(), value: "potato".into() });
+    assert_eq!(bytes(&mut s, A, Request::Get { key: k("/p") }), blob(b"potato"), "a failed ADD changes nothing");
+    ok(&mut s, A, set("/max", &i64::MAX.to_string()));
+    assert!(matches!(s.apply(A, Request::Add { key: k("/max"), delta: 1 }), Err(RdzvError::TcpStoreNotANumber { .. })));
+    check_invariants(&s);
+}
+
+#[test]
+fn stoll_matches_cpp() {
+    assert_eq!(stoll(b" 12abc"), Some(12));
+    assert_eq!(stoll(b"\t\n-5"), Some(-5));
+    assert_eq!(stoll(b"+7x"), Some(7));
+    assert_eq!(stoll(b"007"), Some(7));
+    assert_eq!(stoll(b"-9223372036854775808"), Some(i64::MIN));
+    assert_eq!(stoll(b"9223372036854775807"), Some(i64::MAX));
+    assert_eq!(stoll(b"9223372036854775808"), None);
+    for bad in [&b""[..], b"potato", b"-", b"+", b" ", b"- 1", b"abc12"] {
+        assert_eq!(stoll(bad), None, "{:?}", String::from_utf8_lossy(bad));
+    }
+}
+
+#[test]
+fn check_and_wait_of_no_keys_are_ready_at_once() {
+    let mut s = store();
+    assert_eq!(bytes(&mut s, A, Request::Check { keys: vec![] }), [READY]);
+    assert_eq!(bytes(&mut s, A, Request::Wait { keys: vec![] }), [STOP_WAITING]);
+}
+
+#[test]
+fn a_wait_is_woken_by_writes_of_its_key_from_another_connection() {
+    for write in [
+        set("/x", "v"),
+        Request::Add { key: k("/x"), delta: 1 },
+        Request::Append { key: k("/x"), value: k("a") },
+        Request::MultiSet { pairs: vec![(k("/y"), k("1")), (k("/x"), k("2"))] },
+        Request::CompareSet { key: k("/x"), expected: k(""), desired: k("v") },
+        Request::Barrier { key: k("/x"), world_size: 5 },
+    ] {
+        let mut s = store();
+        let id = pending(&mut s, A, wait(&["/x"]));
+        assert_eq!(id.conn(), A);
+        let applied = ok(&mut s, B, write.clone());
+        assert_eq!(applied.woken, vec![id], "{write:?}");
+        assert_eq!(s.stats().n_waits, usize::from(matches!(write, Request::Barrier { .. })));
+    }
+}
+
+#[test]
+fn a_failed_compare_set_or_a_delete_wakes_nobody() {
+    let mut s = store();
+    let id = pending(&mut s, A, wait(&["/x"]));
+    assert!(ok(&mut s, B, Request::CompareSet { key: k("/x"), expected: k("nonempty"), desired: k("new") }).woken.is_empty());
+    assert!(ok(&mut s, B, Request::DeleteKey { key: k("/x") }).woken.is_empty());
+    assert!(ok(&mut s, B, Request::Get { key: k("/x") }).woken.is_empty());
+    assert_eq!(ok(&mut s, B, set("/x", "v")).woken, vec![id]);
+}
+
+#[test]
+fn a_multi_key_wait_needs_every_key() {
+    let mut s = store();
+    ok(&mut s, B, set("/present", "1"));
+    let id = pending(&mut s, A, wait(&["/a", "/present", "/b", "/a"]));
+    assert!(ok(&mut s, B, set("/a", "1")).woken.is_empty());
+    assert!(ok(&mut s, B, set("/a", "2")).woken.is_empty(), "a second write of the same key does not count twice");
+    assert_eq!(ok(&mut s, B, set("/b", "1")).woken, vec![id]);
+    assert_eq!(s.stats().n_waits, 0);
+}
+
+#[test]
+fn two_pushes_to_one_queue_do_not_complete_a_wait_that_also_needs_another_key() {
+    // The libuv bug (tcpstore.md §4.6) must not be copied.
+    let mut s = store();
+    let id = pending(&mut s, A, wait(&["q", "r"]));
+    assert!(ok(&mut s, B, Request::QueuePush { key: k("q"), value: k("1") }).woken.is_empty());
+    assert!(ok(&mut s, B, Request::QueuePush { key: k("q"), value: k("2") }).woken.is_empty());
+    assert_eq!(ok(&mut s, B, set("r", "x")).woken, vec![id]);
+}
+
+#[test]
+fn a_queue_push_wakes_one_waiter_the_oldest() {
+    let mut s = store();
+    let first = pending(&mut s, A, wait(&["q"]));
+    let second = pending(&mut s, B, wait(&["q"]));
+    assert_eq!(ok(&mut s, ConnId(3), Request::QueuePush { key: k("q"), value: k("1") }).woken, vec![first]);
+    // A non-empty queue counts as present for CHECK and WAIT.
+    assert_eq!(bytes(&mut s, ConnId(3), Request::Check { keys: vec![k("q")] }), [READY]);
+    assert_eq!(bytes(&mut s, ConnId(3), wait(&["q"])), [STOP_WAITING]);
+    assert_eq!(ok(&mut s, ConnId(3), Request::QueuePush { key: k("q"), value: k("2") }).woken, vec![second]);
+    assert_eq!(bytes(&mut s, A, Request::QueueLen { key: k("q") }), 2i64.to_le_bytes());
+    // Queues are not keys.
+    assert_eq!(bytes(&mut s, A, Request::GetNumKeys), 0i64.to_le_bytes());
+    assert_eq!(bytes(&mut s, A, Request::QueuePop { key: k("q") }), [&2i64.to_le_bytes()[..], &blob(b"1")].concat());
+}
+
+#[test]
+fn cancel_wait_drops_the_connections_waits_and_always_answers() {
+    let mut s = store();
+    let a = pending(&mut s, A, wait(&["/x", "/y"]));
+    let b = pending(&mut s, B, wait(&["/x"]));
+    let cancel = ok(&mut s, A, Request::CancelWait);
+    assert_eq!(cancel.reply, Reply::Bytes(vec![WAIT_CANCELED]));
+    assert_eq!(cancel.cancelled, vec![a]);
+    // A's cancelled wait is never woken; B's still is.
+    assert_eq!(ok(&mut s, ConnId(3), set("/x", "1")).woken, vec![b]);
+    assert!(ok(&mut s, ConnId(3), set("/y", "1")).woken.is_empty());
+    // Nothing pending: still 01.
+    let again = ok(&mut s, A, Request::CancelWait);
+    assert_eq!((again.reply, again.cancelled), (Reply::Bytes(vec![WAIT_CANCELED]), vec![]));
+}
+
+#[test]
+fn a_woken_wait_cannot_be_cancelled_and_a_disconnect_leaves_nothing_behind() {
+    let mut s = store();
+    let a = pending(&mut s, A, wait(&["/x"]));
+    assert_eq!(ok(&mut s, B, set("/x", "1")).woken, vec![a]);
+    assert!(ok(&mut s, A, Request::CancelWait).cancelled.is_empty());
+    pending(&mut s, A, wait(&["/p", "/q"]));
+    pending(&mut s, A, Request::Barrier { key: k("/bar"), world_size: 3 });
+    s.disconnect(A);
+    check_invariants(&s);
+    assert_eq!(s.stats().n_waits, 0);
+    assert!(s.key_waiters.is_empty() && s.barrier_waiters.is_empty() && s.conn_waits.is_empty());
+}
+
+#[test]
+fn barrier_completes_on_the_last_arrival_and_a_reused_key_passes_at_once() {
+    let mut s = store();
+    let a = pending(&mut s, A, Request::Barrier { key: k("/bar"), world_size: 2 });
+    let last = ok(&mut s, B, Request::Barrier { key: k("/bar"), world_size: 2 });
+    assert_eq!((last.reply, last.woken), (Reply::Bytes(vec![STOP_WAITING]), vec![a]));
+    assert_eq!(bytes(&mut s, A, Request::Get { key: k("/bar") }), blob(b"2"));
+    // The counter never resets.
+    assert_eq!(bytes(&mut s, A, Request::Barrier { key: k("/bar"), world_size: 2 }), [STOP_WAITING]);
+    assert_eq!(bytes(&mut s, A, Request::Get { key: k("/bar") }), blob(b"3"));
+    // Other writes of the counter do not release barrier waiters.
+    let c = pending(&mut s, A, Request::Barrier { key: k("/b2"), world_size: 3 });
+    assert!(ok(&mut s, B, set("/b2", "1")).woken.is_empty());
+    assert!(ok(&mut s, B, Request::Add { key: k("/b2"), delta: 5 }).woken.is_empty());
+    assert_eq!(ok(&mut s, B, Request::Barrier { key: k("/b2"), world_size: 3 }).woken, vec![c]);
+    // A non-numeric counter closes the caller's connection, as ADD does.
+    ok(&mut s, B, set("/b3", "x"));
+    assert!(s.apply(B, Request::Barrier { key: k("/b3"), world_size: 2 }).is_err());
+}
+
+#[test]
+fn list_keys_and_num_keys_include_init() {
+    let mut s = store();
+    ok(&mut s, A, Request::Add { key: k("init/"), delta: 1 });
+    ok(&mut s, A, set("/a", "1"));
+    let reply = bytes(&mut s, A, Request::ListKeys);
+    assert_eq!(&reply[..8], 2i64.to_le_bytes());
+    let mut keys = Vec::new();
+    let mut rest = &reply[8..];
+    while !rest.is_empty() {
+        let n = u64::from_le_bytes(rest[..8].try_into().unwrap()) as usize;
+        keys.push(rest[8..8 + n].to_vec());
+        rest = &rest[8 + n..];
+    }
+    keys.sort();
+    assert_eq!(keys, vec![k("/a"), k("init/")]);
+    assert_eq!(bytes(&mut s, A, Request::GetNumKeys), 2i64.to_le_bytes());
+    assert_eq!(bytes(&mut s, A, Request::DeleteKey { key: k("/a") }), 1i64.to_le_bytes());
+    assert_eq!(bytes(&mut s, A, Request::DeleteKey { key: k("/a") }), 0i64.to_le_bytes());
+}
+
+#[test]
+fn the_total_byte_cap_refuses_writes_without_changing_anything() {
+    let mut s = StoreState::new(10);
+    ok(&mut s, A, set("k", "123456789"));
+    assert_eq!(s.stats().n_bytes, 10);
+    let over = s.apply(A, set("j", "")).unwrap_err();
+    assert_eq!(over, RdzvError::TcpStoreLimit { limit: "store size", value: 11, max: 10 });
+    assert!(s.apply(A, Request::Append { key: k("k"), value: k("x") }).is_err());
+    assert!(s.apply(A, Request::QueuePush { key: k("q"), value: k("") }).is_err());
+    // Overwriting with something no larger fits.
+    ok(&mut s, A, set("k", "abcdefghi"));
+    ok(&mut s, A, Request::DeleteKey { key: k("k") });
+    assert_eq!(s.stats().n_bytes, 0);
+    ok(&mut s, A, Request::QueuePush { key: k("q"), value: k("123") });
+    assert_eq!(s.stats().n_bytes, 4);
+    ok(&mut s, A, Request::QueuePop { key: k("q") });
+    assert_eq!(s.stats().n_bytes, 0);
+}
+
+#[test]
+fn the_reply_queue_orders_a_raced_wake_before_the_cancel_reply() {
+    // A waits; B's SET completes the wait (the wake-up is in flight); A's CANCEL_WAIT is applied
+    // before A saw the wake-up. A must send 00 then 01.
+    let mut s = store();
+    let mut q = ReplyQueue::new();
+    let id = pending(&mut s, A, wait(&["/x"]));
+    q.push(Reply::Pending(id));
+    let woken = ok(&mut s, B, set("/x", "1")).woken;
+    let cancel = ok(&mut s, A, Request::CancelWait);
+    q.cancelled(&cancel.cancelled);
+    q.push(cancel.reply);
+    let mut out = Vec::new();
+    q.take_ready(&mut out);
+    assert!(out.is_empty(), "the 01 must wait for the 00 in flight");
+    for id in woken {
+        q.woken(id);
+    }
+    q.take_ready(&mut out);
+    assert_eq!(out, [STOP_WAITING, WAIT_CANCELED]);
+    assert_eq!((q.n_bytes(), q.n_pending()), (0, 0));
+}
+
+#[test]
+fn the_reply_queue_drops_a_cancelled_wait_and_holds_later_replies_behind_a_pending_one() {
+    let mut s = store();
+    let mut q = ReplyQueue::new();
+    let id = pending(&mut s, A, wait(&["/x"]));
+    q.push(Reply::Pending(id));
+    // A pipelined GET behind the wait is answered after it.
+    q.push(ok(&mut s, A, Request::Get { key: k("/x") }).reply);
+    let mut out = Vec::new();
+    q.take_ready(&mut out);
+    assert!(out.is_empty());
+    assert_eq!((q.n_bytes(), q.n_pending()), (8, 1));
+    let cancel = ok(&mut s, A, Request::CancelWait);
+    q.cancelled(&cancel.cancelled);
+    q.push(cancel.reply);
+    q.take_ready(&mut out);
+    assert_eq!(out, [&blob(b"")[..], &[WAIT_CANCELED]].concat());
+    // A later wake-up for the cancelled id (impossible from the core) would be ignored.
+    q.woken(id);
+    out.clear();
+    q.take_ready(&mut out);
+    assert!(out.is_empty());
+}
+
+#[test]
+fn a_pipelined_set_on_the_waiting_connection_wakes_its_own_wait() {
+    let mut s = store();
+    let id = pending(&mut s, A, wait(&["/x"]));
+    assert_eq!(ok(&mut s, A, set("/x", "1")).woken, vec![id]);
+}

@@ -1,0 +1,598 @@
+//! The TCPStore server over real sockets on 127.0.0.1: the byte-level cases of tcpstore.md §6.2,
+//! wake-ups across connections, barriers, caps, many connections, shutdown, and the
+//! `rsrun-rendezvous tcpstore` subcommand.
+//!
+//! Reads are bounded by a generous deadline only so that a broken server fails a test instead of
+//! hanging it; nothing here asserts how long anything took.
+
+use std::io::Write as _;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rsrun_rendezvous::tcpstore::proto::{Request, VALIDATE_MAGIC};
+use rsrun_rendezvous::tcpstore::{TcpStoreClient, TcpStoreLimits, TcpStoreServer};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tokio_util::sync::CancellationToken;
+
+/// Only a hung test ever reaches this.
+const DEADLINE: Duration = Duration::from_secs(60);
+
+async fn start(limits: TcpStoreLimits) -> TcpStoreServer {
+    TcpStoreServer::start("127.0.0.1:0".parse().unwrap(), limits, CancellationToken::new()).await.unwrap()
+}
+
+async fn server() -> TcpStoreServer {
+    start(TcpStoreLimits::default()).await
+}
+
+fn enc(reqs: &[Request]) -> Vec<u8> {
+    let mut b = Vec::new();
+    for r in reqs {
+        r.encode(&mut b);
+    }
+    b
+}
+
+fn k(s: &str) -> Vec<u8> {
+    s.as_bytes().to_vec()
+}
+
+fn blob(v: &[u8]) -> Vec<u8> {
+    [&(v.len() as u64).to_le_bytes()[..], v].concat()
+}
+
+/// A raw connection that sent nothing yet.
+async fn connect(addr: SocketAddr) -> TcpStream {
+    let s = TcpStream::connect(addr).await.unwrap();
+    s.set_nodelay(true).unwrap();
+    s
+}
+
+/// A raw connection after VALIDATE (which has no reply).
+async fn validated(addr: SocketAddr) -> TcpStream {
+    let mut s = connect(addr).await;
+    s.write_all(&[0x00, 0xce, 0xf7, 0x85, 0x3c]).await.unwrap();
+    s
+}
+
+async fn send(s: &mut TcpStream, reqs: &[Request]) {
+    s.write_all(&enc(reqs)).await.unwrap();
+}
+
+async fn read_n(s: &mut TcpStream, n: usize) -> Vec<u8> {
+    let mut b = vec![0; n];
+    tokio::time::timeout(DEADLINE, s.read_exact(&mut b)).await.expect("no reply").unwrap();
+    b
+}
+
+/// The server closed the connection, without sending anything (more).
+async fn assert_closed(s: &mut TcpStream) {
+    let mut b = [0u8; 64];
+    match tokio::time::timeout(DEADLINE, s.read(&mut b)).await.expect("the server did not close the connection") {
+        Ok(0) | Err(_) => {}
+        Ok(n) => panic!("expected the connection closed, got {:02x?}", &b[..n]),
+    }
+}
+
+/// Nothing else is in flight on `s`: a PING is answered by its echo first.
+async fn assert_quiet(s: &mut TcpStream) {
+    send(s, &[Request::Ping { nonce: 0x5157_4545 }]).await;
+    assert_eq!(read_n(s, 4).await, 0x5157_4545u32.to_le_bytes(), "a stray byte came before the PING echo");
+}
+
+/// Waits until the server has `n` pending waits (so a wake-up is tested, not an immediate reply).
+async fn until_waits(server: &TcpStoreServer, n: usize) {
+    tokio::time::timeout(DEADLINE, async {
+        while server.stats().n_waits != n {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await
+    .expect("the wait was never registered");
+}
+
+#[tokio::test]
+async fn handshake_split_byte_by_byte_then_ping_echo() {
+    let server = server().await;
+    let mut s = connect(server.local_addr()).await;
+    let bytes = enc(&[Request::Validate { magic: VALIDATE_MAGIC }, Request::Ping { nonce: 0xaabb_ccdd }]);
+    for b in bytes {
+        s.write_all(&[b]).await.unwrap();
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(read_n(&mut s, 4).await, [0xdd, 0xcc, 0xbb, 0xaa]);
+}
+
+#[tokio::test]
+async fn no_validate_or_a_wrong_magic_closes_the_connection() {
+    let server = server().await;
+    // A GET without VALIDATE.
+    let mut s = connect(server.local_addr()).await;
+    send(&mut s, &[Request::Get { key: k("/k") }]).await;
+    assert_closed(&mut s).await;
+    // A wrong magic, even followed by valid requests.
+    let mut s = connect(server.local_addr()).await;
+    send(&mut s, &[Request::Validate { magic: 0x3C85_F7CF }, Request::Ping { nonce: 1 }]).await;
+    assert_closed(&mut s).await;
+    // A split VALIDATE with a wrong last byte.
+    let mut s = connect(server.local_addr()).await;
+    s.write_all(&[0x00, 0xce]).await.unwrap();
+    tokio::task::yield_now().await;
+    s.write_all(&[0xf7, 0x85, 0x00]).await.unwrap();
+    assert_closed(&mut s).await;
+    // The server is still fine.
+    let mut ok = TcpStoreClient::connect(server.local_addr()).await.unwrap();
+    ok.ping(7).await.unwrap();
+}
+
+#[tokio::test]
+async fn pipelined_set_get_and_two_getnumkeys_in_one_segment() {
+    let server = server().await;
+    let mut s = validated(server.local_addr()).await;
+    // One write: SET then GET; only GET answers.
+    send(&mut s, &[Request::Set { key: k("/k"), value: k("abc") }, Request::Get { key: k("/k") }]).await;
+    assert_eq!(read_n(&mut s, 11).await, blob(b"abc"));
+    send(&mut s, &[Request::GetNumKeys, Request::GetNumKeys]).await;
+    assert_eq!(read_n(&mut s, 16).await, [1i64.to_le_bytes(), 1i64.to_le_bytes()].concat());
+    // VALIDATE, PING, SET, GET, ADD all in one segment, the way a fast client could send them.
+    let mut s = connect(server.local_addr()).await;
+    send(
+        &mut s,
+        &[
+            Request::Validate { magic: VALIDATE_MAGIC },
+            Request::Ping { nonce: 3 },
+            Request::Set { key: k("/n"), value: k("40") },
+            Request::Get { key: k("/n") },
+            Request::Add { key: k("/n"), delta: 2 },
+        ],
+    )
+    .await;
+    assert_eq!(read_n(&mut s, 4 + 10 + 8).await, [&3u32.to_le_bytes()[..], &blob(b"40"), &42i64.to_le_bytes()].concat());
+    assert_quiet(&mut s).await;
+}
+
+#[tokio::test]
+async fn wait_and_check_of_zero_keys_answer_at_once() {
+    let server = server().await;
+    let mut s = validated(server.local_addr()).await;
+    send(&mut s, &[Request::Wait { keys: vec![] }, Request::Check { keys: vec![] }]).await;
+    assert_eq!(read_n(&mut s, 2).await, [0x00, 0x00]);
+}
+
+#[tokio::test]
+async fn cancel_wait_with_nothing_pending_answers_01() {
+    let server = server().await;
+    let mut s = validated(server.local_addr()).await;
+    send(&mut s, &[Request::CancelWait]).await;
+    assert_eq!(read_n(&mut s, 1).await, [0x01]);
+    assert_quiet(&mut s).await;
+}
+
+#[tokio::test]
+async fn a_wake_that_races_the_cancel_gives_00_then_01() {
+    let server = server().await;
+    let mut a = validated(server.local_addr()).await;
+    let mut b = TcpStoreClient::connect(server.local_addr()).await.unwrap();
+    send(&mut a, &[Request::Wait { keys: vec![k("/x")] }]).await;
+    until_waits(&server, 1).await;
+    b.set(b"/x", b"1").await.unwrap();
+    b.ping(1).await.unwrap(); // The SET was applied: A's wait is complete.
+    // A times out on its side and cancels: it gets STOP_WAITING, then WAIT_CANCELED.
+    send(&mut a, &[Request::CancelWait]).await;
+    assert_eq!(read_n(&mut a, 2).await, [0x00, 0x01]);
+    assert_quiet(&mut a).await;
+}
+
+#[tokio::test]
+async fn a_cancelled_wait_never_sends_stop_waiting_later() {
+    let server = server().await;
+    let mut a = validated(server.local_addr()).await;
+    let mut b = TcpStoreClient::connect(server.local_addr()).await.unwrap();
+    send(&mut a, &[Request::Wait { keys: vec![k("/x")] }, Request::CancelWait]).await;
+    assert_eq!(read_n(&mut a, 1).await, [0x01]);
+    b.set(b"/x", b"1").await.unwrap();
+    b.ping(1).await.unwrap();
+    assert_quiet(&mut a).await;
+    assert_eq!(server.stats().n_waits, 0);
+}
+
+#[tokio::test]
+async fn a_wait_is_woken_by_a_compare_set_that_creates_the_key_not_by_a_failed_one() {
+    let server = server().await;
+    let mut a = validated(server.local_addr()).await;
+    let mut b = TcpStoreClient::connect(server.local_addr()).await.unwrap();
+    send(&mut a, &[Request::Wait { keys: vec![k("x")] }]).await;
+    until_waits(&server, 1).await;
+    // Failed: the key is missing and `expected` is not empty. The reply echoes `expected`.
+    assert_eq!(b.compare_set(b"x", b"nonempty", b"new").await.unwrap(), b"nonempty");
+    // Not woken: a cancel gets 01 alone (a wake would have come first).
+    send(&mut a, &[Request::CancelWait]).await;
+    assert_eq!(read_n(&mut a, 1).await, [0x01]);
+    assert_quiet(&mut a).await;
+    // Now a CAS that creates the key wakes the wait.
+    send(&mut a, &[Request::Wait { keys: vec![k("x")] }]).await;
+    until_waits(&server, 1).await;
+    assert_eq!(b.compare_set(b"x", b"", b"v").await.unwrap(), b"v");
+    assert_eq!(read_n(&mut a, 1).await, [0x00]);
+    send(&mut a, &[Request::Get { key: k("x") }]).await;
+    assert_eq!(read_n(&mut a, 9).await, blob(b"v"));
+}
+
+#[tokio::test]
+async fn compare_set_replies_as_torch() {
+    let server = server().await;
+    let mut c = TcpStoreClient::connect(server.local_addr()).await.unwrap();
+    assert_eq!(c.compare_set(b"/c", b"old", b"new").await.unwrap(), b"old");
+    assert_eq!(c.num_keys().await.unwrap(), 0);
+    assert_eq!(c.compare_set(b"/c", b"", b"new").await.unwrap(), b"new");
+    assert_eq!(c.compare_set(b"/c", b"wrong", b"x").await.unwrap(), b"new");
+    assert_eq!(c.compare_set(b"/c", b"new", b"newer").await.unwrap(), b"newer");
+}
+
+#[tokio::test]
+async fn cross_connection_wait_wakes_up() {
+    let server = server().await;
+    let mut waiter = TcpStoreClient::connect(server.local_addr()).await.unwrap();
+    let mut writer = TcpStoreClient::connect(server.local_addr()).await.unwrap();
+    let task = tokio::spawn(async move {
+        waiter.wait(&[b"/default_pg/0//cpu//0/1", b"/other"]).await.unwrap();
+        waiter.get(b"/default_pg/0//cpu//0/1").await.unwrap()
+    });
+    until_waits(&server, 1).await;
+    writer.set(b"/default_pg/0//cpu//0/1", b"addr").await.unwrap();
+    writer.add(b"/other", 1).await.unwrap();
+    assert_eq!(tokio::time::timeout(DEADLINE, task).await.unwrap().unwrap(), b"addr");
+}
+
+#[tokio::test]
+async fn get_of_a_missing_key_is_empty() {
+    let server = server().await;
+    let mut s = validated(server.local_addr()).await;
+    send(&mut s, &[Request::Get { key: k("/nope") }, Request::MultiGet { keys: vec![k("/nope"), k("/nope2")] }]).await;
+    assert_eq!(read_n(&mut s, 24).await, [0u8; 24]);
+}
+
+#[tokio::test]
+async fn add_parses_like_stoll_and_closes_on_a_non_number() {
+    let server = server().await;
+    let mut c = TcpStoreClient::connect(server.local_addr()).await.unwrap();
+    c.set(b"/n", b" 12abc").await.unwrap();
+    assert_eq!(c.add(b"/n", 1).await.unwrap(), 13);
+    assert_eq!(c.get(b"/n").await.unwrap(), b"13");
+    assert_eq!(c.add(b"/ctr", 5).await.unwrap(), 5);
+    assert_eq!(c.add(b"/ctr", -7).await.unwrap(), -2);
+    assert_eq!(c.get(b"/ctr").await.unwrap(), b"-2");
+    let mut s = validated(server.local_addr()).await;
+    send(&mut s, &[Request::Set { key: k("/p"), value: k("potato") }, Request::Add { key: k("/p"), delta: 1 }]).await;
+    assert_closed(&mut s).await;
+    assert_eq!(c.get(b"/p").await.unwrap(), b"potato");
+}
+
+#[tokio::test]
+async fn unknown_commands_close_the_connection() {
+    let server = server().await;
+    for bad in [19u8, 0x42, 0xff] {
+        let mut s = validated(server.local_addr()).await;
+        s.write_all(&[bad]).await.unwrap();
+        assert_closed(&mut s).await;
+    }
+}
+
+/// A tracing writer that keeps every line, to check what the server logs.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.0.lock().unwrap()).into_owned()
+    }
+}
+
+/// Captures this thread's events. A second, idle dispatcher is kept alive with it: while only one
+/// dispatcher exists, tracing computes a callsite's interest from the default of whichever thread
+/// hits it first, and another test's thread (no subscriber) would disable the server's callsites.
+fn capture_logs() -> (Captured, (tracing::subscriber::DefaultGuard, tracing::Dispatch)) {
+    let captured = Captured::default();
+    let w = captured.clone();
+    let idle = tracing::Dispatch::new(tracing_subscriber::fmt().with_writer(std::io::sink).finish());
+    let subscriber = tracing_subscriber::fmt().with_writer(move || w.clone()).with_ansi(false).finish();
+    (captured, (tracing::subscriber::set_default(subscriber), idle))
+}
+
+// A current-thread runtime: the server's tasks log on this thread, where the capture is installed.
+#[tokio::test(flavor = "current_thread")]
+async fn key_and_value_caps_at_8_kib_and_8_mib_close_over_the_limit_and_log_peer_and_limit() {
+    let (logs, _guard) = capture_logs();
+    let server = server().await;
+    let addr = server.local_addr();
+    let mut c = TcpStoreClient::connect(addr).await.unwrap();
+    // At the caps: accepted.
+    let key = vec![b'k'; 8 << 10];
+    c.set(&key, b"v").await.unwrap();
+    assert_eq!(c.get(&key).await.unwrap(), b"v");
+    let value = vec![0x5a; 8 << 20];
+    c.set(b"/big", &value).await.unwrap();
+    assert_eq!(c.get(b"/big").await.unwrap(), value);
+    // One byte over: closed.
+    let mut s = validated(addr).await;
+    let peer = s.local_addr().unwrap();
+    send(&mut s, &[Request::Get { key: vec![b'k'; (8 << 10) + 1] }]).await;
+    assert_closed(&mut s).await;
+    let mut s2 = validated(addr).await;
+    let peer2 = s2.local_addr().unwrap();
+    // Only the header and a little of the body: the server refuses on the length.
+    let mut head = enc(&[Request::Set { key: k("/big"), value: vec![] }]);
+    let len_at = head.len() - 8;
+    head[len_at..].copy_from_slice(&((8u64 << 20) + 1).to_le_bytes());
+    head.extend_from_slice(&[0; 1024]);
+    let _ = s2.write_all(&head).await;
+    assert_closed(&mut s2).await;
+    // The stored value is untouched, the store still serves.
+    assert_eq!(c.get(b"/big").await.unwrap().len(), 8 << 20);
+    // Logs: one line per closed connection, naming the peer and the limit.
+    let text = logs.text();
+    let line = |peer: SocketAddr| text.lines().find(|l| l.contains(&peer.to_string())).map(str::to_owned);
+    let l1 = line(peer).unwrap_or_else(|| panic!("no log line for {peer}: {text}"));
+    assert!(l1.contains("key size 8193 exceeds the limit of 8192"), "{l1}");
+    let l2 = line(peer2).unwrap_or_else(|| panic!("no log line for {peer2}: {text}"));
+    assert!(l2.contains(&format!("value size {} exceeds the limit of {}", (8 << 20) + 1, 8 << 20)), "{l2}");
+}
+
+#[tokio::test]
+async fn request_and_store_size_caps_close_the_connection() {
+    let limits = TcpStoreLimits { max_request_bytes: 1000, max_total_bytes: 2000, ..TcpStoreLimits::default() };
+    let server = start(limits).await;
+    let mut c = TcpStoreClient::connect(server.local_addr()).await.unwrap();
+    // A MULTI_SET of 2 × 600 bytes is one 1,2xx-byte request: over.
+    let mut s = validated(server.local_addr()).await;
+    send(&mut s, &[Request::MultiSet { pairs: vec![(k("a"), vec![0; 600]), (k("b"), vec![0; 600])] }]).await;
+    assert_closed(&mut s).await;
+    assert_eq!(c.num_keys().await.unwrap(), 0);
+    // Three 900-byte values: the third passes the store's 2,000 bytes.
+    c.set(b"1", &[0; 900]).await.unwrap();
+    c.set(b"2", &[0; 900]).await.unwrap();
+    assert_eq!(c.num_keys().await.unwrap(), 2); // Both SETs are applied before the next one.
+    let mut s = validated(server.local_addr()).await;
+    send(&mut s, &[Request::Set { key: k("3"), value: vec![0; 900] }]).await;
+    assert_closed(&mut s).await;
+    assert_eq!(c.num_keys().await.unwrap(), 2);
+    assert_eq!(server.stats().n_bytes, 1802);
+}
+
+#[tokio::test]
+async fn barrier_with_two_connections_and_a_reused_key() {
+    let server = server().await;
+    let mut a = validated(server.local_addr()).await;
+    let mut b = validated(server.local_addr()).await;
+    send(&mut a, &[Request::Barrier { key: k("/bar"), world_size: 2 }]).await;
+    until_waits(&server, 1).await;
+    send(&mut b, &[Request::Barrier { key: k("/bar"), world_size: 2 }]).await;
+    assert_eq!(read_n(&mut b, 1).await, [0x00]);
+    assert_eq!(read_n(&mut a, 1).await, [0x00]);
+    // The counter never resets: the same key passes at once, for either connection.
+    send(&mut a, &[Request::Barrier { key: k("/bar"), world_size: 2 }]).await;
+    assert_eq!(read_n(&mut a, 1).await, [0x00]);
+    send(&mut b, &[Request::Get { key: k("/bar") }]).await;
+    assert_eq!(read_n(&mut b, 9).await, blob(b"3"));
+    assert_quiet(&mut a).await;
+    assert_quiet(&mut b).await;
+}
+
+#[tokio::test]
+async fn list_keys_contains_init_and_num_keys_counts_it() {
+    let server = server().await;
+    let mut c = TcpStoreClient::connect(server.local_addr()).await.unwrap();
+    // What every torch client sends after its handshake when world_size is given.
+    assert_eq!(c.add(b"init/", 1).await.unwrap(), 1);
+    c.set(b"/a", b"1").await.unwrap();
+    let mut keys = c.list_keys().await.unwrap();
+    keys.sort();
+    assert_eq!(keys, vec![k("/a"), k("init/")]);
+    assert_eq!(c.num_keys().await.unwrap(), 2);
+}
+
+#[tokio::test]
+async fn queue_pop_of_an_empty_queue_is_a_zero_length_and_no_body() {
+    let server = server().await;
+    let mut s = validated(server.local_addr()).await;
+    send(&mut s, &[Request::QueuePop { key: k("/q") }]).await;
+    assert_eq!(read_n(&mut s, 8).await, [0u8; 8]);
+    assert_quiet(&mut s).await;
+    send(&mut s, &[Request::QueuePush { key: k("/q"), value: k("q1") }, Request::QueuePop { key: k("/q") }]).await;
+    assert_eq!(read_n(&mut s, 18).await, [&1i64.to_le_bytes()[..], &blob(b"q1")].concat());
+    assert_quiet(&mut s).await;
+}
+
+#[tokio::test]
+async fn a_multi_key_wait_is_not_woken_by_two_pushes_to_one_queue() {
+    let server = server().await;
+    let mut a = validated(server.local_addr()).await;
+    let mut b = TcpStoreClient::connect(server.local_addr()).await.unwrap();
+    send(&mut a, &[Request::Wait { keys: vec![k("/q"), k("/r")] }]).await;
+    until_waits(&server, 1).await;
+    b.send_all(&[Request::QueuePush { key: k("/q"), value: k("1") }, Request::QueuePush { key: k("/q"), value: k("2") }])
+        .await
+        .unwrap();
+    b.send_all(&[Request::QueueLen { key: k("/q") }]).await.unwrap();
+    assert_eq!(b.read_i64().await.unwrap(), 2);
+    // Still waiting: a cancel gets 01 alone.
+    send(&mut a, &[Request::CancelWait]).await;
+    assert_eq!(read_n(&mut a, 1).await, [0x01]);
+    // With /r written too, it completes.
+    send(&mut a, &[Request::Wait { keys: vec![k("/q"), k("/r")] }]).await;
+    b.set(b"/r", b"x").await.unwrap();
+    assert_eq!(read_n(&mut a, 1).await, [0x00]);
+}
+
+#[tokio::test]
+async fn a_blocking_queue_pop_is_woken_by_a_push() {
+    let server = server().await;
+    let mut popper = TcpStoreClient::connect(server.local_addr()).await.unwrap();
+    let mut pusher = TcpStoreClient::connect(server.local_addr()).await.unwrap();
+    let task = tokio::spawn(async move {
+        popper.wait(&[b"/jobs"]).await.unwrap();
+        popper.queue_pop(b"/jobs").await.unwrap()
+    });
+    until_waits(&server, 1).await;
+    pusher.send_all(&[Request::QueuePush { key: k("/jobs"), value: k("work") }]).await.unwrap();
+    assert_eq!(tokio::time::timeout(DEADLINE, task).await.unwrap().unwrap(), Some(k("work")));
+}
+
+#[tokio::test]
+async fn each_server_is_its_own_empty_keyspace() {
+    let one = server().await;
+    let two = server().await;
+    let mut c1 = TcpStoreClient::connect(one.local_addr()).await.unwrap();
+    let mut c2 = TcpStoreClient::connect(two.local_addr()).await.unwrap();
+    c1.set(b"/k", b"1").await.unwrap();
+    assert_eq!(c1.num_keys().await.unwrap(), 1);
+    assert_eq!(c2.num_keys().await.unwrap(), 0);
+    assert!(!c2.check(&[b"/k"]).await.unwrap());
+}
+
+fn raise_nofile_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
+    if soft < hard {
+        setrlimit(Resource::RLIMIT_NOFILE, hard, hard).unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_thousand_concurrent_connections_each_set_and_get() {
+    const N: usize = 2000;
+    raise_nofile_limit();
+    let server = server().await;
+    let addr = server.local_addr();
+    let all_connected = Arc::new(tokio::sync::Barrier::new(N + 1));
+    let mut tasks = Vec::new();
+    for i in 0..N {
+        let all_connected = all_connected.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut c = TcpStoreClient::connect(addr).await.unwrap();
+            let key = format!("/rank/{i}").into_bytes();
+            c.set(&key, i.to_string().as_bytes()).await.unwrap();
+            assert_eq!(c.get(&key).await.unwrap(), i.to_string().into_bytes());
+            // Hold the connection until every other one is open too, and counted.
+            all_connected.wait().await;
+            all_connected.wait().await;
+            c.ping(i as u32).await.unwrap();
+        }));
+    }
+    tokio::time::timeout(DEADLINE, all_connected.wait()).await.expect("not every connection got through");
+    assert_eq!(server.stats().n_connections, N);
+    assert_eq!(server.stats().n_keys, N);
+    all_connected.wait().await;
+    for t in tasks {
+        t.await.unwrap();
+    }
+}
+
+#[tokio::test]
+async fn shutdown_closes_every_connection_and_the_listener() {
+    let server = server().await;
+    let addr = server.local_addr();
+    let mut idle = validated(addr).await;
+    let mut waiting = validated(addr).await;
+    send(&mut waiting, &[Request::Wait { keys: vec![k("/never")] }]).await;
+    until_waits(&server, 1).await;
+    tokio::time::timeout(DEADLINE, server.shutdown()).await.expect("shutdown hung");
+    assert_closed(&mut idle).await;
+    assert_closed(&mut waiting).await;
+    assert!(TcpStream::connect(addr).await.is_err(), "the listener is still open");
+}
+
+#[tokio::test]
+async fn cancelling_the_parent_token_or_dropping_the_server_closes_connections() {
+    let parent = CancellationToken::new();
+    let server = TcpStoreServer::start("127.0.0.1:0".parse().unwrap(), TcpStoreLimits::default(), parent.clone()).await.unwrap();
+    let mut s = validated(server.local_addr()).await;
+    parent.cancel();
+    assert_closed(&mut s).await;
+    let server = self::server().await;
+    let mut s = validated(server.local_addr()).await;
+    drop(server);
+    assert_closed(&mut s).await;
+}
+
+/// `rsrun-rendezvous tcpstore`, a real process.
+mod subcommand {
+    use super::*;
+    use std::io::{BufRead, BufReader};
+    use std::process::{Command, Stdio};
+
+    const BIN: &str = env!("CARGO_BIN_EXE_rsrun-rendezvous");
+
+    struct Child(std::process::Child);
+
+    impl Drop for Child {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    #[tokio::test]
+    async fn prints_its_port_first_serves_an_empty_store_and_exits_on_sigterm() {
+        for _ in 0..2 {
+            let mut child = Child(
+                Command::new(BIN)
+                    .args(["tcpstore", "--listen", "127.0.0.1:0", "--print-port"])
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::null())
+                    .spawn()
+                    .unwrap(),
+            );
+            let mut line = String::new();
+            BufReader::new(child.0.stdout.take().unwrap()).read_line(&mut line).unwrap();
+            let port: u16 = line.trim().parse().unwrap_or_else(|_| panic!("first line is not a port: {line:?}"));
+            let mut c = TcpStoreClient::connect(SocketAddr::from(([127, 0, 0, 1], port))).await.unwrap();
+            // A new process, a new keyspace: the previous iteration's key is not here.
+            assert_eq!(c.num_keys().await.unwrap(), 0);
+            c.set(b"/k", b"v").await.unwrap();
+            assert_eq!(c.get(b"/k").await.unwrap(), b"v");
+            nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.0.id() as i32), nix::sys::signal::Signal::SIGTERM).unwrap();
+            let status = child.0.wait().unwrap();
+            assert!(status.success(), "{status}");
+        }
+    }
+
+    #[test]
+    fn prints_the_address_without_print_port() {
+        let mut child = Child(
+            Command::new(BIN).args(["tcpstore", "--listen", "127.0.0.1:0"]).stdout(Stdio::piped()).stderr(Stdio::null()).spawn().unwrap(),
+        );
+        let mut line = String::new();
+        BufReader::new(child.0.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        let addr: SocketAddr = line.trim().parse().unwrap_or_else(|_| panic!("first line is not an address: {line:?}"));
+        assert!(addr.ip().is_loopback() && addr.port() != 0);
+    }
+
+    #[test]
+    fn refuses_a_non_loopback_address_without_insecure_and_bad_flags() {
+        for args in [&["tcpstore", "--listen", "0.0.0.0:0"][..], &["tcpstore", "--listen", "nonsense"], &["tcpstore", "--bogus"]] {
+            let out = Command::new(BIN).args(args).output().unwrap();
+            assert_eq!(out.status.code(), Some(2), "{args:?}: {out:?}");
+            assert!(out.stdout.is_empty(), "{args:?} printed {:?}", String::from_utf8_lossy(&out.stdout));
+        }
+        let out = Command::new(BIN).args(["tcpstore", "--listen", "0.0.0.0:0"]).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("no authentication") && err.contains("--insecure"), "{err}");
+        let help = Command::new(BIN).args(["tcpstore", "--help"]).output().unwrap();
+        let help = String::from_utf8_lossy(&help.stdout);
+        assert!(help.contains("no authentication"), "{help}");
+        let _ = std::io::stderr().flush();
+    }
+}
