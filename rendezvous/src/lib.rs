@@ -15,6 +15,7 @@ pub mod client;
 mod error;
 pub mod journal;
 pub mod metrics;
+mod round_stores;
 pub mod server;
 pub mod service;
 pub mod state;

@@ -18,6 +18,7 @@ use crate::RdzvError;
 use crate::auth::{AuthInterceptor, TokenTable};
 use crate::metrics::Metrics;
 use crate::service::{Core, CoreConfig, Service};
+use crate::tcpstore::TcpStoreLimits;
 use crate::validate::Limits;
 
 /// Everything `rsrun-rendezvous serve` needs, validated.
@@ -37,6 +38,8 @@ pub struct ServerConfig {
     pub insecure: bool,
     /// Limits.
     pub limits: Limits,
+    /// Serve PyTorch's TCPStore for every running round (`None`: the jobs' rank 0 hosts it).
+    pub tcpstore: Option<TcpStoreLimits>,
 }
 
 impl ServerConfig {
@@ -50,6 +53,7 @@ impl ServerConfig {
             metrics_listen: None,
             insecure: false,
             limits: Limits::default(),
+            tcpstore: Some(TcpStoreLimits::default()),
         }
     }
 }
@@ -96,7 +100,16 @@ pub async fn serve(config: ServerConfig, shutdown: CancellationToken, on_bound: 
         .map_err(|e| RdzvError::invalid("listen", format!("cannot bind {}: {e}", config.listen)))?;
     let addr = listener.local_addr().map_err(|e| RdzvError::Unavailable(format!("listener address: {e}")))?;
     let tracker = TaskTracker::new();
-    let core = Core::start(CoreConfig { data_dir: config.data_dir.clone(), limits: config.limits.clone() }, shutdown.clone(), &tracker)?;
+    let core = Core::start(
+        CoreConfig {
+            data_dir: config.data_dir.clone(),
+            limits: config.limits.clone(),
+            tcpstore: config.tcpstore,
+            listen: Some(addr.ip()),
+        },
+        shutdown.clone(),
+        &tracker,
+    )?;
     let metrics_addr = match config.metrics_listen {
         None => None,
         Some(m) => Some(spawn_metrics(m, core.metrics.clone(), shutdown.clone(), &tracker).await?),

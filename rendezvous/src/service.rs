@@ -11,6 +11,7 @@
 //! channel (one per key, barrier or unique id), so a change wakes only the callers it concerns.
 
 use std::collections::HashMap;
+use std::net::IpAddr;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -25,6 +26,8 @@ use crate::RdzvError;
 use crate::auth::Principal;
 use crate::journal::{self, Entry, Journal};
 use crate::metrics::Metrics;
+use crate::round_stores::RoundStores;
+use crate::tcpstore::TcpStoreLimits;
 use crate::state::{self, Command, Failure, JobSpec, JoinCmd, Ms, Outcome, Phase, Scope, State};
 use crate::validate::{self, Limits};
 
@@ -94,6 +97,8 @@ struct Inner {
     /// Per job: its view and the sequence number that view is as of (pushed only once durable).
     views: HashMap<String, watch::Sender<(pb::JobView, u64)>>,
     topics: HashMap<(String, String), watch::Sender<u64>>,
+    /// PyTorch's store of every running round (`None`: not hosted).
+    stores: Option<RoundStores>,
 }
 
 /// Configuration of the executor.
@@ -103,6 +108,11 @@ pub struct CoreConfig {
     pub data_dir: Option<std::path::PathBuf>,
     /// Limits.
     pub limits: Limits,
+    /// Serve PyTorch's TCPStore for every running round with these limits (`None`: workers host it).
+    pub tcpstore: Option<TcpStoreLimits>,
+    /// The service's listen address: where round stores listen when no join told the job's
+    /// interface (ignored when it names every interface).
+    pub listen: Option<IpAddr>,
 }
 
 /// The executor: state, journal, notifications, timers.
@@ -167,7 +177,14 @@ impl Core {
             }
         };
         let core = Arc::new(Core {
-            inner: Mutex::new(Inner { state, seq, log_bytes: 0, views: HashMap::new(), topics: HashMap::new() }),
+            inner: Mutex::new(Inner {
+                state,
+                seq,
+                log_bytes: 0,
+                views: HashMap::new(),
+                topics: HashMap::new(),
+                stores: config.tcpstore.map(|limits| RoundStores::new(limits, config.listen, cancel.child_token())),
+            }),
             limits: config.limits,
             clock,
             durability,
@@ -236,6 +253,9 @@ impl Core {
                 }
             }
         }
+        if let Some(stores) = g.stores.as_mut() {
+            stores.sync(&job_id, &g.state);
+        }
         match g.state.jobs.get(&job_id) {
             Some(job) => {
                 let view = job.view();
@@ -265,6 +285,24 @@ impl Core {
             self.tick.notify_one();
         }
         Ok((outcome, g.seq))
+    }
+
+    /// Records the local address a node of `job` reached the service on: its round stores listen
+    /// there.
+    pub fn note_interface(&self, job: &str, ip: IpAddr) {
+        if let Some(stores) = self.lock().stores.as_mut() {
+            stores.note_interface(job, ip);
+        }
+    }
+
+    /// The PyTorch store serving `round` of `job`, if the service hosts one.
+    pub fn round_store(&self, job: &str, round: u64) -> Option<std::net::SocketAddr> {
+        self.lock().stores.as_ref().and_then(|s| s.endpoint(job, round))
+    }
+
+    /// How many round stores run.
+    pub fn round_stores(&self) -> usize {
+        self.lock().stores.as_ref().map_or(0, RoundStores::len)
     }
 
     /// Executes a command and waits until it is durable.
@@ -581,6 +619,7 @@ fn forming_summary(state: &State, job: &str) -> String {
 impl pb::rendezvous_server::Rendezvous for Service {
     async fn join(&self, req: Request<pb::JoinRequest>) -> Result<Response<pb::JoinResponse>, Status> {
         let p = principal(&req);
+        let local = req.local_addr();
         let r = req.into_inner();
         rpc(&self.core, "Join", async {
             validate::id("job_id", &r.job_id)?;
@@ -589,6 +628,9 @@ impl pb::rendezvous_server::Rendezvous for Service {
             validate::addrs(&r.addrs)?;
             validate::hostname(&r.hostname)?;
             let deadline = self.deadline(r.timeout_ms)?;
+            if let Some(local) = local {
+                self.core.note_interface(&r.job_id, local.ip());
+            }
             let cmd = Command::Join(JoinCmd {
                 job: r.job_id.clone(),
                 node: r.node_id.clone(),
@@ -639,6 +681,15 @@ impl pb::rendezvous_server::Rendezvous for Service {
                     Err(RdzvError::Timeout(_)) if Instant::now() < deadline => {
                         // Renewal failure shows up as NotMember on the next check.
                         let _ = self.core.execute(Command::KeepAlive { job: job.into(), node: node.into() }).await;
+                    }
+                    Ok(mut resp) => {
+                        if let Some(round) = resp.round.as_mut()
+                            && let Some(ep) = self.core.round_store(job, round.round)
+                        {
+                            round.store_addr = ep.ip().to_string();
+                            round.store_port = u32::from(ep.port());
+                        }
+                        return Ok(resp);
                     }
                     other => return other,
                 }

@@ -57,13 +57,20 @@ async fn log_lines_stay_bounded_with_a_thousand_agents() {
                 master_port: 29_500,
                 hostname: format!("host-{i}"),
             };
-            tokio::spawn(async move {
-                c.join(js).await.unwrap();
-                c.leave("bounded", &format!("agent-{i}"), "done").await.unwrap();
-            })
+            tokio::spawn(async move { c.join(js).await.unwrap() })
         })
         .collect();
     for t in tasks {
+        t.await.unwrap();
+    }
+    // Every agent has its assignment: now they all leave (a leave ends the round for the others).
+    let leaves: Vec<_> = (0..n)
+        .map(|i| {
+            let c = clients[i as usize % clients.len()].clone();
+            tokio::spawn(async move { c.leave("bounded", &format!("agent-{i}"), "done").await.unwrap() })
+        })
+        .collect();
+    for t in leaves {
         t.await.unwrap();
     }
     let text = String::from_utf8(sink.0.lock().unwrap().clone()).unwrap();

@@ -540,3 +540,53 @@ async fn a_spare_waiting_to_join_is_told_when_the_job_completes() {
     let e = tokio::time::timeout(Duration::from_secs(5), spare).await.expect("the spare still waits").unwrap().unwrap_err();
     assert!(e.to_string().contains("has completed"), "{e}");
 }
+
+#[tokio::test]
+async fn every_running_round_gets_its_own_pytorch_store() {
+    use rsrun_rendezvous::tcpstore::TcpStoreClient;
+    let (_srv, client) = embedded().await;
+    let s = spec(2, 2, 5_000);
+    let join_both = |client: RdzvClient| {
+        let s = s.clone();
+        async move {
+            let a = tokio::spawn({
+                let c = client.clone();
+                let js = join_spec("store-job", "a", &s);
+                async move { c.join(js).await.unwrap() }
+            });
+            let b = client.join(join_spec("store-job", "b", &s)).await.unwrap();
+            (a.await.unwrap(), b)
+        }
+    };
+    let (a, b) = join_both(client.clone()).await;
+    let (ra, rb) = (a.round.unwrap(), b.round.unwrap());
+    assert_eq!((ra.store_addr.as_str(), ra.store_port), (rb.store_addr.as_str(), rb.store_port), "one store per round");
+    assert_eq!(ra.store_addr, "127.0.0.1", "the store listens where the nodes reached the service");
+    assert_ne!(ra.store_port, 0);
+    let first: SocketAddr = format!("{}:{}", ra.store_addr, ra.store_port).parse().unwrap();
+    let mut store = TcpStoreClient::connect(first).await.unwrap();
+    store.set(b"/k", b"round 1").await.unwrap();
+    assert_eq!(store.get(b"/k").await.unwrap(), b"round 1");
+
+    // A failure ends the round: its store closes, and the next round's store is new and empty.
+    let failure = pb::FailureInfo { node_id: "a".into(), round: ra.round, rank: 0, exit_code: 1, ..Default::default() };
+    client.report_failure("store-job", ra.round, "a", failure, true).await.unwrap();
+    let closed = tokio::time::timeout(WAIT, async {
+        loop {
+            if store.get(b"/k").await.is_err() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "the ended round's store still answers");
+    let (a2, _) = join_both(client.clone()).await;
+    let r2 = a2.round.unwrap();
+    assert_eq!(r2.round, ra.round + 1);
+    assert_ne!(r2.store_port, 0);
+    let second: SocketAddr = format!("{}:{}", r2.store_addr, r2.store_port).parse().unwrap();
+    assert_ne!(second, first);
+    let mut store = TcpStoreClient::connect(second).await.unwrap();
+    assert_eq!(store.num_keys().await.unwrap(), 0, "a new round starts with an empty store");
+}

@@ -20,7 +20,7 @@ use tokio_util::sync::CancellationToken;
 const DEADLINE: Duration = Duration::from_secs(60);
 
 async fn start(limits: TcpStoreLimits) -> TcpStoreServer {
-    TcpStoreServer::start("127.0.0.1:0".parse().unwrap(), limits, CancellationToken::new()).await.unwrap()
+    TcpStoreServer::start("127.0.0.1:0".parse().unwrap(), limits, CancellationToken::new()).unwrap()
 }
 
 async fn server() -> TcpStoreServer {
@@ -517,7 +517,7 @@ async fn shutdown_closes_every_connection_and_the_listener() {
 #[tokio::test]
 async fn cancelling_the_parent_token_or_dropping_the_server_closes_connections() {
     let parent = CancellationToken::new();
-    let server = TcpStoreServer::start("127.0.0.1:0".parse().unwrap(), TcpStoreLimits::default(), parent.clone()).await.unwrap();
+    let server = TcpStoreServer::start("127.0.0.1:0".parse().unwrap(), TcpStoreLimits::default(), parent.clone()).unwrap();
     let mut s = validated(server.local_addr()).await;
     parent.cancel();
     assert_closed(&mut s).await;

@@ -132,7 +132,7 @@ pub fn detect(args: &LaunchArgs, host: &HostInfo) -> Result<Option<Cluster>, Pla
     };
     c.sources.push(Sourced::new("run id", &job_id, id_source));
     c.notes.push(format!(
-        "workers get a MASTER_PORT picked free by node rank 0: {port} ({port_source}) is held by the rendezvous service; a NetworkPolicy must allow it"
+        "workers get MASTER_PORT of the PyTorch store node rank 0 serves on an ephemeral port: {port} ({port_source}) is held by the rendezvous service; a NetworkPolicy must allow both"
     ));
     let host_mode = if node_rank == 0 { HostMode::Always } else { HostMode::Never };
     c.rdzv = Some((RdzvPlan::Daemon { endpoint, host: host_mode }, job_id, Some(node_rank)));

@@ -100,6 +100,12 @@ struct ServeArgs {
     /// Keep completed or failed jobs (and jobs without nodes) this many seconds before forgetting them.
     #[arg(long, default_value_t = 3600)]
     retention_secs: u64,
+    /// Do not serve PyTorch's TCPStore for running rounds: rank 0 of each job hosts it, as under
+    /// torchrun without the agent store. By default every round gets a store of its own, listening
+    /// on the interface the job's nodes reached this service on (the protocol has no
+    /// authentication: keep that interface on the cluster's own network).
+    #[arg(long)]
+    no_tcpstore: bool,
 }
 
 #[derive(Parser, Debug)]
@@ -172,6 +178,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             retention_ms: args.retention_secs.saturating_mul(1000),
             ..Limits::default()
         },
+        tcpstore: (!args.no_tcpstore).then(TcpStoreLimits::default),
     };
     let shutdown = cancel_on_signals();
     server::serve(config, shutdown, |bound| {
@@ -251,7 +258,7 @@ async fn tcpstore(args: TcpStoreArgs) -> anyhow::Result<()> {
     };
     raise_nofile_limit();
     let shutdown = cancel_on_signals();
-    let server = TcpStoreServer::start(args.listen, limits, shutdown.clone()).await.context("cannot start the tcpstore server")?;
+    let server = TcpStoreServer::start(args.listen, limits, shutdown.clone()).context("cannot start the tcpstore server")?;
     {
         use std::io::Write;
         let addr = server.local_addr();

@@ -20,7 +20,7 @@
 //! # async fn demo() -> Result<(), rsrun_rendezvous::RdzvError> {
 //! use rsrun_rendezvous::tcpstore::{TcpStoreClient, TcpStoreLimits, TcpStoreServer};
 //! let shutdown = tokio_util::sync::CancellationToken::new();
-//! let server = TcpStoreServer::start("127.0.0.1:0".parse().unwrap(), TcpStoreLimits::default(), shutdown).await?;
+//! let server = TcpStoreServer::start("127.0.0.1:0".parse().unwrap(), TcpStoreLimits::default(), shutdown)?;
 //! let mut client = TcpStoreClient::connect(server.local_addr()).await?;
 //! client.set(b"/k", b"v").await?;
 //! assert_eq!(client.get(b"/k").await?, b"v");

@@ -128,9 +128,13 @@ impl TcpStoreServer {
     /// The protocol has no authentication: bind to loopback or to the job's own network, never to
     /// every interface by default.
     ///
+    /// Synchronous (binding is one system call), so the rendezvous executor can start a round's
+    /// store while it applies the command that formed the round. Must be called inside a tokio
+    /// runtime (the listener registers with its reactor).
+    ///
     /// # Errors
     /// A limit of zero, or an address that cannot be bound ([`RdzvError::InvalidArgument`]).
-    pub async fn start(addr: SocketAddr, limits: TcpStoreLimits, shutdown: CancellationToken) -> Result<TcpStoreServer, RdzvError> {
+    pub fn start(addr: SocketAddr, limits: TcpStoreLimits, shutdown: CancellationToken) -> Result<TcpStoreServer, RdzvError> {
         limits.validate()?;
         let listener = bind(addr).map_err(|e| RdzvError::invalid("listen", format!("cannot bind {addr}: {e}")))?;
         let local_addr = listener.local_addr().map_err(|e| RdzvError::invalid("listen", format!("listener address of {addr}: {e}")))?;

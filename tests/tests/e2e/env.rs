@@ -66,7 +66,7 @@ fn worker_environment_matches_torchrun() {
         assert_eq!(get("MASTER_ADDR"), "127.0.0.1");
         assert_eq!(get("TORCHELASTIC_RESTART_COUNT"), "0");
         assert_eq!(get("TORCHELASTIC_MAX_RESTARTS"), "2");
-        assert_eq!(get("TORCHELASTIC_USE_AGENT_STORE"), "False");
+        assert_eq!(get("TORCHELASTIC_USE_AGENT_STORE"), "True");
         assert_eq!(get("TORCH_NCCL_ASYNC_ERROR_HANDLING"), "1");
         assert_eq!(get("OMP_NUM_THREADS"), "1");
         assert_eq!(get("RSRUN_TEST_INHERITED"), "yes", "the launcher's environment is inherited");

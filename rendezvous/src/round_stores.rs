@@ -1,0 +1,93 @@
+//! PyTorch's TCPStore for every running round: the executor's I/O beside the pure state.
+//!
+//! Workers started with `TORCHELASTIC_USE_AGENT_STORE=True` use the store at
+//! `MASTER_ADDR:MASTER_PORT` as plain clients. The service hosts that store itself, so it outlives
+//! whichever rank exits first (torchrun's store lived in rank 0, or in the rank-0 agent), and every
+//! round gets a new server on a new port: a restarted attempt never sees the previous attempt's keys,
+//! and the previous attempt's stragglers lose their connections (tcpstore.md §5.5).
+//!
+//! Lifecycle, driven by [`RoundStores::sync`] after every command the executor applies to a job:
+//! a job whose round is running has exactly one store, for that round; any other phase (forming,
+//! completed, failed, forgotten) has none. Which round runs is decided by `state.rs`; this module only
+//! follows it.
+//!
+//! The protocol has no authentication, so a store listens on one interface: the one the job's nodes
+//! reached this service on (the local address of the first join), else the service's own listen
+//! address when that names one interface. Never every interface.
+
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+
+use tokio_util::sync::CancellationToken;
+
+use crate::state::{Phase, State};
+use crate::tcpstore::{TcpStoreLimits, TcpStoreServer};
+
+/// The running rounds' stores of one service.
+#[derive(Debug)]
+pub(crate) struct RoundStores {
+    limits: TcpStoreLimits,
+    /// Used when no join told us the job's interface (a job recovered from the journal).
+    fallback: Option<IpAddr>,
+    interfaces: HashMap<String, IpAddr>,
+    running: HashMap<String, (u64, TcpStoreServer)>,
+    cancel: CancellationToken,
+}
+
+impl RoundStores {
+    pub(crate) fn new(limits: TcpStoreLimits, listen: Option<IpAddr>, cancel: CancellationToken) -> Self {
+        let fallback = listen.filter(|ip| !ip.is_unspecified());
+        RoundStores { limits, fallback, interfaces: HashMap::new(), running: HashMap::new(), cancel }
+    }
+
+    /// Records the local address a node of `job` reached the service on (the first one counts).
+    pub(crate) fn note_interface(&mut self, job: &str, ip: IpAddr) {
+        let ip = ip.to_canonical();
+        if !ip.is_unspecified() && !self.interfaces.contains_key(job) {
+            self.interfaces.insert(job.to_owned(), ip);
+        }
+    }
+
+    /// Brings `job`'s store in line with its phase: started when a round runs, stopped otherwise.
+    pub(crate) fn sync(&mut self, job: &str, state: &State) {
+        let running_round = state.job(job).ok().and_then(|j| matches!(j.phase, Phase::Running { .. }).then_some(j.round));
+        match running_round {
+            Some(round) if self.running.get(job).is_some_and(|(r, _)| *r == round) => {}
+            Some(round) => {
+                // Dropping the old server closes it and every connection of the old round.
+                self.running.remove(job);
+                let Some(ip) = self.interfaces.get(job).copied().or(self.fallback) else {
+                    tracing::warn!(job, round, "no interface known for this job: its workers host PyTorch's store themselves");
+                    return;
+                };
+                match TcpStoreServer::start(SocketAddr::new(ip, 0), self.limits, self.cancel.child_token()) {
+                    Ok(server) => {
+                        tracing::info!(job, round, addr = %server.local_addr(), "serving PyTorch's store for the round");
+                        self.running.insert(job.to_owned(), (round, server));
+                    }
+                    Err(err) => {
+                        tracing::warn!(job, round, %err, "cannot serve PyTorch's store: the job's workers host it themselves");
+                    }
+                }
+            }
+            None => {
+                if let Some((round, _)) = self.running.remove(job) {
+                    tracing::debug!(job, round, "round over: its PyTorch store is closed");
+                }
+                if state.job(job).is_err() {
+                    self.interfaces.remove(job);
+                }
+            }
+        }
+    }
+
+    /// The store serving `round` of `job`, if any.
+    pub(crate) fn endpoint(&self, job: &str, round: u64) -> Option<SocketAddr> {
+        self.running.get(job).filter(|(r, _)| *r == round).map(|(_, s)| s.local_addr())
+    }
+
+    /// How many stores run (for metrics and tests).
+    pub(crate) fn len(&self) -> usize {
+        self.running.len()
+    }
+}
