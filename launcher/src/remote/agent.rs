@@ -137,7 +137,9 @@ pub unsafe fn prepare(launch: &NodeLaunch) -> Result<PreparedAgent, String> {
     args.hosts = None;
     args.hostfile = None;
     args.dry_run = false;
-    let plan = LaunchPlan::resolve(&args, &HostInfo::probe()).map_err(|e| format!("{e} (on {host})"))?;
+    let mut plan = LaunchPlan::resolve(&args, &HostInfo::probe()).map_err(|e| format!("{e} (on {host})"))?;
+    // The head chose the node rank (the host order); saying so on every host is noise.
+    plan.notes.retain(|n| !n.starts_with("--node-rank "));
     let node_id = crate::plan::node_id(&plan.hostname, std::process::id());
     Ok(PreparedAgent { plan, host: host.clone(), node_id, private_dir })
 }

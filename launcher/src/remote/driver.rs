@@ -267,8 +267,10 @@ pub async fn run_head(plan: RemotePlan, mut cx: HeadContext) -> anyhow::Result<H
                     }
                     HostEvent::Ended(e) => {
                         debug!(host, status = ?e.status, exit_frame = ?e.exit_frame, stopped = e.stopped, "agent ended");
-                        // A host the head stopped before it was ready did not fail: it was not let start.
-                        let own_failure = !e.ready && (!e.stopped || matches!(e.failure, Some(StartFailure::Agent(_))));
+                        // A host the head stopped before it was ready did not fail (it was not let
+                        // start), unless ssh or the agent said why it could not start anyway.
+                        let own_failure = !e.ready
+                            && (!e.stopped || e.failure.as_ref().is_some_and(|f| !matches!(f, StartFailure::Other { .. })));
                         let failed_start = own_failure && hosts[idx].failure.is_none();
                         let lost = e.ready && e.exit_frame.is_none() && !e.stopped;
                         let failed = e.exit_frame.is_some_and(|c| c != 0);

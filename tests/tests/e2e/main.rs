@@ -9,6 +9,7 @@ mod logs;
 mod multinode;
 mod netns;
 mod rdzv_faults;
+mod remote;
 mod restarts;
 mod signals;
 mod torch;
