@@ -289,6 +289,70 @@ pub struct LaunchArgs {
           help_heading = "Cluster")]
     pub exclude: Option<String>,
 
+    // rsrun: one command for the whole job (ssh)
+    /// Command used instead of `ssh`, called like ssh: `CMD [OPTIONS] -- HOST COMMAND` with stdin
+    /// connected (a `kubectl exec -i` or `docker exec -i` wrapper, a test shim). Split on spaces.
+    #[arg(long, env = "RSRUN_RSH", value_name = "CMD", help_heading = "Multi-node (ssh)")]
+    pub rsh: Option<String>,
+
+    /// ssh port of every host (`ssh -p`).
+    #[arg(long = "ssh-port", alias = "ssh_port", env = "RSRUN_SSH_PORT", value_name = "PORT",
+          help_heading = "Multi-node (ssh)")]
+    pub ssh_port: Option<u16>,
+
+    /// ssh identity file (`ssh -i`).
+    #[arg(long = "ssh-identity", alias = "ssh_identity", env = "RSRUN_SSH_IDENTITY", value_name = "FILE",
+          help_heading = "Multi-node (ssh)")]
+    pub ssh_identity: Option<PathBuf>,
+
+    /// ssh user (`ssh -l`).
+    #[arg(long = "ssh-user", alias = "ssh_user", env = "RSRUN_SSH_USER", value_name = "USER",
+          help_heading = "Multi-node (ssh)")]
+    pub ssh_user: Option<String>,
+
+    /// ssh configuration file (`ssh -F`).
+    #[arg(long = "ssh-config", alias = "ssh_config", env = "RSRUN_SSH_CONFIG", value_name = "FILE",
+          help_heading = "Multi-node (ssh)")]
+    pub ssh_config: Option<PathBuf>,
+
+    /// ssh ConnectTimeout, in seconds.
+    #[arg(long = "ssh-connect-timeout", alias = "ssh_connect_timeout", env = "RSRUN_SSH_CONNECT_TIMEOUT",
+          default_value_t = 10, value_name = "SECONDS", help_heading = "Multi-node (ssh)")]
+    pub ssh_connect_timeout: u32,
+
+    /// Extra ssh option `KEY=VALUE` (`ssh -o`), repeatable, e.g. `StrictHostKeyChecking=accept-new`.
+    #[arg(long = "ssh-option", alias = "ssh_option", value_name = "KEY=VALUE", help_heading = "Multi-node (ssh)")]
+    pub ssh_option: Vec<String>,
+
+    /// Reach local hosts (localhost, 127.x, this host's name) through ssh too, instead of starting
+    /// their agent directly.
+    #[arg(long = "ssh-local", alias = "ssh_local", value_parser = BoolishValueParser::new(),
+          action = clap::ArgAction::SetTrue, help_heading = "Multi-node (ssh)")]
+    pub ssh_local: bool,
+
+    /// Allow several hosts of the list to be this machine (tests, or several nodes per machine).
+    #[arg(long = "allow-same-host", alias = "allow_same_host", value_parser = BoolishValueParser::new(),
+          action = clap::ArgAction::SetTrue, help_heading = "Multi-node (ssh)")]
+    pub allow_same_host: bool,
+
+    /// Path of rsrun on the hosts (default: this rsrun's absolute path).
+    #[arg(long = "remote-rsrun", alias = "remote_rsrun", env = "RSRUN_REMOTE_RSRUN", value_name = "PATH",
+          help_heading = "Multi-node (ssh)")]
+    pub remote_rsrun: Option<PathBuf>,
+
+    /// Forward a variable to every host: `NAME` (its value here) or `NAME=VALUE`. Repeatable.
+    #[arg(short = 'x', long = "export", value_name = "NAME[=VALUE]", help_heading = "Multi-node (ssh)")]
+    pub export: Vec<String>,
+
+    /// Forward the `KEY=VALUE` lines of FILE (`#` comments, blank lines, no expansion). Repeatable.
+    #[arg(long = "env-file", alias = "env_file", value_name = "FILE", help_heading = "Multi-node (ssh)")]
+    pub env_file: Vec<PathBuf>,
+
+    /// Forward this whole environment (except HOSTNAME, PWD, SSH_*, DISPLAY, TERM, SLURM_*, ...).
+    #[arg(long = "export-all", alias = "export_all", value_parser = BoolishValueParser::new(),
+          action = clap::ArgAction::SetTrue, help_heading = "Multi-node (ssh)")]
+    pub export_all: bool,
+
     // ------------------------------------------------------------------------------------------------
     // rsrun
     /// Print the resolved plan (nodes, ranks, environment and command line per worker) and exit.
@@ -385,5 +449,10 @@ impl LaunchArgs {
     /// The program's arguments.
     pub fn program_args(&self) -> &[String] {
         self.command.get(1..).unwrap_or(&[])
+    }
+
+    /// Whether this is a whole-job launch over ssh (`--hosts` or `--hostfile`).
+    pub fn is_remote(&self) -> bool {
+        self.hosts.is_some() || self.hostfile.is_some()
     }
 }

@@ -8,6 +8,9 @@
 //! supervises the node's workers ([`supervisor`], [`worker`]), streams their output ([`logs`]), and
 //! on failure restarts the job or builds the failure report ([`report`]).
 //!
+//! With `--hosts`/`--hostfile` the binary is a head instead ([`remote`]): it hosts the rendezvous and
+//! starts `rsrun agent --stdin` on every host over ssh; each agent runs [`agent::run`] as a node.
+//!
 //! Invariants:
 //! - No worker outlives rsrun: each runs in its own process group with `PR_SET_PDEATHSIG`, is owned
 //!   by a value that kills its group on drop, and a guardian process kills every group if rsrun dies
@@ -25,6 +28,7 @@ pub mod logs;
 pub mod multinode;
 pub mod plan;
 pub mod rdzv;
+pub mod remote;
 pub mod report;
 pub mod signals;
 pub mod supervisor;

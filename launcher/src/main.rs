@@ -1,5 +1,8 @@
 //! `rsrun`: parse arguments, resolve the plan, start the guardian and the runtime, run, print the
 //! console stream and the failure summary, exit with the root cause's code.
+//!
+//! Three modes: a node (the default), a head (`--hosts`/`--hostfile`: starts an agent per host), and
+//! the hidden `rsrun agent --stdin` that a head starts on each host (the plan arrives on stdin).
 
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
@@ -10,6 +13,8 @@ use anyhow::Context;
 use rsrun_launcher::cli::LaunchArgs;
 use rsrun_launcher::logs::ConsoleEvent;
 use rsrun_launcher::multinode::LaunchMode;
+use rsrun_launcher::remote::command::AGENT_ARGS;
+use rsrun_launcher::remote::{HeadContext, RemotePlan};
 use rsrun_launcher::signals::Signals;
 use rsrun_launcher::worker::Guardian;
 use rsrun_launcher::{HostInfo, LaunchPlan, RunContext};
@@ -17,9 +22,17 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 fn main() -> ExitCode {
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    if argv.len() == 3 && argv[1] == AGENT_ARGS[0] && argv[2] == AGENT_ARGS[1] {
+        init_tracing();
+        return agent_main();
+    }
     // clap prints usage errors itself and exits 2.
     let args = LaunchArgs::parse_with_origins();
     init_tracing();
+    if args.is_remote() {
+        return head_main(&args);
+    }
     let plan = match LaunchPlan::resolve(&args, &HostInfo::probe()) {
         Ok(plan) => plan,
         Err(err) => {
@@ -40,12 +53,6 @@ fn main() -> ExitCode {
     }
     match &plan.mode {
         LaunchMode::SlurmC { srun } => return exec_under_srun(srun),
-        LaunchMode::Hosts => {
-            eprintln!(
-                "rsrun: error: starting the hosts of --hostfile/-H over ssh is not available in this build yet; --dry-run shows the plan"
-            );
-            return ExitCode::from(2);
-        }
         _ => {}
     }
     match launch(plan) {
@@ -112,6 +119,169 @@ fn launch(plan: LaunchPlan) -> anyhow::Result<i32> {
         let _ = err.write_all(report.render().as_bytes());
     }
     Ok(outcome.exit_code)
+}
+
+/// `--hosts`/`--hostfile`: resolve the remote plan, then run the head.
+fn head_main(args: &LaunchArgs) -> ExitCode {
+    let exe = match std::env::current_exe() {
+        Ok(p) => p,
+        Err(err) => {
+            eprintln!("rsrun: error: cannot find this rsrun's own path (for the hosts): {err}");
+            return ExitCode::from(2);
+        }
+    };
+    let host = HostInfo::probe();
+    // The node plan (host table, ranks, sources) and the remote plan (ssh argv, forwarded env).
+    let resolved = LaunchPlan::resolve(args, &host).and_then(|node| Ok((node, RemotePlan::resolve(args, &host, &exe)?)));
+    let (mut node_plan, plan) = match resolved {
+        Ok(plans) => plans,
+        Err(err) => {
+            eprintln!("rsrun: error: {err}");
+            return ExitCode::from(2);
+        }
+    };
+    if plan.dry_run {
+        let mut out = std::io::stdout().lock();
+        for note in node_plan.notes.iter().chain(&plan.notes) {
+            let _ = writeln!(out, "rsrun: {note}");
+        }
+        // One job id: the remote plan's, which the agents will use.
+        node_plan.job_id.clone_from(&plan.job_id);
+        let _ = out.write_all(rsrun_launcher::dry_run::render(&node_plan).as_bytes());
+        let _ = writeln!(out);
+        let _ = out.write_all(rsrun_launcher::remote::dry_run::render(&plan).as_bytes());
+        return ExitCode::SUCCESS;
+    }
+    for note in &plan.notes {
+        eprintln!("rsrun: {note}");
+    }
+    let run = || -> anyhow::Result<i32> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("cannot start the tokio runtime")?;
+        let (tx, rx) = mpsc::channel(1024);
+        let console = std::thread::Builder::new()
+            .name("console".into())
+            .spawn(move || console_loop(rx))
+            .context("cannot start the console thread")?;
+        let policy = plan.signals.clone();
+        let outcome = runtime.block_on(async move {
+            let signals = Signals::install(&policy).context("cannot install signal handlers")?;
+            rsrun_launcher::remote::run_head(plan, HeadContext { console: tx, signals }).await
+        });
+        drop(runtime);
+        let _ = console.join();
+        let outcome = outcome?;
+        let mut err = std::io::stderr().lock();
+        for line in &outcome.summary {
+            let _ = writeln!(err, "{line}");
+        }
+        Ok(outcome.exit_code)
+    };
+    match run() {
+        Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
+        Err(err) => {
+            eprintln!("rsrun: error: {err:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// `rsrun agent --stdin`: one host's node of a job started by a head. stdout carries `AgentEvent`
+/// frames only; stderr is free text that the head relays.
+fn agent_main() -> ExitCode {
+    use rsrun_launcher::remote::agent;
+    use rsrun_rendezvous::proto::{AgentExit, AgentReady, agent_event::Event};
+
+    let hostname = HostInfo::probe().hostname;
+    let mut out = std::io::stdout();
+    let fail = |out: &mut std::io::Stdout, msg: String| {
+        eprintln!("rsrun agent: error: {msg}");
+        agent::send(out, Event::StartFailed(msg));
+        agent::send(out, Event::Exit(AgentExit { code: 2 }));
+        ExitCode::from(2)
+    };
+    // Still single-threaded: the plan is read, and the environment set, before any thread starts.
+    let launch = match agent::read_launch(&mut std::io::stdin().lock(), &hostname) {
+        Ok(l) => l,
+        Err(msg) => return fail(&mut out, msg),
+    };
+    // SAFETY: no thread has been started yet.
+    let prepared = match unsafe { agent::prepare(&launch) } {
+        Ok(p) => p,
+        Err(msg) => return fail(&mut out, msg),
+    };
+    let agent::PreparedAgent { plan, host, node_id, private_dir } = prepared;
+    for note in &plan.notes {
+        agent::send(&mut out, Event::Note(format!("rsrun: {note}")));
+    }
+    agent::send(
+        &mut out,
+        Event::Ready(AgentReady {
+            node_id: node_id.clone(),
+            hostname: plan.hostname.clone(),
+            pid: std::process::id(),
+            rsrun_version: env!("CARGO_PKG_VERSION").to_owned(),
+        }),
+    );
+    let run = move || -> anyhow::Result<rsrun_launcher::Outcome> {
+        // SAFETY: still no other thread.
+        let guardian = match unsafe { Guardian::start() } {
+            Ok(g) => Some(Arc::new(g)),
+            Err(err) => {
+                tracing::warn!(%err, "no guardian process: workers are still covered by PDEATHSIG");
+                None
+            }
+        };
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("cannot start the tokio runtime")?;
+        let (tx, rx) = mpsc::channel(1024);
+        let console = std::thread::Builder::new()
+            .name("console".into())
+            .spawn(move || agent::console_loop(rx, std::io::stdout()))
+            .context("cannot start the console thread")?;
+        let policy = plan.signals.clone();
+        let outcome = runtime.block_on(async move {
+            let signals = Signals::install(&policy).context("cannot install signal handlers")?;
+            let injector = signals.injector();
+            // The rest of stdin: Control messages, then EOF when the head is gone. A plain thread: it
+            // blocks in read(2) and ends with the process.
+            std::thread::Builder::new()
+                .name("control".into())
+                .spawn(move || agent::control_loop(&mut std::io::stdin().lock(), &injector))
+                .context("cannot start the control thread")?;
+            let cx = RunContext { console: tx, shutdown: CancellationToken::new(), signals, guardian };
+            rsrun_launcher::run(plan, cx).await
+        });
+        drop(runtime);
+        let _ = console.join();
+        outcome
+    };
+    let outcome = run();
+    drop(private_dir);
+    let code = match outcome {
+        Ok(outcome) => {
+            // The full report comes from the host where the root cause ran (it has the stderr tail and
+            // the error file); the other hosts' agents say nothing more than their exit code.
+            if let Some(report) = &outcome.report
+                && report.root.node_id == node_id
+            {
+                agent::send(&mut out, Event::Note(report.render()));
+            }
+            outcome.exit_code
+        }
+        Err(err) => {
+            let msg = format!("rsrun: error on {host}: {err:#}");
+            eprintln!("{msg}");
+            agent::send(&mut out, Event::Note(msg));
+            1
+        }
+    };
+    agent::send(&mut out, Event::Exit(AgentExit { code }));
+    ExitCode::from(code.clamp(0, 255) as u8)
 }
 
 fn init_tracing() {

@@ -1210,6 +1210,11 @@ impl LaunchPlan {
             }
         };
 
+        // Multi-node flags without --hosts/--hostfile.
+        if !args.export.is_empty() || !args.env_file.is_empty() || args.export_all || !args.ssh_option.is_empty() {
+            notes.push("-x/--env-file/--export-all/--ssh-option have no effect without --hosts or --hostfile".into());
+        }
+
         // Compatibility flags without an effect.
         if let Some(m) = &args.start_method {
             notes.push(format!("--start-method {m} has no effect: rsrun starts PROGRAM as a process"));

@@ -150,6 +150,22 @@ pub fn signal_name(n: i32) -> String {
 #[derive(Debug)]
 pub struct Signals {
     rx: mpsc::UnboundedReceiver<(Signal, SignalAction)>,
+    /// Keeps the channel open (so `recv` pends when no handler is installed) and feeds injectors.
+    tx: mpsc::UnboundedSender<(Signal, SignalAction)>,
+}
+
+/// Delivers a signal to a [`Signals`] stream as if rsrun had received it: a remote agent turns its
+/// head's `Control` messages (and EOF on stdin) into stop signals this way.
+#[derive(Debug, Clone)]
+pub struct SignalInjector {
+    tx: mpsc::UnboundedSender<(Signal, SignalAction)>,
+}
+
+impl SignalInjector {
+    /// Delivers `sig` with `action`; `false` when the stream is gone.
+    pub fn inject(&self, sig: Signal, action: SignalAction) -> bool {
+        self.tx.send((sig, action)).is_ok()
+    }
 }
 
 impl Signals {
@@ -171,15 +187,18 @@ impl Signals {
                 }
             });
         }
-        Ok(Signals { rx })
+        Ok(Signals { rx, tx })
     }
 
-    /// A stream that never yields (tests, embedding).
+    /// A stream that yields only injected signals (tests, embedding).
     pub fn none() -> Self {
         let (tx, rx) = mpsc::unbounded_channel();
-        // Keep the channel open forever so `recv` pends instead of returning None.
-        std::mem::forget(tx);
-        Signals { rx }
+        Signals { rx, tx }
+    }
+
+    /// An injector for this stream.
+    pub fn injector(&self) -> SignalInjector {
+        SignalInjector { tx: self.tx.clone() }
     }
 
     /// The next signal received. Pends forever when no handler is installed.

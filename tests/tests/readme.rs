@@ -99,6 +99,10 @@ const HOSTS_INCLUDE_DRY_RUN: &str = "rsrun -H 'node[1-2]:2' --include 'node1:1@n
 const SLURM_DRY_RUN: &str = "SLURM_JOB_ID=4242 SLURM_STEP_ID=0 SLURM_STEP_NODELIST='127.0.0.[1-2]' SLURM_STEP_NUM_NODES=2 SLURM_STEP_NUM_TASKS=2 SLURM_STEP_TASKS_PER_NODE='1(x2)' SLURM_NODEID=1 rsrun --dry-run true";
 const K8S_DRY_RUN: &str = "PET_NNODES=2 PET_NODE_RANK=1 PET_MASTER_ADDR=127.0.0.1 PET_MASTER_PORT=29500 PET_NPROC_PER_NODE=2 rsrun --dry-run true";
 
+const SSH_RUN: &str = "rsrun -H node1:8,node2:8 --rdzv-endpoint node1 train --steps 1000";
+const SSH_DRY_RUN: &str = "rsrun -H node1:8,node2:8 --dry-run train --steps 1000";
+const FAKE_RSH_RUN: &str = "./target/release/rsrun -H h1:2,h2:2 --rsh tests/fake-rsh --allow-same-host --rdzv-endpoint 127.0.0.1:0 ./target/release/hello --steps 3";
+
 /// Every command a test below runs.
 const COVERED: &[&str] = &[
     QUICKSTART,
@@ -115,6 +119,9 @@ const COVERED: &[&str] = &[
     HOSTS_INCLUDE_DRY_RUN,
     SLURM_DRY_RUN,
     K8S_DRY_RUN,
+    SSH_RUN,
+    SSH_DRY_RUN,
+    FAKE_RSH_RUN,
 ];
 
 #[test]
@@ -160,6 +167,17 @@ fn ok(outs: &[Output]) {
 
 fn stdout_of(outs: &[Output]) -> String {
     outs.iter().map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).collect()
+}
+
+/// The first half of the README's first command (`cargo build --release --workspace`), once.
+fn release_build() {
+    static DONE: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+    DONE.get_or_init(|| {
+        let build = readme(QUICKSTART).split(" && ").next().unwrap().to_owned();
+        assert_eq!(build, "cargo build --release --workspace");
+        let out = run_all(vec![shell(&workspace(), &build)], Duration::from_secs(3600)).remove(0);
+        assert_eq!(code(&out.status), 0, "{}", text(&out));
+    });
 }
 
 #[test]
@@ -283,4 +301,37 @@ fn cluster_path_dry_runs() {
     assert!(s.contains("Slurm mode A") && s.contains("node rank = 1 (SLURM_NODEID)") && s.contains("job          : slurm-4242.0.r0"), "{s}");
     let s = run(K8S_DRY_RUN);
     assert!(s.contains("Kubernetes") && s.contains("node rank = 1 (PET_NODE_RANK)"), "{s}");
+}
+
+#[test]
+fn one_command_for_the_whole_job() {
+    let _turn = serial();
+    let root = workspace();
+    // As printed, in the repository root, after the README's first command built the release
+    // binaries: two "hosts" through the fake rsh.
+    release_build();
+    let outs = run_all(vec![shell(&root, &readme(FAKE_RSH_RUN))], RUN_DEADLINE);
+    ok(&outs);
+    let s = stdout_of(&outs);
+    for r in 0..4 {
+        assert!(s.contains(&format!("hello from rank {r} of 4")), "{s}");
+    }
+
+    // The ssh form, with the fake rsh standing in for ssh (every "host" is this machine) and a
+    // small job: 1 worker per host, 3 steps.
+    let dir = tempfile::tempdir().unwrap();
+    let rsh = root.join("tests/fake-rsh");
+    let cmd = readme(SSH_RUN)
+        .replacen("rsrun ", &format!("rsrun --rsh {} --allow-same-host ", rsh.display()), 1)
+        .replace("node1:8,node2:8", "node1:1,node2:1")
+        .replace("--rdzv-endpoint node1", "--rdzv-endpoint 127.0.0.1:0")
+        .replace("--steps 1000", "--steps 3");
+    let outs = run_all(vec![shell(dir.path(), &cmd)], RUN_DEADLINE * 3);
+    ok(&outs);
+    assert!(text(&outs[0]).contains("summary:"), "{}", text(&outs[0]));
+
+    let outs = run_all(vec![shell(dir.path(), &readme(SSH_DRY_RUN))], RUN_DEADLINE);
+    ok(&outs);
+    let s = stdout_of(&outs);
+    assert!(s.contains("node1") && s.contains("node2") && s.contains("agent --stdin"), "{s}");
 }

@@ -219,9 +219,11 @@ pub fn resolve(args: &LaunchArgs, host: &HostInfo) -> Result<Cluster, PlanError>
         if let Some(Slots::Count(first)) = table.entries.first().map(|e| e.slots) {
             c.nproc_per_node = Some(first);
         }
-        if !args.given("rdzv_endpoint") && !args.given("rdzv_backend") {
-            // The ssh launcher embeds the service in this process and binds it to the address
-            // that routes to the hosts (multinode.md §2.6).
+        let external = args.given("rdzv_backend") && matches!(args.rdzv_backend.trim().to_ascii_lowercase().as_str(), "c10d" | "rsrun");
+        if !external {
+            // The ssh launcher embeds the service in this process and binds it to the address that
+            // routes to the hosts, or to --rdzv-endpoint (multinode.md §2.6); only an explicit
+            // `--rdzv-backend c10d` names an external daemon.
             c.rdzv = Some((RdzvPlan::Standalone, crate::plan::random_id(), None));
         }
         c.hosts = Some(table);

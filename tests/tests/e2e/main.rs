@@ -10,6 +10,7 @@ mod logs;
 mod multinode;
 mod netns;
 mod rdzv_faults;
+mod remote;
 mod restarts;
 mod signals;
 mod static_rdzv;

@@ -1,0 +1,271 @@
+//! The agent side: `rsrun agent --stdin`, started by the head on each host.
+//!
+//! The binary calls, in order and before any thread starts:
+//! 1. [`read_launch`]: the first frame on stdin, a `NodeLaunch`, version-checked;
+//! 2. [`prepare`]: enter the cwd, set the forwarded environment, write the token to a private file,
+//!    and resolve this node's [`LaunchPlan`] with rsrun's own parser and validation. A failure is
+//!    one line for the head (`cwd /x does not exist on w2`), and exit 2;
+//! 3. then it runs the ordinary agent ([`crate::agent::run`], daemon-backed rendezvous) with its
+//!    console going to stdout as `AgentEvent` frames ([`console_loop`]), and a reader of the rest of
+//!    stdin ([`control_loop`]) that turns `Control{STOP}`, `Control{FORCE}` and EOF into stop signals.
+//!    EOF means the head is gone (`kill -9` included): the workers get the stop signal, the shutdown
+//!    grace, then SIGKILL, exactly as on Ctrl-C.
+
+use std::ffi::OsStr;
+use std::io::{Read, Write};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use clap::Parser;
+use nix::sys::signal::Signal;
+use prost::Message;
+use rsrun_rendezvous::proto::{AgentEvent, ConsoleLine, Control, NodeLaunch, agent_event, console_line, control};
+use tokio::sync::mpsc;
+
+use crate::cli::LaunchArgs;
+use crate::logs::ConsoleEvent;
+use crate::plan::{HostInfo, LaunchPlan};
+use crate::signals::{SignalAction, SignalInjector};
+
+use super::plan::{NodePlace, agent_argv};
+use super::wire::{decode_launch, read_frame, write_frame};
+
+/// Reads and checks the `NodeLaunch` (blocking).
+///
+/// # Errors
+/// EOF before the message, a read error, or a message this rsrun refuses (see
+/// [`super::wire::decode_launch`]); the text is meant for the head.
+pub fn read_launch(stdin: &mut impl Read, this_host: &str) -> Result<NodeLaunch, String> {
+    match read_frame(stdin) {
+        Ok(Some(buf)) => decode_launch(&buf, this_host),
+        Ok(None) => Err("stdin closed before the launch plan arrived".into()),
+        Err(e) => Err(format!("cannot read the launch plan from stdin: {e}")),
+    }
+}
+
+/// A private directory removed on drop (the token file lives there).
+#[derive(Debug)]
+pub struct PrivateDir(PathBuf);
+
+impl PrivateDir {
+    /// Creates `$TMPDIR/PREFIX-PID-RANDOM`, accessible to this user only.
+    ///
+    /// # Errors
+    /// The directory cannot be created.
+    pub(crate) fn create(prefix: &str) -> std::io::Result<Self> {
+        let dir = std::env::temp_dir().join(format!("{prefix}-{}-{}", std::process::id(), crate::plan::random_id()));
+        std::fs::DirBuilder::new().mode(0o700).create(&dir)?;
+        Ok(PrivateDir(dir))
+    }
+
+    /// Writes `name` readable by this user only.
+    pub(crate) fn write(&self, name: &str, contents: &[u8]) -> std::io::Result<PathBuf> {
+        let p = self.0.join(name);
+        let mut f = std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&p)?;
+        f.write_all(contents)?;
+        Ok(p)
+    }
+}
+
+impl Drop for PrivateDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// This node's plan, ready to run.
+#[derive(Debug)]
+pub struct PreparedAgent {
+    /// The resolved plan.
+    pub plan: LaunchPlan,
+    /// The host as the head names it.
+    pub host: String,
+    /// This agent's node id at the rendezvous.
+    pub node_id: String,
+    /// Holds the token file for the agent's lifetime.
+    pub private_dir: Option<PrivateDir>,
+}
+
+/// Applies `launch` to this process and resolves the node's plan (see the module docs).
+///
+/// # Safety
+/// Sets environment variables: the process must be single-threaded.
+///
+/// # Errors
+/// A missing cwd, an unusable token directory, or a plan this host rejects, as one line naming the
+/// host.
+pub unsafe fn prepare(launch: &NodeLaunch) -> Result<PreparedAgent, String> {
+    let host = &launch.host;
+    let cwd = Path::new(&launch.cwd);
+    if let Err(e) = std::env::set_current_dir(cwd) {
+        return Err(format!("cwd {} does not exist on {host} ({e}); run from a directory every host has (a shared file system)", cwd.display()));
+    }
+    for (k, v) in &launch.env {
+        if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains(&0) {
+            return Err(format!("invalid variable {k:?} in the launch plan"));
+        }
+        // SAFETY: the caller guarantees that no other thread runs.
+        unsafe { std::env::set_var(k, OsStr::from_bytes(v)) };
+    }
+    if let Some(d) = &launch.devices {
+        let list: Vec<String> = d.ids.iter().map(u32::to_string).collect();
+        // SAFETY: as above.
+        unsafe { std::env::set_var("CUDA_VISIBLE_DEVICES", list.join(",")) };
+    }
+    let (private_dir, token_file) = if launch.token.is_empty() {
+        (None, None)
+    } else {
+        let dir = PrivateDir::create("rsrun-agent").map_err(|e| format!("cannot create a private directory for the token on {host}: {e}"))?;
+        let f = dir
+            .write("token", format!("{}\n", launch.token).as_bytes())
+            .map_err(|e| format!("cannot write the token file on {host}: {e}"))?;
+        (Some(dir), Some(f))
+    };
+    let place = NodePlace {
+        nnodes: launch.nnodes,
+        nproc_per_node: &launch.nproc_per_node,
+        node_rank: launch.node_rank,
+        endpoint: &launch.rdzv_endpoint,
+        job_id: &launch.job_id,
+        token_file: token_file.as_deref(),
+    };
+    let argv = agent_argv(&launch.options, place, &launch.program);
+    let mut args = LaunchArgs::try_parse_from(std::iter::once("rsrun".to_owned()).chain(argv))
+        .map_err(|e| format!("invalid options on {host}: {}", e.to_string().lines().next().unwrap_or("")))?;
+    // Whatever this host's environment says, this process is an agent, never a head.
+    args.hosts = None;
+    args.hostfile = None;
+    args.dry_run = false;
+    let mut plan = LaunchPlan::resolve(&args, &HostInfo::probe()).map_err(|e| format!("{e} (on {host})"))?;
+    // The head chose the node rank (the host order); saying so on every host is noise.
+    plan.notes.retain(|n| !n.starts_with("--node-rank "));
+    let node_id = crate::plan::node_id(&plan.hostname, std::process::id());
+    Ok(PreparedAgent { plan, host: host.clone(), node_id, private_dir })
+}
+
+/// Writes one event frame; errors (the head is gone) are ignored: EOF on stdin follows.
+pub fn send(out: &mut impl Write, event: agent_event::Event) {
+    let _ = write_frame(out, &AgentEvent { event: Some(event) });
+}
+
+/// The agent's console: each event becomes an `AgentEvent` frame on `out` (the agent's stdout). The
+/// rendezvous status line is not sent: the head shows the job's progress itself.
+pub fn console_loop(mut rx: mpsc::Receiver<ConsoleEvent>, mut out: impl Write) {
+    let mut buf = Vec::with_capacity(64 * 1024);
+    while let Some(first) = rx.blocking_recv() {
+        let mut ev = Some(first);
+        while let Some(e) = ev.take() {
+            let event = match e {
+                ConsoleEvent::Stdout(data) => {
+                    Some(agent_event::Event::Line(ConsoleLine { stream: console_line::Stream::Stdout as i32, data }))
+                }
+                ConsoleEvent::Stderr(data) => {
+                    Some(agent_event::Event::Line(ConsoleLine { stream: console_line::Stream::Stderr as i32, data }))
+                }
+                ConsoleEvent::Note(text) => Some(agent_event::Event::Note(text)),
+                ConsoleEvent::Status(_) | ConsoleEvent::StatusDone => None,
+            };
+            if let Some(event) = event {
+                // Encoding into a Vec cannot fail (it grows as needed).
+                let _ = AgentEvent { event: Some(event) }.encode_length_delimited(&mut buf);
+            }
+            // Batch what is already queued into one write.
+            if buf.len() < 256 * 1024 {
+                ev = rx.try_recv().ok();
+            }
+        }
+        if !buf.is_empty() {
+            let _ = out.write_all(&buf).and_then(|_| out.flush());
+            buf.clear();
+        }
+    }
+}
+
+/// Reads `Control` frames after the `NodeLaunch` until EOF, turning them into stop signals: STOP is
+/// one stop signal (the head's, SIGTERM by default), FORCE is two (the second kills at once), and
+/// EOF — the head is gone — is one SIGTERM stop. Returns at EOF or when the injector's stream is gone.
+pub fn control_loop(stdin: &mut impl Read, injector: &SignalInjector) {
+    loop {
+        let frame = match read_frame(stdin) {
+            Ok(Some(f)) => f,
+            Ok(None) | Err(_) => {
+                tracing::info!("stdin closed: the head is gone; stopping the workers");
+                injector.inject(Signal::SIGTERM, SignalAction::Stop);
+                return;
+            }
+        };
+        let Ok(c) = Control::decode(frame.as_slice()) else {
+            tracing::warn!("ignoring a message on stdin that is not a Control");
+            continue;
+        };
+        let sig = Signal::try_from(c.signal).ok().filter(|s| *s != Signal::SIGKILL).unwrap_or(Signal::SIGTERM);
+        let ok = match c.action() {
+            control::Action::Stop => {
+                tracing::info!(signal = %sig, "the head asks to stop");
+                injector.inject(sig, SignalAction::Stop)
+            }
+            control::Action::Force => {
+                tracing::info!("the head asks to kill the workers now");
+                injector.inject(sig, SignalAction::Stop) && injector.inject(sig, SignalAction::Stop)
+            }
+            control::Action::Unspecified => true,
+        };
+        if !ok {
+            return;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::signals::Signals;
+
+    #[tokio::test]
+    async fn control_messages_and_eof_become_stop_signals() {
+        let mut signals = Signals::none();
+        let injector = signals.injector();
+        let mut bytes = super::super::wire::encode(&Control { action: control::Action::Stop as i32, signal: 2 });
+        bytes.extend(super::super::wire::encode(&Control { action: control::Action::Force as i32, signal: 0 }));
+        control_loop(&mut std::io::Cursor::new(bytes), &injector);
+        let got: Vec<(Signal, SignalAction)> = vec![signals.recv().await, signals.recv().await, signals.recv().await, signals.recv().await];
+        assert_eq!(
+            got,
+            [
+                (Signal::SIGINT, SignalAction::Stop),
+                (Signal::SIGTERM, SignalAction::Stop),
+                (Signal::SIGTERM, SignalAction::Stop),
+                (Signal::SIGTERM, SignalAction::Stop), // EOF
+            ]
+        );
+    }
+
+    #[test]
+    fn a_missing_cwd_names_the_host() {
+        let launch = NodeLaunch { host: "w2".into(), cwd: "/nonexistent/rsrun-test".into(), ..Default::default() };
+        // SAFETY: prepare returns at the cwd check, before it touches the environment.
+        let err = unsafe { prepare(&launch) }.unwrap_err();
+        assert!(err.starts_with("cwd /nonexistent/rsrun-test does not exist on w2"), "{err}");
+    }
+
+    #[test]
+    fn console_events_become_frames() {
+        let (tx, rx) = mpsc::channel(8);
+        tx.try_send(ConsoleEvent::Stdout(b"[rank 0] hi\n".to_vec())).unwrap();
+        tx.try_send(ConsoleEvent::Status("waiting".into())).unwrap();
+        tx.try_send(ConsoleEvent::Note("note".into())).unwrap();
+        drop(tx);
+        let mut out = Vec::new();
+        console_loop(rx, &mut out);
+        let mut r = std::io::Cursor::new(out);
+        let e1 = AgentEvent::decode(read_frame(&mut r).unwrap().unwrap().as_slice()).unwrap();
+        assert_eq!(
+            e1.event,
+            Some(agent_event::Event::Line(ConsoleLine { stream: console_line::Stream::Stdout as i32, data: b"[rank 0] hi\n".to_vec() }))
+        );
+        let e2 = AgentEvent::decode(read_frame(&mut r).unwrap().unwrap().as_slice()).unwrap();
+        assert_eq!(e2.event, Some(agent_event::Event::Note("note".into())));
+        assert!(read_frame(&mut r).unwrap().is_none());
+    }
+}

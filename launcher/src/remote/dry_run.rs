@@ -1,0 +1,58 @@
+//! `--dry-run` with `--hosts`/`--hostfile`: the node table, the rendezvous, the forwarded variables
+//! (names and where each came from; values are never shown) and every host's exact argv.
+
+use std::fmt::Write as _;
+
+use super::command::shell_quote;
+use super::plan::{RemotePlan, RemoteRdzv};
+
+/// Renders the plan.
+pub fn render(plan: &RemotePlan) -> String {
+    let mut s = String::new();
+    let _ = writeln!(s, "rsrun dry run (nothing is started)");
+    let _ = writeln!(s, "job          : {}", plan.job_id);
+    let rdzv = match &plan.rdzv {
+        RemoteRdzv::Embedded { bind, advertise } => format!(
+            "hosted by this rsrun at {bind}{}, reached as {advertise}; a token per job",
+            if bind.port() == 0 { " (port chosen at start)" } else { "" }
+        ),
+        RemoteRdzv::External { endpoint } => format!("rsrun-rendezvous daemon at {endpoint}"),
+    };
+    let _ = writeln!(s, "rendezvous   : {rdzv}");
+    let _ = writeln!(s, "nodes        : {} hosts, world size {}", plan.nodes.len(), plan.world_size());
+    for n in &plan.nodes {
+        let last = n.rank_offset + n.host.slots - 1;
+        let devices = match &n.host.devices {
+            Some(d) => format!(", devices {}", d.iter().map(u32::to_string).collect::<Vec<_>>().join(",")),
+            None => String::new(),
+        };
+        let _ = writeln!(
+            s,
+            "  node {:<3} {:<20} slots {:<3} ranks {}-{}{devices} ({})",
+            n.node_rank,
+            n.host.host,
+            n.host.slots,
+            n.rank_offset,
+            last,
+            if n.local { "local, no ssh" } else { "ssh" }
+        );
+    }
+    let _ = writeln!(s, "cwd          : {}", plan.cwd.display());
+    let _ = writeln!(s, "program      : {}", plan.program.iter().map(|a| shell_quote(a)).collect::<Vec<_>>().join(" "));
+    let _ = writeln!(s, "options      : {}", plan.options.iter().map(|a| shell_quote(a)).collect::<Vec<_>>().join(" "));
+    let _ = writeln!(s, "shutdown     : {:?} grace, then SIGKILL", plan.shutdown);
+    if plan.env.vars.is_empty() {
+        let _ = writeln!(s, "forwarded env: none");
+    } else {
+        let _ = writeln!(s, "forwarded env: {} variables (values are not shown)", plan.env.vars.len());
+        for (name, source) in &plan.env.sources {
+            let _ = writeln!(s, "  {name:<32} {source}");
+        }
+    }
+    let _ = writeln!(s, "commands     : (stdin carries the plan; EOF stops the agent)");
+    for n in &plan.nodes {
+        let argv: Vec<String> = n.argv.iter().map(|a| shell_quote(&a.to_string_lossy())).collect();
+        let _ = writeln!(s, "  {}: {}", n.host.host, argv.join(" "));
+    }
+    s
+}

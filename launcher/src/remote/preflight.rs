@@ -1,0 +1,142 @@
+//! Why a host's agent did not start, in one line, from ssh's exit code and last stderr lines.
+//!
+//! | stderr contains | classified as |
+//! |---|---|
+//! | `Permission denied (publickey` | authentication |
+//! | `Host key verification failed` / `host key is known` / `REMOTE HOST IDENTIFICATION` | known_hosts |
+//! | `Could not resolve hostname` | DNS |
+//! | `Connection refused` | no sshd / wrong port |
+//! | `Connection timed out` / `No route to host` / `Network is unreachable` | network |
+//! | `kex_exchange_identification` | sshd overload (MaxStartups): **retried** |
+//! | exit 127, or `not found` / `No such file` | rsrun missing at that path |
+//! | anything else | ssh error, with the last stderr line verbatim |
+
+/// Retries of a connection that sshd dropped during the key exchange (MaxStartups).
+pub const KEX_RETRIES: u32 = 3;
+
+/// How a start failed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StartFailure {
+    /// Public-key authentication refused.
+    Auth(String),
+    /// Unknown or changed host key.
+    KnownHosts(String),
+    /// The name does not resolve.
+    Dns(String),
+    /// Nothing listens at the ssh port.
+    Refused(String),
+    /// Timed out or unreachable.
+    Network(String),
+    /// sshd dropped the connection during the key exchange, on every attempt.
+    Kex(String),
+    /// The remote shell found no rsrun at the path.
+    RsrunNotFound(String),
+    /// The agent started and refused its plan (its own message).
+    Agent(String),
+    /// No sign of life from the agent before the start deadline.
+    Timeout(std::time::Duration),
+    /// Anything else.
+    Other {
+        /// The exit code (`None`: killed by a signal).
+        code: Option<i32>,
+        /// The last stderr line.
+        last: String,
+    },
+}
+
+/// Classifies a failed start from the exit code and stderr.
+pub fn classify(code: Option<i32>, stderr: &[String]) -> StartFailure {
+    let find = |needles: &[&str]| -> Option<String> {
+        stderr.iter().rev().find(|l| needles.iter().any(|n| l.contains(n))).map(|l| l.trim().to_owned())
+    };
+    if let Some(l) = find(&["Permission denied ("]) {
+        // "root@h: Permission denied (publickey)." → "Permission denied (publickey)".
+        let start = l.find("Permission denied").unwrap_or(0);
+        return StartFailure::Auth(l[start..].trim_end_matches('.').to_owned());
+    }
+    if let Some(l) = find(&["Host key verification failed", "host key is known", "REMOTE HOST IDENTIFICATION"]) {
+        return StartFailure::KnownHosts(l.trim_end_matches('.').to_owned());
+    }
+    if let Some(l) = find(&["Could not resolve hostname"]) {
+        return StartFailure::Dns(l);
+    }
+    if let Some(l) = find(&["Connection refused"]) {
+        return StartFailure::Refused(l);
+    }
+    if let Some(l) = find(&["Connection timed out", "No route to host", "Network is unreachable", "Operation timed out"]) {
+        return StartFailure::Network(l);
+    }
+    if let Some(l) = find(&["kex_exchange_identification"]) {
+        return StartFailure::Kex(l);
+    }
+    if code == Some(127) || code == Some(126) {
+        let last = find(&["not found", "No such file", "Permission denied"]).or_else(|| stderr.last().cloned()).unwrap_or_default();
+        return StartFailure::RsrunNotFound(last);
+    }
+    StartFailure::Other { code, last: stderr.iter().rev().find(|l| !l.trim().is_empty()).cloned().unwrap_or_default() }
+}
+
+/// Whether the failure is worth another attempt.
+pub fn is_retryable(f: &StartFailure) -> bool {
+    matches!(f, StartFailure::Kex(_))
+}
+
+/// The one line printed for a host that did not start.
+pub fn describe(host: &str, f: &StartFailure, rsrun: &str, connect_timeout: std::time::Duration) -> String {
+    match f {
+        StartFailure::Auth(l) => format!("{host}: ssh authentication failed ({l})"),
+        StartFailure::KnownHosts(l) => format!(
+            "{host}: unknown or changed ssh host key ({l}): check known_hosts; add the key with `ssh-keyscan -H {host} >> ~/.ssh/known_hosts`, or pass --ssh-option StrictHostKeyChecking=accept-new"
+        ),
+        StartFailure::Dns(l) => format!("{host}: cannot resolve the host name ({l})"),
+        StartFailure::Refused(l) => format!("{host}: connection refused: no sshd listening there, or a wrong --ssh-port ({l})"),
+        StartFailure::Network(l) => {
+            format!("{host}: host unreachable or timed out (ConnectTimeout={}s) ({l})", connect_timeout.as_secs())
+        }
+        StartFailure::Kex(l) => format!(
+            "{host}: sshd dropped the connection during the key exchange {} times ({l}); raise MaxStartups in sshd_config",
+            KEX_RETRIES + 1
+        ),
+        StartFailure::RsrunNotFound(l) => format!(
+            "{host}: rsrun not found at {rsrun} on {host} ({l}); install the same rsrun there or pass --remote-rsrun PATH"
+        ),
+        StartFailure::Agent(m) => format!("{host}: {m}"),
+        StartFailure::Timeout(d) => format!("{host}: the agent did not start within {:.0}s", d.as_secs_f64()),
+        StartFailure::Other { code, last } => match code {
+            Some(c) => format!("{host}: the agent exited with code {c} before starting ({last})"),
+            None => format!("{host}: the agent was killed before starting ({last})"),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lines(s: &str) -> Vec<String> {
+        s.lines().map(str::to_owned).collect()
+    }
+
+    #[test]
+    fn openssh_messages() {
+        let t = std::time::Duration::from_secs(10);
+        let c = |code, s: &str| describe("h2", &classify(code, &lines(s)), "/opt/rsrun", t);
+        assert_eq!(c(Some(255), "h2: Permission denied (publickey)."), "h2: ssh authentication failed (Permission denied (publickey))");
+        assert_eq!(
+            c(Some(255), "root@127.0.0.1: Permission denied (publickey,password)."),
+            "h2: ssh authentication failed (Permission denied (publickey,password))"
+        );
+        let k = c(
+            Some(255),
+            "No ED25519 host key is known for [127.0.0.1]:2222 and you have requested strict checking.\nHost key verification failed.",
+        );
+        assert!(k.starts_with("h2: unknown or changed ssh host key (Host key verification failed)") && k.contains("known_hosts"), "{k}");
+        assert!(c(Some(255), "ssh: connect to host 127.0.0.1 port 2299: Connection refused").contains("connection refused"));
+        assert!(c(Some(255), "ssh: connect to host 10.77.0.2 port 22: Connection timed out").contains("ConnectTimeout=10s"));
+        assert!(c(Some(255), "ssh: Could not resolve hostname nope: Name or service not known").contains("cannot resolve"));
+        let kex = classify(Some(255), &lines("kex_exchange_identification: read: Connection reset by peer"));
+        assert!(is_retryable(&kex), "{kex:?}");
+        assert!(c(Some(127), "sh: 1: exec: /opt/rsrun: not found").contains("rsrun not found at /opt/rsrun on h2"));
+        assert_eq!(c(Some(255), "weird\nlast words\n"), "h2: the agent exited with code 255 before starting (last words)");
+    }
+}

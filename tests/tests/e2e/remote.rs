@@ -1,0 +1,476 @@
+//! One command for the whole job: `rsrun -H h1:2,h2:2,h3:2 --rsh tests/fake-rsh ...`. The fake rsh
+//! (multinode.md §5.5) drops ssh's options and runs the agent command locally "as" each host, so three
+//! "hosts" are three agents on this machine (`--allow-same-host`). It logs every call's argv and pid,
+//! which is how the tests find the agents they started (never by name).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use rsrun_tests::{KillOnDrop, alive, bin, code, read_pids, rsrun, text, wait_until};
+
+fn fake_rsh() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fake-rsh")
+}
+
+/// `rsrun -H HOSTS --rsh fake-rsh --allow-same-host --rdzv-endpoint 127.0.0.1:0 --shutdown-timeout 1`.
+fn head(dir: &Path, hosts: &str) -> Command {
+    let mut cmd = rsrun(dir);
+    cmd.args(["-H", hosts, "--rsh"])
+        .arg(fake_rsh())
+        .args(["--allow-same-host", "--rdzv-endpoint", "127.0.0.1:0", "--shutdown-timeout", "1"])
+        .env("FAKE_RSH_LOG", dir.join("rsh.log"))
+        .env_remove("FAKE_RSH_FAIL")
+        .env_remove("FAKE_RSH_HIDE");
+    cmd
+}
+
+/// The fake rsh's log: (pid, argv after the rsh program) per call.
+fn rsh_calls(dir: &Path) -> Vec<(i32, Vec<String>)> {
+    std::fs::read_to_string(dir.join("rsh.log"))
+        .unwrap_or_default()
+        .lines()
+        .map(|l| {
+            let mut f = l.split('\t');
+            let pid = f.next().unwrap().parse().unwrap();
+            (pid, f.map(str::to_owned).collect())
+        })
+        .collect()
+}
+
+fn agent_pids(dir: &Path) -> Vec<i32> {
+    rsh_calls(dir).into_iter().map(|(p, _)| p).collect()
+}
+
+fn kill(pid: i32, sig: i32) {
+    // SAFETY: plain kill(2).
+    unsafe {
+        libc::kill(pid, sig);
+    }
+}
+
+/// Every pid dead within `deadline`; the survivors are killed and named otherwise.
+fn all_gone(pids: &[i32], deadline: Duration) -> Result<(), Vec<i32>> {
+    if wait_until(deadline, || pids.iter().all(|&p| !alive(p))) {
+        return Ok(());
+    }
+    let survivors: Vec<i32> = pids.iter().copied().filter(|&p| alive(p)).collect();
+    for &p in &survivors {
+        kill(p, libc::SIGKILL);
+    }
+    Err(survivors)
+}
+
+/// Workers that record their pid and then sleep (exec: the pid is the sleeping process).
+const SLEEPER: &str = "echo $$ >> pids; exec sleep 60";
+
+#[test]
+fn three_hosts_two_slots_get_contiguous_ranks_and_exact_argv() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = "echo \"$FAKE_RSH_HOST $RANK $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK $WORLD_SIZE $MASTER_ADDR\" > rank.$RANK; echo hi from $RANK";
+    let out = rsrun_tests::run(head(dir.path(), "h1:2,h2:2,h3:2").args(["sh", "-c", script]));
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    for rank in 0..6u32 {
+        let line = std::fs::read_to_string(dir.path().join(format!("rank.{rank}"))).unwrap_or_else(|_| panic!("rank {rank} never ran\n{}", text(&out)));
+        let expected = format!("h{} {rank} {} 2 {} 6 127.0.0.1\n", rank / 2 + 1, rank % 2, rank / 2);
+        assert_eq!(line, expected, "rank {rank}");
+    }
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for rank in 0..6u32 {
+        assert!(stdout.contains(&format!("h{} [rank {rank}] hi from {rank}\n", rank / 2 + 1)), "console lines carry the host:\n{stdout}");
+    }
+    // The exact argv each "host" was started with.
+    let rsrun_path = std::fs::canonicalize(bin("rsrun")).unwrap();
+    let mut calls: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for (_, argv) in rsh_calls(dir.path()) {
+        calls.insert(argv[argv.len() - 2].clone(), argv);
+    }
+    assert_eq!(calls.len(), 3, "{calls:?}");
+    for (host, argv) in calls {
+        let expected: Vec<String> = [
+            "-T", "-o", "BatchMode=yes", "-o", "ConnectTimeout=10", "-o", "ServerAliveInterval=15", "-o",
+            "ServerAliveCountMax=4", "--", &host, &format!("exec '{}' agent --stdin", rsrun_path.display()),
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        assert_eq!(argv, expected, "argv of {host}");
+    }
+}
+
+#[test]
+fn env_values_and_cwd_arrive_byte_exact() {
+    let dir = tempfile::tempdir().unwrap();
+    let quoted = "a \"b\" $(id) `id` 'c' \\n ${HOME}";
+    let newline = "line one\nline two\n";
+    // Two 100 KB values: a 200 KB plan that no single command line (ssh joins its arguments into one
+    // string) could carry. Each stays below Linux's 128 KiB limit for one environment string.
+    let chunk = "q'\"$(x)`y`\\ ";
+    let big1: String = chunk.repeat(100_000 / chunk.len());
+    let big2: String = big1.chars().rev().collect();
+    std::fs::write(dir.path().join("big.env"), format!("# two big values\nBIG1={big1}\n\nBIG2={big2}\n")).unwrap();
+    std::fs::write(dir.path().join(".rsrun_env"), "FROM_DOT=dot file value\n").unwrap();
+    let script = "printf %s \"$Q\" > q.$RANK; printf %s \"$NL\" > nl.$RANK; printf %s \"$BIG1\" > big1.$RANK; printf %s \"$BIG2\" > big2.$RANK; printf %s \"$FROM_DOT\" > dot.$RANK; pwd > cwd.$RANK";
+    let out = rsrun_tests::run(
+        head(dir.path(), "h1:1,h2:1,h3:1")
+            .env("NL", newline)
+            .args(["-x", &format!("Q={quoted}"), "-x", "NL", "--env-file", "big.env", "sh", "-c", script]),
+    );
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    let read = |name: &str, rank: u32| std::fs::read_to_string(dir.path().join(format!("{name}.{rank}"))).unwrap();
+    let cwd = std::fs::canonicalize(dir.path()).unwrap();
+    for rank in 0..3 {
+        assert_eq!(read("q", rank), quoted, "rank {rank}");
+        assert_eq!(read("nl", rank), newline, "rank {rank}");
+        assert!(read("big1", rank) == big1, "rank {rank}: BIG1 differs");
+        assert!(read("big2", rank) == big2, "rank {rank}: BIG2 differs");
+        assert_eq!(read("dot", rank), "dot file value", "rank {rank}");
+        assert_eq!(read("cwd", rank).trim_end(), cwd.to_str().unwrap(), "rank {rank}");
+    }
+}
+
+#[test]
+fn one_env_value_over_the_exec_limit_is_refused_before_anything_starts() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("huge.env"), format!("HUGE={}\n", "x".repeat(200_000))).unwrap();
+    let out = rsrun_tests::run(head(dir.path(), "h1:1").args(["--env-file", "huge.env", "true"]));
+    assert_eq!(code(&out.status), 2, "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("HUGE (") && stderr.contains("MAX_ARG_STRLEN"), "{stderr}");
+    assert!(rsh_calls(dir.path()).is_empty(), "nothing was started");
+}
+
+#[test]
+fn worker_exit_3_on_host_2_is_the_exit_code_and_nothing_is_left() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = "echo $$ >> pids; if [ \"$RANK\" = 2 ]; then while [ $(wc -l < pids) -lt 6 ]; do sleep 0.05; done; echo boom >&2; exit 3; fi; exec sleep 60";
+    let out = rsrun_tests::run(head(dir.path(), "h1:2,h2:2,h3:2").args(["sh", "-c", script]));
+    assert_eq!(code(&out.status), 3, "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("root cause rank 2 (local_rank 0) on h2: exit code 3 -> rsrun exits 3"), "{}", text(&out));
+    assert!(stderr.contains("h2 [rank 2] boom"), "{}", text(&out));
+    let mut pids = read_pids(&dir.path().join("pids"));
+    assert_eq!(pids.len(), 6);
+    pids.extend(agent_pids(dir.path()));
+    assert_eq!(all_gone(&pids, Duration::from_secs(5)), Ok(()), "processes of the job left");
+}
+
+#[test]
+fn sigint_stops_every_host_and_exits_130() {
+    let dir = tempfile::tempdir().unwrap();
+    let child = KillOnDrop::spawn(head(dir.path(), "h1:2,h2:2,h3:2").args(["sh", "-c", SLEEPER]));
+    let pids_file = dir.path().join("pids");
+    assert!(wait_until(Duration::from_secs(30), || read_pids(&pids_file).len() == 6), "workers did not start");
+    kill(child.pid(), libc::SIGINT);
+    let out = child.output_within(Duration::from_secs(30));
+    assert_eq!(code(&out.status), 130, "{}", text(&out));
+    let mut pids = read_pids(&pids_file);
+    pids.extend(agent_pids(dir.path()));
+    assert_eq!(all_gone(&pids, Duration::from_secs(3)), Ok(()), "processes of the job left after SIGINT");
+}
+
+#[test]
+fn kill_9_of_the_head_leaves_no_worker() {
+    for attempt in 0..3 {
+        let dir = tempfile::tempdir().unwrap();
+        let mut child = KillOnDrop::spawn(head(dir.path(), "h1:2,h2:2,h3:2").args(["sh", "-c", SLEEPER]));
+        let pids_file = dir.path().join("pids");
+        assert!(wait_until(Duration::from_secs(30), || read_pids(&pids_file).len() == 6), "workers did not start");
+        let workers = read_pids(&pids_file);
+        let agents = agent_pids(dir.path());
+        kill(child.pid(), libc::SIGKILL);
+        let _ = child.0.wait();
+        // --shutdown-timeout 1 + 2 s: the agents see EOF on stdin and stop their workers.
+        assert_eq!(all_gone(&workers, Duration::from_secs(3)), Ok(()), "attempt {attempt}: workers left after kill -9 of the head");
+        assert_eq!(all_gone(&agents, Duration::from_secs(10)), Ok(()), "attempt {attempt}: agents left");
+    }
+}
+
+#[test]
+fn a_second_job_on_the_same_hosts_is_untouched() {
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let job_a = KillOnDrop::spawn(head(a.path(), "h1:1,h2:1").args(["sh", "-c", SLEEPER]));
+    let job_b = KillOnDrop::spawn(head(b.path(), "h1:1,h2:1").args(["sh", "-c", SLEEPER]));
+    let (pa, pb) = (a.path().join("pids"), b.path().join("pids"));
+    assert!(wait_until(Duration::from_secs(30), || read_pids(&pa).len() == 2 && read_pids(&pb).len() == 2));
+    kill(job_a.pid(), libc::SIGINT);
+    let out = job_a.output_within(Duration::from_secs(30));
+    assert_eq!(code(&out.status), 130, "{}", text(&out));
+    assert_eq!(all_gone(&read_pids(&pa), Duration::from_secs(3)), Ok(()));
+    std::thread::sleep(Duration::from_millis(300));
+    let b_workers = read_pids(&pb);
+    assert!(b_workers.iter().all(|&p| alive(p)), "job B lost workers when job A stopped");
+    kill(job_b.pid(), libc::SIGTERM);
+    let out = job_b.output_within(Duration::from_secs(30));
+    assert_eq!(code(&out.status), 143, "{}", text(&out));
+    assert_eq!(all_gone(&b_workers, Duration::from_secs(3)), Ok(()));
+}
+
+#[test]
+fn auth_failure_exits_2_naming_the_host_within_2_s() {
+    let dir = tempfile::tempdir().unwrap();
+    let start = Instant::now();
+    let out = rsrun_tests::run(head(dir.path(), "h1:2,h2:2,h3:2").env("FAKE_RSH_FAIL", "h2").args(["sh", "-c", SLEEPER]));
+    let took = start.elapsed();
+    assert_eq!(code(&out.status), 2, "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("rsrun: error: h2: ssh authentication failed (Permission denied (publickey))\n"), "{stderr}");
+    assert!(!stderr.contains("rsrun: error: h1") && !stderr.contains("rsrun: error: h3"), "only h2 failed:\n{stderr}");
+    assert!(took < Duration::from_secs(2), "took {took:?}");
+    assert!(read_pids(&dir.path().join("pids")).is_empty(), "no worker started");
+    assert_eq!(all_gone(&agent_pids(dir.path()), Duration::from_secs(3)), Ok(()));
+}
+
+#[test]
+fn a_missing_cwd_on_one_host_exits_2_naming_the_host() {
+    let dir = tempfile::tempdir().unwrap();
+    let work = dir.path().join("work");
+    std::fs::create_dir(&work).unwrap();
+    let probe = Command::new("unshare").args(["-m", "true"]).status();
+    if !probe.is_ok_and(|s| s.success()) {
+        eprintln!("skipped: `unshare -m` is not permitted here (the fake rsh hides the cwd in a mount namespace)");
+        return;
+    }
+    let hide = format!("h2:{}", dir.path().display());
+    let out = rsrun_tests::run(head(&work, "h1:1,h2:1,h3:1").env("FAKE_RSH_LOG", dir.path().join("rsh.log")).env("FAKE_RSH_HIDE", hide).args(["sh", "-c", SLEEPER]));
+    assert_eq!(code(&out.status), 2, "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let cwd = std::fs::canonicalize(&work).unwrap();
+    assert!(stderr.contains(&format!("rsrun: error: h2: cwd {} does not exist on h2", cwd.display())), "{stderr}");
+    assert!(!work.join("pids").exists(), "no worker started");
+}
+
+#[test]
+fn dry_run_prints_each_hosts_argv() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = rsrun_tests::run(head(dir.path(), "h1:2,h2:2").args(["-x", "SECRET=hunter2", "--dry-run", "sh", "-c", "true"]));
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let rsrun_path = std::fs::canonicalize(bin("rsrun")).unwrap();
+    let line = format!(
+        "  h2: {} -T -o BatchMode=yes -o ConnectTimeout=10 -o ServerAliveInterval=15 -o ServerAliveCountMax=4 -- h2 'exec '\\''{}'\\'' agent --stdin'\n",
+        fake_rsh().display(),
+        rsrun_path.display()
+    );
+    assert!(stdout.contains(&line), "expected {line:?} in\n{stdout}");
+    assert!(stdout.contains("node 1   h2                   slots 2   ranks 2-3 (ssh)"), "{stdout}");
+    assert!(stdout.contains("SECRET") && !stdout.contains("hunter2"), "{stdout}");
+    assert!(rsh_calls(dir.path()).is_empty(), "a dry run starts nothing");
+}
+
+#[test]
+fn the_agent_refuses_another_version_and_garbage_on_stdin() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = Command::new(bin("rsrun"))
+        .args(["agent", "--stdin"])
+        .current_dir(dir.path())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(b"\x03\xff\xff\xff").unwrap();
+    let out = KillOnDrop(child).output_within(Duration::from_secs(20));
+    assert_eq!(code(&out.status), 2, "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("does not start with a NodeLaunch message"), "{stderr}");
+}
+
+/// The same job over a real OpenSSH server on loopback (multinode.md §5.3): one sshd on a free port
+/// listening on 127.0.0.1, .2 and .3 ("hosts" h1, h2, h3 in a private ssh config), its own host key,
+/// user key, authorized_keys and known_hosts in a temporary directory. Skipped, with the reason, when
+/// `/usr/sbin/sshd` is not installed (`apt-get install openssh-server openssh-client`) or cannot run.
+mod sshd {
+    use std::net::TcpStream;
+    use std::path::{Path, PathBuf};
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+
+    use rsrun_tests::{KillOnDrop, alive, code, read_pids, rsrun, text, wait_until};
+
+    use super::{SLEEPER, all_gone, kill};
+
+    const SSHD: &str = "/usr/sbin/sshd";
+
+    pub(super) struct Sshd {
+        _child: KillOnDrop,
+        pub(super) dir: tempfile::TempDir,
+    }
+
+    impl Sshd {
+        pub(super) fn config(&self) -> PathBuf {
+            self.dir.path().join("ssh_config")
+        }
+
+        /// Starts sshd, or `None` (with a printed reason) when it cannot run here.
+        pub(super) fn start() -> Option<Sshd> {
+            if !Path::new(SSHD).is_file() || Command::new("ssh").arg("-V").stderr(Stdio::null()).status().is_err() {
+                eprintln!("skipped: {SSHD} or ssh is not installed (apt-get install openssh-server openssh-client)");
+                return None;
+            }
+            if std::fs::create_dir_all("/run/sshd").is_err() {
+                eprintln!("skipped: cannot create /run/sshd (sshd's privilege-separation directory)");
+                return None;
+            }
+            let dir = tempfile::tempdir().unwrap();
+            let d = dir.path();
+            let keygen = |name: &str| {
+                Command::new("ssh-keygen")
+                    .args(["-q", "-t", "ed25519", "-N", "", "-C", name, "-f"])
+                    .arg(d.join(name))
+                    .status()
+                    .is_ok_and(|s| s.success())
+            };
+            if !keygen("host_ed25519") || !keygen("id_ed25519") {
+                eprintln!("skipped: ssh-keygen failed");
+                return None;
+            }
+            std::fs::copy(d.join("id_ed25519.pub"), d.join("authorized_keys")).unwrap();
+            let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+            let host_pub = std::fs::read_to_string(d.join("host_ed25519.pub")).unwrap();
+            let key: Vec<&str> = host_pub.split_whitespace().take(2).collect();
+            let known: String = (1..=3).map(|i| format!("[127.0.0.{i}]:{port} {}\n", key.join(" "))).collect();
+            std::fs::write(d.join("known_hosts"), known).unwrap();
+            let dp = d.display();
+            std::fs::write(
+                d.join("sshd_config"),
+                format!(
+                    "Port {port}\nListenAddress 127.0.0.1\nListenAddress 127.0.0.2\nListenAddress 127.0.0.3\n\
+                     HostKey {dp}/host_ed25519\nPidFile {dp}/sshd.pid\nAuthorizedKeysFile {dp}/authorized_keys\n\
+                     PubkeyAuthentication yes\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n\
+                     PermitRootLogin prohibit-password\nUsePAM no\nStrictModes no\nMaxStartups 200:30:400\n\
+                     MaxSessions 200\nLogLevel VERBOSE\n"
+                ),
+            )
+            .unwrap();
+            let user = std::env::var("USER").unwrap_or_else(|_| "root".into());
+            std::fs::write(
+                d.join("ssh_config"),
+                format!(
+                    "Host h1 h2 h3\n  User {user}\n  Port {port}\n  IdentityFile {dp}/id_ed25519\n  IdentitiesOnly yes\n\
+                     \x20 UserKnownHostsFile {dp}/known_hosts\n  StrictHostKeyChecking yes\n  BatchMode yes\n  ConnectTimeout 5\n\
+                     Host h1\n  HostName 127.0.0.1\nHost h2\n  HostName 127.0.0.2\nHost h3\n  HostName 127.0.0.3\n"
+                ),
+            )
+            .unwrap();
+            let log = std::fs::File::create(d.join("sshd.log")).unwrap();
+            let child = KillOnDrop(
+                Command::new(SSHD)
+                    .args(["-D", "-e", "-f"])
+                    .arg(d.join("sshd_config"))
+                    .stdout(Stdio::null())
+                    .stderr(log)
+                    .spawn()
+                    .expect("spawn sshd"),
+            );
+            let up = wait_until(Duration::from_secs(10), || (1..=3).all(|i| TcpStream::connect(format!("127.0.0.{i}:{port}")).is_ok()));
+            if !up {
+                eprintln!("skipped: sshd did not listen: {}", std::fs::read_to_string(d.join("sshd.log")).unwrap_or_default());
+                return None;
+            }
+            let probe = Command::new("ssh").arg("-F").arg(d.join("ssh_config")).args(["h2", "true"]).output().unwrap();
+            if !probe.status.success() {
+                eprintln!("skipped: cannot log in through the test sshd: {}", String::from_utf8_lossy(&probe.stderr));
+                return None;
+            }
+            Some(Sshd { _child: child, dir })
+        }
+    }
+
+    /// `rsrun -H h1:2,h2:2,h3:2 --ssh-config CFG ...` in `dir`.
+    fn head(sshd: &Sshd, dir: &Path) -> Command {
+        let mut cmd = rsrun(dir);
+        cmd.args(["-H", "h1:2,h2:2,h3:2", "--ssh-config"])
+            .arg(sshd.config())
+            .args(["--allow-same-host", "--rdzv-endpoint", "127.0.0.1:0", "--shutdown-timeout", "1"]);
+        cmd
+    }
+
+    /// Workers record their pid in `pids` and their agent's in `agents`, then sleep.
+    const RECORD: &str = "echo $PPID >> agents; ";
+
+    #[test]
+    fn sshd_three_hosts_two_slots_complete_with_contiguous_ranks() {
+        let Some(sshd) = Sshd::start() else { return };
+        let dir = tempfile::tempdir().unwrap();
+        let script = "set -- $SSH_CONNECTION; echo \"$3 $RANK $LOCAL_RANK $GROUP_RANK $MASTER_ADDR\" > rank.$RANK";
+        let out = rsrun_tests::run(head(&sshd, dir.path()).args(["sh", "-c", script]));
+        assert_eq!(code(&out.status), 0, "{}", text(&out));
+        for rank in 0..6u32 {
+            let line = std::fs::read_to_string(dir.path().join(format!("rank.{rank}"))).unwrap();
+            assert_eq!(line, format!("127.0.0.{} {rank} {} {} 127.0.0.1\n", rank / 2 + 1, rank % 2, rank / 2), "rank {rank}");
+        }
+    }
+
+    #[test]
+    fn sshd_worker_exit_3_on_h2_is_the_exit_code() {
+        let Some(sshd) = Sshd::start() else { return };
+        let dir = tempfile::tempdir().unwrap();
+        let script = format!(
+            "{RECORD}echo $$ >> pids; if [ \"$RANK\" = 2 ]; then while [ $(wc -l < pids) -lt 6 ]; do sleep 0.05; done; exit 3; fi; exec sleep 60"
+        );
+        let out = rsrun_tests::run(head(&sshd, dir.path()).args(["sh", "-c", &script]));
+        assert_eq!(code(&out.status), 3, "{}", text(&out));
+        assert!(String::from_utf8_lossy(&out.stderr).contains("root cause rank 2 (local_rank 0) on h2: exit code 3"), "{}", text(&out));
+        let mut pids = read_pids(&dir.path().join("pids"));
+        pids.extend(read_pids(&dir.path().join("agents")));
+        assert_eq!(all_gone(&pids, Duration::from_secs(3)), Ok(()), "processes left on the hosts");
+    }
+
+    #[test]
+    fn sshd_sigint_leaves_nothing_and_exits_130() {
+        let Some(sshd) = Sshd::start() else { return };
+        let dir = tempfile::tempdir().unwrap();
+        let child = KillOnDrop::spawn(head(&sshd, dir.path()).args(["sh", "-c", &format!("{RECORD}{SLEEPER}")]));
+        let pids_file = dir.path().join("pids");
+        assert!(wait_until(Duration::from_secs(30), || read_pids(&pids_file).len() == 6), "workers did not start");
+        kill(child.pid(), libc::SIGINT);
+        let out = child.output_within(Duration::from_secs(30));
+        assert_eq!(code(&out.status), 130, "{}", text(&out));
+        let mut pids = read_pids(&pids_file);
+        pids.extend(read_pids(&dir.path().join("agents")));
+        assert_eq!(all_gone(&pids, Duration::from_secs(3)), Ok(()), "processes left after SIGINT");
+    }
+
+    #[test]
+    fn sshd_kill_9_of_the_head_leaves_no_worker() {
+        let Some(sshd) = Sshd::start() else { return };
+        for attempt in 0..3 {
+            let dir = tempfile::tempdir().unwrap();
+            let mut child = KillOnDrop::spawn(head(&sshd, dir.path()).args(["sh", "-c", &format!("{RECORD}{SLEEPER}")]));
+            let pids_file = dir.path().join("pids");
+            assert!(wait_until(Duration::from_secs(30), || read_pids(&pids_file).len() == 6), "workers did not start");
+            let workers = read_pids(&pids_file);
+            let agents = read_pids(&dir.path().join("agents"));
+            assert!(workers.iter().chain(&agents).all(|&p| alive(p)));
+            kill(child.pid(), libc::SIGKILL);
+            let _ = child.0.wait();
+            // The ssh clients lose their stdin (and die with it), sshd closes the session's stdin, the
+            // agents see EOF: --shutdown-timeout 1 + 2 s.
+            assert_eq!(all_gone(&workers, Duration::from_secs(3)), Ok(()), "attempt {attempt}: workers left after kill -9");
+            assert_eq!(all_gone(&agents, Duration::from_secs(10)), Ok(()), "attempt {attempt}: agents left");
+        }
+    }
+
+    #[test]
+    fn sshd_unknown_host_key_exits_2_naming_known_hosts() {
+        let Some(sshd) = Sshd::start() else { return };
+        let dir = tempfile::tempdir().unwrap();
+        let empty = sshd.dir.path().join("empty_known_hosts");
+        std::fs::write(&empty, "").unwrap();
+        let start = Instant::now();
+        let out = rsrun_tests::run(
+            head(&sshd, dir.path())
+                .args(["--ssh-option", &format!("UserKnownHostsFile={}", empty.display()), "--ssh-connect-timeout", "5", "true"]),
+        );
+        assert_eq!(code(&out.status), 2, "{}", text(&out));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        for h in ["h1", "h2", "h3"] {
+            assert!(stderr.contains(&format!("rsrun: error: {h}: unknown or changed ssh host key")), "{stderr}");
+        }
+        assert!(stderr.contains("known_hosts"), "{stderr}");
+        assert!(start.elapsed() < Duration::from_secs(6), "took {:?} (ConnectTimeout 5 s + 1 s)", start.elapsed());
+    }
+}
