@@ -3,9 +3,12 @@ use std::rc::Rc;
 
 use super::*;
 
+/// What was written, to which stream, in order.
+type Recording = Vec<(StreamKind, Vec<u8>)>;
+
 /// Both writers append to one shared recording, as two streams on one terminal do.
 #[derive(Debug, Clone, Default)]
-struct Shared(Rc<RefCell<Vec<(StreamKind, Vec<u8>)>>>);
+struct Shared(Rc<RefCell<Recording>>);
 
 #[derive(Debug)]
 struct Writer(Shared, StreamKind);
