@@ -22,7 +22,7 @@ use nix::sys::signal::Signal;
 use tokio_util::sync::CancellationToken;
 use tracing::info;
 
-use crate::logs::{ConsoleEvent, ConsoleTx};
+use crate::logs::{ConsoleEvent, ConsoleModes, ConsoleTx};
 use crate::env::RoundAssignment;
 use crate::plan::LaunchPlan;
 use crate::rdzv::{Decision, Rendezvous, RoundEnd};
@@ -55,6 +55,8 @@ impl Outcome {
 pub struct RunContext {
     /// Console events (worker lines, notes, rendezvous status).
     pub console: ConsoleTx,
+    /// What rsrun's stdout and stderr are (terminal or not), decided by the binary.
+    pub console_modes: ConsoleModes,
     /// Cancel to stop everything (workers get SIGTERM and the shutdown grace).
     pub shutdown: CancellationToken,
     /// Signals rsrun handles (see [`Signals::install`]).
@@ -114,6 +116,7 @@ where
             plan,
             assignment: &assignment,
             console: &cx.console,
+            console_modes: cx.console_modes,
             guardian: cx.guardian.as_deref(),
         };
         let round_end = rdzv.round_end(&assignment);

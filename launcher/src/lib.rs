@@ -16,17 +16,19 @@
 //!   by a value that kills its group on drop, and a guardian process kills every group if rsrun dies
 //!   by `kill -9` ([`worker`]).
 //! - The library never prints: worker lines, notes and the rendezvous status go to the binary as
-//!   [`logs::ConsoleEvent`]s.
+//!   [`logs::ConsoleEvent`]s, which [`console::Console`] renders onto the writers the binary gives it.
 //! - One shutdown pattern: a `CancellationToken`; every wait has a deadline.
 
 pub mod agent;
 pub mod cli;
+pub mod console;
 pub mod daemon;
 pub mod dry_run;
 pub mod env;
 pub mod logs;
 pub mod multinode;
 pub mod plan;
+pub mod progress;
 pub mod rdzv;
 pub mod remote;
 pub mod report;

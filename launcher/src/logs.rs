@@ -3,8 +3,9 @@
 //! Each worker's stdout and stderr are pipes. One task per pipe ([`pump`]) reads it and
 //! - appends the raw bytes to `<log-dir>/<job>/attempt_<round>/<rank>/{stdout,stderr}.log` (always,
 //!   unless `--log-dir /dev/null`);
-//! - sends each complete line, prefixed, to the console as a [`ConsoleEvent`] (unless filtered or
-//!   redirected). The binary owns the terminal and writes these; the library never prints;
+//! - assembles lines ([`crate::progress`]: `\r` progress lines, `\r\n`, the length cap) and sends
+//!   them, prefixed, to the console as [`ConsoleEvent`]s (unless filtered or redirected). The binary
+//!   owns the terminal and renders these ([`crate::console`]); the library never prints;
 //! - keeps the last lines of stderr for the failure report;
 //! - copies lines matching `--duplicate-std*-filters` to `attempt_<round>/filtered_std*.log`.
 //!
@@ -13,10 +14,13 @@
 
 use std::collections::VecDeque;
 use std::io::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::sync::mpsc;
+
+use crate::progress::{Action, LineAssembler, Show};
 
 /// Something for the console. Worker lines arrive complete (prefix, line, `\n`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -25,6 +29,18 @@ pub enum ConsoleEvent {
     Stdout(Vec<u8>),
     /// A worker's stderr line, for rsrun's stderr.
     Stderr(Vec<u8>),
+    /// A worker's carriage-return progress line, on a stream whose console is a terminal: drawn in
+    /// place until it is done.
+    Progress {
+        /// The worker stream (unique in this rsrun process).
+        source: u64,
+        /// Which of rsrun's streams it belongs to.
+        stream: StreamKind,
+        /// The prefixed state, without a newline.
+        text: Vec<u8>,
+        /// The line ended: `text` is its final state, printed as an ordinary line in its place.
+        done: bool,
+    },
     /// One line from rsrun itself (notes, restarts, the failure summary), for stderr.
     Note(String),
     /// The rendezvous status: on a terminal it replaces the previous status line in place.
@@ -43,6 +59,37 @@ pub enum StreamKind {
     Stdout,
     /// stderr.
     Stderr,
+}
+
+/// What one of rsrun's console streams is; the binary decides (`IsTerminal`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConsoleMode {
+    /// A terminal: progress lines are drawn in place.
+    Terminal,
+    /// A pipe or file: progress lines are printed as ordinary lines, at most one a second per stream.
+    Plain,
+}
+
+/// The console mode of rsrun's stdout and stderr.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConsoleModes {
+    /// rsrun's stdout (worker stdout lines).
+    pub stdout: ConsoleMode,
+    /// rsrun's stderr (worker stderr lines, notes, the rendezvous status).
+    pub stderr: ConsoleMode,
+}
+
+impl ConsoleModes {
+    /// Both streams plain.
+    pub const PLAIN: ConsoleModes = ConsoleModes { stdout: ConsoleMode::Plain, stderr: ConsoleMode::Plain };
+
+    /// The mode of the stream that `kind` lines go to.
+    pub fn of(&self, kind: StreamKind) -> ConsoleMode {
+        match kind {
+            StreamKind::Stdout => self.stdout,
+            StreamKind::Stderr => self.stderr,
+        }
+    }
 }
 
 /// The last lines of a stream.
@@ -81,13 +128,24 @@ pub type SharedTail = Arc<Mutex<Tail>>;
 /// `--duplicate-std*-filters`: the substrings, and the attempt's shared filtered file.
 pub type DuplicateSink = (Arc<Vec<String>>, Arc<Mutex<std::fs::File>>);
 
+/// A stream's way to the console.
+#[derive(Debug)]
+pub struct ConsoleSink {
+    /// The console.
+    pub tx: ConsoleTx,
+    /// This worker's line prefix.
+    pub prefix: Vec<u8>,
+    /// What the console stream is (from [`ConsoleModes::of`]).
+    pub mode: ConsoleMode,
+}
+
 /// Where one stream goes.
 #[derive(Debug, Default)]
 pub struct StreamSink {
     /// The per-rank log file.
     pub file: Option<std::fs::File>,
-    /// The console and this worker's line prefix.
-    pub console: Option<(ConsoleTx, Vec<u8>)>,
+    /// The console; `None` when filtered or redirected.
+    pub console: Option<ConsoleSink>,
     /// Last lines, for the failure report.
     pub tail: Option<SharedTail>,
     /// `--duplicate-std*-filters`: substrings and the shared filtered file.
@@ -97,57 +155,95 @@ pub struct StreamSink {
 /// Lines longer than this are cut into pieces for the console.
 const MAX_LINE: usize = 64 * 1024;
 
+/// Source ids of [`ConsoleEvent::Progress`].
+static NEXT_SOURCE: AtomicU64 = AtomicU64::new(0);
+
 /// Copies `reader` to the sink until EOF.
 ///
 /// Writes to the log file are plain blocking writes: they land in the page cache and take
 /// microseconds, which is cheaper than bouncing each chunk through tokio's blocking pool.
 pub async fn pump<R: AsyncRead + Unpin>(mut reader: R, kind: StreamKind, mut sink: StreamSink) {
+    let source = NEXT_SOURCE.fetch_add(1, Ordering::Relaxed);
+    let mode = sink.console.as_ref().map_or(ConsoleMode::Plain, |c| c.mode);
+    let mut lines = LineAssembler::new(mode, MAX_LINE);
+    let mut actions = Vec::new();
     let mut buf = vec![0u8; 16 * 1024];
-    let mut partial: Vec<u8> = Vec::new();
     loop {
-        let n = match reader.read(&mut buf).await {
-            Ok(0) => break,
-            Ok(n) => n,
-            Err(err) if err.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(err) => {
+        let deadline = lines.next_deadline().map(tokio::time::Instant::from_std);
+        let read = tokio::select! {
+            read = reader.read(&mut buf) => Some(read),
+            () = sleep_until(deadline) => None,
+        };
+        let now = tokio::time::Instant::now().into_std();
+        match read {
+            None => lines.poll(now, &mut actions),
+            Some(Ok(0)) => break,
+            Some(Ok(n)) => {
+                let chunk = &buf[..n];
+                if let Some(file) = &mut sink.file
+                    && let Err(err) = file.write_all(chunk)
+                {
+                    tracing::warn!(%err, "cannot write a worker log file; continuing without it");
+                    sink.file = None;
+                }
+                lines.push(chunk, now, &mut actions);
+            }
+            Some(Err(err)) if err.kind() == std::io::ErrorKind::Interrupted => continue,
+            Some(Err(err)) => {
                 tracing::debug!(%err, "worker pipe read failed");
                 break;
             }
-        };
-        let chunk = &buf[..n];
-        if let Some(file) = &mut sink.file
-            && let Err(err) = file.write_all(chunk)
-        {
-            tracing::warn!(%err, "cannot write a worker log file; continuing without it");
-            sink.file = None;
         }
-        let mut rest = chunk;
-        while let Some(i) = memchr(b'\n', rest) {
-            if partial.is_empty() {
-                emit(&mut sink, kind, &rest[..i]).await;
-            } else {
-                partial.extend_from_slice(&rest[..i]);
-                let line = std::mem::take(&mut partial);
-                emit(&mut sink, kind, &line).await;
+        for action in actions.drain(..) {
+            emit(&mut sink, kind, source, action).await;
+        }
+    }
+    lines.finish(&mut actions);
+    for action in actions.drain(..) {
+        emit(&mut sink, kind, source, action).await;
+    }
+}
+
+async fn sleep_until(deadline: Option<tokio::time::Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d).await,
+        None => std::future::pending().await,
+    }
+}
+
+async fn emit(sink: &mut StreamSink, kind: StreamKind, source: u64, action: Action) {
+    let (text, show) = match action {
+        Action::Update(text) => (text, None),
+        Action::Line { text, show } => {
+            keep_line(sink, &text);
+            (text, Some(show))
+        }
+    };
+    let Some(console) = &sink.console else { return };
+    let mut line = Vec::with_capacity(console.prefix.len() + text.len() + 1);
+    line.extend_from_slice(&console.prefix);
+    line.extend_from_slice(&text);
+    let ev = match (show, console.mode) {
+        (Some(Show::Already), _) => return,
+        (None, ConsoleMode::Terminal) => ConsoleEvent::Progress { source, stream: kind, text: line, done: false },
+        (Some(Show::Finish), _) => ConsoleEvent::Progress { source, stream: kind, text: line, done: true },
+        // Ordinary lines, and plain consoles' updates.
+        (Some(Show::Print), _) | (None, ConsoleMode::Plain) => {
+            line.push(b'\n');
+            match kind {
+                StreamKind::Stdout => ConsoleEvent::Stdout(line),
+                StreamKind::Stderr => ConsoleEvent::Stderr(line),
             }
-            rest = &rest[i + 1..];
         }
-        partial.extend_from_slice(rest);
-        if partial.len() >= MAX_LINE {
-            let line = std::mem::take(&mut partial);
-            emit(&mut sink, kind, &line).await;
-        }
-    }
-    if !partial.is_empty() {
-        emit(&mut sink, kind, &partial).await;
+    };
+    if console.tx.send(ev).await.is_err() {
+        // The console is gone (rsrun is exiting): keep writing files only.
+        sink.console = None;
     }
 }
 
-fn memchr(needle: u8, hay: &[u8]) -> Option<usize> {
-    hay.iter().position(|&b| b == needle)
-}
-
-async fn emit(sink: &mut StreamSink, kind: StreamKind, line: &[u8]) {
+/// A finished line goes to the failure report's tail and the filtered logs.
+fn keep_line(sink: &StreamSink, line: &[u8]) {
     if let Some(tail) = &sink.tail {
         tail.lock().unwrap_or_else(|e| e.into_inner()).push(line);
     }
@@ -158,58 +254,7 @@ async fn emit(sink: &mut StreamSink, kind: StreamKind, line: &[u8]) {
             let _ = f.write_all(line).and_then(|_| f.write_all(b"\n"));
         }
     }
-    if let Some((tx, prefix)) = &sink.console {
-        let mut out = Vec::with_capacity(prefix.len() + line.len() + 1);
-        out.extend_from_slice(prefix);
-        out.extend_from_slice(line);
-        out.push(b'\n');
-        let ev = match kind {
-            StreamKind::Stdout => ConsoleEvent::Stdout(out),
-            StreamKind::Stderr => ConsoleEvent::Stderr(out),
-        };
-        if tx.send(ev).await.is_err() {
-            // The console is gone (rsrun is exiting): keep writing files only.
-            sink.console = None;
-        }
-    }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[tokio::test]
-    async fn lines_are_prefixed_tailed_and_filed() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("stderr.log");
-        let dup_path = dir.path().join("filtered_stderr.log");
-        let (tx, mut rx) = mpsc::channel(16);
-        let tail = Arc::new(Mutex::new(Tail::new(2)));
-        let sink = StreamSink {
-            file: Some(std::fs::File::create(&path).unwrap()),
-            console: Some((tx, b"[rank 3] ".to_vec())),
-            tail: Some(tail.clone()),
-            duplicate: Some((
-                Arc::new(vec!["loss".into()]),
-                Arc::new(Mutex::new(std::fs::File::create(&dup_path).unwrap())),
-            )),
-        };
-        let input: &[u8] = b"one\ntwo loss=1\r\nthree";
-        pump(input, StreamKind::Stderr, sink).await;
-        let mut got = Vec::new();
-        while let Ok(ev) = rx.try_recv() {
-            got.push(ev);
-        }
-        assert_eq!(
-            got,
-            vec![
-                ConsoleEvent::Stderr(b"[rank 3] one\n".to_vec()),
-                ConsoleEvent::Stderr(b"[rank 3] two loss=1\r\n".to_vec()),
-                ConsoleEvent::Stderr(b"[rank 3] three\n".to_vec()),
-            ]
-        );
-        assert_eq!(tail.lock().unwrap().lines(), vec!["two loss=1", "three"]);
-        assert_eq!(std::fs::read(&path).unwrap(), input);
-        assert_eq!(std::fs::read_to_string(&dup_path).unwrap(), "two loss=1\r\n");
-    }
-}
+mod tests;

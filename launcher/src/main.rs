@@ -7,11 +7,12 @@
 use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use anyhow::Context;
 use rsrun_launcher::cli::LaunchArgs;
-use rsrun_launcher::logs::ConsoleEvent;
+use rsrun_launcher::console::Console;
+use rsrun_launcher::logs::{ConsoleEvent, ConsoleMode, ConsoleModes};
 use rsrun_launcher::multinode::LaunchMode;
 use rsrun_launcher::remote::command::AGENT_ARGS;
 use rsrun_launcher::remote::{HeadContext, RemotePlan};
@@ -100,14 +101,16 @@ fn launch(plan: LaunchPlan) -> anyhow::Result<i32> {
         .build()
         .context("cannot start the tokio runtime")?;
     let (tx, rx) = mpsc::channel(1024);
+    let console_modes =
+        ConsoleModes { stdout: console_mode(&std::io::stdout()), stderr: console_mode(&std::io::stderr()) };
     let console = std::thread::Builder::new()
         .name("console".into())
-        .spawn(move || console_loop(rx))
+        .spawn(move || console_loop(rx, console_modes))
         .context("cannot start the console thread")?;
     let policy = plan.signals.clone();
     let outcome = runtime.block_on(async move {
         let signals = Signals::install(&policy).context("cannot install signal handlers")?;
-        let cx = RunContext { console: tx, shutdown: CancellationToken::new(), signals, guardian };
+        let cx = RunContext { console: tx, console_modes, shutdown: CancellationToken::new(), signals, guardian };
         rsrun_launcher::run(plan, cx).await
     });
     // Every console sender is gone once run returns: the thread drains and ends.
@@ -161,9 +164,11 @@ fn head_main(args: &LaunchArgs) -> ExitCode {
             .build()
             .context("cannot start the tokio runtime")?;
         let (tx, rx) = mpsc::channel(1024);
+        let console_modes =
+            ConsoleModes { stdout: console_mode(&std::io::stdout()), stderr: console_mode(&std::io::stderr()) };
         let console = std::thread::Builder::new()
             .name("console".into())
-            .spawn(move || console_loop(rx))
+            .spawn(move || console_loop(rx, console_modes))
             .context("cannot start the console thread")?;
         let policy = plan.signals.clone();
         let outcome = runtime.block_on(async move {
@@ -253,7 +258,14 @@ fn agent_main() -> ExitCode {
                 .name("control".into())
                 .spawn(move || agent::control_loop(&mut std::io::stdin().lock(), &injector))
                 .context("cannot start the control thread")?;
-            let cx = RunContext { console: tx, shutdown: CancellationToken::new(), signals, guardian };
+            // The agent's console is a pipe to the head: progress comes as ordinary lines.
+            let cx = RunContext {
+                console: tx,
+                console_modes: ConsoleModes::PLAIN,
+                shutdown: CancellationToken::new(),
+                signals,
+                guardian,
+            };
             rsrun_launcher::run(plan, cx).await
         });
         drop(runtime);
@@ -299,66 +311,26 @@ fn init_tracing() {
         .init();
 }
 
-/// Writes console events: worker stdout lines to stdout, everything else to stderr. On a terminal the
-/// rendezvous status is one line updated in place; otherwise it is printed when it changes, at most
-/// every few seconds.
-fn console_loop(mut rx: mpsc::Receiver<ConsoleEvent>) {
-    const PLAIN_STATUS_EVERY: Duration = Duration::from_secs(5);
-    let tty = std::io::stderr().is_terminal();
-    let mut out = std::io::BufWriter::with_capacity(64 * 1024, std::io::stdout());
-    let mut status_shown = false;
-    let mut last_plain: Option<(String, Instant)> = None;
+/// A terminal that understands escape sequences draws progress in place; anything else is plain.
+fn console_mode(stream: &impl IsTerminal) -> ConsoleMode {
+    let dumb = std::env::var_os("TERM").is_some_and(|t| t == "dumb");
+    if stream.is_terminal() && !dumb { ConsoleMode::Terminal } else { ConsoleMode::Plain }
+}
+
+/// Renders console events ([`Console`]): worker stdout lines to stdout, everything else to stderr;
+/// on a terminal, the rendezvous status and progress lines are drawn in place.
+fn console_loop(mut rx: mpsc::Receiver<ConsoleEvent>, modes: ConsoleModes) {
+    let out = std::io::BufWriter::with_capacity(64 * 1024, std::io::stdout());
+    let err = std::io::BufWriter::with_capacity(16 * 1024, std::io::stderr());
+    let mut console = Console::new(modes, out, err);
     while let Some(first) = rx.blocking_recv() {
-        let mut ev = Some(first);
-        while let Some(e) = ev.take() {
-            let mut err = std::io::stderr().lock();
-            if status_shown && matches!(e, ConsoleEvent::StatusDone) {
-                // Keep the final status visible.
-                let _ = err.write_all(b"\n");
-                status_shown = false;
-            }
-            if status_shown && !matches!(e, ConsoleEvent::Status(_)) {
-                let _ = err.write_all(b"\r\x1b[2K");
-                status_shown = false;
-            }
-            match e {
-                ConsoleEvent::Stdout(line) => {
-                    let _ = out.write_all(&line);
-                }
-                ConsoleEvent::Stderr(line) => {
-                    let _ = out.flush();
-                    let _ = err.write_all(&line);
-                }
-                ConsoleEvent::Note(text) => {
-                    let _ = out.flush();
-                    let _ = writeln!(err, "{text}");
-                }
-                ConsoleEvent::Status(text) => {
-                    if tty {
-                        let _ = write!(err, "\r\x1b[2K{text}");
-                        status_shown = true;
-                    } else {
-                        // Compare without the trailing elapsed time "(12s)".
-                        let key = text.rsplit_once(" (").map(|(k, _)| k.to_owned()).unwrap_or_else(|| text.clone());
-                        let due = match &last_plain {
-                            Some((prev, at)) => *prev != key || at.elapsed() >= PLAIN_STATUS_EVERY,
-                            None => true,
-                        };
-                        if due {
-                            let _ = writeln!(err, "{text}");
-                            last_plain = Some((key, Instant::now()));
-                        }
-                    }
-                }
-                ConsoleEvent::StatusDone => {
-                    last_plain = None;
-                }
-            }
-            let _ = err.flush();
-            drop(err);
-            ev = rx.try_recv().ok();
+        console.handle(first, Instant::now());
+        // A batch ends when the channel is empty (or is long): the block is drawn once per batch.
+        for _ in 0..1024 {
+            let Ok(ev) = rx.try_recv() else { break };
+            console.handle(ev, Instant::now());
         }
-        let _ = out.flush();
+        console.settle();
     }
-    let _ = out.flush();
+    console.finish();
 }

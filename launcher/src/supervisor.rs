@@ -38,7 +38,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, info_span, warn, Instrument};
 
 use crate::env::{RoundAssignment, worker_env};
-use crate::logs::{ConsoleTx, DuplicateSink, SharedTail, StreamKind, StreamSink, Tail, pump};
+use crate::logs::{ConsoleModes, ConsoleSink, ConsoleTx, DuplicateSink, SharedTail, StreamKind, StreamSink, Tail, pump};
 use crate::plan::{LaunchPlan, expand_prefix};
 use crate::report::{ExitKind, WorkerFailure, read_error_file};
 use crate::signals::{SignalAction, Signals};
@@ -90,6 +90,8 @@ pub struct GroupContext<'a> {
     pub assignment: &'a RoundAssignment,
     /// Where console lines go.
     pub console: &'a ConsoleTx,
+    /// What rsrun's stdout and stderr are: progress lines are drawn in place on a terminal.
+    pub console_modes: ConsoleModes,
     /// The guardian, told about every worker group.
     pub guardian: Option<&'a Guardian>,
 }
@@ -256,12 +258,21 @@ impl<'a> Group<'a> {
         )
         .into_bytes();
         let tail: SharedTail = Arc::new(Mutex::new(Tail::new(TAIL_LINES)));
-        let console = |stream: u8| {
-            plan.logs.on_console(local_rank, rank, stream).then(|| (self.ctx.console.clone(), prefix.clone()))
+        let console = |stream: u8, kind: StreamKind| {
+            plan.logs.on_console(local_rank, rank, stream).then(|| ConsoleSink {
+                tx: self.ctx.console.clone(),
+                prefix: prefix.clone(),
+                mode: self.ctx.console_modes.of(kind),
+            })
         };
-        let out_sink = StreamSink { file: out_file, console: console(1), tail: None, duplicate: dup.stdout.clone() };
-        let err_sink =
-            StreamSink { file: err_file, console: console(2), tail: Some(tail.clone()), duplicate: dup.stderr.clone() };
+        let out_sink =
+            StreamSink { file: out_file, console: console(1, StreamKind::Stdout), tail: None, duplicate: dup.stdout.clone() };
+        let err_sink = StreamSink {
+            file: err_file,
+            console: console(2, StreamKind::Stderr),
+            tail: Some(tail.clone()),
+            duplicate: dup.stderr.clone(),
+        };
         self.pumps.spawn(pump(spawned.stdout, StreamKind::Stdout, out_sink));
         self.pumps.spawn(pump(spawned.stderr, StreamKind::Stderr, err_sink));
 
@@ -603,7 +614,13 @@ mod tests {
         tokio::spawn(async move { while rx.recv().await.is_some() {} });
         let record = tempfile::NamedTempFile::new().unwrap();
         let guardian = Guardian::recording(record.reopen().unwrap());
-        let ctx = GroupContext { plan: &plan, assignment: &a, console: &console, guardian: Some(&guardian) };
+        let ctx = GroupContext {
+            plan: &plan,
+            assignment: &a,
+            console: &console,
+            console_modes: ConsoleModes::PLAIN,
+            guardian: Some(&guardian),
+        };
         let Ok(mut group) = Group::start(&ctx) else { panic!("workers did not start") };
         let mut signals = Signals::none();
         let outcome = group.monitor(&mut signals, std::future::pending::<String>(), &CancellationToken::new()).await;

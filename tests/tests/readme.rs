@@ -103,6 +103,11 @@ const SSH_RUN: &str = "rsrun -H node1:8,node2:8 --rdzv-endpoint node1 train --st
 const SSH_DRY_RUN: &str = "rsrun -H node1:8,node2:8 --dry-run train --steps 1000";
 const FAKE_RSH_RUN: &str = "./target/release/rsrun -H h1:2,h2:2 --rsh tests/fake-rsh --allow-same-host --rdzv-endpoint 127.0.0.1:0 ./target/release/hello --steps 3";
 
+const PIP_VENV: &str = "python3 -m venv .venv";
+const PIP_INSTALL: &str = ".venv/bin/pip install .";
+const PIP_VERSIONS: &str = ".venv/bin/rsrun --version && .venv/bin/rsrun-rendezvous --version";
+const PIP_PYTHON_M: &str = r#".venv/bin/python -m rsrun --standalone --nproc-per-node 2 python3 -c 'import os; print(os.environ["RANK"])'"#;
+
 /// Every command a test below runs.
 const COVERED: &[&str] = &[
     QUICKSTART,
@@ -122,6 +127,10 @@ const COVERED: &[&str] = &[
     SSH_RUN,
     SSH_DRY_RUN,
     FAKE_RSH_RUN,
+    PIP_VENV,
+    PIP_INSTALL,
+    PIP_VERSIONS,
+    PIP_PYTHON_M,
 ];
 
 #[test]
@@ -334,4 +343,36 @@ fn one_command_for_the_whole_job() {
     ok(&outs);
     let s = stdout_of(&outs);
     assert!(s.contains("node1") && s.contains("node2") && s.contains("agent --stdin"), "{s}");
+}
+
+/// `pip install .` from the clone (maturin from PyPI builds the launcher and the rendezvous service),
+/// then the installed programs; with torch available, the PyTorch compatibility script runs through
+/// the installed `rsrun`.
+#[test]
+fn pip_install_from_a_clone() {
+    let _turn = serial();
+    let venv = tempfile::tempdir().unwrap();
+    let v = venv.path().join("venv");
+    let at = |c: &str| readme(c).replace(".venv", &v.display().to_string());
+    for cmd in [PIP_VENV, PIP_INSTALL, PIP_VERSIONS] {
+        let out = run_all(vec![shell(&workspace(), &at(cmd))], Duration::from_secs(1800)).remove(0);
+        assert_eq!(code(&out.status), 0, "{cmd}\n{}", text(&out));
+    }
+    // The installed programs, from anywhere.
+    let elsewhere = tempfile::tempdir().unwrap();
+    let outs = run_all(vec![shell(elsewhere.path(), &at(PIP_PYTHON_M))], RUN_DEADLINE);
+    ok(&outs);
+    let s = stdout_of(&outs);
+    assert!(s.contains('0') && s.contains('1'), "{s}");
+    if let Some(python) = rsrun_tests::python_with_torch() {
+        let script = workspace().join("tests/python/allreduce.py");
+        let mut cmd = Command::new(v.join("bin/rsrun"));
+        cmd.current_dir(elsewhere.path())
+            .env("PYTHON_EXEC", &python)
+            .args(["--standalone", "--nproc-per-node", "2"])
+            .arg(&script);
+        let out = KillOnDrop::spawn(&mut cmd).output_within(RUN_DEADLINE * 3);
+        assert_eq!(code(&out.status), 0, "{}", text(&out));
+        assert!(String::from_utf8_lossy(&out.stdout).contains("allreduce ok rank=1 world=2"), "{}", text(&out));
+    }
 }

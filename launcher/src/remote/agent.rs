@@ -163,8 +163,18 @@ pub fn console_loop(mut rx: mpsc::Receiver<ConsoleEvent>, mut out: impl Write) {
                 ConsoleEvent::Stderr(data) => {
                     Some(agent_event::Event::Line(ConsoleLine { stream: console_line::Stream::Stderr as i32, data }))
                 }
+                // The agent's console is a pipe to the head (plain mode), so progress arrives as
+                // ordinary lines; should a drawn line reach here, its final state is sent as a line.
+                ConsoleEvent::Progress { stream, mut text, done: true, .. } => {
+                    text.push(b'\n');
+                    let stream = match stream {
+                        crate::logs::StreamKind::Stdout => console_line::Stream::Stdout,
+                        crate::logs::StreamKind::Stderr => console_line::Stream::Stderr,
+                    };
+                    Some(agent_event::Event::Line(ConsoleLine { stream: stream as i32, data: text }))
+                }
                 ConsoleEvent::Note(text) => Some(agent_event::Event::Note(text)),
-                ConsoleEvent::Status(_) | ConsoleEvent::StatusDone => None,
+                ConsoleEvent::Progress { .. } | ConsoleEvent::Status(_) | ConsoleEvent::StatusDone => None,
             };
             if let Some(event) = event {
                 // Encoding into a Vec cannot fail (it grows as needed).

@@ -68,3 +68,80 @@ fn partial_last_line_and_substitution() {
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.contains("[rank 1] lr=1 no newline\n"), "{stdout}");
 }
+
+/// A worker that draws a bar on stderr (tqdm's way: "\r" then the state, "\n" at the end), then
+/// ends a line Windows-style.
+const BAR: &str = r#"i=0; while [ $i -le 25 ]; do printf '\r%s %3d%%' "bar-$RANK" $((i * 4)) >&2; i=$((i + 1)); sleep 0.1; done; printf '\n' >&2; printf 'a\rb\rc\n'; printf 'win\r\n'"#;
+
+/// The raw bytes the worker writes to stderr.
+fn bar_bytes(rank: u32) -> String {
+    let mut s: String = (0..=25).map(|i| format!("\rbar-{rank} {:3}%", i * 4)).collect();
+    s.push('\n');
+    s
+}
+
+#[test]
+fn carriage_return_progress_is_throttled_on_a_pipe() {
+    let dir = tempfile::tempdir().unwrap();
+    let started = std::time::Instant::now();
+    let out = run(rsrun(dir.path()).args(["--nproc-per-node", "2", "--ranks-filter", "0", "sh", "-c", BAR]));
+    let wall = started.elapsed();
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    // Ordinary lines: a fast "\r" line prints its final state only; "\r\n" is a plain newline.
+    assert_eq!(stdout, "[rank 0] c\n[rank 0] win\n", "{}", text(&out));
+    assert!(!stderr.contains('\r'), "{stderr:?}");
+    let bar: Vec<&str> = stderr.lines().filter(|l| l.contains("bar-")).collect();
+    assert!(bar.iter().all(|l| l.starts_with("[rank 0] bar-0 ")), "only rank 0 is shown: {bar:?}");
+    assert_eq!(bar.last(), Some(&"[rank 0] bar-0 100%"), "the final state is printed: {bar:?}");
+    // One update a second at most, plus the final state (the bar takes 2.5 s or more).
+    let at_most = wall.as_secs() as usize + 2;
+    assert!(bar.len() >= 2 && bar.len() <= at_most, "{} lines in {wall:?}: {bar:?}", bar.len());
+    let states: std::collections::HashSet<&&str> = bar.iter().collect();
+    assert_eq!(states.len(), bar.len(), "no state is printed twice: {bar:?}");
+    // The rank's log files keep the raw bytes, filtered or not.
+    let attempt = attempt_dirs(&dir.path().join(".rsrun/logs")).pop().unwrap();
+    for rank in 0..2 {
+        let d = attempt.join(rank.to_string());
+        assert_eq!(std::fs::read_to_string(d.join("stderr.log")).unwrap(), bar_bytes(rank));
+        assert_eq!(std::fs::read_to_string(d.join("stdout.log")).unwrap(), "a\rb\rc\nwin\r\n");
+    }
+}
+
+#[test]
+fn unfinished_progress_line_is_printed_at_exit() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(rsrun(dir.path()).args(["--nproc-per-node", "1", "sh", "-c", r"printf 'step 1\rstep 2\r'; exit 3"]));
+    assert_eq!(code(&out.status), 3, "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.ends_with("[rank 0] step 2\n"), "{}", text(&out));
+}
+
+/// The terminal path through a real pseudo-terminal (`script`), where the tool exists.
+#[test]
+fn carriage_return_progress_renders_in_place_on_a_terminal() {
+    if std::process::Command::new("script").arg("--version").output().is_err() {
+        eprintln!("skipped: no `script` command to run rsrun on a pseudo-terminal");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let transcript = dir.path().join("typescript");
+    let rsrun = rsrun_tests::bin("rsrun");
+    let inner = format!(
+        "{} --nproc-per-node 1 sh -c \"printf 'x\\\\n\\\\r1/2'; sleep 0.3; printf '\\\\r2/2\\\\n'\"",
+        rsrun.display()
+    );
+    let out = run(std::process::Command::new("script")
+        .current_dir(dir.path())
+        .env("TERM", "xterm")
+        .args(["-qec", &inner])
+        .arg(&transcript));
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    let raw = std::fs::read(&transcript).unwrap();
+    let raw = String::from_utf8_lossy(&raw);
+    // The update is drawn with wrapping off, then erased and replaced by the final line.
+    assert!(raw.contains("\x1b[?7l[rank 0] 1/2\x1b[?7h"), "{raw:?}");
+    assert!(raw.contains("\r\x1b[J[rank 0] 2/2\r\n"), "{raw:?}");
+    assert!(raw.contains("[rank 0] x\r\n"), "{raw:?}");
+}

@@ -4,22 +4,7 @@
 
 use rsrun_tests::{Daemon, KillOnDrop, RUN_DEADLINE, code, python_with_torch, rsrun, text};
 
-const SCRIPT: &str = r#"
-import os, torch, torch.distributed as dist
-from torch.distributed.elastic.multiprocessing.errors import record
-
-@record
-def main():
-    dist.init_process_group("gloo")
-    t = torch.tensor([float(dist.get_rank() + 1)])
-    dist.all_reduce(t)
-    ws = dist.get_world_size()
-    assert t.item() == ws * (ws + 1) / 2, t
-    print(f"allreduce ok rank={dist.get_rank()} world={ws} sum={t.item()}", flush=True)
-    dist.destroy_process_group()
-
-main()
-"#;
+const SCRIPT: &str = include_str!("../../python/allreduce.py");
 
 #[test]
 fn gloo_all_reduce_across_two_nodes() {
