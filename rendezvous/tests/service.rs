@@ -503,7 +503,13 @@ async fn kill_9_and_restart_loses_nothing_acknowledged() {
     }
     assert_eq!(store.get("counter", Duration::ZERO).await.unwrap(), b"400");
     // Membership survived: same round, same assignment, nodes still alive (leases renewed on recovery).
-    let again = client.join(join_spec("job", "a", &s)).await.unwrap();
+    let mut again = client.join(join_spec("job", "a", &s)).await.unwrap();
+    // The round's PyTorch store lived in the killed daemon's memory: the recovered round has a new one.
+    let store_port = again.round.as_ref().map_or(0, |r| r.store_port);
+    assert_ne!(store_port, 0, "the recovered round serves a PyTorch store");
+    if let (Some(r), Some(old)) = (again.round.as_mut(), a.round.as_ref()) {
+        r.store_port = old.store_port;
+    }
     assert_eq!(again, a);
     let st = client.status(Some("job")).await.unwrap();
     assert_eq!(st.jobs[0].view.as_ref().unwrap().state, JobState::Running as i32);
