@@ -95,7 +95,26 @@ fn launch(plan: LaunchPlan) -> anyhow::Result<i32> {
             None
         }
     };
-    // One thread: workers are forked from it, and PR_SET_PDEATHSIG follows the forking thread.
+    let policy = plan.signals.clone();
+    let outcome = with_console(move |tx, console_modes| async move {
+        let signals = Signals::install(&policy).context("cannot install signal handlers")?;
+        let cx = RunContext { console: tx, console_modes, shutdown: CancellationToken::new(), signals, guardian };
+        rsrun_launcher::run(plan, cx).await
+    })?;
+    if let Some(report) = &outcome.report {
+        let mut err = std::io::stderr().lock();
+        let _ = err.write_all(report.render().as_bytes());
+    }
+    Ok(outcome.exit_code)
+}
+
+/// Runs `body` on a single-threaded runtime (workers are forked from its thread, and
+/// PR_SET_PDEATHSIG follows the forking thread) with the console on a thread of its own, and waits
+/// until the console has drained (every sender is gone once `body` returns).
+fn with_console<T, F>(body: impl FnOnce(mpsc::Sender<ConsoleEvent>, ConsoleModes) -> F) -> anyhow::Result<T>
+where
+    F: std::future::Future<Output = anyhow::Result<T>>,
+{
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -107,21 +126,10 @@ fn launch(plan: LaunchPlan) -> anyhow::Result<i32> {
         .name("console".into())
         .spawn(move || console_loop(rx, console_modes))
         .context("cannot start the console thread")?;
-    let policy = plan.signals.clone();
-    let outcome = runtime.block_on(async move {
-        let signals = Signals::install(&policy).context("cannot install signal handlers")?;
-        let cx = RunContext { console: tx, console_modes, shutdown: CancellationToken::new(), signals, guardian };
-        rsrun_launcher::run(plan, cx).await
-    });
-    // Every console sender is gone once run returns: the thread drains and ends.
+    let outcome = runtime.block_on(body(tx, console_modes));
     drop(runtime);
     let _ = console.join();
-    let outcome = outcome?;
-    if let Some(report) = &outcome.report {
-        let mut err = std::io::stderr().lock();
-        let _ = err.write_all(report.render().as_bytes());
-    }
-    Ok(outcome.exit_code)
+    outcome
 }
 
 /// `--hosts`/`--hostfile`: resolve the remote plan, then run the head.
@@ -159,25 +167,11 @@ fn head_main(args: &LaunchArgs) -> ExitCode {
         eprintln!("rsrun: {note}");
     }
     let run = || -> anyhow::Result<i32> {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .context("cannot start the tokio runtime")?;
-        let (tx, rx) = mpsc::channel(1024);
-        let console_modes =
-            ConsoleModes { stdout: console_mode(&std::io::stdout()), stderr: console_mode(&std::io::stderr()) };
-        let console = std::thread::Builder::new()
-            .name("console".into())
-            .spawn(move || console_loop(rx, console_modes))
-            .context("cannot start the console thread")?;
         let policy = plan.signals.clone();
-        let outcome = runtime.block_on(async move {
+        let outcome = with_console(move |tx, _| async move {
             let signals = Signals::install(&policy).context("cannot install signal handlers")?;
             rsrun_launcher::remote::run_head(plan, HeadContext { console: tx, signals }).await
-        });
-        drop(runtime);
-        let _ = console.join();
-        let outcome = outcome?;
+        })?;
         let mut err = std::io::stderr().lock();
         for line in &outcome.summary {
             let _ = writeln!(err, "{line}");
