@@ -52,9 +52,8 @@ fn main() -> ExitCode {
     for note in &plan.notes {
         eprintln!("rsrun: {note}");
     }
-    match &plan.mode {
-        LaunchMode::SlurmC { srun } => return exec_under_srun(srun),
-        _ => {}
+    if let LaunchMode::SlurmC { srun } = &plan.mode {
+        return exec_under_srun(srun);
     }
     match launch(plan) {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),

@@ -30,7 +30,9 @@ pub(crate) struct RoundStores {
     /// Used when no join told us the job's interface (a job recovered from the journal).
     fallback: Option<IpAddr>,
     interfaces: HashMap<String, IpAddr>,
-    running: HashMap<String, (u64, TcpStoreServer)>,
+    /// Per job: the running round and its store (`None`: it could not be served; not retried, so a
+    /// failing bind is tried and logged once per round, not once per command).
+    running: HashMap<String, (u64, Option<TcpStoreServer>)>,
     cancel: CancellationToken,
 }
 
@@ -56,19 +58,23 @@ impl RoundStores {
             Some(round) => {
                 // Dropping the old server closes it and every connection of the old round.
                 self.running.remove(job);
-                let Some(ip) = self.interfaces.get(job).copied().or(self.fallback) else {
-                    tracing::warn!(job, round, "no interface known for this job: its workers host PyTorch's store themselves");
-                    return;
+                let server = match self.interfaces.get(job).copied().or(self.fallback) {
+                    None => {
+                        tracing::warn!(job, round, "no interface known for this job: its workers host PyTorch's store themselves");
+                        None
+                    }
+                    Some(ip) => match TcpStoreServer::start(SocketAddr::new(ip, 0), self.limits, self.cancel.child_token()) {
+                        Ok(server) => {
+                            tracing::info!(job, round, addr = %server.local_addr(), "serving PyTorch's store for the round");
+                            Some(server)
+                        }
+                        Err(err) => {
+                            tracing::warn!(job, round, %err, "cannot serve PyTorch's store: the job's workers host it themselves");
+                            None
+                        }
+                    },
                 };
-                match TcpStoreServer::start(SocketAddr::new(ip, 0), self.limits, self.cancel.child_token()) {
-                    Ok(server) => {
-                        tracing::info!(job, round, addr = %server.local_addr(), "serving PyTorch's store for the round");
-                        self.running.insert(job.to_owned(), (round, server));
-                    }
-                    Err(err) => {
-                        tracing::warn!(job, round, %err, "cannot serve PyTorch's store: the job's workers host it themselves");
-                    }
-                }
+                self.running.insert(job.to_owned(), (round, server));
             }
             None => {
                 if let Some((round, _)) = self.running.remove(job) {
@@ -83,11 +89,6 @@ impl RoundStores {
 
     /// The store serving `round` of `job`, if any.
     pub(crate) fn endpoint(&self, job: &str, round: u64) -> Option<SocketAddr> {
-        self.running.get(job).filter(|(r, _)| *r == round).map(|(_, s)| s.local_addr())
-    }
-
-    /// How many stores run (for metrics and tests).
-    pub(crate) fn len(&self) -> usize {
-        self.running.len()
+        self.running.get(job).filter(|(r, _)| *r == round).and_then(|(_, s)| s.as_ref()).map(TcpStoreServer::local_addr)
     }
 }

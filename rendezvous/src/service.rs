@@ -300,11 +300,6 @@ impl Core {
         self.lock().stores.as_ref().and_then(|s| s.endpoint(job, round))
     }
 
-    /// How many round stores run.
-    pub fn round_stores(&self) -> usize {
-        self.lock().stores.as_ref().map_or(0, RoundStores::len)
-    }
-
     /// Executes a command and waits until it is durable.
     pub async fn execute(&self, cmd: Command) -> Result<Outcome, RdzvError> {
         let (outcome, seq) = {
