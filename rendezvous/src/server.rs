@@ -37,6 +37,9 @@ pub struct ServerConfig {
     pub insecure: bool,
     /// Limits.
     pub limits: Limits,
+    /// Serve this job only (an embedded service hosted by a launcher for its own job): calls naming
+    /// another job are refused with `PERMISSION_DENIED` naming both jobs.
+    pub only_job: Option<String>,
 }
 
 impl ServerConfig {
@@ -50,6 +53,7 @@ impl ServerConfig {
             metrics_listen: None,
             insecure: false,
             limits: Limits::default(),
+            only_job: None,
         }
     }
 }
@@ -107,7 +111,7 @@ pub async fn serve(config: ServerConfig, shutdown: CancellationToken, on_bound: 
     let svc = RendezvousServer::new(Service::new(core))
         .max_decoding_message_size(decode_limit)
         .max_encoding_message_size(usize::MAX);
-    let svc = InterceptedService::new(svc, AuthInterceptor::new(tokens));
+    let svc = InterceptedService::new(svc, AuthInterceptor::new(tokens).serving_only(config.only_job.as_deref()));
     let mut builder = Server::builder()
         .tcp_nodelay(true)
         .max_concurrent_streams(Some(4096))

@@ -133,6 +133,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             retention_ms: args.retention_secs.saturating_mul(1000),
             ..Limits::default()
         },
+        only_job: None,
     };
     let shutdown = CancellationToken::new();
     let s = shutdown.clone();
