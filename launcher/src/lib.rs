@@ -24,6 +24,7 @@ pub mod env;
 pub mod logs;
 pub mod multinode;
 pub mod plan;
+pub mod reach;
 pub mod rdzv;
 pub mod report;
 pub mod signals;
