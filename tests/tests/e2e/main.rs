@@ -6,12 +6,14 @@
 mod cli;
 mod env;
 mod exits;
+mod k8s;
 mod logs;
 mod multinode;
 mod netns;
 mod rdzv_faults;
 mod restarts;
 mod signals;
+mod slurm;
 mod static_rdzv;
 mod torch;
 mod train;
