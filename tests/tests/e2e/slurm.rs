@@ -262,3 +262,69 @@ fn steps_that_chose_the_same_port_never_join_each_other() {
         }
     }
 }
+
+/// Mode A on 2 nodes × 1 worker running `script`, each node in its own directory.
+fn two_nodes_running(dir: &Path, job: u32, script: &str) -> (Vec<std::path::PathBuf>, Vec<KillOnDrop>) {
+    let port = free_port();
+    let mut dirs = Vec::new();
+    let mut nodes = Vec::new();
+    for n in 0..2 {
+        let d = dir.join(format!("node{n}"));
+        std::fs::create_dir(&d).unwrap();
+        let mut env = srun_env(job, port, 2, 1, n);
+        env.retain(|(k, _)| k != "SLURM_GPUS_ON_NODE");
+        nodes.push(task(&d, &env, &["sh", "-c", script]));
+        dirs.push(d);
+    }
+    let ready = rsrun_tests::wait_until(std::time::Duration::from_secs(30), || {
+        dirs.iter().enumerate().all(|(n, d)| d.join(format!("ready.{n}")).exists())
+    });
+    assert!(ready, "the workers never started");
+    (dirs, nodes)
+}
+
+fn signal(node: &KillOnDrop, sig: i32) {
+    // SAFETY: plain kill(2) of our own child.
+    unsafe {
+        libc::kill(node.pid(), sig);
+    }
+}
+
+/// §3.5: `#SBATCH --signal=USR1@120` signals every step: rsrun passes SIGUSR1 to its workers and keeps
+/// supervising them (no restart, no stop).
+#[test]
+fn sigusr1_reaches_every_worker_and_supervision_goes_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = "trap 'echo usr1 > usr1.$RANK' USR1; touch ready.$RANK; i=0; \
+                  while [ ! -f usr1.$RANK ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done; \
+                  [ -f usr1.$RANK ] && echo checkpointed $RANK";
+    let (dirs, nodes) = two_nodes_running(dir.path(), 4250, script);
+    for n in &nodes {
+        signal(n, libc::SIGUSR1);
+    }
+    let outs = all(nodes);
+    for (n, o) in outs.iter().enumerate() {
+        assert_eq!(code(&o.status), 0, "{}", text(o));
+        assert!(dirs[n].join(format!("usr1.{n}")).exists(), "worker {n} got no SIGUSR1\n{}", text(o));
+        assert!(String::from_utf8_lossy(&o.stdout).contains(&format!("checkpointed {n}")), "{}", text(o));
+        assert!(!String::from_utf8_lossy(&o.stderr).contains("restarting"), "{}", text(o));
+    }
+}
+
+/// §3.5: SIGTERM (time limit, preemption, scancel) reaches the workers, which may save and exit, and
+/// rsrun exits 143.
+#[test]
+fn sigterm_stops_the_workers_and_exits_143() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = "trap 'echo term > term.$RANK; exit 0' TERM; touch ready.$RANK; \
+                  i=0; while [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done";
+    let (dirs, nodes) = two_nodes_running(dir.path(), 4251, script);
+    for n in &nodes {
+        signal(n, libc::SIGTERM);
+    }
+    let outs = all(nodes);
+    for (n, o) in outs.iter().enumerate() {
+        assert_eq!(code(&o.status), 143, "{}", text(o));
+        assert!(dirs[n].join(format!("term.{n}")).exists(), "worker {n} got no SIGTERM\n{}", text(o));
+    }
+}
