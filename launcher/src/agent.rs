@@ -78,7 +78,15 @@ pub async fn run(plan: LaunchPlan, mut cx: RunContext) -> anyhow::Result<Outcome
             let _ = console.send(ConsoleEvent::Note(s)).await;
         }
     };
-    let mut rdzv = Rendezvous::connect(&plan, &cx.console).await?;
+    // Finding node rank 0's service may wait for its name or port: a stop signal ends the wait.
+    let mut rdzv = match interruptible(&cx.shutdown, &mut cx.signals, Rendezvous::connect(&plan, &cx.console)).await {
+        Ok(r) => r?,
+        Err(Stop::Shutdown) => return Ok(Outcome { exit_code: 1, report: None }),
+        Err(Stop::Signal(sig)) => {
+            info!(job = %plan.job_id, signal = %sig, "stop signal while looking for the rendezvous");
+            return Ok(Outcome::signalled(sig));
+        }
+    };
     let result = agent_loop(&plan, &mut cx, &mut rdzv, &note).await;
     rdzv.close().await;
     result

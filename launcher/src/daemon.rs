@@ -37,7 +37,8 @@ use tracing::{debug, info, warn};
 
 use crate::env::RoundAssignment;
 use crate::logs::{ConsoleEvent, ConsoleTx};
-use crate::plan::{HostMode, LaunchPlan, RdzvPlan};
+use crate::plan::{Endpoint, HostMode, LaunchPlan, RdzvPlan};
+use crate::reach;
 use crate::rdzv::{Decision, RoundEnd, RoundEndFuture, free_port};
 use crate::report::{ExitKind, WorkerFailure};
 
@@ -55,6 +56,9 @@ const NAMES_UP_TO: u32 = 64;
 #[derive(Debug)]
 pub struct DaemonRdzv {
     client: RdzvClient,
+    /// The service's resolved address (`None`: `--standalone`), probed for the waiting line while
+    /// the service does not answer.
+    target: Option<SocketAddr>,
     /// The service embedded in this launcher, if any (stops when dropped).
     embedded: Option<EmbeddedServer>,
     /// True when the embedded service also serves other nodes (not `--standalone`).
@@ -80,56 +84,62 @@ impl DaemonRdzv {
             Some(p) => Some(rsrun_rendezvous::auth::read_client_token(p)?),
             None => None,
         };
-        let (endpoint, embedded, hosting_for_others, addrs) = match &plan.rdzv {
+        let (endpoint, target, embedded, hosting_for_others, addrs) = match &plan.rdzv {
             RdzvPlan::Standalone => {
-                let server = spawn_with(ServerConfig::in_memory(SocketAddr::from(([127, 0, 0, 1], 0))))
-                    .await
-                    .context("cannot start the embedded rendezvous service")?;
-                (server.addr.to_string(), Some(server), false, vec!["127.0.0.1".to_owned()])
+                let mut cfg = ServerConfig::in_memory(SocketAddr::from(([127, 0, 0, 1], 0)));
+                cfg.only_job = Some(plan.job_id.clone());
+                let server = spawn_with(cfg).await.context("cannot start the embedded rendezvous service")?;
+                (server.addr.to_string(), None, Some(server), false, vec!["127.0.0.1".to_owned()])
             }
-            RdzvPlan::Daemon { endpoint, host } => {
+            RdzvPlan::Daemon { endpoint, host: HostMode::Auto } => {
+                // A typed endpoint: a name that does not resolve is an error at once.
                 let target = resolve(&endpoint.host, endpoint.port)
                     .with_context(|| format!("cannot resolve the rendezvous endpoint {endpoint}"))?;
                 let addrs = advertised_addrs(plan, target);
-                let host_here = match host {
-                    HostMode::Never => false,
-                    HostMode::Always => true,
-                    // A launcher hosts a plain service: never when the daemon is expected to speak TLS.
-                    HostMode::Auto => plan.tls_ca.is_none() && is_local_ip(target.ip()) && !listening(target).await,
-                };
+                // A launcher hosts a plain service: never when the daemon is expected to speak TLS.
+                let host_here = plan.tls_ca.is_none() && is_local_ip(target.ip()) && !listening(target).await;
                 let mut embedded = None;
                 if host_here {
                     let mut cfg = ServerConfig::in_memory(target);
                     cfg.token_file = plan.token_file.clone();
                     cfg.insecure = true;
+                    cfg.only_job = Some(plan.job_id.clone());
                     match spawn_with(cfg).await {
                         Ok(server) => {
-                            let _ = console
-                                .send(ConsoleEvent::Note(format!(
-                                    "rsrun: hosting the rendezvous service at {target} for this job (it ends with this launcher; `rsrun-rendezvous serve` is the robust choice){}",
-                                    if plan.token_file.is_none() && !target.ip().is_loopback() {
-                                        "; no --rdzv-token-file: anyone who reaches it can join"
-                                    } else {
-                                        ""
-                                    }
-                                )))
-                                .await;
+                            hosting_note(plan, console, target, target).await;
                             embedded = Some(server);
                         }
-                        // Another launcher on this host won the race: use its service.
+                        // Another launcher on this host won the race: use its service (it serves one
+                        // job, and refuses this one naming both if it is another job's).
                         Err(err) => debug!(%err, "not hosting the rendezvous service"),
                     }
                 }
                 let hosting = embedded.is_some();
-                (endpoint.to_string(), embedded, hosting, addrs)
+                (endpoint.to_string(), Some(target), embedded, hosting, addrs)
+            }
+            RdzvPlan::Daemon { endpoint, host } => {
+                // The address comes from the cluster (Slurm, Kubernetes): node rank 0's name may not
+                // resolve yet (its pod is not up); wait for it until the join timeout.
+                let target = reach::resolve(&endpoint.host, endpoint.port, plan.timeouts.join, console).await?;
+                let addrs = advertised_addrs(plan, target);
+                if *host == HostMode::Always {
+                    let (addr, server) = host_for_job(plan, token.as_deref(), target).await?;
+                    if server.is_some() {
+                        hosting_note(plan, console, target, addr).await;
+                    }
+                    let hosting = server.is_some();
+                    let ep = Endpoint { host: endpoint.host.clone(), port: addr.port() };
+                    (ep.to_string(), Some(addr), server, hosting, addrs)
+                } else {
+                    let addr = find_for_job(plan, token.as_deref(), &endpoint.host, target, console).await?;
+                    let ep = Endpoint { host: endpoint.host.clone(), port: addr.port() };
+                    (ep.to_string(), Some(addr), None, false, addrs)
+                }
             }
             RdzvPlan::Static { node_rank, master_addr, master_port } => {
-                let target = resolve(master_addr, *master_port).with_context(|| {
-                    format!("cannot resolve --master-addr {master_addr} (where node rank 0 hosts the static rendezvous)")
-                })?;
+                let target = reach::resolve(master_addr, *master_port, plan.timeouts.join, console).await?;
                 let addrs = advertised_addrs(plan, target);
-                let mut embedded = None;
-                if *node_rank == 0 {
+                let (addr, embedded) = if *node_rank == 0 {
                     if !is_local_ip(target.ip()) {
                         bail!(
                             "node rank 0 hosts the static rendezvous at --master-addr {master_addr}, but {} is not an address of this host ({}): start node rank 0 on that host, or pass this host's address as --master-addr",
@@ -137,25 +147,16 @@ impl DaemonRdzv {
                             plan.hostname
                         );
                     }
-                    let mut cfg = ServerConfig::in_memory(target);
-                    cfg.token_file = plan.token_file.clone();
-                    cfg.insecure = true;
-                    match spawn_with(cfg).await {
-                        Ok(server) => embedded = Some(server),
-                        // Something already serves there: another launcher that believes it is node
-                        // rank 0 (the verification after the join names both), or a stale job's.
-                        Err(err) if listening(target).await => {
-                            debug!(%err, "another launcher hosts the static rendezvous; joining it");
-                        }
-                        Err(err) => {
-                            return Err(anyhow::Error::new(err).context(format!(
-                                "node rank 0 cannot host the static rendezvous at {target} (--master-addr/--master-port)"
-                            )));
-                        }
-                    }
-                }
+                    // A port where this job's service already listens is joined: another launcher
+                    // believes it is node rank 0 (the verification after the join names both).
+                    host_for_job(plan, token.as_deref(), target).await.context(
+                        "node rank 0 hosts the static rendezvous at --master-addr:--master-port",
+                    )?
+                } else {
+                    (find_for_job(plan, token.as_deref(), master_addr, target, console).await?, None)
+                };
                 let hosting = embedded.is_some() && plan.nodes.max > 1;
-                (target.to_string(), embedded, hosting, addrs)
+                (addr.to_string(), Some(addr), embedded, hosting, addrs)
             }
         };
         let mut cfg = ClientConfig::new(endpoint.clone());
@@ -168,6 +169,7 @@ impl DaemonRdzv {
         let client = RdzvClient::connect(cfg)?;
         Ok(DaemonRdzv {
             client,
+            target,
             embedded,
             hosting_for_others,
             endpoint,
@@ -217,7 +219,7 @@ impl DaemonRdzv {
                 _ = tick.tick() => {
                     // Bounded: an unreachable service must not hold up the join (which has its own
                     // deadline).
-                    if let Ok(Some(text)) = tokio::time::timeout(period, self.waiting_line(plan, started.elapsed())).await {
+                    if let Ok(Some(text)) = tokio::time::timeout(period, self.waiting_line(plan, started.elapsed(), period)).await {
                         let _ = console.send(ConsoleEvent::Status(text.clone())).await;
                         last_status = Some(text);
                         shown = true;
@@ -305,13 +307,35 @@ impl DaemonRdzv {
     }
 
     /// The status line while waiting: names for small jobs, counts from the job's view otherwise.
-    async fn waiting_line(&self, plan: &LaunchPlan, waited: Duration) -> Option<String> {
-        if plan.nodes.max <= NAMES_UP_TO {
-            let st = self.client.status(Some(&self.job)).await.ok()?;
-            return Some(waiting_text(&st, plan, waited));
+    /// While the service does not answer (node rank 0 not up yet), the line says what this node
+    /// waits for: `waiting for HOST:PORT (connection refused)`.
+    async fn waiting_line(&self, plan: &LaunchPlan, waited: Duration, period: Duration) -> Option<String> {
+        let answer = if plan.nodes.max <= NAMES_UP_TO {
+            tokio::time::timeout(period / 3, self.client.status(Some(&self.job)))
+                .await
+                .map(|r| r.map(|st| waiting_text(&st, plan, waited)))
+        } else {
+            tokio::time::timeout(period / 3, self.client.await_job_end(&self.job, Duration::ZERO))
+                .await
+                .map(|r| r.map(|(view, _)| waiting_count_text(&view, plan, waited)))
+        };
+        match answer {
+            Ok(Ok(text)) => Some(text),
+            Ok(Err(err)) if !err.is_retryable() => None,
+            // Unreachable or slow: say why, from a plain connect.
+            _ => {
+                let why = match self.target {
+                    Some(t) => reach::tcp_reason(t).await.unwrap_or_else(|| "not answering yet".to_owned()),
+                    None => "not answering yet".to_owned(),
+                };
+                Some(format!(
+                    "rsrun: waiting for {} ({why}), the rendezvous of job '{}' ({:.0}s)",
+                    self.endpoint,
+                    self.job,
+                    waited.as_secs_f64()
+                ))
+            }
         }
-        let (view, _) = self.client.await_job_end(&self.job, Duration::ZERO).await.ok()?;
-        Some(waiting_count_text(&view, plan, waited))
     }
 
     /// Who joined, for the join-timeout message (names only for small jobs).
@@ -535,6 +559,56 @@ impl DaemonRdzv {
             }
         }
     }
+}
+
+/// Node rank 0 hosts the single-job service at `target`, or (Slurm) at one of the next ports when it
+/// is taken. An address that is not this host's (a Kubernetes Service in front of the pod) is served
+/// on every interface at that port.
+async fn host_for_job(plan: &LaunchPlan, token: Option<&str>, target: SocketAddr) -> anyhow::Result<(SocketAddr, Option<EmbeddedServer>)> {
+    let bind = if is_local_ip(target.ip()) {
+        target
+    } else if target.is_ipv4() {
+        SocketAddr::from(([0, 0, 0, 0], target.port()))
+    } else {
+        SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, target.port()))
+    };
+    let cfg = reach::HostConfig {
+        job: &plan.job_id,
+        token_file: plan.token_file.clone(),
+        token,
+        port_probe: plan.port_probe,
+    };
+    let (addr, server) = reach::host(bind, &cfg).await?;
+    // Connect to the address peers use (the wildcard is for binding only).
+    Ok((SocketAddr::new(target.ip(), addr.port()), server))
+}
+
+/// A node other than rank 0: under Slurm, search node 0's service among the probed ports; else the
+/// address itself (the join retries while nothing listens, and the waiting line says so).
+async fn find_for_job(plan: &LaunchPlan, token: Option<&str>, host: &str, target: SocketAddr, console: &ConsoleTx) -> anyhow::Result<SocketAddr> {
+    if plan.port_probe == 0 {
+        return Ok(target);
+    }
+    reach::find(host, target, plan.port_probe, &plan.job_id, token, plan.timeouts.join, console).await
+}
+
+async fn hosting_note(plan: &LaunchPlan, console: &ConsoleTx, wanted: SocketAddr, addr: SocketAddr) {
+    let moved = if wanted.port() == addr.port() {
+        String::new()
+    } else {
+        format!(" (port {} was taken; the other nodes try the same ports)", wanted.port())
+    };
+    let _ = console
+        .send(ConsoleEvent::Note(format!(
+            "rsrun: hosting the rendezvous service at {addr} for job '{}'{moved} (it ends with this launcher; `rsrun-rendezvous serve` is the robust choice){}",
+            plan.job_id,
+            if plan.token_file.is_none() && !addr.ip().is_loopback() {
+                "; no --rdzv-token-file: anyone who reaches it can join"
+            } else {
+                ""
+            }
+        )))
+        .await;
 }
 
 fn nonempty(s: String, default: &str) -> String {

@@ -52,6 +52,21 @@ pub fn render(plan: &LaunchPlan) -> String {
         _ => rdzv,
     };
     let _ = writeln!(s, "rendezvous   : {rdzv}");
+    let port = match &plan.rdzv {
+        RdzvPlan::Daemon { endpoint, .. } => Some(endpoint.port),
+        RdzvPlan::Static { master_port, .. } => Some(*master_port),
+        RdzvPlan::Standalone => None,
+    };
+    if let Some(port) = port
+        && plan.port_probe > 0
+    {
+        let last = port.saturating_add(plan.port_probe);
+        let _ = writeln!(
+            s,
+            "ports        : {port}..{last}: node rank 0 hosts on the first free one (a service of job '{}' only); the other nodes search them for that job",
+            plan.job_id
+        );
+    }
     for src in &plan.sources {
         let _ = writeln!(s, "source       : {} = {} ({})", src.name, src.value, src.source);
     }

@@ -29,6 +29,7 @@ pub mod logs;
 pub mod multinode;
 pub mod plan;
 pub mod progress;
+pub mod reach;
 pub mod rdzv;
 pub mod remote;
 pub mod report;

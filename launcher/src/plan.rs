@@ -580,6 +580,9 @@ pub struct LaunchPlan {
     /// Slurm mode B: srun started this process as one rank; RANK, LOCAL_RANK, LOCAL_WORLD_SIZE,
     /// GROUP_RANK and GROUP_WORLD_SIZE come from Slurm (the static backend runs one worker).
     pub task_ranks: Option<TaskRanks>,
+    /// How many ports after the rendezvous port node rank 0 tries when it is taken, and the other
+    /// nodes search (Slurm's derived or reserved port: 7; 0 otherwise).
+    pub port_probe: u16,
     /// The resolved topology values and where each came from (flag, `PET_*`, `SLURM_*`, hostfile
     /// line), in display order.
     pub sources: Vec<Sourced>,
@@ -1073,13 +1076,33 @@ impl LaunchPlan {
             )));
         }
 
+        let mut shutdown_source = None;
         let shutdown = match &args.shutdown_timeout {
             Some(s) => parse_duration(s, "--shutdown-timeout")?,
             None => match host.var("TORCH_ELASTIC_SHUTDOWN_TIMEOUT") {
                 Some(s) => parse_duration(s, "TORCH_ELASTIC_SHUTDOWN_TIMEOUT")?,
-                None => Duration::from_secs(30),
+                // Under Slurm and Kubernetes SIGTERM is the preemption notice, and SIGKILL follows
+                // 30 s later (KillWait, terminationGracePeriodSeconds): stop the workers before.
+                None => match cluster_sigterm_grace(&cluster.mode) {
+                    Some((grace, why)) => {
+                        shutdown_source = Some(Sourced {
+                            name: "shutdown grace",
+                            value: format!("{grace:?}"),
+                            source: Source::Derived(why.to_owned()),
+                        });
+                        grace
+                    }
+                    None => Duration::from_secs(30),
+                },
             },
         };
+        if let Some((grace, why)) = cluster_sigterm_grace(&cluster.mode)
+            && shutdown > grace
+        {
+            notes.push(format!(
+                "--shutdown-timeout {shutdown:?} is longer than {grace:?}: {why}, so the workers may be killed before the grace ends"
+            ));
+        }
         let monitor_interval = parse_duration(&args.monitor_interval, "--monitor-interval")?;
         if monitor_interval.is_zero() {
             return Err(invalid("--monitor-interval", &args.monitor_interval, "a period > 0"));
@@ -1152,6 +1175,24 @@ impl LaunchPlan {
         let gpu_mode = args.gpu_bind.trim().to_ascii_lowercase().replace('_', "-");
         let gpu_bind = match (gpu_mode.as_str(), args.virtual_local_rank) {
             ("none", false) => GpuBind::None,
+            // Slurm mode B: this process is one task, the worker's local rank is SLURM_LOCALID.
+            ("none" | "local-rank", _) if let Some(t) = &cluster.task_ranks => {
+                let devices: Vec<String> = match host.var("CUDA_VISIBLE_DEVICES") {
+                    Some(list) => list.split(',').map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect(),
+                    None => (0..t.local_world_size).map(|i| i.to_string()).collect(),
+                };
+                match devices.get(t.local_rank as usize) {
+                    Some(d) => GpuBind::LocalRank(vec![d.clone()]),
+                    None => {
+                        return Err(PlanError::Conflict(format!(
+                            "--gpu-bind local-rank: SLURM_LOCALID={} but CUDA_VISIBLE_DEVICES={} lists {} device(s); srun already bound the GPUs of this task: drop --gpu-bind, or run srun --gpu-bind=none",
+                            t.local_rank,
+                            host.var("CUDA_VISIBLE_DEVICES").unwrap_or(""),
+                            devices.len()
+                        )));
+                    }
+                }
+            }
             ("none" | "local-rank", _) => {
                 let devices: Vec<String> = match host.var("CUDA_VISIBLE_DEVICES") {
                     Some(list) => list.split(',').map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect(),
@@ -1249,7 +1290,8 @@ impl LaunchPlan {
             (LaunchMode::SingleNode, RdzvPlan::Daemon { .. }) => LaunchMode::Rendezvous,
             (m, _) => m.clone(),
         };
-        let sources = topology_sources(args, &cluster, nodes, nproc_per_node, &rdzv, &job_id);
+        let mut sources = topology_sources(args, &cluster, nodes, nproc_per_node, &rdzv, &job_id);
+        sources.extend(shutdown_source);
 
         Ok(LaunchPlan {
             job_id,
@@ -1277,8 +1319,23 @@ impl LaunchPlan {
             mode,
             hosts: cluster.hosts,
             task_ranks: cluster.task_ranks,
+            port_probe: cluster.port_probe,
             sources,
         })
+    }
+}
+
+/// The SIGTERM grace of a cluster whose SIGKILL follows SIGTERM after 30 s by default, and why.
+fn cluster_sigterm_grace(mode: &LaunchMode) -> Option<(Duration, &'static str)> {
+    match mode {
+        LaunchMode::SlurmA | LaunchMode::SlurmB | LaunchMode::SlurmC { .. } => {
+            Some((Duration::from_secs(25), "Slurm sends SIGKILL KillWait after SIGTERM, 30 s by default"))
+        }
+        LaunchMode::K8sV1Static | LaunchMode::K8sV1Elastic | LaunchMode::K8sV2 => Some((
+            Duration::from_secs(25),
+            "the kubelet sends SIGKILL terminationGracePeriodSeconds after SIGTERM, 30 s by default",
+        )),
+        _ => None,
     }
 }
 

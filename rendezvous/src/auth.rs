@@ -31,6 +31,9 @@ pub enum Principal {
     Job(String),
     /// Jobs whose id starts with the string.
     Prefix(String),
+    /// The one job an embedded service serves (a launcher hosting the rendezvous for its own job):
+    /// every other job id is refused, naming both (see [`served_job`]).
+    Served(String),
 }
 
 impl Principal {
@@ -38,19 +41,33 @@ impl Principal {
     pub fn allows(&self, job: &str) -> bool {
         match self {
             Principal::Any => true,
-            Principal::Job(j) => j == job,
+            Principal::Job(j) | Principal::Served(j) => j == job,
             Principal::Prefix(p) => job.starts_with(p.as_str()),
         }
     }
 
     /// `Ok` when the caller may touch `job`.
     pub fn check(&self, job: &str) -> Result<(), RdzvError> {
-        if self.allows(job) {
-            Ok(())
-        } else {
-            Err(RdzvError::PermissionDenied(format!("this token may not access job {job:?}")))
+        match self {
+            _ if self.allows(job) => Ok(()),
+            Principal::Served(served) => Err(RdzvError::PermissionDenied(format!(
+                "{SERVES_ONLY}{served:?} (embedded in a launcher of that job); job {job:?} cannot use it: a launcher of another job chose the same address and port"
+            ))),
+            _ => Err(RdzvError::PermissionDenied(format!("this token may not access job {job:?}"))),
         }
     }
+}
+
+/// How a single-job service's refusal begins; [`served_job`] reads the job back.
+pub const SERVES_ONLY: &str = "this rendezvous service serves only job ";
+
+/// The job a single-job service serves, read from its refusal of another job (`None` for any other
+/// message).
+pub fn served_job(message: &str) -> Option<&str> {
+    let rest = &message[message.find(SERVES_ONLY)? + SERVES_ONLY.len()..];
+    // Job ids are validated (letters, digits and `._:@-`), so their Debug form is the id in quotes.
+    let rest = rest.strip_prefix('"')?;
+    Some(&rest[..rest.find('"')?])
 }
 
 /// The tokens a daemon accepts.
@@ -136,12 +153,20 @@ pub fn read_client_token(path: &Path) -> Result<String, RdzvError> {
 #[derive(Debug, Clone)]
 pub struct AuthInterceptor {
     table: Option<Arc<TokenTable>>,
+    /// The one job this service serves (an embedded service), if any.
+    only_job: Option<Arc<str>>,
 }
 
 impl AuthInterceptor {
     /// `None` accepts every caller as [`Principal::Any`].
     pub fn new(table: Option<TokenTable>) -> Self {
-        AuthInterceptor { table: table.map(Arc::new) }
+        AuthInterceptor { table: table.map(Arc::new), only_job: None }
+    }
+
+    /// Narrows every caller to `job` ([`Principal::Served`]): the service refuses other job ids.
+    pub fn serving_only(mut self, job: Option<&str>) -> Self {
+        self.only_job = job.map(Arc::from);
+        self
     }
 }
 
@@ -169,6 +194,13 @@ impl tonic::service::Interceptor for AuthInterceptor {
                 }
             }
         };
+        let principal = match &self.only_job {
+            None => principal,
+            Some(job) => {
+                principal.check(job).map_err(Status::from)?;
+                Principal::Served(job.to_string())
+            }
+        };
         req.extensions_mut().insert(principal);
         Ok(req)
     }
@@ -189,6 +221,31 @@ mod tests {
         assert!(t.lookup(b"nope").is_none());
         let e = p.check("other").unwrap_err();
         assert_eq!(e.code(), tonic::Code::PermissionDenied);
+    }
+
+    #[test]
+    fn a_single_job_service_refuses_other_jobs_naming_both() {
+        let p = Principal::Served("slurm-4242.0.r0".into());
+        assert!(p.check("slurm-4242.0.r0").is_ok());
+        let e = p.check("slurm-4343.0.r0").unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied);
+        let msg = e.to_string();
+        assert!(msg.contains("\"slurm-4242.0.r0\"") && msg.contains("\"slurm-4343.0.r0\""), "{msg}");
+        assert_eq!(served_job(&msg), Some("slurm-4242.0.r0"));
+        // Through gRPC and back, the served job is still readable.
+        let back = RdzvError::from(Status::from(e));
+        assert_eq!(served_job(&back.to_string()), Some("slurm-4242.0.r0"));
+        assert_eq!(served_job("this token may not access job \"x\""), None);
+        // The interceptor narrows an unrestricted caller to the served job.
+        let mut i = AuthInterceptor::new(None).serving_only(Some("job7"));
+        let req = tonic::service::Interceptor::call(&mut i, Request::new(())).unwrap();
+        assert_eq!(req.extensions().get::<Principal>(), Some(&Principal::Served("job7".into())));
+        // A token scoped to another job is refused outright.
+        let t = TokenTable::parse("aaaaaaaaaaaaaaaa job8\n", "f").unwrap();
+        let mut i = AuthInterceptor::new(Some(t)).serving_only(Some("job7"));
+        let mut req = Request::new(());
+        req.metadata_mut().insert("authorization", "Bearer aaaaaaaaaaaaaaaa".parse().unwrap());
+        assert_eq!(tonic::service::Interceptor::call(&mut i, req).unwrap_err().code(), tonic::Code::PermissionDenied);
     }
 
     #[test]

@@ -40,6 +40,9 @@ pub struct ServerConfig {
     pub limits: Limits,
     /// Serve PyTorch's TCPStore for every running round (`None`: the jobs' rank 0 hosts it).
     pub tcpstore: Option<TcpStoreLimits>,
+    /// Serve this job only (an embedded service hosted by a launcher for its own job): calls naming
+    /// another job are refused with `PERMISSION_DENIED` naming both jobs.
+    pub only_job: Option<String>,
 }
 
 impl ServerConfig {
@@ -54,6 +57,7 @@ impl ServerConfig {
             insecure: false,
             limits: Limits::default(),
             tcpstore: Some(TcpStoreLimits::default()),
+            only_job: None,
         }
     }
 }
@@ -120,7 +124,7 @@ pub async fn serve(config: ServerConfig, shutdown: CancellationToken, on_bound: 
     let svc = RendezvousServer::new(Service::new(core))
         .max_decoding_message_size(decode_limit)
         .max_encoding_message_size(usize::MAX);
-    let svc = InterceptedService::new(svc, AuthInterceptor::new(tokens));
+    let svc = InterceptedService::new(svc, AuthInterceptor::new(tokens).serving_only(config.only_job.as_deref()));
     let mut builder = Server::builder()
         .tcp_nodelay(true)
         .max_concurrent_streams(Some(4096))

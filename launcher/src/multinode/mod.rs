@@ -163,6 +163,8 @@ pub struct Cluster {
     pub rdzv: Option<(RdzvPlan, String, Option<u32>)>,
     /// Mode B's rank variables.
     pub task_ranks: Option<TaskRanks>,
+    /// Next ports node rank 0 tries when the rendezvous port is taken (and the others search).
+    pub port_probe: u16,
     /// Resolved values and their sources, in display order.
     pub sources: Vec<Sourced>,
     /// Notes for the console.
@@ -178,6 +180,7 @@ impl Cluster {
             nproc_per_node: None,
             rdzv: None,
             task_ranks: None,
+            port_probe: 0,
             sources: Vec::new(),
             notes: Vec::new(),
         }

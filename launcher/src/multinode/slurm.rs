@@ -26,6 +26,9 @@ use crate::plan::{DEFAULT_RDZV_PORT, Endpoint, HostInfo, HostMode, NodeRange, Pl
 pub const PORT_BASE: u16 = 61000;
 /// Size of the derived port range: 61000..=65535.
 pub const PORT_SPAN: u64 = 4536;
+/// When the Slurm port is taken (another step derived the same one), node 0 tries this many next
+/// ports, and the other nodes search them for the service of their job.
+pub const PORT_PROBE: u16 = 7;
 
 fn err(msg: String) -> PlanError {
     PlanError::Hosts(msg)
@@ -190,6 +193,7 @@ pub fn detect(args: &LaunchArgs, host: &HostInfo, table_given: bool, notes: &mut
     } else {
         let (port, port_source) = select_port(&host.env)?;
         c.sources.push(Sourced::new("rendezvous port", port, port_source));
+        c.port_probe = PORT_PROBE;
         (
             Endpoint { host: hosts[0].clone(), port },
             Source::Derived(format!("first host of {list_var}")),
@@ -231,7 +235,11 @@ pub fn detect(args: &LaunchArgs, host: &HostInfo, table_given: bool, notes: &mut
             ));
         }
         let port = match &args.master_port {
-            Some(p) if typed("master_port") => *p,
+            // A typed port is used as given: no probing.
+            Some(p) if typed("master_port") => {
+                c.port_probe = 0;
+                *p
+            }
             _ => endpoint.port,
         };
         c.sources.push(Sourced::new("rank", rank, Source::Env("SLURM_PROCID".into())));
@@ -268,7 +276,11 @@ pub fn detect(args: &LaunchArgs, host: &HostInfo, table_given: bool, notes: &mut
     let backend = args.rdzv_backend.trim().to_ascii_lowercase();
     if typed("rdzv_backend") && backend == "static" {
         let port = match &args.master_port {
-            Some(p) if typed("master_port") => *p,
+            // A typed port is used as given: no probing.
+            Some(p) if typed("master_port") => {
+                c.port_probe = 0;
+                *p
+            }
             _ => endpoint.port,
         };
         c.sources.push(Sourced::new("backend", "static", option_source(args, "rdzv_backend", "--rdzv-backend")));

@@ -76,10 +76,15 @@ fn slurm_mode_a_node_1() {
             "nproc per node = 4 (SLURM_GPUS_ON_NODE)",
             "rendezvous = gpu01:65200 (first host of SLURM_STEP_NODELIST)",
             "run id = slurm-4242.0.r0 (SLURM_JOB_ID, SLURM_STEP_ID, SLURM_RESTART_COUNT)",
+            "shutdown grace = 25s (Slurm sends SIGKILL KillWait after SIGTERM, 30 s by default)",
         ]
     );
     let text = render(&p);
     assert!(text.contains("launch       : Slurm mode A: srun started one rsrun per node"), "{text}");
+    assert!(
+        text.contains("ports        : 65200..65207: node rank 0 hosts on the first free one (a service of job 'slurm-4242.0.r0' only)"),
+        "{text}"
+    );
     assert!(text.contains("worker rank 7 (local_rank 3, node_rank 1)"), "{text}");
     assert!(!text.contains("10.9.9.9"), "SLURM_LAUNCH_NODE_IPADDR is never used: {text}");
 }
@@ -234,6 +239,64 @@ fn slurm_mode_b_warns_about_per_task_gpu_binding() {
     assert!(p.notes.contains(&"LOCAL_RANK=1 but this task sees 1 GPU; use --virtual-local-rank or srun --gpu-bind=none".to_owned()));
 }
 
+/// `--gpu-bind local-rank` in mode B: the task's one worker gets device SLURM_LOCALID of the node,
+/// not device 0.
+#[test]
+fn slurm_mode_b_gpu_bind_follows_slurm_localid() {
+    let env = with(slurm_b(3), "CUDA_VISIBLE_DEVICES", "4,5");
+    let p = plan(&["--gpu-bind", "local-rank", "true"], &env_ref(&env)).unwrap();
+    assert_eq!(p.gpu_bind, crate::plan::GpuBind::LocalRank(vec!["5".into()]));
+    assert!(render(&p).contains("    CUDA_VISIBLE_DEVICES=5\n"), "{}", render(&p));
+    // Without CUDA_VISIBLE_DEVICES, devices are numbered on the node.
+    let p = plan(&["--gpu-bind", "local-rank", "true"], &env_ref(&slurm_b(1))).unwrap();
+    assert_eq!(p.gpu_bind, crate::plan::GpuBind::LocalRank(vec!["1".into()]));
+    // srun already bound one GPU per task: binding again by local rank is an error naming both values.
+    let env = with(slurm_b(1), "CUDA_VISIBLE_DEVICES", "3");
+    let e = plan(&["--gpu-bind", "local-rank", "true"], &env_ref(&env)).unwrap_err();
+    assert!(e.contains("SLURM_LOCALID=1 but CUDA_VISIBLE_DEVICES=3 lists 1 device(s)"), "{e}");
+}
+
+/// Slurm's port may be taken by another step that derived the same one: node 0 probes the next 7
+/// ports and the others search them; a typed port or endpoint is used as given.
+#[test]
+fn slurm_ports_are_probed_unless_typed() {
+    assert_eq!(plan(&["true"], &env_ref(&slurm_a("1", "gpu02"))).unwrap().port_probe, slurm::PORT_PROBE);
+    assert_eq!(plan(&["true"], &env_ref(&slurm_b(2))).unwrap().port_probe, slurm::PORT_PROBE);
+    let env = with(slurm_a("1", "gpu02"), "SLURM_STEP_RESV_PORTS", "12000-12003");
+    assert_eq!(plan(&["true"], &env_ref(&env)).unwrap().port_probe, slurm::PORT_PROBE);
+    let typed = plan(&["--rdzv-endpoint", "gpu01:29400", "true"], &env_ref(&slurm_a("1", "gpu02"))).unwrap();
+    assert_eq!(typed.port_probe, 0);
+    let typed = plan(&["--master-port", "29500", "true"], &env_ref(&slurm_b(2))).unwrap();
+    assert_eq!(typed.port_probe, 0);
+    // Kubernetes: the operator declared the port.
+    assert_eq!(plan(&["true"], &pytorchjob_v1_worker()).unwrap().port_probe, 0);
+}
+
+/// §3.5: under Slurm USR1/USR2 reach the workers and supervision goes on; SIGTERM stops them within
+/// 25 s, before KillWait's SIGKILL. A longer typed grace is kept, with a warning.
+#[test]
+fn slurm_signal_defaults() {
+    use crate::signals::SignalAction;
+    use nix::sys::signal::Signal;
+    let p = plan(&["true"], &env_ref(&slurm_a("1", "gpu02"))).unwrap();
+    assert_eq!(p.signals.action(Signal::SIGUSR1), Some(SignalAction::Forward));
+    assert_eq!(p.signals.action(Signal::SIGUSR2), Some(SignalAction::Forward));
+    assert_eq!(p.signals.action(Signal::SIGTERM), Some(SignalAction::Stop));
+    assert_eq!(p.timeouts.shutdown, std::time::Duration::from_secs(25));
+    assert!(render(&p).contains("timeouts     : shutdown 25s"), "{}", render(&p));
+    let p = plan(&["--shutdown-timeout", "60", "true"], &env_ref(&slurm_b(0))).unwrap();
+    assert_eq!(p.timeouts.shutdown, std::time::Duration::from_secs(60));
+    assert!(p.notes.iter().any(|n| n.contains("--shutdown-timeout 60s is longer than 25s: Slurm sends SIGKILL KillWait after SIGTERM")), "{:?}", p.notes);
+    let p = plan(&["--shutdown-timeout", "10", "true"], &env_ref(&slurm_b(0))).unwrap();
+    assert_eq!(p.timeouts.shutdown, std::time::Duration::from_secs(10));
+    // The policy stays configurable: `#SBATCH --signal=HUP@120` needs HUP forwarded.
+    let p = plan(&["--signal-policy", "HUP=forward", "true"], &env_ref(&slurm_a("0", "gpu01"))).unwrap();
+    assert_eq!(p.signals.action(Signal::SIGHUP), Some(SignalAction::Forward));
+    // Outside a cluster the grace stays torchrun's 30 s.
+    let p = plan(&["--standalone", "true"], &[]).unwrap();
+    assert_eq!(p.timeouts.shutdown, std::time::Duration::from_secs(30));
+}
+
 fn slurm_batch(nodes: &str) -> Vec<(&'static str, String)> {
     vec![
         ("SLURM_JOB_ID", "4242".into()),
@@ -347,6 +410,7 @@ fn k8s_v1_static() {
             "rendezvous = job-master-0:23456 (PET_MASTER_ADDR and PET_MASTER_PORT, hosted by node rank 0)",
             "run id = k8s-job-master-0 (k8s-<PET_MASTER_ADDR>)",
             "nproc per node = 2 (PET_NPROC_PER_NODE)",
+            "shutdown grace = 25s (the kubelet sends SIGKILL terminationGracePeriodSeconds after SIGTERM, 30 s by default)",
         ]
     );
     for note in [
@@ -387,6 +451,7 @@ fn k8s_v1_elastic() {
             "rendezvous = job-worker-0:29400 (PET_RDZV_ENDPOINT)",
             "run id = job-uid (PET_RDZV_ID)",
             "nproc per node = 1 (PET_NPROC_PER_NODE)",
+            "shutdown grace = 25s (the kubelet sends SIGKILL terminationGracePeriodSeconds after SIGTERM, 30 s by default)",
         ]
     );
     // No PET_RDZV_BACKEND: still the rendezvous service, not the static backend.

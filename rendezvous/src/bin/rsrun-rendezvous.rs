@@ -179,6 +179,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
             ..Limits::default()
         },
         tcpstore: (!args.no_tcpstore).then(TcpStoreLimits::default),
+        only_job: None,
     };
     let shutdown = cancel_on_signals();
     server::serve(config, shutdown, |bound| {

@@ -6,6 +6,7 @@
 mod cli;
 mod env;
 mod exits;
+mod k8s;
 mod logs;
 mod multinode;
 mod netns;
@@ -13,6 +14,7 @@ mod rdzv_faults;
 mod remote;
 mod restarts;
 mod signals;
+mod slurm;
 mod static_rdzv;
 mod torch;
 mod train;

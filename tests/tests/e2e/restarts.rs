@@ -5,8 +5,9 @@ use rsrun_tests::{bin, code, rsrun, run, text};
 #[test]
 fn restart_after_a_crash_then_success() {
     let dir = tempfile::tempdir().unwrap();
-    // Rank 1 fails in the first attempt only.
-    let script = "echo $TORCHELASTIC_RESTART_COUNT >> attempts.$RANK; [ $RANK = 1 ] && [ $TORCHELASTIC_RESTART_COUNT = 0 ] && exit 3; exit 0";
+    // Rank 1 fails in the first attempt only, once rank 0 has recorded its attempt (else the group
+    // may be stopped before rank 0's shell ran at all).
+    let script = "echo $TORCHELASTIC_RESTART_COUNT >> attempts.$RANK; if [ $RANK = 1 ] && [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then while [ ! -s attempts.0 ]; do sleep 0.01; done; exit 3; fi; exit 0";
     let out = run(rsrun(dir.path()).args(["--max-restarts", "2", "--nproc-per-node", "2", "sh", "-c", script]));
     assert_eq!(code(&out.status), 0, "{}", text(&out));
     for rank in 0..2 {
