@@ -58,6 +58,24 @@ impl Env<'_> {
     }
 }
 
+/// Workers per node from `--nproc-per-node`, else `SLURM_GPUS_ON_NODE`, with its source; false when
+/// neither decided (the caller's default applies).
+fn nproc_per_node(args: &LaunchArgs, env: &Env<'_>, c: &mut Cluster) -> Result<bool, PlanError> {
+    if args.given("nproc_per_node") {
+        c.sources.push(Sourced::new(
+            "nproc per node",
+            args.nproc_per_node.trim(),
+            option_source(args, "nproc_per_node", "--nproc-per-node"),
+        ));
+    } else if let Some(g) = env.num("SLURM_GPUS_ON_NODE")?.filter(|g| *g > 0) {
+        c.nproc_per_node = Some(g);
+        c.sources.push(Sourced::new("nproc per node", g, Source::Env("SLURM_GPUS_ON_NODE".into())));
+    } else {
+        return Ok(false);
+    }
+    Ok(true)
+}
+
 /// The rendezvous port: `SLURM_STEP_RESV_PORTS`'s first port, else
 /// `61000 + (SLURM_JOB_ID * 32 + SLURM_STEP_ID) mod 4536`.
 ///
@@ -261,16 +279,7 @@ pub fn detect(args: &LaunchArgs, host: &HostInfo, table_given: bool, notes: &mut
     }
 
     // Mode A: one agent per node.
-    if args.given("nproc_per_node") {
-        c.sources.push(Sourced::new(
-            "nproc per node",
-            args.nproc_per_node.trim(),
-            option_source(args, "nproc_per_node", "--nproc-per-node"),
-        ));
-    } else if let Some(g) = env.num("SLURM_GPUS_ON_NODE")?.filter(|g| *g > 0) {
-        c.nproc_per_node = Some(g);
-        c.sources.push(Sourced::new("nproc per node", g, Source::Env("SLURM_GPUS_ON_NODE".into())));
-    } else {
+    if !nproc_per_node(args, &env, &mut c)? {
         c.sources.push(Sourced::new("nproc per node", 1, Source::Default));
     }
     let backend = args.rdzv_backend.trim().to_ascii_lowercase();
@@ -327,16 +336,7 @@ fn batch(args: &LaunchArgs, host: &HostInfo, table_given: bool, notes: &mut Vec<
     };
     if n <= 1 {
         let mut c = Cluster::plain(LaunchMode::SlurmLocal);
-        if args.given("nproc_per_node") {
-            c.sources.push(Sourced::new(
-                "nproc per node",
-                args.nproc_per_node.trim(),
-                option_source(args, "nproc_per_node", "--nproc-per-node"),
-            ));
-        } else if let Some(g) = env.num("SLURM_GPUS_ON_NODE")?.filter(|g| *g > 0) {
-            c.nproc_per_node = Some(g);
-            c.sources.push(Sourced::new("nproc per node", g, Source::Env("SLURM_GPUS_ON_NODE".into())));
-        }
+        nproc_per_node(args, &env, &mut c)?;
         return Ok(Some(c));
     }
     let srun: Vec<String> = vec![
