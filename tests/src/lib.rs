@@ -44,15 +44,18 @@ fn build_workspace_binaries() -> Result<(), String> {
     if std::env::var_os("RSRUN_TESTS_NO_BUILD").is_some() {
         return Ok(());
     }
+    cargo_build(&["--workspace", "--all-targets"])
+}
+
+/// `cargo build ARGS` with the running test's cargo, profile and target directory.
+fn cargo_build(args: &[&str]) -> Result<(), String> {
     let profile_dir = target_dir();
     let profile = profile_dir.file_name().and_then(|p| p.to_str()).unwrap_or("debug").to_owned();
     let target_root = profile_dir.parent().ok_or("test binary outside a target directory")?.to_owned();
     let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).parent().ok_or("tests/ has no parent")?.to_owned();
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| env!("CARGO").into());
     let mut cmd = Command::new(&cargo);
-    cmd.current_dir(&workspace)
-        .args(["build", "--workspace", "--all-targets", "--quiet", "--target-dir"])
-        .arg(&target_root);
+    cmd.current_dir(&workspace).arg("build").args(args).args(["--quiet", "--target-dir"]).arg(&target_root);
     match profile.as_str() {
         "debug" => {}
         "release" => {
@@ -76,18 +79,33 @@ fn build_workspace_binaries() -> Result<(), String> {
     let out = cmd
         .stdin(Stdio::null())
         .output()
-        .map_err(|e| format!("cannot run {} to build the workspace binaries: {e}", Path::new(&cargo).display()))?;
+        .map_err(|e| format!("cannot run {} to build test binaries: {e}", Path::new(&cargo).display()))?;
     if !out.status.success() {
         return Err(format!(
-            "`cargo build --workspace --all-targets` (for the e2e tests' binaries) failed with {}:\n{}",
+            "`cargo build {}` (for the e2e tests' binaries) failed with {}:\n{}",
+            args.join(" "),
             out.status,
             String::from_utf8_lossy(&out.stderr)
         ));
     }
     if started.elapsed() > Duration::from_secs(5) {
-        eprintln!("e2e: built the workspace binaries in {:.1?}", started.elapsed());
+        eprintln!("e2e: `cargo build {}` took {:.1?}", args.join(" "), started.elapsed());
     }
     Ok(())
+}
+
+/// Binary `name` of `package` built with `features`, copied into `dir` (the workspace build owns
+/// the binary's usual path, with default features).
+pub fn bin_with_features(package: &str, name: &str, features: &str, dir: &Path) -> PathBuf {
+    // The workspace build first, so it does not overwrite the featured binary afterwards.
+    bin("rsrun");
+    if let Err(e) = cargo_build(&["-p", package, "--features", features, "--bin", name]) {
+        panic!("{e}");
+    }
+    let built = target_dir().join(name);
+    let copy = dir.join(name);
+    std::fs::copy(&built, &copy).unwrap_or_else(|e| panic!("copying {}: {e}", built.display()));
+    copy
 }
 
 /// A `rsrun` command running in `dir`, with a clean launcher environment.

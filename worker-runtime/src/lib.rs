@@ -327,15 +327,7 @@ pub fn write_error_file(path: &Path, message: &str, traceback: Option<&str>) -> 
 fn generate_unique_id() -> Result<[u8; 128], WorkerError> {
     #[cfg(feature = "cuda")]
     {
-        // cudarc panics when libnccl cannot be loaded: treat that as "no CUDA".
-        let id = std::panic::catch_unwind(cudarc::nccl::safe::Id::new)
-            .map_err(|_| WorkerError::UniqueId("NCCL cannot be loaded on this machine".into()))?
-            .map_err(|e| WorkerError::UniqueId(format!("ncclGetUniqueId failed: {e:?}")))?;
-        let mut out = [0u8; 128];
-        for (o, c) in out.iter_mut().zip(id.internal().iter()) {
-            *o = *c as u8;
-        }
-        Ok(out)
+        rsrun_training_engine::comm::nccl::unique_id().map_err(|e| WorkerError::UniqueId(e.to_string()))
     }
     #[cfg(not(feature = "cuda"))]
     Err(WorkerError::UniqueId(

@@ -6,6 +6,7 @@
 mod cli;
 mod env;
 mod exits;
+mod gpu;
 mod k8s;
 mod logs;
 mod multinode;
