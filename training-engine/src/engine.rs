@@ -228,6 +228,8 @@ pub struct Engine<M: UnitModel> {
     tier: Option<Mutex<tiers::OffloadTier>>,
     /// f16 dynamic loss scaler.
     scaler: Option<tiers::LossScaler>,
+    /// Buffers of the native fp32 path (`engine/native.rs`).
+    native: native::NativeState,
 }
 
 fn tensor_err(e: candle_core::Error) -> EngineError {
@@ -392,6 +394,7 @@ impl<M: UnitModel> Engine<M> {
             traffic_base: 0,
             tier: None,
             scaler: None,
+            native: native::NativeState::default(),
         };
         e.traffic_base = e.bytes_sent_total();
         e.setup_tiers()?;
@@ -541,8 +544,14 @@ impl<M: UnitModel> Engine<M> {
             u.grad.fill_zero();
         }
         let mut loss_sum = 0f32;
+        let native = self.native_enabled();
         for (k, b) in micro.iter().enumerate() {
-            loss_sum += self.forward_backward(b, k + 1 == micro.len())?;
+            let sync = k + 1 == micro.len();
+            loss_sum += if native {
+                self.forward_backward_native(b, sync, k == 0)?
+            } else {
+                self.forward_backward(b, sync)?
+            };
         }
         let loss = loss_sum / micro.len() as f32;
         if !loss.is_finite() {
@@ -852,8 +861,7 @@ impl<M: UnitModel> Engine<M> {
         };
         let _s = debug_span!("backward", rank = self.rank).entered();
         let mut grad_out: Option<Tensor> = None;
-        let mut bucket_works: Vec<(usize, flat::FlatWork)> = Vec::new();
-        let mut rs_works: Vec<(usize, flat::FlatWork2)> = Vec::new();
+        let mut works = Reductions::default();
         let stage = self.cfg.strategy.zero_stage();
         for ui in (0..n).rev() {
             if z3 {
@@ -899,27 +907,50 @@ impl<M: UnitModel> Engine<M> {
             if z3 {
                 self.free_unit(ui)?;
             }
-            if stage >= 2 {
-                let g = self.shard_pg.as_ref().ok_or_else(|| {
-                    EngineError::Config("reduce-scatter without a sharding group".into())
-                })?;
-                let out = flat::FlatBuf::zeros(flat.dtype(), ul.shard_len);
-                self.comm.add(flat.bytes() + out.bytes());
-                rs_works.push((ui, flat.reduce_scatter_async(g, out, ReduceOp::Avg)));
-            } else if stage == 0 && sync && self.world > 1 {
-                if let Some(b) = self.buckets.iter().find(|b| b.start == ui).cloned() {
-                    // The bucket is complete: all-reduce its units' gradient buffers in place,
-                    // one op per unit queued back to back (no copy into and out of a bucket
-                    // buffer; reductions are element-wise, so the result is the same).
-                    for u in b {
-                        let g = std::mem::take(&mut self.units[u].grad);
-                        bucket_works.push((u, g.all_reduce_async(&self.pg, ReduceOp::Avg)));
-                    }
-                }
+            self.reduce_unit(ui, flat, sync, &mut works)?;
+        }
+        self.finish_reductions(works)?;
+        Ok(loss)
+    }
+
+    /// Unit `ui`'s gradient of this micro-batch is complete (in `flat` for ZeRO-2/3, in the
+    /// unit's buffer otherwise): starts its reduction. ZeRO-2/3 reduce-scatter `flat`; DDP
+    /// all-reduces a bucket once its last unit is done, on the last micro-batch (`sync`).
+    fn reduce_unit(
+        &mut self,
+        ui: usize,
+        flat: flat::FlatBuf,
+        sync: bool,
+        works: &mut Reductions,
+    ) -> EngineResult<()> {
+        let stage = self.cfg.strategy.zero_stage();
+        if stage >= 2 {
+            let g = self.shard_pg.as_ref().ok_or_else(|| {
+                EngineError::Config("reduce-scatter without a sharding group".into())
+            })?;
+            let out = flat::FlatBuf::zeros(flat.dtype(), self.layout.units[ui].shard_len);
+            self.comm.add(flat.bytes() + out.bytes());
+            works.shards.push((ui, flat.reduce_scatter_async(g, out, ReduceOp::Avg)));
+        } else if stage == 0
+            && sync
+            && self.world > 1
+            && let Some(b) = self.buckets.iter().find(|b| b.start == ui).cloned()
+        {
+            // The bucket is complete: all-reduce its units' gradient buffers in place, one op
+            // per unit queued back to back (no copy into and out of a bucket buffer;
+            // reductions are element-wise, so the result is the same).
+            for u in b {
+                let g = std::mem::take(&mut self.units[u].grad);
+                works.buckets.push((u, g.all_reduce_async(&self.pg, ReduceOp::Avg)));
             }
         }
+        Ok(())
+    }
+
+    /// Waits for the reductions of a micro-batch and folds reduced shards into the gradients.
+    fn finish_reductions(&mut self, works: Reductions) -> EngineResult<()> {
         let mut failed = None;
-        for (u, w) in bucket_works {
+        for (u, w) in works.buckets {
             match w.wait() {
                 Ok(g) => self.units[u].grad = g,
                 Err(e) => {
@@ -933,7 +964,7 @@ impl<M: UnitModel> Engine<M> {
         if let Some(e) = failed {
             return Err(e.into());
         }
-        for (ui, w) in rs_works {
+        for (ui, w) in works.shards {
             let (input, mut out) = w.wait()?;
             self.comm.sub(input.bytes() + out.bytes());
             if let Some(r) = &self.rep_pg {
@@ -941,8 +972,17 @@ impl<M: UnitModel> Engine<M> {
             }
             self.units[ui].grad.add(&out);
         }
-        Ok(loss)
+        Ok(())
     }
+}
+
+/// Gradient reductions of one micro-batch in flight.
+#[derive(Default)]
+struct Reductions {
+    /// DDP: per-unit all-reduces of complete buckets.
+    buckets: Vec<(usize, flat::FlatWork)>,
+    /// ZeRO-2/3: per-unit reduce-scatters.
+    shards: Vec<(usize, flat::FlatWork2)>,
 }
 
 /// DDP buckets over units in reverse order: the first bucket closes once it reaches
@@ -969,6 +1009,7 @@ fn make_buckets(
 
 mod ckpt;
 mod flat;
+mod native;
 mod tiers;
 
 pub use tiers::{CPU_TILE_ELEMS, LossScaler, Offload, Precision, ReduceDtype};

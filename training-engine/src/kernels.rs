@@ -297,49 +297,16 @@ pub fn tune_allocator() {
 
 // === Bias add, bias + GELU, and vectorizable erf / exp ===
 
-/// `e^x` for `x ≤ 88` (Cephes polynomial, ~1 ulp), branch-free so loops over it vectorize.
-/// Inputs below −87 return ≈ 1.6e−38 instead of denormals/0.
-#[allow(clippy::excessive_precision)] // coefficients as published
+/// `e^x` (see [`crate::native::ops::exp`]), unfused, so every SIMD level rounds the same.
 #[inline(always)]
 fn exp_f32(x: f32) -> f32 {
-    let x = x.clamp(-87.0, 88.0);
-    // Round to nearest with the 1.5·2²³ trick (`floor`/`round` are libm calls on baseline
-    // x86-64, and a saturating `as i32` blocks vectorization): the low mantissa bits of `y`
-    // then hold `n` exactly.
-    const MAGIC: f32 = 12_582_912.0;
-    let y = x * std::f32::consts::LOG2_E + MAGIC;
-    let n = y - MAGIC;
-    let r = x - n * 0.693_359_4 - n * -2.121_944_4e-4;
-    let mut p = 1.987_569_1e-4f32;
-    p = p * r + 1.398_199_9e-3;
-    p = p * r + 8.333_452e-3;
-    p = p * r + 4.166_579_6e-2;
-    p = p * r + 1.666_666_5e-1;
-    p = p * r + 5.000_000_1e-1;
-    let e = p * r * r + r + 1.0;
-    let pow2 = f32::from_bits(y.to_bits().wrapping_sub(0x4B40_0000).wrapping_add(127) << 23);
-    e * pow2
+    crate::native::ops::exp::<false>(x)
 }
 
-/// `erf(x)` through Numerical Recipes' Chebyshev `erfc` (relative error < 1.2e−7, so
-/// |err| ≲ 2e−7 on erf), branch-free so loops over it vectorize.
-#[allow(clippy::excessive_precision)] // coefficients as published
+/// `erf(x)` (see [`crate::native::ops::erf`]), unfused.
 #[inline(always)]
 fn erf_f32(x: f32) -> f32 {
-    let z = x.abs();
-    let t = 1.0 / (1.0 + 0.5 * z);
-    let mut p = 0.170_872_77f32;
-    p = p * t + -0.822_152_23;
-    p = p * t + 1.488_515_87;
-    p = p * t + -1.135_203_98;
-    p = p * t + 0.278_868_07;
-    p = p * t + -0.186_288_06;
-    p = p * t + 0.096_784_18;
-    p = p * t + 0.374_091_96;
-    p = p * t + 1.000_023_68;
-    p = p * t + -1.265_512_23;
-    let erfc = t * exp_f32(-z * z + p);
-    (1.0 - erfc).copysign(x)
+    crate::native::ops::erf::<false>(x)
 }
 
 /// Runs `$f(args)` compiled for AVX-512F, AVX2 or baseline x86-64, whichever the CPU has
@@ -841,45 +808,5 @@ impl CustomOp2 for AttentionBwd {
             }
         }
         Ok((CpuStorage::F32(dqkv), l1.shape().clone()))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn erf_ref(x: f64) -> f64 {
-        let z = x.abs();
-        if z > 3.0 {
-            // Asymptotic erfc (abs error < 1e−8 for z > 3).
-            let z2 = z * z;
-            let s = 1.0 - 1.0 / (2.0 * z2) + 3.0 / (4.0 * z2 * z2) - 15.0 / (8.0 * z2.powi(3))
-                + 105.0 / (16.0 * z2.powi(4));
-            let erfc = (-z2).exp() / (z * std::f64::consts::PI.sqrt()) * s;
-            return (1.0 - erfc).copysign(x);
-        }
-        // Taylor series (no significant cancellation for |x| ≤ 3 in f64).
-        let (mut term, mut sum) = (x, x);
-        for n in 1..200 {
-            term *= -x * x / n as f64;
-            sum += term / (2 * n + 1) as f64;
-        }
-        sum * 2.0 / std::f64::consts::PI.sqrt()
-    }
-
-    #[test]
-    fn fast_erf_and_exp_are_accurate() {
-        let mut worst_erf = 0f64;
-        let mut worst_exp = 0f64;
-        for i in -80_000..=80_000 {
-            let x = i as f32 * 1e-4;
-            worst_erf = worst_erf.max((f64::from(erf_f32(x)) - erf_ref(f64::from(x))).abs());
-            let e = f64::from(x * 10.0).exp();
-            worst_exp = worst_exp.max(((f64::from(exp_f32(x * 10.0)) - e) / e).abs());
-        }
-        assert!(worst_erf < 5e-7, "erf abs error {worst_erf}");
-        assert!(worst_exp < 5e-7, "exp rel error {worst_exp}");
-        assert_eq!(exp_f32(0.0), 1.0);
-        assert!(exp_f32(-200.0) >= 0.0 && exp_f32(-200.0) < 1e-37);
     }
 }

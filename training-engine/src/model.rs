@@ -12,6 +12,7 @@
 use candle_core::{D, DType, Device, Tensor};
 
 use crate::kernels;
+use crate::native::NativeUnits;
 use crate::layout::UnitSpec;
 
 /// One micro-batch on one rank.
@@ -66,6 +67,12 @@ pub trait UnitModel: Send + Sync {
         x: Option<&Tensor>,
         batch: &Batch,
     ) -> candle_core::Result<Tensor>;
+
+    /// A hand-written fp32 forward/backward of the same units, which the engine then uses for
+    /// fp32 training instead of candle's autograd (see [`crate::native`]). `None` by default.
+    fn native(&self) -> Option<&dyn NativeUnits> {
+        None
+    }
 }
 
 /// GPT hyper-parameters.
@@ -84,6 +91,14 @@ pub struct GptConfig {
 }
 
 impl GptConfig {
+    /// Matrix-multiply FLOPs of one training step per token (forward and backward, nothing
+    /// recomputed), as MFU counts them (PaLM, appendix B): `3 × (L·(24·D² + 4·T·D) + 2·D·V)`;
+    /// the attention scores and values count the whole `T×T` square.
+    pub fn train_flops_per_token(&self) -> f64 {
+        let (d, t, l, v) = (self.d_model as f64, self.seq as f64, self.layers as f64, self.vocab as f64);
+        3.0 * (l * (24.0 * d * d + 4.0 * t * d) + 2.0 * d * v)
+    }
+
     /// The reference workload (D=256, L=4, H=4, T=128, V=256).
     pub fn reference() -> Self {
         GptConfig {
@@ -254,6 +269,12 @@ impl UnitModel for Gpt {
             }
         }
         out
+    }
+
+    fn native(&self) -> Option<&dyn NativeUnits> {
+        // The composed (unfused) model is the reference for the fused kernels: it stays on
+        // candle.
+        self.fused.then_some(self as &dyn NativeUnits)
     }
 
     fn forward_unit(

@@ -17,10 +17,18 @@
 //! achieved inside the optimizer step.
 //!
 //! ```text
-//! The single-process run records its tokens/s in `$TMPDIR/engine-bench-single.tok_per_s`;
-//! distributed runs read it for `speedup_vs_single`. Ends with one line:
+//! Prints the machine first (CPU model, the SIMD level the kernels run at; `RSRUN_ISA=avx2`
+//! forces a lower one) and the core's FMA peak, measured by a short FMA loop at that level in
+//! the same run; model FLOPs utilization (`mfu`) is each rank's matmul FLOP rate
+//! (`GptConfig::train_flops_per_token`) over that peak.
+//!
+//! The single-process run records its tokens/s and the FMA peak in
+//! `$TMPDIR/engine-bench-single.tok_per_s`; distributed runs read them (so the ranks do not
+//! measure the peak while competing for cores). Ends with one line:
 //! `summary: strategy=<s> world=<n> step_ms_median=... tok_per_s_total=... speedup_vs_single=...
-//! model_state_mib_per_rank=... peak_rss_mib=...`.
+//! mfu=... fma_peak_gflops=... model_state_mib_per_rank=... peak_rss_mib=...`.
+
+#![allow(clippy::print_stdout)]
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -99,6 +107,20 @@ fn main() -> Result<()> {
     };
     let rank = env_usize("RANK").unwrap_or(0);
     let world = env_usize("WORLD_SIZE").unwrap_or(1);
+    let baseline = std::env::temp_dir().join("engine-bench-single.tok_per_s");
+    // (tokens/s, FMA peak) of the last single-process run.
+    let recorded: Option<(f64, f64)> = std::fs::read_to_string(&baseline).ok().and_then(|s| {
+        let mut it = s.split_whitespace().map(|v| v.parse::<f64>().ok());
+        Some((it.next()??, it.next()??))
+    });
+    let peak = match recorded {
+        Some((_, p)) if world > 1 => p,
+        _ => rsrun_examples::machine::fma_peak_gflops(rsrun_training_engine::native::isa::isa(), Duration::from_millis(300)),
+    };
+    if rank == 0 {
+        println!("{}", rsrun_examples::machine::describe());
+        println!("fma_peak_gflops_per_core={peak:.1}");
+    }
     let store: Arc<dyn Store> = if world == 1 {
         Arc::new(LocalStore::new())
     } else if std::env::var_os("RSRUN_RDZV_ENDPOINT").is_some() {
@@ -186,16 +208,14 @@ fn main() -> Result<()> {
         offload_line = Some(line);
     }
     let tok_total = (args.batch * model_cfg.seq * world) as f64 / med;
-    let baseline = std::env::temp_dir().join("engine-bench-single.tok_per_s");
     let speedup = if world == 1 && offload_line.is_none() && precision == Precision::Fp32 {
-        std::fs::write(&baseline, format!("{tok_total}"))?;
+        std::fs::write(&baseline, format!("{tok_total} {peak}"))?;
         "1.00".to_string()
     } else {
-        std::fs::read_to_string(&baseline)
-            .ok()
-            .and_then(|s| s.trim().parse::<f64>().ok())
-            .map_or_else(|| "na".into(), |b| format!("{:.2}", tok_total / b))
+        recorded.map_or_else(|| "na".into(), |(b, _)| format!("{:.2}", tok_total / b))
     };
+    // Per rank: each rank computes on its own core.
+    let mfu = tok_total / world as f64 * model_cfg.train_flops_per_token() / (peak * 1e9);
     let mem = engine.memory();
     let sent_mib = engine.bytes_sent() as f64 / args.steps as f64 / (1 << 20) as f64;
     if rank == 0 {
@@ -212,7 +232,7 @@ fn main() -> Result<()> {
         }
         writeln!(
             out,
-            "summary: strategy={strategy} world={world} precision={precision}{offload_summary} step_ms_median={:.1} tok_per_s_total={tok_total:.0} speedup_vs_single={speedup} model_state_mib_per_rank={:.2} peak_rss_mib={:.0}",
+            "summary: strategy={strategy} world={world} precision={precision}{offload_summary} step_ms_median={:.1} tok_per_s_total={tok_total:.0} speedup_vs_single={speedup} mfu={mfu:.3} fma_peak_gflops={peak:.1} model_state_mib_per_rank={:.2} peak_rss_mib={:.0}",
             med * 1e3,
             mem.model_state() as f64 / (1 << 20) as f64,
             peak_rss_mib(),

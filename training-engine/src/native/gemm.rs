@@ -1,0 +1,816 @@
+//! Single-threaded f32 matrix products for the native path, with microkernels for AVX-512
+//! (6×64 tile), AVX2+FMA (6×16) and baseline x86-64, chosen at run time ([`super::isa`]).
+//!
+//! The structure is BLIS's: for each `KC`-deep slab, a block of the right operand is packed
+//! into `NR`-column micro-panels (k-major, zero-padded), for each `MC`-row block of the left
+//! operand it is packed into `MR`-row micro-panels, and the microkernel keeps an `MR×NR` tile
+//! of the result in registers over the whole slab: one broadcast of a left element feeds
+//! `NR/lanes` fused multiply-adds. Packing reads any strides, so transposed operands (`x·wᵀ`,
+//! `dyᵀ·x`) cost nothing extra. Destinations are row-major (unit column stride).
+//!
+//! Also here: the three products of a linear layer `y = x·wᵀ` (`x` is `n×k`, `w` is `o×k`,
+//! row-major) and the causal variants that attention uses, which skip the tiles above the
+//! diagonal.
+
+use std::cell::RefCell;
+
+use super::isa::{Isa, isa};
+
+/// A matrix operand: base pointer and strides in elements (`rs` between rows, `cs` between
+/// columns).
+#[derive(Clone, Copy)]
+pub(crate) struct Mat {
+    pub(crate) ptr: *const f32,
+    pub(crate) rs: usize,
+    pub(crate) cs: usize,
+}
+
+impl Mat {
+    /// The transpose (same memory, strides swapped).
+    fn t(self) -> Mat {
+        Mat {
+            ptr: self.ptr,
+            rs: self.cs,
+            cs: self.rs,
+        }
+    }
+}
+
+/// Which part of the product is needed: all of it, or only what a causal (lower-triangular)
+/// pattern uses.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Shape {
+    /// The whole product.
+    Full,
+    /// Only `dst[i][j]` with `j ≤ i` is needed (scores `q·kᵀ` of a causal attention); entries
+    /// above the diagonal are left unspecified.
+    LowerOut,
+    /// The left operand is lower-triangular (`lhs[i][p] = 0` for `p > i`: causal
+    /// probabilities times values), so row `i` only sums over `p ≤ i`.
+    LowerLhs,
+    /// The left operand is upper-triangular (`lhs[i][p] = 0` for `p < i`: the transpose of
+    /// causal probabilities), so row `i` only sums over `p ≥ i`.
+    UpperLhs,
+}
+
+/// Cache blocking of one SIMD level (the tile shape `MR×NR` is a const parameter of the
+/// instantiation, see [`gemm_at`]).
+#[derive(Clone, Copy)]
+struct Blocking {
+    kc: usize,
+    mc: usize,
+    nc: usize,
+}
+
+/// 64-byte aligned storage for packed panels.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([f32; 16]);
+
+#[derive(Default)]
+struct Packs {
+    a: Vec<Line>,
+    b: Vec<Line>,
+}
+
+fn lines(buf: &mut Vec<Line>, floats: usize) -> *mut f32 {
+    let n = floats.div_ceil(16);
+    if buf.len() < n {
+        buf.resize(n, Line([0.0; 16]));
+    }
+    buf.as_mut_ptr().cast::<f32>()
+}
+
+thread_local! {
+    static PACKS: RefCell<Packs> = RefCell::new(Packs::default());
+}
+
+/// `dst (m×n) = [dst +] lhs (m×k) · rhs (k×n)` at the process's SIMD level.
+///
+/// # Safety
+/// Every operand addresses its whole matrix under its strides (for the triangular shapes,
+/// at least the part the shape reads); `dst` has unit column stride and does not overlap
+/// `lhs` or `rhs`.
+pub(crate) unsafe fn gemm(
+    (m, n, k): (usize, usize, usize),
+    dst: *mut f32,
+    dst_rs: usize,
+    acc: bool,
+    lhs: Mat,
+    rhs: Mat,
+    shape: Shape,
+) {
+    // SAFETY: forwarded.
+    unsafe { gemm_at(isa(), (m, n, k), dst, dst_rs, acc, lhs, rhs, shape) }
+}
+
+/// [`gemm`] at a given SIMD level (which the CPU must support).
+///
+/// # Safety
+/// As [`gemm`]; `level` is supported by the CPU.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn gemm_at(
+    level: Isa,
+    (m, n, k): (usize, usize, usize),
+    dst: *mut f32,
+    dst_rs: usize,
+    acc: bool,
+    lhs: Mat,
+    rhs: Mat,
+    shape: Shape,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !acc {
+            for i in 0..m {
+                // SAFETY: row i of dst (n elements) is inside dst.
+                unsafe { std::ptr::write_bytes(dst.add(i * dst_rs), 0, n) };
+            }
+        }
+        return;
+    }
+    let args = (m, n, k, dst, dst_rs, acc, lhs, rhs, shape);
+    // SAFETY (each arm): forwarded; the caller guarantees the level.
+    unsafe {
+        match level {
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512 => run_avx512(args),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx2 => run_avx2(args),
+            _ => blocked::<4, 8>(Blocking { kc: 256, mc: 64, nc: 512 }, kernel_scalar, args),
+        }
+    }
+    // An upper-triangular left operand with more rows than columns: rows i ≥ k have no
+    // contributing slab, and a fresh product must still define them.
+    if !acc && shape == Shape::UpperLhs {
+        for i in k.min(m)..m {
+            // SAFETY: row i of dst is inside dst.
+            unsafe { std::ptr::write_bytes(dst.add(i * dst_rs), 0, n) };
+        }
+    }
+}
+
+/// The loop nest and packing compiled for AVX-512 (so panel copies are zmm moves).
+///
+/// # Safety
+/// As [`gemm_at`]; the CPU has AVX-512.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")]
+unsafe fn run_avx512(args: Args) {
+    // SAFETY: forwarded.
+    unsafe { blocked::<6, 64>(Blocking { kc: 256, mc: 96, nc: 1024 }, kernel_avx512, args) }
+}
+
+/// As [`run_avx512`] for AVX2.
+///
+/// # Safety
+/// As [`gemm_at`]; the CPU has AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn run_avx2(args: Args) {
+    // SAFETY: forwarded.
+    unsafe { blocked::<6, 16>(Blocking { kc: 256, mc: 96, nc: 1024 }, kernel_avx2, args) }
+}
+
+/// `c (MR×NR, row stride rs) = [c +] A·B` over `k`, with `A[r][p]` at `a + r·ar + p·ap`
+/// (packed: `ar = 1, ap = MR`; a row-major left operand read in place: `ar = rs, ap = 1`) and
+/// `B` a packed `NR`-column micro-panel.
+type Kernel = unsafe fn(usize, *const f32, usize, usize, *const f32, *mut f32, usize, bool);
+type Args = (usize, usize, usize, *mut f32, usize, bool, Mat, Mat, Shape);
+
+/// The BLIS loop nest for an `MR×NR` kernel. A row-major left operand (unit column stride) is
+/// read in place, full row panels at a time (its rows are contiguous in k, which is what the
+/// kernel's broadcasts walk); only a final partial panel is packed (zero-padded).
+///
+/// # Safety
+/// As [`gemm_at`]; `kernel` runs on this CPU and computes `MR×NR` tiles.
+#[inline(always)]
+unsafe fn blocked<const MR: usize, const NR: usize>(bl: Blocking, kernel: Kernel, args: Args) {
+    let (m, n, k, dst, dst_rs, acc, lhs, rhs, shape) = args;
+    let mut packs = PACKS.with(|p| p.take());
+    let apack = lines(&mut packs.a, bl.mc.div_ceil(MR) * MR * bl.kc);
+    let bpack = lines(&mut packs.b, bl.nc.div_ceil(NR) * NR * bl.kc);
+    let a_direct = lhs.cs == 1;
+    let mut tile = [0f32; 6 * 64];
+    for jc in (0..n).step_by(bl.nc) {
+        let nc = bl.nc.min(n - jc);
+        for pc in (0..k).step_by(bl.kc) {
+            let kc = bl.kc.min(k - pc);
+            // SAFETY: the block is inside rhs; bpack holds nc.div_ceil(NR)·NR·kc floats.
+            unsafe { pack::<NR>(rhs.t(), jc, pc, nc, kc, bpack) };
+            for ic in (0..m).step_by(bl.mc) {
+                let mc = bl.mc.min(m - ic);
+                // Causal shapes: skip whole blocks that contribute nothing.
+                match shape {
+                    Shape::LowerLhs if pc > ic + mc - 1 => continue,
+                    Shape::UpperLhs if pc + kc <= ic => continue,
+                    Shape::LowerOut if jc > ic + mc - 1 => continue,
+                    _ => {}
+                }
+                // SAFETY: the block (or its partial last panel) is inside lhs; apack holds
+                // mc.div_ceil(MR)·MR·kc floats.
+                unsafe {
+                    if !a_direct {
+                        pack::<MR>(lhs, ic, pc, mc, kc, apack);
+                    } else if mc % MR != 0 {
+                        let tail = mc / MR * MR;
+                        pack::<MR>(lhs, ic + tail, pc, mc - tail, kc, apack.add(tail * kc));
+                    }
+                }
+                for jr in (0..nc).step_by(NR) {
+                    let nr = NR.min(nc - jr);
+                    for ir in (0..mc).step_by(MR) {
+                        let mr = MR.min(mc - ir);
+                        let (row0, col0) = (ic + ir, jc + jr);
+                        let (r_lo, r_hi) = (row0, row0 + mr - 1);
+                        let skip = match shape {
+                            Shape::Full => false,
+                            // Every needed column j ≤ r_hi.
+                            Shape::LowerOut => col0 > r_hi,
+                            // Row i sums over p ≤ i: this slab starts after the last row.
+                            Shape::LowerLhs => pc > r_hi,
+                            // Row i sums over p ≥ i: this slab ends before the first row.
+                            Shape::UpperLhs => pc + kc <= r_lo,
+                        };
+                        if skip {
+                            continue;
+                        }
+                        // Accumulate onto dst unless this is the tile's first slab of a fresh
+                        // product (an upper-triangular left operand starts at the slab holding
+                        // the tile's first row).
+                        let first_slab = match shape {
+                            Shape::UpperLhs => pc <= r_lo && r_lo < pc + kc,
+                            _ => pc == 0,
+                        };
+                        let load = acc || !first_slab;
+                        let (a, ar, ap) = if a_direct && mr == MR {
+                            (lhs.ptr.wrapping_add(row0 * lhs.rs + pc), lhs.rs, 1)
+                        } else {
+                            (apack.wrapping_add(ir * kc) as *const f32, 1, MR)
+                        };
+                        let b = bpack.wrapping_add(jr * kc);
+                        // SAFETY: the left panel is MR×kc inside lhs or the pack, the right one
+                        // NR·kc floats inside the pack; the destination tile is inside dst
+                        // (full tile) or `tile`.
+                        unsafe {
+                            let c = dst.add(row0 * dst_rs + col0);
+                            if mr == MR && nr == NR {
+                                kernel(kc, a, ar, ap, b, c, dst_rs, load);
+                            } else {
+                                kernel(kc, a, ar, ap, b, tile.as_mut_ptr(), NR, false);
+                                for i in 0..mr {
+                                    let crow = c.add(i * dst_rs);
+                                    for j in 0..nr {
+                                        let v = tile[i * NR + j];
+                                        *crow.add(j) = if load { *crow.add(j) + v } else { v };
+                                    }
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    PACKS.with(|p| p.replace(packs));
+}
+
+/// Packs `m[i0.., p0..]` (`rows×kc`) into `W`-row micro-panels, k-major (`panel[p·W + r]`),
+/// rows past `rows` zero. The left operand's `MR`-row panels directly; the right operand's
+/// `NR`-column panels as rows of its transpose ([`Mat::t`]).
+///
+/// # Safety
+/// The block is inside `m`; `out` holds `rows.div_ceil(W)·W·kc` floats.
+#[inline(always)]
+unsafe fn pack<const W: usize>(m: Mat, i0: usize, p0: usize, rows: usize, kc: usize, out: *mut f32) {
+    // Register-transpose chunk: 16 columns (AVX-512), 8 (AVX2), or the whole panel.
+    let chunk = if W >= 32 && W.is_multiple_of(16) {
+        16
+    } else if W >= 16 && W.is_multiple_of(8) {
+        8
+    } else {
+        W
+    };
+    for (pi, ib) in (0..rows).step_by(W).enumerate() {
+        let valid = W.min(rows - ib);
+        let panel = out.wrapping_add(pi * W * kc);
+        // SAFETY (all accesses): inside the block / the panel by the caller's contract.
+        unsafe {
+            let base = m.ptr.add((i0 + ib) * m.rs + p0 * m.cs);
+            if m.rs == 1 && valid == W {
+                // Column-major block: each k is W contiguous floats.
+                for p in 0..kc {
+                    std::ptr::copy_nonoverlapping(base.add(p * m.cs), panel.add(p * W), W);
+                }
+            } else if m.cs == 1 && valid == W {
+                // Row-major block: transposed in SIMD registers, a chunk of rows at a time.
+                for c in (0..W).step_by(chunk) {
+                    transpose_into(base.add(c * m.rs), m.rs, chunk, kc, panel.add(c), W);
+                }
+            } else {
+                for r in 0..valid {
+                    let src = base.add(r * m.rs);
+                    for p in 0..kc {
+                        *panel.add(p * W + r) = *src.add(p * m.cs);
+                    }
+                }
+                for r in valid..W {
+                    for p in 0..kc {
+                        *panel.add(p * W + r) = 0.0;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// `out[p·os + i] = src[i·stride + p]` for `i < w`, `p < kc`: `w` contiguous runs (rows of a
+/// row-major matrix) interleaved k-major.
+///
+/// # Safety
+/// The `w` runs of `kc` floats are readable; `out` holds `os·(kc − 1) + w` floats, `w ≤ os`.
+#[inline(always)]
+unsafe fn transpose_into(src: *const f32, stride: usize, w: usize, kc: usize, out: *mut f32, os: usize) {
+    let mut done = 0;
+    // SAFETY (SIMD arms): the CPU has the level's features (`isa()` never exceeds them);
+    // accesses are inside the runs and `out`.
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        if w > 8 && w <= 16 && isa() == Isa::Avx512 {
+            done = simd::transpose16(src, stride, w, kc, out, os);
+        } else if w > 4 && w <= 8 && isa() >= Isa::Avx2 {
+            done = simd::transpose8(src, stride, w, kc, out, os);
+        }
+    }
+    // SAFETY: inside the runs and `out`.
+    unsafe {
+        for p in done..kc {
+            for i in 0..w {
+                *out.add(p * os + i) = *src.add(i * stride + p);
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod simd {
+    use std::arch::x86_64::*;
+
+    /// Transposes `w ≤ 16` runs of `kc` floats (stride `stride`) in 16×16 register blocks;
+    /// returns how many k were done (a multiple of 16).
+    ///
+    /// # Safety
+    /// AVX-512F; the runs are readable; `out` holds `os·kc` floats, `w ≤ os`.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn transpose16(src: *const f32, stride: usize, w: usize, kc: usize, out: *mut f32, os: usize) -> usize {
+        let mask: __mmask16 = if w >= 16 { 0xffff } else { (1u16 << w) - 1 };
+        let mut p = 0;
+        while p + 16 <= kc {
+            // SAFETY: rows i < w are readable for 16 floats at p; stores are masked to w lanes.
+            unsafe {
+                let mut r = [_mm512_setzero_ps(); 16];
+                for (i, v) in r.iter_mut().enumerate().take(w) {
+                    *v = _mm512_loadu_ps(src.add(i * stride + p));
+                }
+                t16(&mut r);
+                for (q, v) in r.iter().enumerate() {
+                    _mm512_mask_storeu_ps(out.add((p + q) * os), mask, *v);
+                }
+            }
+            p += 16;
+        }
+        p
+    }
+
+    /// As [`transpose16`] in 8×8 AVX blocks for `w ≤ 8`.
+    ///
+    /// # Safety
+    /// AVX2; as [`transpose16`].
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn transpose8(src: *const f32, stride: usize, w: usize, kc: usize, out: *mut f32, os: usize) -> usize {
+        let lanes: [i32; 8] = std::array::from_fn(|i| if i < w { -1 } else { 0 });
+        // SAFETY: reads 8 i32.
+        let mask = unsafe { _mm256_loadu_si256(lanes.as_ptr().cast()) };
+        let mut p = 0;
+        while p + 8 <= kc {
+            // SAFETY: rows i < w are readable for 8 floats at p; stores are masked to w lanes.
+            unsafe {
+                let mut r = [_mm256_setzero_ps(); 8];
+                for (i, v) in r.iter_mut().enumerate().take(w) {
+                    *v = _mm256_loadu_ps(src.add(i * stride + p));
+                }
+                t8(&mut r);
+                for (q, v) in r.iter().enumerate() {
+                    _mm256_maskstore_ps(out.add((p + q) * os), mask, *v);
+                }
+            }
+            p += 8;
+        }
+        p
+    }
+
+    /// In-register 16×16 transpose: lane j of output row i is lane i of input row j.
+    #[target_feature(enable = "avx512f")]
+    fn t16(r: &mut [__m512; 16]) {
+        let mut t = [_mm512_setzero_ps(); 16];
+        for i in 0..8 {
+            t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+        }
+        let mut u = [_mm512_setzero_ps(); 16];
+        for i in 0..4 {
+            u[4 * i] = _mm512_shuffle_ps::<0x44>(t[4 * i], t[4 * i + 2]);
+            u[4 * i + 1] = _mm512_shuffle_ps::<0xEE>(t[4 * i], t[4 * i + 2]);
+            u[4 * i + 2] = _mm512_shuffle_ps::<0x44>(t[4 * i + 1], t[4 * i + 3]);
+            u[4 * i + 3] = _mm512_shuffle_ps::<0xEE>(t[4 * i + 1], t[4 * i + 3]);
+        }
+        let mut v = [_mm512_setzero_ps(); 16];
+        for h in 0..2 {
+            for j in 0..4 {
+                v[8 * h + j] = _mm512_shuffle_f32x4::<0x88>(u[8 * h + j], u[8 * h + 4 + j]);
+                v[8 * h + 4 + j] = _mm512_shuffle_f32x4::<0xDD>(u[8 * h + j], u[8 * h + 4 + j]);
+            }
+        }
+        for j in 0..8 {
+            r[j] = _mm512_shuffle_f32x4::<0x88>(v[j], v[8 + j]);
+            r[8 + j] = _mm512_shuffle_f32x4::<0xDD>(v[j], v[8 + j]);
+        }
+    }
+
+    /// In-register 8×8 transpose.
+    #[target_feature(enable = "avx2")]
+    fn t8(r: &mut [__m256; 8]) {
+        let mut t = [_mm256_setzero_ps(); 8];
+        for i in 0..4 {
+            t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+            t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+        }
+        let mut u = [_mm256_setzero_ps(); 8];
+        for i in 0..2 {
+            u[4 * i] = _mm256_shuffle_ps::<0x44>(t[4 * i], t[4 * i + 2]);
+            u[4 * i + 1] = _mm256_shuffle_ps::<0xEE>(t[4 * i], t[4 * i + 2]);
+            u[4 * i + 2] = _mm256_shuffle_ps::<0x44>(t[4 * i + 1], t[4 * i + 3]);
+            u[4 * i + 3] = _mm256_shuffle_ps::<0xEE>(t[4 * i + 1], t[4 * i + 3]);
+        }
+        for j in 0..4 {
+            r[j] = _mm256_permute2f128_ps::<0x20>(u[j], u[4 + j]);
+            r[4 + j] = _mm256_permute2f128_ps::<0x31>(u[j], u[4 + j]);
+        }
+    }
+}
+
+/// 6×64 tile in 24 zmm accumulators: per k, four vector loads of the right panel and six
+/// broadcasts of the left one feed 24 fused multiply-adds.
+///
+/// # Safety
+/// AVX-512F+FMA; `A[r][p]` at `a + r·ar + p·ap` is readable for r < 6, p < k; `b` holds
+/// 64·k floats; `c` is a 6×64 tile with row stride `rs`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")]
+#[allow(clippy::too_many_arguments)] // the kernel ABI: operands, strides, flags
+unsafe fn kernel_avx512(
+    k: usize,
+    a: *const f32,
+    ar: usize,
+    ap: usize,
+    b: *const f32,
+    c: *mut f32,
+    rs: usize,
+    load: bool,
+) {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm512_setzero_ps(); 4]; 6];
+    /// One k step: rows 0–2 from `a0`, rows 3–5 from `a3`, row stride `ar`.
+    #[inline(always)]
+    unsafe fn step(acc: &mut [[__m512; 4]; 6], a0: *const f32, a3: *const f32, ar: usize, bp: *const f32) {
+        // SAFETY: in bounds by the kernel's contract.
+        unsafe {
+            let bv = [
+                _mm512_loadu_ps(bp),
+                _mm512_loadu_ps(bp.add(16)),
+                _mm512_loadu_ps(bp.add(32)),
+                _mm512_loadu_ps(bp.add(48)),
+            ];
+            let av = [*a0, *a0.add(ar), *a0.add(2 * ar), *a3, *a3.add(ar), *a3.add(2 * ar)];
+            for (row, x) in acc.iter_mut().zip(av) {
+                let x = _mm512_set1_ps(x);
+                for (v, bq) in row.iter_mut().zip(bv) {
+                    *v = _mm512_fmadd_ps(x, bq, *v);
+                }
+            }
+        }
+    }
+    // SAFETY: in bounds by the contract.
+    unsafe {
+        let (mut a0, mut a3, mut bp) = (a, a.wrapping_add(3 * ar), b);
+        let mut p = 0;
+        while p + 4 <= k {
+            for u in 0..4 {
+                step(&mut acc, a0.add(u * ap), a3.add(u * ap), ar, bp.add(u * 64));
+            }
+            a0 = a0.add(4 * ap);
+            a3 = a3.add(4 * ap);
+            bp = bp.add(4 * 64);
+            p += 4;
+        }
+        while p < k {
+            step(&mut acc, a0, a3, ar, bp);
+            a0 = a0.add(ap);
+            a3 = a3.add(ap);
+            bp = bp.add(64);
+            p += 1;
+        }
+        for (r, row) in acc.iter().enumerate() {
+            let cr = c.add(r * rs);
+            for (q, v) in row.iter().enumerate() {
+                let mut v = *v;
+                if load {
+                    v = _mm512_add_ps(v, _mm512_loadu_ps(cr.add(16 * q)));
+                }
+                _mm512_storeu_ps(cr.add(16 * q), v);
+            }
+        }
+    }
+}
+
+/// 6×16 tile in 12 ymm accumulators (BLIS's Haswell shape).
+///
+/// # Safety
+/// AVX2+FMA; `A` as for [`kernel_avx512`]; `b` holds 16·k floats; `c` is a 6×16 tile with row
+/// stride `rs`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)] // the kernel ABI: operands, strides, flags
+unsafe fn kernel_avx2(
+    k: usize,
+    a: *const f32,
+    ar: usize,
+    ap: usize,
+    b: *const f32,
+    c: *mut f32,
+    rs: usize,
+    load: bool,
+) {
+    use std::arch::x86_64::*;
+    let mut acc = [[_mm256_setzero_ps(); 2]; 6];
+    /// One k step: rows 0–2 from `a0`, rows 3–5 from `a3`, row stride `ar`.
+    #[inline(always)]
+    unsafe fn step(acc: &mut [[__m256; 2]; 6], a0: *const f32, a3: *const f32, ar: usize, bp: *const f32) {
+        // SAFETY: in bounds by the kernel's contract.
+        unsafe {
+            let (b0, b1) = (_mm256_loadu_ps(bp), _mm256_loadu_ps(bp.add(8)));
+            let rows = [a0, a0.add(ar), a0.add(2 * ar), a3, a3.add(ar), a3.add(2 * ar)];
+            for (row, x) in acc.iter_mut().zip(rows) {
+                let x = _mm256_broadcast_ss(&*x);
+                row[0] = _mm256_fmadd_ps(x, b0, row[0]);
+                row[1] = _mm256_fmadd_ps(x, b1, row[1]);
+            }
+        }
+    }
+    // SAFETY: in bounds by the contract.
+    unsafe {
+        let (mut a0, mut a3, mut bp) = (a, a.wrapping_add(3 * ar), b);
+        let mut p = 0;
+        while p + 4 <= k {
+            for u in 0..4 {
+                step(&mut acc, a0.add(u * ap), a3.add(u * ap), ar, bp.add(u * 16));
+            }
+            a0 = a0.add(4 * ap);
+            a3 = a3.add(4 * ap);
+            bp = bp.add(4 * 16);
+            p += 4;
+        }
+        while p < k {
+            step(&mut acc, a0, a3, ar, bp);
+            a0 = a0.add(ap);
+            a3 = a3.add(ap);
+            bp = bp.add(16);
+            p += 1;
+        }
+        for (r, row) in acc.iter().enumerate() {
+            let cr = c.add(r * rs);
+            let (mut v0, mut v1) = (row[0], row[1]);
+            if load {
+                v0 = _mm256_add_ps(v0, _mm256_loadu_ps(cr));
+                v1 = _mm256_add_ps(v1, _mm256_loadu_ps(cr.add(8)));
+            }
+            _mm256_storeu_ps(cr, v0);
+            _mm256_storeu_ps(cr.add(8), v1);
+        }
+    }
+}
+
+/// 4×8 tile in plain arithmetic (auto-vectorized for SSE2).
+///
+/// # Safety
+/// `A` as for [`kernel_avx512`] (4 rows); `b` holds 8·k floats; `c` is a 4×8 tile with row
+/// stride `rs`.
+#[allow(clippy::too_many_arguments)] // the kernel ABI: operands, strides, flags
+unsafe fn kernel_scalar(
+    k: usize,
+    a: *const f32,
+    ar: usize,
+    ap: usize,
+    b: *const f32,
+    c: *mut f32,
+    rs: usize,
+    load: bool,
+) {
+    let mut acc = [[0f32; 8]; 4];
+    // SAFETY: in bounds by the contract.
+    unsafe {
+        for p in 0..k {
+            let bp = std::slice::from_raw_parts(b.add(p * 8), 8);
+            for (r, row) in acc.iter_mut().enumerate() {
+                let av = *a.add(r * ar + p * ap);
+                for j in 0..8 {
+                    row[j] += av * bp[j];
+                }
+            }
+        }
+        for (r, row) in acc.iter().enumerate() {
+            let cr = c.add(r * rs);
+            for (j, v) in row.iter().enumerate() {
+                *cr.add(j) = if load { *cr.add(j) + v } else { *v };
+            }
+        }
+    }
+}
+
+fn check(what: &str, len: usize, want: usize) {
+    // Shapes are validated where units start; this guards the unsafe calls below.
+    assert!(len >= want, "{what}: {len} elements, need {want}");
+}
+
+/// `out (n×o) = [out +] x (n×k) · wᵀ`.
+pub(crate) fn x_wt(n: usize, k: usize, o: usize, x: &[f32], w: &[f32], out: &mut [f32], acc: bool) {
+    check("x", x.len(), n * k);
+    check("w", w.len(), o * k);
+    check("out", out.len(), n * o);
+    // SAFETY: lengths checked above; `out` is a distinct &mut.
+    unsafe {
+        gemm(
+            (n, o, k),
+            out.as_mut_ptr(),
+            o,
+            acc,
+            Mat { ptr: x.as_ptr(), rs: k, cs: 1 },
+            Mat { ptr: w.as_ptr(), rs: 1, cs: k },
+            Shape::Full,
+        );
+    }
+}
+
+/// `dw (o×k) += dyᵀ · x` (`dy` is `n×o`).
+pub(crate) fn dyt_x(n: usize, k: usize, o: usize, dy: &[f32], x: &[f32], dw: &mut [f32]) {
+    check("dy", dy.len(), n * o);
+    check("x", x.len(), n * k);
+    check("dw", dw.len(), o * k);
+    // SAFETY: lengths checked above; `dw` is a distinct &mut.
+    unsafe {
+        gemm(
+            (o, k, n),
+            dw.as_mut_ptr(),
+            k,
+            true,
+            Mat { ptr: dy.as_ptr(), rs: 1, cs: o },
+            Mat { ptr: x.as_ptr(), rs: k, cs: 1 },
+            Shape::Full,
+        );
+    }
+}
+
+/// `dx (n×k) = [dx +] dy · w` (`dy` is `n×o`, `w` is `o×k`).
+pub(crate) fn dy_w(n: usize, k: usize, o: usize, dy: &[f32], w: &[f32], dx: &mut [f32], acc: bool) {
+    check("dy", dy.len(), n * o);
+    check("w", w.len(), o * k);
+    check("dx", dx.len(), n * k);
+    // SAFETY: lengths checked above; `dx` is a distinct &mut.
+    unsafe {
+        gemm(
+            (n, k, o),
+            dx.as_mut_ptr(),
+            k,
+            acc,
+            Mat { ptr: dy.as_ptr(), rs: o, cs: 1 },
+            Mat { ptr: w.as_ptr(), rs: k, cs: 1 },
+            Shape::Full,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::SplitMix;
+
+    fn naive(m: usize, n: usize, k: usize, a: &[f32], (ars, acs): (usize, usize), b: &[f32], (brs, bcs): (usize, usize)) -> Vec<f64> {
+        let mut c = vec![0f64; m * n];
+        for i in 0..m {
+            for j in 0..n {
+                c[i * n + j] = (0..k).map(|p| f64::from(a[i * ars + p * acs]) * f64::from(b[p * brs + j * bcs])).sum();
+            }
+        }
+        c
+    }
+
+    fn levels() -> Vec<Isa> {
+        [Isa::Baseline, Isa::Avx2, Isa::Avx512].into_iter().filter(|l| *l <= Isa::detected()).collect()
+    }
+
+    #[test]
+    fn products_match_a_naive_reference_at_every_level_and_layout() {
+        let mut rng = SplitMix::new(3);
+        let sizes = [(1, 1, 1), (13, 33, 7), (25, 17, 300), (12, 32, 256), (37, 70, 513), (150, 40, 9), (2, 1100, 20)];
+        for level in levels() {
+            for &(m, n, k) in &sizes {
+                for (ta, tb) in [(false, false), (true, false), (false, true), (true, true)] {
+                    let a: Vec<f32> = (0..m * k).map(|_| rng.normal()).collect();
+                    let b: Vec<f32> = (0..k * n).map(|_| rng.normal()).collect();
+                    let sa = if ta { (1, m) } else { (k, 1) };
+                    let sb = if tb { (1, k) } else { (n, 1) };
+                    let want = naive(m, n, k, &a, sa, &b, sb);
+                    for acc in [false, true] {
+                        let rs = n + 3; // a destination row stride wider than n
+                        let mut c: Vec<f32> = (0..m * rs).map(|i| (i % 5) as f32).collect();
+                        let before = c.clone();
+                        // SAFETY: operands sized for their strides; c is separate.
+                        unsafe {
+                            gemm_at(
+                                level,
+                                (m, n, k),
+                                c.as_mut_ptr(),
+                                rs,
+                                acc,
+                                Mat { ptr: a.as_ptr(), rs: sa.0, cs: sa.1 },
+                                Mat { ptr: b.as_ptr(), rs: sb.0, cs: sb.1 },
+                                Shape::Full,
+                            );
+                        }
+                        for i in 0..m {
+                            for j in 0..rs {
+                                let got = f64::from(c[i * rs + j]);
+                                let base = f64::from(before[i * rs + j]);
+                                if j >= n {
+                                    assert_eq!(got, base, "{level:?} wrote past the row");
+                                    continue;
+                                }
+                                let w = want[i * n + j] + if acc { base } else { 0.0 };
+                                let tol = 1e-4 * (k as f64).sqrt() * (1.0 + w.abs());
+                                assert!((got - w).abs() < tol, "{level:?} {m}x{n}x{k} ta={ta} tb={tb} acc={acc} [{i},{j}]: {got} vs {w}");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn causal_shapes_compute_what_they_promise() {
+        let mut rng = SplitMix::new(9);
+        for level in levels() {
+            for t in [1usize, 5, 12, 40, 150, 300] {
+                let hd = 7;
+                let q: Vec<f32> = (0..t * hd).map(|_| rng.normal()).collect();
+                let kk: Vec<f32> = (0..t * hd).map(|_| rng.normal()).collect();
+                // LowerOut: scores q·kᵀ, checked on and below the diagonal.
+                let want = naive(t, t, hd, &q, (hd, 1), &kk, (1, hd));
+                let mut s = vec![f32::NAN; t * t];
+                // SAFETY: sized above.
+                unsafe {
+                    gemm_at(level, (t, t, hd), s.as_mut_ptr(), t, false, Mat { ptr: q.as_ptr(), rs: hd, cs: 1 }, Mat { ptr: kk.as_ptr(), rs: 1, cs: hd }, Shape::LowerOut);
+                }
+                for i in 0..t {
+                    for j in 0..=i {
+                        assert!((f64::from(s[i * t + j]) - want[i * t + j]).abs() < 1e-3, "{level:?} t={t} lower-out [{i},{j}]");
+                    }
+                }
+                // A lower-triangular left operand (zeros above the diagonal), and its transpose.
+                let mut p: Vec<f32> = (0..t * t).map(|_| rng.normal()).collect();
+                for i in 0..t {
+                    for j in i + 1..t {
+                        p[i * t + j] = 0.0;
+                    }
+                }
+                let v: Vec<f32> = (0..t * hd).map(|_| rng.normal()).collect();
+                for (shape, sa) in [(Shape::LowerLhs, (t, 1)), (Shape::UpperLhs, (1, t))] {
+                    let want = naive(t, hd, t, &p, sa, &v, (hd, 1));
+                    for acc in [false, true] {
+                        let mut y = vec![0.5f32; t * hd];
+                        // SAFETY: sized above.
+                        unsafe {
+                            gemm_at(level, (t, hd, t), y.as_mut_ptr(), hd, acc, Mat { ptr: p.as_ptr(), rs: sa.0, cs: sa.1 }, Mat { ptr: v.as_ptr(), rs: hd, cs: 1 }, shape);
+                        }
+                        for i in 0..t * hd {
+                            let w = want[i] + if acc { 0.5 } else { 0.0 };
+                            assert!((f64::from(y[i]) - w).abs() < 1e-3 * (1.0 + w.abs()), "{level:?} t={t} {shape:?} acc={acc} [{i}]: {} vs {w}", y[i]);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
