@@ -1,30 +1,68 @@
 #!/usr/bin/env bash
-# The reference workload (byte-level GPT D=256 L=4 H=4 T=128, B=8 per rank, AdamW, fp32, one compute
-# thread per rank) with rsrun + train and with torchrun + reference_gpt.py, in the same session:
-# single process, DDP on 2 ranks, ZeRO-3/FSDP on 2 ranks. Prints a ratio table and a summary line.
-# Usage: scripts/bench-vs-torch.sh [STEPS]   (default 30; the first run installs torch in a venv)
+# rsrun's engine and collectives against PyTorch, side by side in one run on this machine.
+#
+# The reference workload (byte-level GPT D=256 L=4 H=4 T=128, B=8 per rank, AdamW, fp32, one
+# compute thread per rank): engine-bench against ../shared/bench/reference_gpt.py, single process,
+# DDP on 2 ranks (rsrun vs torchrun), ZeRO-3 vs FSDP2 on 2 ranks; then collectives-bench (bounds
+# from memcpy and loopback TCP measured in the same run) next to gloo.
+#
+# Usage: scripts/bench-vs-torch.sh [--isa avx2|avx512] [STEPS]     (default 30 steps)
+#   --isa avx2 runs both sides at AVX2+FMA on an AVX-512 machine (rsrun: RSRUN_ISA=avx2;
+#   torch: ATEN_CPU_CAPABILITY=avx2, MKL_ENABLE_INSTRUCTIONS=AVX2, ONEDNN_MAX_CPU_ISA=AVX2), to see
+#   how an AVX2-only CPU fares.
+# Ends with two lines:
+#   summary: single_tok_ratio_vs_torch=... ddp_tok_ratio_vs_torch=... ddp_speedup=... mfu=... cpu=...
+#   summary: allreduce_frac_of_bound=... reduce_scatter_frac=... all_gather_frac=... tcp_frac_of_loopback=...
 set -euo pipefail
 cd "$(dirname "$0")/.."
+isa=""
+if [[ ${1:-} == --isa ]]; then
+  isa=${2:?--isa needs avx2 or avx512}
+  shift 2
+fi
 steps=${1:-30}
 PY=$(scripts/torch-venv.sh)
 TORCHRUN=$(dirname "$PY")/torchrun
 REF=../shared/bench/reference_gpt.py
-cargo build --release -q -p rsrun-launcher -p rsrun-examples --bin rsrun --bin train
+GLOO=../shared/bench/gloo_collectives.py
+cargo build --release -q -p rsrun-launcher -p rsrun-examples --bin rsrun --bin engine-bench --bin collectives-bench
 export OMP_NUM_THREADS=1 RAYON_NUM_THREADS=1 STEPS=$steps
-field() { sed -n "s/.*$1=\([0-9.]*\).*/\1/p" | tail -n 1; }
-ours() { "$@" --steps "$steps" --log-format json 2>/dev/null | grep 'summary:' | field tok_per_s_total; }
-theirs() { "$@" 2>/dev/null | grep 'tok_per_s_total' | field tok_per_s_total; }
+case $isa in
+  "") ;;
+  avx2) export RSRUN_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 ;;
+  avx512) export RSRUN_ISA=avx512 ;;
+  *) echo "bench-vs-torch: --isa $isa: expected avx2 or avx512" >&2; exit 2 ;;
+esac
+field() { sed -n "s/.*[ :]$1=\([^ ]*\).*/\1/p" | tail -n 1; }
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+ours() { "$@" --steps "$steps" 2>&1 | tee -a "$log" | grep 'summary:' | tail -n 1; }
+theirs() { "$@" 2>&1 | grep 'tok_per_s_total' | tail -n 1; }
 
-r_single=$(ours target/release/train)
-r_ddp=$(ours target/release/rsrun --standalone --nproc-per-node 2 target/release/train --strategy ddp)
-r_fsdp=$(ours target/release/rsrun --standalone --nproc-per-node 2 target/release/train --strategy zero3)
+rm -f "${TMPDIR:-/tmp}/engine-bench-single.tok_per_s"
+o_single=$(ours target/release/engine-bench)
 t_single=$(STRATEGY=single theirs "$PY" "$REF")
+o_ddp=$(ours target/release/rsrun --standalone --nproc-per-node 2 target/release/engine-bench --strategy ddp)
 t_ddp=$(STRATEGY=ddp theirs "$TORCHRUN" --standalone --nproc-per-node 2 "$REF")
+o_z3=$(ours target/release/rsrun --standalone --nproc-per-node 2 target/release/engine-bench --strategy zero3)
 t_fsdp=$(STRATEGY=fsdp theirs "$TORCHRUN" --standalone --nproc-per-node 2 "$REF")
 
+tok() { echo "$1" | field tok_per_s_total; }
 ratio() { python3 -c "print(f'{$1/$2:.2f}')"; }
-printf '%-22s %14s %14s %8s\n' "tokens/s (total)" "rsrun+train" "torch" "ratio"
-printf '%-22s %14s %14s %8s\n' "single process" "$r_single" "$t_single" "$(ratio "$r_single" "$t_single")"
-printf '%-22s %14s %14s %8s\n' "DDP, 2 ranks" "$r_ddp" "$t_ddp" "$(ratio "$r_ddp" "$t_ddp")"
-printf '%-22s %14s %14s %8s\n' "ZeRO-3/FSDP, 2 ranks" "$r_fsdp" "$t_fsdp" "$(ratio "$r_fsdp" "$t_fsdp")"
-echo "summary: ddp_tok_ratio_vs_torch=$(ratio "$r_ddp" "$t_ddp") fsdp_tok_ratio_vs_torch=$(ratio "$r_fsdp" "$t_fsdp") ddp_speedup_vs_single=$(ratio "$r_ddp" "$r_single") torch_ddp_speedup_vs_single=$(ratio "$t_ddp" "$t_single")"
+grep -m1 '^machine:' "$log"
+grep -m1 '^fma_peak' "$log"
+printf '%-24s %14s %14s %8s\n' "tokens/s (total)" "rsrun" "torch" "ratio"
+printf '%-24s %14s %14s %8s\n' "single process" "$(tok "$o_single")" "$(tok "$t_single")" "$(ratio "$(tok "$o_single")" "$(tok "$t_single")")"
+printf '%-24s %14s %14s %8s\n' "DDP, 2 ranks" "$(tok "$o_ddp")" "$(tok "$t_ddp")" "$(ratio "$(tok "$o_ddp")" "$(tok "$t_ddp")")"
+printf '%-24s %14s %14s %8s\n' "ZeRO-3 / FSDP2, 2 ranks" "$(tok "$o_z3")" "$(tok "$t_fsdp")" "$(ratio "$(tok "$o_z3")" "$(tok "$t_fsdp")")"
+echo "rsrun: single mfu=$(echo "$o_single" | field mfu) ddp speedup=$(ratio "$(tok "$o_ddp")" "$(tok "$o_single")") zero3/ddp=$(ratio "$(tok "$o_z3")" "$(tok "$o_ddp")"); torch: ddp speedup=$(ratio "$(tok "$t_ddp")" "$(tok "$t_single")")"
+
+coll=$(target/release/collectives-bench --spawn 2 --sizes 1024,67108864 2>&1)
+echo "$coll" | grep -E '^(limits|bound):'
+gloo=$(SIZES=1024,67108864 "$TORCHRUN" --standalone --nproc-per-node 2 "$GLOO" 2>&1 | grep -E "world=" || true)
+[[ -n $gloo ]] && echo "gloo (same run):" && echo "$gloo"
+
+cpu=$(grep -m1 '^machine:' "$log" | sed -n 's/.*cpu="\([^"]*\)".*/\1/p' | tr ' ' '_')
+level=$(grep -m1 '^machine:' "$log" | field isa)
+echo "summary: single_tok_ratio_vs_torch=$(ratio "$(tok "$o_single")" "$(tok "$t_single")") ddp_tok_ratio_vs_torch=$(ratio "$(tok "$o_ddp")" "$(tok "$t_ddp")") ddp_speedup=$(ratio "$(tok "$o_ddp")" "$(tok "$o_single")") zero3_vs_ddp=$(ratio "$(tok "$o_z3")" "$(tok "$o_ddp")") fsdp_tok_ratio_vs_torch=$(ratio "$(tok "$o_z3")" "$(tok "$t_fsdp")") mfu=$(echo "$o_single" | field mfu) cpu=$cpu isa=$level"
+echo "$coll" | grep '^summary:' | sed 's/^summary: \(allreduce_frac_of_bound=[^ ]* reduce_scatter_frac=[^ ]* all_gather_frac=[^ ]* tcp_frac_of_loopback=[^ ]*\).*/summary: \1/'

@@ -10,10 +10,20 @@
 //!
 //!     target/release/collectives-bench --spawn 2
 //!
-//! Prints one line per (backend, op, size):
+//! Prints the machine, then the physical limits measured in the same run: memcpy bandwidth per
+//! rank with every rank copying 64 MiB at once (bytes read + written per second), and one TCP
+//! stream over loopback. Then one line per (backend, op, size):
 //! `op=all_reduce backend=shm world=2 bytes=67108864 time_us=... algbw_GBps=... busbw_GBps=...`
 //! with `algbw = bytes / time` and `busbw = algbw · 2(N−1)/N` (all_reduce) or `· (N−1)/N`
-//! (reduce_scatter: bytes = input; all_gather: bytes = output), then a `summary:` line.
+//! (reduce_scatter: bytes = input; all_gather: bytes = output).
+//!
+//! The memory-traffic bound of an op is the time each rank needs just to read its input once
+//! and write its output once at the measured memcpy bandwidth (all_reduce `2B`, reduce_scatter
+//! `B + B/N`, all_gather `B/N + B` bytes of traffic per rank for `B` bytes); `frac` is that time
+//! over the measured one. Ends with
+//! `summary: allreduce_frac_of_bound=... reduce_scatter_frac=... all_gather_frac=...
+//! tcp_frac_of_loopback=... memcpy_gbps=... loopback_tcp_gbps=... ...` (the 64 MiB figures;
+//! `tcp_frac_of_loopback` is the TCP backend's all_reduce busbw over one loopback stream).
 
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -135,6 +145,17 @@ fn spawn(n: usize) -> Result<()> {
     Ok(())
 }
 
+/// Bytes each rank must read and write at least for `op` on `bytes` (its input read once, its
+/// output written once).
+fn traffic_bytes(op: &str, bytes: usize, n: usize) -> f64 {
+    let b = bytes as f64;
+    match op {
+        "all_reduce" => 2.0 * b,
+        "reduce_scatter" | "all_gather" => b + b / n as f64,
+        _ => 2.0 * b,
+    }
+}
+
 fn busbw_factor(op: &str, n: usize) -> f64 {
     let n = n as f64;
     match op {
@@ -206,6 +227,38 @@ fn main() -> Result<()> {
     };
     let mut out = std::io::stdout().lock();
     let mut results: BTreeMap<(String, String, usize), (f64, f64)> = BTreeMap::new();
+    // Physical limits, in this run: memcpy with every rank copying at once, over the same
+    // footprint as the op (the in-place all_reduce's 64 MiB buffer: 32 MiB copied to 32 MiB;
+    // reduce_scatter / all_gather: 64 + 64/N MiB), and one TCP stream over loopback.
+    let big = 64usize << 20;
+    let (memcpy, loopback) = {
+        let opts = CommOptions {
+            timeout: Duration::from_secs(120),
+            ..CommOptions::default()
+        };
+        let pg = ProcessGroup::new(rank, world, store.clone(), "bench/limits", opts)?;
+        let mut bw = [0f64; 2];
+        for (i, footprint) in [big, big + big / world].into_iter().enumerate() {
+            pg.barrier()?;
+            bw[i] = rsrun_examples::machine::memcpy_gbps(footprint / 2);
+        }
+        pg.all_reduce(&mut bw, ReduceOp::Min)?;
+        pg.barrier()?;
+        let loopback = if rank == 0 { rsrun_examples::machine::loopback_tcp_gbps(1 << 30)? } else { 0.0 };
+        pg.barrier()?;
+        (bw, loopback)
+    };
+    let memcpy_for = |op: &str| if op == "all_reduce" { memcpy[0] } else { memcpy[1] };
+    if rank == 0 {
+        writeln!(out, "{}", rsrun_examples::machine::describe())?;
+        writeln!(
+            out,
+            "limits: memcpy_gbps_per_rank={:.2} (64 MiB footprint) {:.2} ({} MiB footprint) (read+write, all {world} ranks copying at once) loopback_tcp_gbps={loopback:.2} (one stream)",
+            memcpy[0],
+            memcpy[1],
+            (big + big / world) >> 20
+        )?;
+    }
     for backend in &args.backends {
         let kind: BackendKind = backend.parse()?;
         let mut opts = CommOptions {
@@ -261,14 +314,40 @@ fn main() -> Result<()> {
             .find(|b| b.as_str() != "tcp")
             .cloned()
             .unwrap_or_else(|| "auto".into());
+        let frac = |op: &str| {
+            results.get(&(main.clone(), op.to_string(), big)).map_or("n/a".to_string(), |(t, _)| {
+                let bound = traffic_bytes(op, big, world) / (memcpy_for(op) * 1e9);
+                format!("{:.2}", bound / t)
+            })
+        };
+        for op in ["all_reduce", "reduce_scatter", "all_gather"] {
+            if let Some((t, _)) = results.get(&(main.clone(), op.to_string(), big)) {
+                let bound = traffic_bytes(op, big, world) / (memcpy_for(op) * 1e9);
+                writeln!(
+                    out,
+                    "bound: op={op} bytes={big} traffic_per_rank={:.0} bound_us={:.1} measured_us={:.1} frac={:.2}",
+                    traffic_bytes(op, big, world),
+                    bound * 1e6,
+                    t * 1e6,
+                    bound / t
+                )?;
+            }
+        }
+        let tcp_frac = results
+            .get(&("tcp".to_string(), "all_reduce".to_string(), big))
+            .map_or("n/a".to_string(), |(_, bw)| format!("{:.2}", bw / loopback));
         writeln!(
             out,
-            "summary: world={world} allreduce_64MiB_busbw_GBps={} allreduce_1KiB_us={} reduce_scatter_64MiB_busbw_GBps={} all_gather_64MiB_busbw_GBps={} tcp_allreduce_64MiB_busbw_GBps={}",
-            get(&main, "all_reduce", 64 << 20, false),
+            "summary: allreduce_frac_of_bound={} reduce_scatter_frac={} all_gather_frac={} tcp_frac_of_loopback={tcp_frac} memcpy_gbps={:.2} loopback_tcp_gbps={loopback:.2} world={world} allreduce_64MiB_busbw_GBps={} allreduce_1KiB_us={} reduce_scatter_64MiB_busbw_GBps={} all_gather_64MiB_busbw_GBps={} tcp_allreduce_64MiB_busbw_GBps={}",
+            frac("all_reduce"),
+            frac("reduce_scatter"),
+            frac("all_gather"),
+            memcpy[0],
+            get(&main, "all_reduce", big, false),
             get(&main, "all_reduce", 1 << 10, true),
-            get(&main, "reduce_scatter", 64 << 20, false),
-            get(&main, "all_gather", 64 << 20, false),
-            get("tcp", "all_reduce", 64 << 20, false),
+            get(&main, "reduce_scatter", big, false),
+            get(&main, "all_gather", big, false),
+            get("tcp", "all_reduce", big, false),
         )?;
         if let Some(dir) = &temp_dir {
             // Give the other ranks a moment to finish reading, then clean up the store.

@@ -157,6 +157,60 @@ pub(crate) struct ShmBackend {
     pids: Vec<u32>,
     p2p: Option<TcpBackend>,
     spin: Duration,
+    /// Recent waits, per kind: how long to spin before sleeping (see [`SpinBudget`]).
+    budget: std::cell::Cell<SpinBudget>,
+}
+
+/// Which synchronization a wait is: the first of an op, where peers may still be computing
+/// (milliseconds away), or one inside an op, where every peer is copying its chunk (microseconds).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum WaitKind {
+    Arrival,
+    Step,
+}
+
+/// A spin budget proportional to the expected wait: an exponential moving average of recent
+/// waits of each kind. A wait spins for at most twice the expected time, and not at all when
+/// the expected wait exceeds the spin cap (then it sleeps on the futex at once), so a
+/// communication thread waiting for a peer that is still computing does not take a core from
+/// the compute threads; waits inside an op, a chunk copy apart, spin and stay cheap.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SpinBudget {
+    arrival_ns: f64,
+    step_ns: f64,
+}
+
+impl SpinBudget {
+    fn new() -> Self {
+        SpinBudget {
+            arrival_ns: 0.0,
+            step_ns: 0.0,
+        }
+    }
+
+    /// How long to spin for a wait of `kind`, capped at `cap`.
+    pub(crate) fn spin_for(&self, kind: WaitKind, cap: Duration) -> Duration {
+        let expect = match kind {
+            WaitKind::Arrival => self.arrival_ns,
+            WaitKind::Step => self.step_ns,
+        };
+        let cap_ns = cap.as_nanos() as f64;
+        if expect > cap_ns {
+            // Expected to be long: sleep at once (a short spin still catches a lucky arrival).
+            return cap.min(Duration::from_micros(1));
+        }
+        Duration::from_nanos((2.0 * expect).clamp(1_000.0, cap_ns.max(1_000.0)) as u64)
+    }
+
+    /// Records a wait of `kind` that took `took`.
+    pub(crate) fn record(&mut self, kind: WaitKind, took: Duration) {
+        let x = took.as_nanos() as f64;
+        let v = match kind {
+            WaitKind::Arrival => &mut self.arrival_ns,
+            WaitKind::Step => &mut self.step_ns,
+        };
+        *v = if *v == 0.0 { x } else { 0.8 * *v + 0.2 * x };
+    }
 }
 
 impl ShmBackend {
@@ -253,6 +307,7 @@ impl ShmBackend {
             pids: vec![0; world],
             p2p: None,
             spin: ctx.opts.spin,
+            budget: std::cell::Cell::new(SpinBudget::new()),
         };
         let pid = std::process::id();
         me.u32_at(me.ctrl(rank) + PID_OFF)
@@ -395,12 +450,25 @@ impl ShmBackend {
         Ok(())
     }
 
-    /// Waits until every rank has arrived at our epoch.
-    fn wait_all(&self, op: &str, deadline: Instant) -> Result<()> {
+    /// Waits until every rank has arrived at our epoch (spinning for the budget of `kind`, then
+    /// sleeping on the futex).
+    fn wait_all(&self, op: &str, deadline: Instant, kind: WaitKind) -> Result<()> {
         if self.all_arrived() {
+            let mut b = self.budget.get();
+            b.record(kind, Duration::ZERO);
+            self.budget.set(b);
             return Ok(());
         }
         let start = Instant::now();
+        let r = self.wait_slow(op, deadline, kind, start);
+        let mut b = self.budget.get();
+        b.record(kind, start.elapsed());
+        self.budget.set(b);
+        r
+    }
+
+    fn wait_slow(&self, op: &str, deadline: Instant, kind: WaitKind, start: Instant) -> Result<()> {
+        let spin = self.budget.get().spin_for(kind, self.spin);
         let mut i: u32 = 0;
         loop {
             std::hint::spin_loop();
@@ -408,9 +476,9 @@ impl ShmBackend {
                 return Ok(());
             }
             i = i.wrapping_add(1);
-            if i.is_multiple_of(256) {
+            if i.is_multiple_of(64) {
                 self.check_aborts()?;
-                if start.elapsed() >= self.spin {
+                if start.elapsed() >= spin {
                     break;
                 }
             }
@@ -453,9 +521,10 @@ impl ShmBackend {
         }
     }
 
+    /// A synchronization inside an op (every peer is already in it).
     fn sync(&mut self, op: &str, deadline: Instant) -> Result<()> {
         self.arrive();
-        self.wait_all(op, deadline)
+        self.wait_all(op, deadline, WaitKind::Step)
     }
 
     /// The first synchronization of an op: publishes our header and checks everyone's.
@@ -466,7 +535,8 @@ impl ShmBackend {
             self.u64_at(base + 8 * k).store(*w, Ordering::Relaxed);
         }
         self.check_aborts()?;
-        self.sync(h.kind.name(), deadline)?;
+        self.arrive();
+        self.wait_all(h.kind.name(), deadline, WaitKind::Arrival)?;
         for j in 0..self.ctx.world {
             let b = self.ctrl(j) + HDR_OFF + slot * 24;
             let w = [0, 1, 2].map(|k| self.u64_at(b + 8 * k).load(Ordering::Relaxed));
@@ -814,5 +884,32 @@ impl Backend for ShmBackend {
         if let Some(p) = &mut self.p2p {
             p.abort(err);
         }
+    }
+}
+
+#[cfg(test)]
+mod spin_tests {
+    use super::*;
+
+    #[test]
+    fn the_spin_budget_follows_the_expected_wait() {
+        let cap = Duration::from_micros(50);
+        let mut b = SpinBudget::new();
+        // Nothing known yet: a short spin.
+        assert_eq!(b.spin_for(WaitKind::Step, cap), Duration::from_micros(1));
+        for _ in 0..20 {
+            b.record(WaitKind::Step, Duration::from_micros(8));
+            b.record(WaitKind::Arrival, Duration::from_millis(3));
+        }
+        // Chunk handoffs of ~8 µs: spin about twice that.
+        let s = b.spin_for(WaitKind::Step, cap);
+        assert!(s >= Duration::from_micros(14) && s <= Duration::from_micros(17), "{s:?}");
+        // A peer milliseconds away: sleep at once.
+        assert_eq!(b.spin_for(WaitKind::Arrival, cap), Duration::from_micros(1));
+        // Never past the cap.
+        for _ in 0..20 {
+            b.record(WaitKind::Step, Duration::from_micros(40));
+        }
+        assert!(b.spin_for(WaitKind::Step, cap) <= cap);
     }
 }
