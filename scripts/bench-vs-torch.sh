@@ -10,6 +10,9 @@
 #   --isa avx2 runs both sides at AVX2+FMA on an AVX-512 machine (rsrun: RSRUN_ISA=avx2;
 #   torch: ATEN_CPU_CAPABILITY=avx2, MKL_ENABLE_INSTRUCTIONS=AVX2, ONEDNN_MAX_CPU_ISA=AVX2), to see
 #   how an AVX2-only CPU fares.
+# Environment: RSRUN_BENCH_CPUS=0,1 pins every process to those CPUs (taskset), for a big machine;
+# RSRUN_BENCH_BIN=DIR uses prebuilt binaries from DIR (no cargo), RSRUN_BENCH_PYTHON=PY a python
+# with torch, RSRUN_BENCH_REF=DIR the folder holding reference_gpt.py and gloo_collectives.py.
 # Ends with two lines:
 #   summary: single_tok_ratio_vs_torch=... ddp_tok_ratio_vs_torch=... ddp_speedup=... mfu=... cpu=...
 #   summary: allreduce_frac_of_bound=... reduce_scatter_frac=... all_gather_frac=... tcp_frac_of_loopback=...
@@ -21,11 +24,22 @@ if [[ ${1:-} == --isa ]]; then
   shift 2
 fi
 steps=${1:-30}
-PY=$(scripts/torch-venv.sh)
-TORCHRUN=$(dirname "$PY")/torchrun
-REF=../shared/bench/reference_gpt.py
-GLOO=../shared/bench/gloo_collectives.py
-cargo build --release -q -p rsrun-launcher -p rsrun-examples --bin rsrun --bin engine-bench --bin collectives-bench
+PY=${RSRUN_BENCH_PYTHON:-$(scripts/torch-venv.sh)}
+TORCHRUN=("$PY" -m torch.distributed.run)
+REF=${RSRUN_BENCH_REF:-../shared/bench}/reference_gpt.py
+GLOO=${RSRUN_BENCH_REF:-../shared/bench}/gloo_collectives.py
+BIN=${RSRUN_BENCH_BIN:-target/release}
+if [[ -z ${RSRUN_BENCH_BIN:-} ]]; then
+  cargo build --release -q -p rsrun-launcher -p rsrun-examples --bin rsrun --bin engine-bench --bin collectives-bench
+fi
+PIN=()
+if [[ -n ${RSRUN_BENCH_CPUS:-} ]]; then
+  if command -v taskset >/dev/null; then
+    PIN=(taskset -c "$RSRUN_BENCH_CPUS")
+  else
+    PIN=("$PY" -c 'import os, sys; os.sched_setaffinity(0, {int(c) for c in sys.argv[1].split(",")}); os.execvp(sys.argv[2], sys.argv[2:])' "$RSRUN_BENCH_CPUS")
+  fi
+fi
 export OMP_NUM_THREADS=1 RAYON_NUM_THREADS=1 STEPS=$steps
 case $isa in
   "") ;;
@@ -36,19 +50,28 @@ esac
 field() { sed -n "s/.*[ :]$1=\([^ ]*\).*/\1/p" | tail -n 1; }
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
-ours() { "$@" --steps "$steps" 2>&1 | tee -a "$log" | grep 'summary:' | tail -n 1; }
-theirs() { "$@" 2>&1 | grep 'tok_per_s_total' | tail -n 1; }
+# Runs a benchmark; prints its last line matching $1, or its output and fails.
+last() {
+  local want=$1 out
+  shift
+  out=$("$@" 2>&1) || { echo "bench-vs-torch: failed: $*" >&2; echo "$out" | tail -n 20 >&2; return 1; }
+  echo "$out" >>"$log"
+  echo "$out" | grep "$want" | tail -n 1 | grep . || { echo "bench-vs-torch: no '$want' line from: $*" >&2; echo "$out" | tail -n 20 >&2; return 1; }
+}
+ours() { last 'summary:' "${PIN[@]}" "$@" --steps "$steps"; }
+# A torch run that fails is reported and counted as n/a, so the rest of the comparison still runs.
+theirs() { last 'tok_per_s_total' "${PIN[@]}" "$@" || echo "tok_per_s_total=n/a"; }
 
 rm -f "${TMPDIR:-/tmp}/engine-bench-single.tok_per_s"
-o_single=$(ours target/release/engine-bench)
+o_single=$(ours "$BIN/engine-bench")
 t_single=$(STRATEGY=single theirs "$PY" "$REF")
-o_ddp=$(ours target/release/rsrun --standalone --nproc-per-node 2 target/release/engine-bench --strategy ddp)
-t_ddp=$(STRATEGY=ddp theirs "$TORCHRUN" --standalone --nproc-per-node 2 "$REF")
-o_z3=$(ours target/release/rsrun --standalone --nproc-per-node 2 target/release/engine-bench --strategy zero3)
-t_fsdp=$(STRATEGY=fsdp theirs "$TORCHRUN" --standalone --nproc-per-node 2 "$REF")
+o_ddp=$(ours "$BIN/rsrun" --standalone --nproc-per-node 2 "$BIN/engine-bench" --strategy ddp)
+t_ddp=$(STRATEGY=ddp theirs "${TORCHRUN[@]}" --standalone --nproc-per-node 2 "$REF")
+o_z3=$(ours "$BIN/rsrun" --standalone --nproc-per-node 2 "$BIN/engine-bench" --strategy zero3)
+t_fsdp=$(STRATEGY=fsdp theirs "${TORCHRUN[@]}" --standalone --nproc-per-node 2 "$REF")
 
 tok() { echo "$1" | field tok_per_s_total; }
-ratio() { python3 -c "print(f'{$1/$2:.2f}')"; }
+ratio() { python3 -c "import sys; a, b = sys.argv[1:]; print('n/a' if 'n/a' in (a, b) or not a or not b else f'{float(a)/float(b):.2f}')" "$1" "$2"; }
 grep -m1 '^machine:' "$log"
 grep -m1 '^fma_peak' "$log"
 printf '%-24s %14s %14s %8s\n' "tokens/s (total)" "rsrun" "torch" "ratio"
@@ -57,9 +80,9 @@ printf '%-24s %14s %14s %8s\n' "DDP, 2 ranks" "$(tok "$o_ddp")" "$(tok "$t_ddp")
 printf '%-24s %14s %14s %8s\n' "ZeRO-3 / FSDP2, 2 ranks" "$(tok "$o_z3")" "$(tok "$t_fsdp")" "$(ratio "$(tok "$o_z3")" "$(tok "$t_fsdp")")"
 echo "rsrun: single mfu=$(echo "$o_single" | field mfu) ddp speedup=$(ratio "$(tok "$o_ddp")" "$(tok "$o_single")") zero3/ddp=$(ratio "$(tok "$o_z3")" "$(tok "$o_ddp")"); torch: ddp speedup=$(ratio "$(tok "$t_ddp")" "$(tok "$t_single")")"
 
-coll=$(target/release/collectives-bench --spawn 2 --sizes 1024,67108864 2>&1)
+coll=$("${PIN[@]}" "$BIN/collectives-bench" --spawn 2 --sizes 1024,67108864 2>&1)
 echo "$coll" | grep -E '^(limits|bound):'
-gloo=$(SIZES=1024,67108864 "$TORCHRUN" --standalone --nproc-per-node 2 "$GLOO" 2>&1 | grep -E "world=" || true)
+gloo=$(SIZES=1024,67108864 "${PIN[@]}" "${TORCHRUN[@]}" --standalone --nproc-per-node 2 "$GLOO" 2>&1 | grep -E "world=" || true)
 [[ -n $gloo ]] && echo "gloo (same run):" && echo "$gloo"
 
 cpu=$(grep -m1 '^machine:' "$log" | sed -n 's/.*cpu="\([^"]*\)".*/\1/p' | tr ' ' '_')
