@@ -9,6 +9,9 @@
 //! links the missing binaries, after `cargo test -p rsrun-tests` it also brings stale ones up to
 //! date. No manual build step is needed.
 
+pub mod etcd;
+pub mod proxy;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
