@@ -352,8 +352,11 @@ impl Core {
         }
     }
 
-    fn settle_point(g: &Inner, seq: u64) -> Settle {
-        Settle { term: g.term, seq, ticket: g.log.as_ref().map(|d| d.ticket()).unwrap_or(0), logged: g.log.is_some() }
+    /// What to wait for before answering from the state as it is now: `seq` durable and, when
+    /// `confirm`, a leadership confirmation begun from now on (HA leaders; free elsewhere).
+    fn settle_point(g: &Inner, seq: u64, confirm: bool) -> Settle {
+        let ticket = if confirm { g.log.as_ref().map(|d| d.ticket()).unwrap_or(0) } else { 0 };
+        Settle { term: g.term, seq, ticket, logged: g.log.is_some() }
     }
 
     /// Applies a command and, when it changed durable state, queues it for the log. Returns the
@@ -460,8 +463,11 @@ impl Core {
     pub async fn execute(&self, cmd: Command) -> Result<Outcome, RdzvError> {
         let (outcome, settle) = {
             let mut g = self.lock();
+            let before = g.seq;
             let (outcome, seq) = self.apply_locked(&mut g, &cmd)?;
-            (outcome, Self::settle_point(&g, seq))
+            // A logged command is proven by its own guarded append, which begins after it was
+            // applied; one that logged nothing needs a confirmation.
+            (outcome, Self::settle_point(&g, seq, seq == before))
         };
         self.settle(settle).await?;
         Ok(outcome)
@@ -514,7 +520,7 @@ impl Core {
         let (value, settle) = {
             let g = self.lock();
             Self::serving(&g)?;
-            (f(&g.state), Self::settle_point(&g, g.seq))
+            (f(&g.state), Self::settle_point(&g, g.seq, true))
         };
         self.settle(settle).await?;
         value
@@ -538,7 +544,7 @@ impl Core {
                 let seq = g.seq;
                 let settle = match &found {
                     Ok(None) => None,
-                    _ => Some(Self::settle_point(&g, seq)),
+                    _ => Some(Self::settle_point(&g, seq, true)),
                 };
                 let view = g.state.jobs.get(job).map(|j| j.view());
                 let view_rx = view.map(|v| g.views.entry(job.to_string()).or_insert_with(|| watch::channel((v, seq)).0).subscribe());
@@ -600,7 +606,8 @@ impl Core {
         Ok((g.views.entry(job.to_string()).or_insert_with(|| watch::channel((view, seq)).0).subscribe(), term))
     }
 
-    /// Waits until `seq` of `term` is durable and leadership was confirmed since (for pushed views).
+    /// Waits until `seq` of `term` is durable (for pushed views: a view changes only with a
+    /// logged command, whose guarded append proves leadership).
     pub async fn durable(&self, term: u64, seq: u64) -> Result<(), RdzvError> {
         let settle = {
             let g = self.lock();
@@ -608,7 +615,7 @@ impl Core {
                 drop(g);
                 return Err(self.not_leader());
             }
-            Self::settle_point(&g, seq)
+            Self::settle_point(&g, seq, false)
         };
         self.settle(settle).await
     }
