@@ -144,6 +144,9 @@ struct ServeArgs {
     /// File whose first line is the etcd user's password.
     #[arg(long, requires = "etcd_user")]
     etcd_password_file: Option<PathBuf>,
+    /// HA: write a snapshot to etcd every this many bytes of log (tests lower it).
+    #[arg(long, hide = true, default_value_t = rsrun_rendezvous::ha::log::COMPACT_EVERY, value_parser = clap::value_parser!(u64).range(1024..))]
+    ha_snapshot_bytes: u64,
 }
 
 #[derive(Parser, Debug)]
@@ -253,6 +256,7 @@ fn ha_config(args: &ServeArgs) -> anyhow::Result<Option<HaConfig>> {
         prefix: prefix.trim_end_matches('/').to_owned(),
         identity: DaemonIdentity { daemon_id: args.daemon_id.clone().unwrap_or_default(), advertise: args.advertise.clone().unwrap_or_default() },
         lease_ttl: Duration::from_secs(args.leader_lease_ttl),
+        snapshot_bytes: args.ha_snapshot_bytes,
     }))
 }
 

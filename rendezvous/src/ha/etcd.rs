@@ -22,6 +22,9 @@ use tonic::{Code, Request, Status};
 
 use crate::RdzvError;
 
+/// The generated etcd API, for tests and tools that talk to etcd beside a daemon.
+pub use rsrun_proto::etcd::{etcdserverpb, mvccpb as kv};
+
 /// Largest answer accepted from etcd (a page of log keys, a snapshot chunk range).
 const MAX_DECODE: usize = 256 << 20;
 
@@ -436,7 +439,9 @@ impl Etcd {
     /// Renews a lease once (a keep-alive stream of one request); returns the new TTL (0 or less:
     /// the lease is gone).
     pub async fn lease_keep_alive(&self, id: i64) -> Result<i64, EtcdError> {
-        self.unary(self.s.cfg.request_timeout, |ch| {
+        // Short: a member that does not answer at once is left for the next one well before the
+        // fencing point.
+        self.unary(self.s.cfg.request_timeout.min(Duration::from_secs(1)), |ch| {
             let mut c = epb::lease_client::LeaseClient::new(ch);
             async move {
                 let req = futures::stream::iter([epb::LeaseKeepAliveRequest { id }]).chain(futures::stream::pending());

@@ -316,6 +316,7 @@ pub struct EtcdLog {
     pending: Option<PendingSnapshot>,
     /// Time of the last entry appended (stored with a snapshot, so a recovered clock never goes back).
     last_at: Ms,
+    snapshot_every: u64,
     metrics: Arc<Metrics>,
 }
 
@@ -340,7 +341,26 @@ impl EtcdLog {
     /// takeover.
     pub fn new(etcd: Etcd, keys: Keys, rt: tokio::runtime::Handle, owner: Owner, snap_mod_revision: i64, metrics: Arc<Metrics>) -> Self {
         let Owner { election_key, epoch, leader_value, fence } = owner;
-        EtcdLog { etcd, keys, rt, election_key, epoch, leader_value, fence, snap_mod_revision, pending: None, last_at: 0, metrics }
+        EtcdLog {
+            etcd,
+            keys,
+            rt,
+            election_key,
+            epoch,
+            leader_value,
+            fence,
+            snap_mod_revision,
+            pending: None,
+            last_at: 0,
+            snapshot_every: COMPACT_EVERY,
+            metrics,
+        }
+    }
+
+    /// Snapshots every `bytes` of log instead of [`COMPACT_EVERY`].
+    pub fn with_snapshot_every(mut self, bytes: u64) -> Self {
+        self.snapshot_every = bytes.max(1);
+        self
     }
 
     fn deposed(&self, why: &str) -> RdzvError {
@@ -547,7 +567,7 @@ impl LogStore for EtcdLog {
     }
 
     fn compact_every(&self) -> u64 {
-        COMPACT_EVERY
+        self.snapshot_every
     }
 }
 

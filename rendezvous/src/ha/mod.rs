@@ -57,6 +57,8 @@ pub struct HaConfig {
     pub identity: DaemonIdentity,
     /// Election lease TTL (`--leader-lease-ttl`, at least 2 s: etcd's minimum).
     pub lease_ttl: Duration,
+    /// A snapshot every this many bytes of log (default [`log::COMPACT_EVERY`]; tests lower it).
+    pub snapshot_bytes: u64,
 }
 
 /// The moment after which this daemon must assume its lease lapsed (shared by the lease keeper,
@@ -81,8 +83,8 @@ impl FenceClock {
     }
 }
 
-/// Decodes a campaign or leader record.
-pub(crate) fn read_peer(bytes: &[u8]) -> Option<pb::DaemonPeer> {
+/// Decodes a campaign or leader record (`P/election/*`, `P/leader`).
+pub fn read_peer(bytes: &[u8]) -> Option<pb::DaemonPeer> {
     pb::DaemonPeer::decode(bytes).ok()
 }
 
@@ -91,26 +93,40 @@ pub(crate) fn read_peer(bytes: &[u8]) -> Option<pb::DaemonPeer> {
 struct Peers {
     etcd: Etcd,
     keys: Keys,
+    /// The last list read (answered when etcd is slow: `status` must answer regardless).
+    cached: Mutex<Vec<pb::DaemonPeer>>,
+}
+
+impl Peers {
+    async fn read(&self) -> Result<Vec<pb::DaemonPeer>, EtcdError> {
+        let p = self.keys.election_prefix();
+        let (mut kvs, _) = self.etcd.range_all(&p, &prefix_end(&p), 0, 1000).await?;
+        kvs.sort_by_key(|kv| kv.create_revision);
+        Ok(kvs
+            .iter()
+            .filter_map(|kv| {
+                read_peer(&kv.value).map(|mut peer| {
+                    peer.campaign_revision = kv.create_revision as u64;
+                    peer
+                })
+            })
+            .collect())
+    }
 }
 
 impl PeerSource for Peers {
     fn peers(&self) -> futures::future::BoxFuture<'_, Vec<pb::DaemonPeer>> {
         Box::pin(async move {
-            let p = self.keys.election_prefix();
-            match self.etcd.range_all(&p, &prefix_end(&p), 0, 1000).await {
-                Ok((mut kvs, _)) => {
-                    kvs.sort_by_key(|kv| kv.create_revision);
-                    kvs.iter()
-                        .filter_map(|kv| read_peer(&kv.value).map(|mut peer| {
-                            peer.campaign_revision = kv.create_revision as u64;
-                            peer
-                        }))
-                        .collect()
+            match tokio::time::timeout(Duration::from_millis(300), self.read()).await {
+                Ok(Ok(list)) => {
+                    *self.cached.lock().unwrap_or_else(|p| p.into_inner()) = list.clone();
+                    list
                 }
-                Err(e) => {
-                    tracing::debug!(error = %e, "cannot list the campaigning daemons");
-                    Vec::new()
+                Ok(Err(e)) => {
+                    tracing::debug!(error = %e, "cannot list the campaigning daemons; answering the last list");
+                    self.cached.lock().unwrap_or_else(|p| p.into_inner()).clone()
                 }
+                Err(_) => self.cached.lock().unwrap_or_else(|p| p.into_inner()).clone(),
             }
         })
     }
@@ -156,7 +172,7 @@ pub async fn prepare(etcd: &Etcd, prefix: &str, deadline: Duration) -> Result<()
 /// Starts the HA node of `core`: it campaigns, follows and leads until `cancel`.
 pub fn spawn(core: Arc<Core>, cfg: HaConfig, etcd: Etcd, cancel: CancellationToken, tracker: &tokio_util::task::TaskTracker) {
     let keys = Keys::new(&cfg.prefix);
-    core.set_peer_source(Arc::new(Peers { etcd: etcd.clone(), keys: keys.clone() }));
+    core.set_peer_source(Arc::new(Peers { etcd: etcd.clone(), keys: keys.clone(), cached: Mutex::new(Vec::new()) }));
     let node = Node { core, cfg, etcd, keys, cancel };
     tracker.spawn(async move { node.run().await });
 }
@@ -487,7 +503,8 @@ impl Node {
         }
         let _ = follow;
         let owner = Owner { election_key: s.key.clone(), epoch: s.epoch, leader_value: value, fence: s.fence.clone() };
-        let store = EtcdLog::new(self.etcd.clone(), self.keys.clone(), tokio::runtime::Handle::current(), owner, snap_mod, self.core.metrics.clone());
+        let store = EtcdLog::new(self.etcd.clone(), self.keys.clone(), tokio::runtime::Handle::current(), owner, snap_mod, self.core.metrics.clone())
+            .with_snapshot_every(self.cfg.snapshot_bytes);
         if s.fence.fenced() {
             return Err(End::Restart("the lease lapsed during the takeover".into()));
         }
@@ -627,8 +644,15 @@ async fn keep_lease(
     core: Arc<Core>,
     cancel: CancellationToken,
 ) {
+    let mut failed = false;
     loop {
-        let next = timer.lock().unwrap_or_else(|p| p.into_inner()).next_renewal(Instant::now());
+        let now = Instant::now();
+        let mut next = timer.lock().unwrap_or_else(|p| p.into_inner()).next_renewal(now);
+        if failed {
+            // After a failed renewal, try again soon (another member may answer), not a third of
+            // the way to the fencing point.
+            next = next.min(now + Duration::from_millis(150));
+        }
         tokio::select! {
             _ = tokio::time::sleep_until(next) => {}
             _ = cancel.cancelled() => return,
@@ -649,8 +673,12 @@ async fn keep_lease(
                 }
                 fence.set(t.fence_at());
                 core.metrics.ha_lease_remaining_seconds.set(t.remaining(Instant::now()).as_secs_f64());
+                failed = false;
             }
-            Err(e) => tracing::debug!(error = %e, "lease renewal failed; retrying"),
+            Err(e) => {
+                tracing::debug!(error = %e, "lease renewal failed; retrying");
+                failed = true;
+            }
         }
     }
 }
