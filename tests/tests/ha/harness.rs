@@ -3,10 +3,9 @@
 //! test can partition either side), and the helpers the scenarios need: which daemon leads,
 //! `kill -9`, SIGTERM, SIGSTOP/SIGCONT, restart on the same address.
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use rsrun_rendezvous::client::{ClientConfig, RdzvClient};
@@ -14,7 +13,7 @@ use rsrun_rendezvous::ha::etcd::{Etcd, EtcdConfig};
 use rsrun_rendezvous::proto::{DaemonInfoResponse, DaemonRole};
 use rsrun_tests::etcd::EtcdCluster;
 use rsrun_tests::proxy::{Fault, Proxy};
-use rsrun_tests::{bin, free_port};
+use rsrun_tests::{KillOnDrop, bin, free_port};
 
 pub(crate) fn signal(pid: i32, sig: i32) {
     // SAFETY: plain kill(2) on a child we own.
@@ -31,7 +30,7 @@ pub(crate) struct DaemonProc {
     pub(crate) front: Proxy,
     /// One proxy per etcd member, its only way to etcd.
     pub(crate) to_etcd: Vec<Proxy>,
-    child: Option<Child>,
+    child: Option<KillOnDrop>,
     log: PathBuf,
 }
 
@@ -42,7 +41,7 @@ impl DaemonProc {
     }
 
     pub(crate) fn pid(&self) -> Option<i32> {
-        self.child.as_ref().map(|c| c.id() as i32)
+        self.child.as_ref().map(KillOnDrop::pid)
     }
 
     pub(crate) fn running(&self) -> bool {
@@ -94,27 +93,13 @@ impl HaGroup {
         assert!(d.child.is_none(), "daemon {i} runs");
         let etcd: Vec<String> = d.to_etcd.iter().map(|p| p.addr().to_string()).collect();
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&d.log).expect("daemon log");
-        let mut child = Command::new(bin("rsrun-rendezvous"))
-            .args(["serve", "--listen", &d.listen.to_string(), "--advertise", &d.endpoint()])
-            .args(["--daemon-id", &format!("d{i}"), "--etcd-endpoints", &etcd.join(","), "--etcd-prefix", &self.prefix])
-            .args(["--leader-lease-ttl", &self.ttl.to_string()])
-            .args(&self.extra)
-            .env("RSRUN_LOG", std::env::var("HA_DAEMON_LOG").unwrap_or_else(|_| "info".into()))
-            .stdout(Stdio::piped())
-            .stderr(log)
-            .spawn()
-            .expect("spawn rsrun-rendezvous");
-        let stdout = child.stdout.take().expect("stdout");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut lines = BufReader::new(stdout).lines();
-            if let Some(Ok(l)) = lines.next() {
-                let _ = tx.send(l);
-            }
-            for _ in lines {}
-        });
-        let line = rx.recv_timeout(Duration::from_secs(40)).unwrap_or_else(|_| panic!("daemon {i} did not start:\n{}", self.logs()));
-        assert!(line.starts_with("listening on"), "{line}");
+        let mut args: Vec<String> = vec!["--advertise".into(), d.endpoint(), "--daemon-id".into(), format!("d{i}")];
+        args.extend(["--etcd-endpoints".into(), etcd.join(","), "--etcd-prefix".into(), self.prefix.clone()]);
+        args.extend(["--leader-lease-ttl".into(), self.ttl.to_string()]);
+        args.extend(self.extra.iter().cloned());
+        let level = std::env::var("HA_DAEMON_LOG").unwrap_or_else(|_| "info".into());
+        let (child, _) = rsrun_tests::serve(&bin("rsrun-rendezvous"), &d.listen.to_string(), &args, &level, Stdio::from(log))
+            .unwrap_or_else(|e| panic!("daemon {i} did not start: {e}\n{}", self.logs()));
         self.daemons[i].child = Some(child);
     }
 
@@ -181,25 +166,19 @@ impl HaGroup {
 
     /// `kill -9` of daemon `i`.
     pub(crate) fn kill9(&mut self, i: usize) {
-        if let Some(mut c) = self.daemons[i].child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
+        if let Some(c) = self.daemons[i].child.take() {
+            drop(c);
         }
     }
 
     /// SIGTERM of daemon `i`, waiting for it to exit.
     pub(crate) fn terminate(&mut self, i: usize) {
         if let Some(mut c) = self.daemons[i].child.take() {
-            signal(c.id() as i32, libc::SIGTERM);
+            signal(c.pid(), libc::SIGTERM);
             let start = Instant::now();
-            while c.try_wait().ok().flatten().is_none() {
-                if start.elapsed() > Duration::from_secs(20) {
-                    let _ = c.kill();
-                    break;
-                }
+            while c.0.try_wait().ok().flatten().is_none() && start.elapsed() < Duration::from_secs(20) {
                 std::thread::sleep(Duration::from_millis(20));
             }
-            let _ = c.wait();
         }
     }
 
@@ -254,10 +233,8 @@ impl Drop for HaGroup {
             eprintln!("{}", self.logs());
         }
         for d in &mut self.daemons {
-            if let Some(mut c) = d.child.take() {
-                signal(c.id() as i32, libc::SIGCONT);
-                let _ = c.kill();
-                let _ = c.wait();
+            if let Some(c) = d.child.take() {
+                signal(c.pid(), libc::SIGCONT);
             }
             d.front.set(Fault::None);
         }
