@@ -854,3 +854,44 @@ impl StoreClient {
         Ok(r.unique_id)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tonic::metadata::{MetadataMap, MetadataValue};
+
+    fn stamped(epoch: u64) -> MetadataMap {
+        let mut m = MetadataMap::new();
+        let stamp = pb::LeaderStamp { epoch, leader_endpoint: "h:1".into() }.encode_to_vec();
+        m.insert_bin(crate::service::LEADER_STAMP_KEY, MetadataValue::from_bytes(&stamp));
+        m
+    }
+
+    #[tokio::test]
+    async fn answers_of_an_older_epoch_are_refused() {
+        let c = RdzvClient::connect(ClientConfig::new("127.0.0.1:1,127.0.0.1:2")).unwrap();
+        assert!(c.conns.check_epoch(&stamped(5)).is_ok());
+        assert!(c.conns.check_epoch(&stamped(7)).is_ok());
+        assert!(c.conns.check_epoch(&stamped(7)).is_ok());
+        assert_eq!(c.conns.check_epoch(&stamped(5)), Err(RdzvError::StaleEpoch { got: 5, seen: 7 }));
+        // A daemon that is not highly available stamps nothing.
+        assert!(c.conns.check_epoch(&MetadataMap::new()).is_ok());
+        assert_eq!(c.epoch(), 7);
+    }
+
+    #[tokio::test]
+    async fn a_leader_hint_selects_the_listed_daemon_or_adds_it() {
+        let c = RdzvClient::connect(ClientConfig::new(" 127.0.0.1:1 , http://127.0.0.1:2 ")).unwrap();
+        assert_eq!(c.current_endpoint(), "127.0.0.1:1");
+        assert!(c.conns.go_to("127.0.0.1:2", &c.cfg), "the hint names the second daemon");
+        assert_eq!(c.current_endpoint(), "http://127.0.0.1:2");
+        assert!(!c.conns.go_to("127.0.0.1:2", &c.cfg), "already there");
+        assert!(c.conns.go_to("127.0.0.1:3", &c.cfg), "a daemon the list lacks is added");
+        assert_eq!(c.current_endpoint(), "127.0.0.1:3");
+        assert_eq!(c.conns.len(), 3);
+        // A failed endpoint moves the client on, round the list.
+        c.conns.rotate(2);
+        assert_eq!(c.current_endpoint(), "127.0.0.1:1");
+        assert!(RdzvClient::connect(ClientConfig::new(" , ")).is_err());
+    }
+}

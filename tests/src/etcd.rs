@@ -3,8 +3,9 @@
 //! exists), one log file per member (printed when a test fails), and the faults the tests inject:
 //! find the etcd leader, `kill -9`, `SIGSTOP`/`SIGCONT`, restart a member on its data directory.
 //!
-//! `.ci/run` installs `etcd-server`; elsewhere, without `/usr/bin/etcd`, [`EtcdCluster::start`]
-//! returns `None` after printing why, and the tests skip (with `CI` set they fail instead).
+//! `.ci/run` installs `etcd-server` and sets `RSRUN_TEST_ETCD`, which makes the HA tests fail rather
+//! than skip; elsewhere, without `/usr/bin/etcd`, [`EtcdCluster::start`] returns `None` after
+//! printing why, and the tests skip.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -17,11 +18,17 @@ pub fn etcd_binary() -> Option<PathBuf> {
     ["/usr/bin/etcd", "/usr/local/bin/etcd"].iter().map(PathBuf::from).find(|p| p.is_file())
 }
 
-/// `None` (with a message) when etcd is missing; a panic instead under CI, where `.ci/run` installs it.
+/// The etcd binary to test with: `RSRUN_TEST_ETCD` when set (`.ci/run` sets it after installing
+/// `etcd-server`; a path that is not there fails the test), else the installed one, else `None`
+/// after saying that the test skips.
 pub fn require_etcd(test: &str) -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("RSRUN_TEST_ETCD").filter(|p| !p.is_empty()) {
+        let p = PathBuf::from(p);
+        assert!(p.is_file(), "{test}: RSRUN_TEST_ETCD={} is not a file; the HA tests must run here", p.display());
+        return Some(p);
+    }
     match etcd_binary() {
         Some(p) => Some(p),
-        None if std::env::var_os("CI").is_some() => panic!("{test}: etcd is not installed, and CI must run the HA tests (.ci/run installs etcd-server)"),
         None => {
             eprintln!("SKIPPED {test}: etcd is not installed (apt-get install etcd-server etcd-client; .ci/run does)");
             None
@@ -55,6 +62,10 @@ impl Member {
     }
 }
 
+/// Client TLS of a cluster: `(ca.pem, cert.pem, key.pem)`; members serve https with `cert`/`key`,
+/// require client certificates signed by `ca`, and the same pair identifies the test's clients.
+pub type Tls = (PathBuf, PathBuf, PathBuf);
+
 /// A running cluster, killed on drop.
 #[derive(Debug)]
 pub struct EtcdCluster {
@@ -63,6 +74,9 @@ pub struct EtcdCluster {
     pub members: Vec<Member>,
     dir: tempfile::TempDir,
     token: String,
+    tls: Option<Tls>,
+    /// `user:password` for etcdctl once auth is on.
+    pub etcdctl_user: Option<String>,
 }
 
 fn signal(pid: i32, sig: i32) {
@@ -76,10 +90,15 @@ impl EtcdCluster {
     /// Starts `n` members and waits until a write succeeds (`None`: etcd is not installed; the
     /// message says so). Retries with other ports if a port was taken meanwhile.
     pub fn start(test: &str, n: usize) -> Option<EtcdCluster> {
+        Self::start_with(test, n, None)
+    }
+
+    /// [`EtcdCluster::start`], serving clients over mutual TLS when `tls` is given.
+    pub fn start_with(test: &str, n: usize, tls: Option<Tls>) -> Option<EtcdCluster> {
         let binary = require_etcd(test)?;
         let mut last = String::new();
         for _ in 0..3 {
-            match Self::try_start(&binary, n) {
+            match Self::try_start(&binary, n, tls.clone()) {
                 Ok(c) => return Some(c),
                 Err(e) => last = e,
             }
@@ -87,7 +106,7 @@ impl EtcdCluster {
         panic!("{test}: cannot start a {n}-member etcd cluster: {last}");
     }
 
-    fn try_start(binary: &Path, n: usize) -> Result<EtcdCluster, String> {
+    fn try_start(binary: &Path, n: usize, tls: Option<Tls>) -> Result<EtcdCluster, String> {
         let base = if Path::new("/dev/shm").is_dir() { PathBuf::from("/dev/shm") } else { std::env::temp_dir() };
         let dir = tempfile::Builder::new().prefix("rsrun-etcd-").tempdir_in(base).map_err(|e| e.to_string())?;
         let token = format!("rsrun-test-{}-{}", std::process::id(), dir.path().file_name().and_then(|s| s.to_str()).unwrap_or("x"));
@@ -110,7 +129,7 @@ impl EtcdCluster {
                 child: None,
             });
         }
-        let mut cluster = EtcdCluster { binary: binary.to_owned(), members, dir, token };
+        let mut cluster = EtcdCluster { binary: binary.to_owned(), members, dir, token, tls, etcdctl_user: None };
         for i in 0..n {
             cluster.spawn(i, "new")?;
         }
@@ -124,13 +143,18 @@ impl EtcdCluster {
 
     fn spawn(&mut self, i: usize, state: &str) -> Result<(), String> {
         let initial = self.initial_cluster();
+        let scheme = if self.tls.is_some() { "https" } else { "http" };
         let m = &mut self.members[i];
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&m.log).map_err(|e| e.to_string())?;
-        let child = Command::new(&self.binary)
+        let mut cmd = Command::new(&self.binary);
+        if let Some((ca, cert, key)) = &self.tls {
+            cmd.arg("--cert-file").arg(cert).arg("--key-file").arg(key).arg("--trusted-ca-file").arg(ca).arg("--client-cert-auth");
+        }
+        let child = cmd
             .args(["--name", &m.name, "--data-dir"])
             .arg(&m.data_dir)
-            .args(["--listen-client-urls", &format!("http://127.0.0.1:{}", m.client_port)])
-            .args(["--advertise-client-urls", &format!("http://127.0.0.1:{}", m.client_port)])
+            .args(["--listen-client-urls", &format!("{scheme}://127.0.0.1:{}", m.client_port)])
+            .args(["--advertise-client-urls", &format!("{scheme}://127.0.0.1:{}", m.client_port)])
             .args(["--listen-peer-urls", &format!("http://127.0.0.1:{}", m.peer_port)])
             .args(["--initial-advertise-peer-urls", &format!("http://127.0.0.1:{}", m.peer_port)])
             .args(["--initial-cluster", &initial, "--initial-cluster-token", &self.token, "--initial-cluster-state", state])
@@ -157,13 +181,15 @@ impl EtcdCluster {
     /// `etcdctl` against the running members.
     pub fn etcdctl(&self, args: &[&str]) -> Output {
         let eps: Vec<String> = self.members.iter().filter(|m| m.child.is_some()).map(Member::endpoint).collect();
-        Command::new("etcdctl")
-            .env("ETCDCTL_API", "3")
-            .arg(format!("--endpoints={}", eps.join(",")))
-            .args(["--command-timeout=2s", "--dial-timeout=1s"])
-            .args(args)
-            .output()
-            .expect("run etcdctl")
+        let mut cmd = Command::new("etcdctl");
+        cmd.env("ETCDCTL_API", "3").arg(format!("--endpoints={}", eps.join(","))).args(["--command-timeout=2s", "--dial-timeout=1s"]);
+        if let Some((ca, cert, key)) = &self.tls {
+            cmd.arg(format!("--cacert={}", ca.display())).arg(format!("--cert={}", cert.display())).arg(format!("--key={}", key.display()));
+        }
+        if let Some(u) = &self.etcdctl_user {
+            cmd.arg(format!("--user={u}"));
+        }
+        cmd.args(args).output().expect("run etcdctl")
     }
 
     /// Waits until a linearizable write succeeds.
@@ -230,6 +256,17 @@ impl EtcdCluster {
         }
     }
 
+    /// Restarts every member (`kill -9` of all, then each on its data directory): what an outage of
+    /// the whole cluster looks like to its clients (every auth token is forgotten).
+    pub fn restart_all(&mut self) {
+        for i in 0..self.members.len() {
+            self.kill9(i);
+        }
+        for i in 0..self.members.len() {
+            self.spawn(i, "existing").expect("restart the member");
+        }
+    }
+
     /// Restarts a killed member on its data directory (`--initial-cluster-state existing`).
     pub fn restart(&mut self, i: usize) {
         assert!(self.members[i].child.is_none(), "member {i} still runs");
@@ -249,6 +286,11 @@ impl EtcdCluster {
             }
         }
         out
+    }
+
+    /// The client TLS files, when the members serve TLS.
+    pub fn tls(&self) -> Option<&Tls> {
+        self.tls.as_ref()
     }
 
     /// The temporary directory holding data and logs.

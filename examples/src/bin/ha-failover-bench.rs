@@ -131,7 +131,7 @@ struct Group {
 impl Group {
     fn spawn(&mut self, i: usize) -> anyhow::Result<()> {
         let (listen, _) = &self.daemons[i];
-        let (child, _) = rsrun_tests::serve(&self.binary, listen, &self.args, "warn", Stdio::null()).map_err(anyhow::Error::msg)?;
+        let (child, _) = rsrun_tests::serve(&self.binary, listen, &self.args, "warn", Stdio::inherit()).map_err(anyhow::Error::msg)?;
         self.daemons[i].1 = Some(child);
         Ok(())
     }

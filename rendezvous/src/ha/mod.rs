@@ -531,10 +531,9 @@ impl Node {
     /// Applies one watch response to the replica; `Err` asks for a resync.
     fn apply_watch(&self, f: &mut Follow, resp: epb::WatchResponse) -> Result<(), String> {
         f.last_heard = Instant::now();
+        // Only events move the replica's revision: etcd 3.4 can send a progress notification with
+        // the current revision while an unsynced watcher still has older events to deliver.
         if resp.events.is_empty() {
-            if let Some(h) = resp.header {
-                f.revision = f.revision.max(h.revision);
-            }
             return Ok(());
         }
         let log_prefix = self.keys.log_prefix();

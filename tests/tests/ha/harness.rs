@@ -56,6 +56,8 @@ pub(crate) struct HaGroup {
     pub(crate) prefix: String,
     pub(crate) ttl: u64,
     extra: Vec<String>,
+    /// `(user, password)` the test's own etcd client uses (auth on).
+    pub(crate) etcd_user: Option<(String, String)>,
     dir: tempfile::TempDir,
     pub(crate) rt: tokio::runtime::Runtime,
 }
@@ -69,10 +71,15 @@ impl HaGroup {
     /// [`HaGroup::start`] with extra `serve` arguments for every daemon.
     pub(crate) fn start_with(test: &str, n: usize, ttl: u64, extra: &[&str]) -> Option<HaGroup> {
         let etcd = EtcdCluster::start(test, 3)?;
+        Some(Self::over(etcd, n, ttl, extra, None))
+    }
+
+    /// `n` daemons over a running cluster; `etcd_user` is what the test's own etcd client logs in as.
+    pub(crate) fn over(etcd: EtcdCluster, n: usize, ttl: u64, extra: &[&str], etcd_user: Option<(String, String)>) -> HaGroup {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
         let dir = tempfile::tempdir().expect("tempdir");
         let extra = extra.iter().map(|s| s.to_string()).collect();
-        let mut g = HaGroup { etcd, daemons: Vec::new(), prefix: "/rsrun-test".into(), ttl, extra, dir, rt };
+        let mut g = HaGroup { etcd, daemons: Vec::new(), prefix: "/rsrun-test".into(), ttl, extra, etcd_user, dir, rt };
         for i in 0..n {
             let listen: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().expect("addr");
             let front = Proxy::start(listen);
@@ -84,7 +91,7 @@ impl HaGroup {
                 g.wait_leader(Duration::from_secs(30));
             }
         }
-        Some(g)
+        g
     }
 
     /// (Re)starts daemon `i` on its address.
@@ -120,7 +127,14 @@ impl HaGroup {
     /// An etcd client of the test (direct, no proxy).
     pub(crate) fn etcd_client(&self) -> Etcd {
         let _g = self.rt.enter();
-        Etcd::connect(EtcdConfig { endpoints: self.etcd.endpoints(), request_timeout: Duration::from_secs(3), ..Default::default() }).expect("etcd")
+        Etcd::connect(EtcdConfig {
+            endpoints: self.etcd.endpoints(),
+            request_timeout: Duration::from_secs(3),
+            ca: self.etcd.tls().map(|t| t.0.clone()),
+            cert_key: self.etcd.tls().map(|t| (t.1.clone(), t.2.clone())),
+            user: self.etcd_user.clone(),
+        })
+        .expect("etcd")
     }
 
     /// What daemon `i` says about itself (direct, not through its proxy).

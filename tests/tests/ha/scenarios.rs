@@ -272,3 +272,61 @@ fn snapshots_in_etcd_replace_the_log_and_rebuild_every_daemon() {
     assert!((logs.len() as u64) < seq / 4, "the snapshots did not delete the log they cover: {} keys for {seq} entries", logs.len());
     eprintln!("{}", check(&g, &h, true));
 }
+
+#[test]
+fn etcd_over_mutual_tls() {
+    let certs = tempfile::tempdir().unwrap();
+    let (ca, cert, key) = rsrun_tests::tls_files(certs.path());
+    let Some(etcd) = rsrun_tests::etcd::EtcdCluster::start_with("etcd_over_mutual_tls", 3, Some((ca.clone(), cert.clone(), key.clone()))) else { return };
+    let (ca, cert, key) = (ca.display().to_string(), cert.display().to_string(), key.display().to_string());
+    let mut g = HaGroup::over(etcd, 2, 2, &["--etcd-ca", &ca, "--etcd-cert", &cert, "--etcd-key", &key], None);
+    let w = Workload::start(&g, "tls");
+    progress(&g, &w, Instant::now(), Duration::from_secs(20));
+    let old = g.wait_leader(Duration::from_secs(20));
+    let t = Instant::now();
+    g.kill9(old);
+    g.wait_new_leader(old, Duration::from_secs(20));
+    progress(&g, &w, t, Duration::from_secs(30));
+    let h = w.stop(&g);
+    eprintln!("{}", check(&g, &h, true));
+}
+
+#[test]
+fn password_auth_with_a_prefix_role_survives_an_etcd_restart_that_forgets_every_token() {
+    let test = "password_auth_with_a_prefix_role_survives_an_etcd_restart_that_forgets_every_token";
+    let Some(mut etcd) = rsrun_tests::etcd::EtcdCluster::start(test, 3) else { return };
+    // The least privilege: read-write on the group's prefix, nothing else.
+    for args in [
+        &["user", "add", "root", "--new-user-password", "rootpw"][..],
+        &["user", "add", "rsrun", "--new-user-password", "rsrunpw"],
+        &["role", "add", "rsrun"],
+        &["role", "grant-permission", "rsrun", "--prefix=true", "readwrite", "/rsrun-test/"],
+        &["user", "grant-role", "rsrun", "rsrun"],
+        &["auth", "enable"],
+    ] {
+        let out = etcd.etcdctl(args);
+        assert!(out.status.success(), "etcdctl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    etcd.etcdctl_user = Some("root:rootpw".into());
+    let dir = tempfile::tempdir().unwrap();
+    let pw = dir.path().join("etcd-password");
+    std::fs::write(&pw, "rsrunpw\n").unwrap();
+    let pw = pw.display().to_string();
+    let root = Some(("root".to_owned(), "rootpw".to_owned()));
+    let mut g = HaGroup::over(etcd, 2, 2, &["--etcd-user", "rsrun", "--etcd-password-file", &pw], root);
+    let w = Workload::start(&g, "auth");
+    progress(&g, &w, Instant::now(), Duration::from_secs(20));
+    // Every member restarts: every token is forgotten, the daemons log in again.
+    let t = Instant::now();
+    g.etcd.restart_all();
+    g.etcd.wait_writable(Duration::from_secs(30)).expect("etcd back");
+    progress(&g, &w, t, Duration::from_secs(40));
+    eprintln!("etcd restarted with auth on: traffic again after {:.2?}", t.elapsed());
+    let old = g.wait_leader(Duration::from_secs(20));
+    let t = Instant::now();
+    g.kill9(old);
+    g.wait_new_leader(old, Duration::from_secs(20));
+    progress(&g, &w, t, Duration::from_secs(30));
+    let h = w.stop(&g);
+    eprintln!("{}", check(&g, &h, true));
+}
