@@ -28,6 +28,14 @@ use rsrun_rendezvous::client::{ClientConfig, JobSpec, JoinSpec, RdzvClient};
 use rsrun_rendezvous::proto::DaemonRole;
 use rsrun_tests::KillOnDrop;
 
+/// A line on stdout (what the benchmark reports).
+macro_rules! out {
+    ($($t:tt)*) => {{
+        use std::io::Write;
+        let _ = writeln!(std::io::stdout().lock(), $($t)*);
+    }};
+}
+
 #[derive(Parser, Debug)]
 #[command(about = "Failover time of a highly available rendezvous group: kill -9 of the leader, SIGTERM, and a restarted --data-dir daemon as the anchor")]
 struct Args {
@@ -246,7 +254,7 @@ async fn main() -> anyhow::Result<()> {
         } else {
             kills.push(took);
         }
-        println!("trial {:>3}: {} of leader {} (epoch {epoch}): a newer leader acknowledged after {took:.3} s", trial + 1, if graceful { "SIGTERM" } else { "kill -9" }, group.daemons[leader].0);
+        out!("trial {:>3}: {} of leader {} (epoch {epoch}): a newer leader acknowledged after {took:.3} s", trial + 1, if graceful { "SIGTERM" } else { "kill -9" }, group.daemons[leader].0);
         if graceful {
             // Let the stopping daemon release its address.
             tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -261,11 +269,11 @@ async fn main() -> anyhow::Result<()> {
     let tmed = median(&mut terms);
     let amax = anchor.iter().copied().fold(0.0, f64::max);
     let amed = median(&mut anchor);
-    println!("lease ttl {} s; {acked} adds acknowledged during the run", args.lease_ttl);
-    println!("anchor: --data-dir daemon, kill -9 and immediate restart: restored median {amed:.3} s, max {amax:.3} s over {} trials", anchor.len());
-    println!("SIGTERM of the leader: restored median {tmed:.3} s, max {tmax:.3} s over {} trials", terms.len());
-    println!("kill -9 of the leader: restored median {kmed:.3} s, max {kmax:.3} s over {} trials", kills.len());
-    println!("summary: failover_s_median={kmed:.3} failover_s_max={kmax:.3} trials={}", kills.len());
+    out!("lease ttl {} s; {acked} adds acknowledged during the run", args.lease_ttl);
+    out!("anchor: --data-dir daemon, kill -9 and immediate restart: restored median {amed:.3} s, max {amax:.3} s over {} trials", anchor.len());
+    out!("SIGTERM of the leader: restored median {tmed:.3} s, max {tmax:.3} s over {} trials", terms.len());
+    out!("kill -9 of the leader: restored median {kmed:.3} s, max {kmax:.3} s over {} trials", kills.len());
+    out!("summary: failover_s_median={kmed:.3} failover_s_max={kmax:.3} trials={}", kills.len());
     Ok(())
 }
 

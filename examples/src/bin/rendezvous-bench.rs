@@ -27,6 +27,14 @@ use rsrun_rendezvous::client::{ClientConfig, JobSpec, JoinSpec, RdzvClient};
 use rsrun_tests::KillOnDrop;
 use tokio::sync::Barrier;
 
+/// A line on stdout (what the benchmark reports).
+macro_rules! out {
+    ($($t:tt)*) => {{
+        use std::io::Write;
+        let _ = writeln!(std::io::stdout().lock(), $($t)*);
+    }};
+}
+
 #[derive(Parser, Debug)]
 #[command(about = "Rendezvous service benchmark: join, barrier and unique-id exchange of N agents")]
 struct Args {
@@ -101,19 +109,19 @@ async fn main() -> anyhow::Result<()> {
         }
     };
     let f = run(&args, &endpoint).await?;
-    println!("summary: agents={} round_s={:.3} barrier_s={:.3} p99_rpc_ms={:.3}", args.agents, f.round_s, f.barrier_s, f.p99_rpc_ms);
+    out!("summary: agents={} round_s={:.3} barrier_s={:.3} p99_rpc_ms={:.3}", args.agents, f.round_s, f.barrier_s, f.p99_rpc_ms);
     Ok(())
 }
 
 /// In memory, `--data-dir`, and an HA group over etcd, one after the other in this run.
 async fn compare_ha(args: &Args) -> anyhow::Result<()> {
     let (mem, addr) = start_daemon("127.0.0.1:0", &[])?;
-    println!("--- in memory ---");
+    out!("--- in memory ---");
     let m = run(args, &addr).await?;
     drop(mem);
     let dir = tempfile::tempdir().context("temporary data directory")?;
     let (dd, addr) = start_daemon("127.0.0.1:0", &["--data-dir".into(), dir.path().display().to_string()])?;
-    println!("--- --data-dir {} ---", dir.path().display());
+    out!("--- --data-dir {} ---", dir.path().display());
     let d = run(args, &addr).await?;
     drop(dd);
     let Some(etcd) = rsrun_tests::etcd::EtcdCluster::start("rendezvous-bench --compare-ha", 3) else {
@@ -133,10 +141,10 @@ async fn compare_ha(args: &Args) -> anyhow::Result<()> {
         group.push((daemon, addr));
     }
     let eps: Vec<String> = group.iter().map(|(_, a)| a.clone()).collect();
-    println!("--- HA: 3 daemons over 3 etcd members ({}) ---", etcd_eps);
+    out!("--- HA: 3 daemons over 3 etcd members ({}) ---", etcd_eps);
     let h = run(args, &eps.join(",")).await?;
     drop(group);
-    println!(
+    out!(
         "summary: agents={} ha_round_s={:.3} data_dir_round_s={:.3} memory_round_s={:.3} ha_barrier_s={:.3} ha_p99_rpc_ms={:.3} data_dir_p99_rpc_ms={:.3} memory_p99_rpc_ms={:.3}",
         args.agents, h.round_s, d.round_s, m.round_s, h.barrier_s, h.p99_rpc_ms, d.p99_rpc_ms, m.p99_rpc_ms
     );
@@ -236,19 +244,19 @@ async fn run(args: &Args, endpoint: &str) -> anyhow::Result<Figures> {
     quick.sort_by(f64::total_cmp);
     let mut joins: Vec<f64> = times.iter().map(|a| a.rpc_ms[0]).collect();
     joins.sort_by(f64::total_cmp);
-    println!("agents={n} jobs={jobs} connections={conns} endpoint={endpoint}");
-    println!(
+    out!("agents={n} jobs={jobs} connections={conns} endpoint={endpoint}");
+    out!(
         "join (blocking until the round forms): p50={:.2} ms p99={:.2} ms",
         percentile(&joins, 0.5),
         percentile(&joins, 0.99)
     );
-    println!(
+    out!(
         "keep-alive + store set (non-blocking): p50={:.3} ms p99={:.3} ms over {} calls",
         percentile(&quick, 0.5),
         percentile(&quick, 0.99),
         quick.len()
     );
-    println!("all agents hold the unique id after {uid_s:.3} s");
-    println!("round formed after {round_s:.3} s, barrier released after {barrier_s:.3} s");
+    out!("all agents hold the unique id after {uid_s:.3} s");
+    out!("round formed after {round_s:.3} s, barrier released after {barrier_s:.3} s");
     Ok(Figures { round_s, barrier_s, p99_rpc_ms: percentile(&quick, 0.99) })
 }

@@ -28,7 +28,7 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Cmd {
     /// Run the service.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Show jobs, rounds, nodes, ranks and heartbeats.
     Status(StatusArgs),
     /// Serve one PyTorch TCPStore (an empty keyspace per start) until SIGINT or SIGTERM.
@@ -184,7 +184,7 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
-            Cmd::Serve(args) => serve(args).await,
+            Cmd::Serve(args) => serve(*args).await,
             Cmd::Status(args) => status(args).await,
             Cmd::Tcpstore(args) => tcpstore(args).await,
         }
