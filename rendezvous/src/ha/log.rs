@@ -401,6 +401,17 @@ impl EtcdLog {
         txn_range(r, i).first().is_some_and(|kv| kv.create_revision == self.epoch)
     }
 
+    /// Why a write of `value` guarded by [election key, slot] failed (the failure branch read both).
+    fn judge(&self, r: &epb::TxnResponse, value: &[u8]) -> Refusal {
+        if !self.ours(r, 0) {
+            Refusal::Deposed
+        } else if txn_range(r, 1).first().is_some_and(|kv| kv.value == value) {
+            Refusal::AlreadyDone
+        } else {
+            Refusal::Conflict
+        }
+    }
+
     fn append_batch(&self, batch: &Batch) -> Result<(), RdzvError> {
         let slot = self.keys.log(batch.first_seq);
         let value = postcard::to_allocvec(batch).map_err(|e| storage(format!("cannot encode a batch: {e}")))?;
@@ -410,15 +421,7 @@ impl EtcdLog {
             failure: vec![get_op(&self.election_key), get_op(&slot)],
         };
         let started = Instant::now();
-        self.guarded(req, |r| {
-            if !self.ours(r, 0) {
-                Refusal::Deposed
-            } else if txn_range(r, 1).first().is_some_and(|kv| kv.value == value) {
-                Refusal::AlreadyDone
-            } else {
-                Refusal::Conflict
-            }
-        })?;
+        self.guarded(req, |r| self.judge(r, &value))?;
         self.metrics.ha_append_seconds.observe(started.elapsed().as_secs_f64());
         self.metrics.ha_append_bytes.inc_by(value.len() as u64);
         Ok(())
@@ -454,15 +457,7 @@ impl EtcdLog {
             ],
             failure: vec![get_op(&self.election_key), get_op(&current)],
         };
-        let rev = self.guarded(req, |r| {
-            if !self.ours(r, 0) {
-                Refusal::Deposed
-            } else if txn_range(r, 1).first().is_some_and(|kv| kv.value == value) {
-                Refusal::AlreadyDone
-            } else {
-                Refusal::Conflict
-            }
-        })?;
+        let rev = self.guarded(req, |r| self.judge(r, &value))?;
         self.snap_mod_revision = rev;
         self.metrics.ha_snapshot_seconds.observe(p.started.elapsed().as_secs_f64());
         tracing::info!(seq = p.pointer.seq, chunks = p.pointer.chunks, bytes = p.pointer.len, "snapshot written to etcd; older log keys deleted");

@@ -20,15 +20,27 @@ fn progress(g: &HaGroup, w: &Workload, since: Instant, within: Duration) {
     }
 }
 
+/// A group of `n` daemons (lease `ttl` s) with traffic on job `job` that already made progress.
+fn begin(test: &str, n: usize, ttl: u64, job: &str) -> Option<(HaGroup, Workload)> {
+    let g = HaGroup::start(test, n, ttl)?;
+    let w = Workload::start(&g, job);
+    progress(&g, &w, Instant::now(), Duration::from_secs(20));
+    Some((g, w))
+}
+
+/// Stops the traffic and runs every history check (`complete`: etcd's history was not compacted).
+fn finish(g: &HaGroup, w: Workload, complete: bool) {
+    let h = w.stop(g);
+    eprintln!("{}", check(g, &h, complete));
+}
+
 fn role(g: &HaGroup, i: usize) -> Option<i32> {
     g.info(i).map(|d| d.role)
 }
 
 #[test]
 fn kill_9_of_the_leader_under_load_repeated() {
-    let Some(mut g) = HaGroup::start("kill_9_of_the_leader_under_load_repeated", 3, 2) else { return };
-    let w = Workload::start(&g, "kill9");
-    progress(&g, &w, Instant::now(), Duration::from_secs(20));
+    let Some((mut g, w)) = begin("kill_9_of_the_leader_under_load_repeated", 3, 2, "kill9") else { return };
     for n in 0..3 {
         let old = g.wait_leader(Duration::from_secs(20));
         let t = Instant::now();
@@ -49,9 +61,7 @@ fn kill_9_of_the_leader_under_load_repeated() {
 #[test]
 fn sigterm_of_the_leader_hands_over_without_waiting_for_the_lease() {
     // TTL 5 s: a hand-over that took the lease's expiry would take 5 s or more.
-    let Some(mut g) = HaGroup::start("sigterm_of_the_leader_hands_over_without_waiting_for_the_lease", 2, 5) else { return };
-    let w = Workload::start(&g, "term");
-    progress(&g, &w, Instant::now(), Duration::from_secs(20));
+    let Some((mut g, w)) = begin("sigterm_of_the_leader_hands_over_without_waiting_for_the_lease", 2, 5, "term") else { return };
     // HA limits: a value over 256 KiB is refused (a log batch must fit an etcd request).
     let client = g.client();
     let big = vec![7u8; 300 << 10];
@@ -65,15 +75,12 @@ fn sigterm_of_the_leader_hands_over_without_waiting_for_the_lease() {
     eprintln!("SIGTERM of leader d{old}: d{new} leads after {took:.2?}");
     assert!(took < Duration::from_secs(4), "the hand-over took {took:?}: the lease was not revoked\n{}", g.logs());
     progress(&g, &w, t, Duration::from_secs(20));
-    let h = w.stop(&g);
-    eprintln!("{}", check(&g, &h, true));
+    finish(&g, w, true);
 }
 
 #[test]
 fn a_leader_paused_past_its_lease_commits_nothing_and_steps_down() {
-    let Some(g) = HaGroup::start("a_leader_paused_past_its_lease_commits_nothing_and_steps_down", 3, 2) else { return };
-    let w = Workload::start(&g, "pause");
-    progress(&g, &w, Instant::now(), Duration::from_secs(20));
+    let Some((g, w)) = begin("a_leader_paused_past_its_lease_commits_nothing_and_steps_down", 3, 2, "pause") else { return };
     let old = g.wait_leader(Duration::from_secs(20));
     let t = Instant::now();
     g.pause(old);
@@ -90,15 +97,12 @@ fn a_leader_paused_past_its_lease_commits_nothing_and_steps_down() {
     }
     eprintln!("d{old} is a standby {:.2?} after SIGCONT", start.elapsed());
     progress(&g, &w, Instant::now(), Duration::from_secs(20));
-    let h = w.stop(&g);
-    eprintln!("{}", check(&g, &h, true));
+    finish(&g, w, true);
 }
 
 #[test]
 fn a_leader_cut_off_from_etcd_fences_itself_while_clients_still_reach_it() {
-    let Some(g) = HaGroup::start("a_leader_cut_off_from_etcd_fences_itself_while_clients_still_reach_it", 3, 2) else { return };
-    let w = Workload::start(&g, "split");
-    progress(&g, &w, Instant::now(), Duration::from_secs(20));
+    let Some((g, w)) = begin("a_leader_cut_off_from_etcd_fences_itself_while_clients_still_reach_it", 3, 2, "split") else { return };
     let old = g.wait_leader(Duration::from_secs(20));
     let t = Instant::now();
     g.etcd_link(old, Fault::Blackhole);
@@ -126,15 +130,12 @@ fn a_leader_cut_off_from_etcd_fences_itself_while_clients_still_reach_it() {
     for i in 0..g.daemons.len() {
         g.etcd_link(i, Fault::None);
     }
-    let h = w.stop(&g);
-    eprintln!("{}", check(&g, &h, true));
+    finish(&g, w, true);
 }
 
 #[test]
 fn clients_cut_off_from_the_leader_wait_and_go_on() {
-    let Some(g) = HaGroup::start("clients_cut_off_from_the_leader_wait_and_go_on", 2, 2) else { return };
-    let w = Workload::start(&g, "clients");
-    progress(&g, &w, Instant::now(), Duration::from_secs(20));
+    let Some((g, w)) = begin("clients_cut_off_from_the_leader_wait_and_go_on", 2, 2, "clients") else { return };
     let leader = g.wait_leader(Duration::from_secs(20));
     g.client_link(leader, Fault::Blackhole);
     std::thread::sleep(Duration::from_secs(3));
@@ -149,16 +150,13 @@ fn clients_cut_off_from_the_leader_wait_and_go_on() {
     let t = Instant::now();
     g.client_link(leader, Fault::None);
     progress(&g, &w, t, Duration::from_secs(30));
-    let h = w.stop(&g);
-    eprintln!("{}", check(&g, &h, true));
+    finish(&g, w, true);
 }
 
 #[test]
 fn the_etcd_leader_killed_or_paused_stalls_the_log_without_losing_anything() {
     // TTL 5 s: an etcd election (about 2 s) fits inside the lease.
-    let Some(mut g) = HaGroup::start("the_etcd_leader_killed_or_paused_stalls_the_log_without_losing_anything", 2, 5) else { return };
-    let w = Workload::start(&g, "etcdfault");
-    progress(&g, &w, Instant::now(), Duration::from_secs(20));
+    let Some((mut g, w)) = begin("the_etcd_leader_killed_or_paused_stalls_the_log_without_losing_anything", 2, 5, "etcdfault") else { return };
     let leader = g.wait_leader(Duration::from_secs(20));
     let e = g.etcd.wait_leader(Duration::from_secs(10));
     let t = Instant::now();
@@ -174,15 +172,12 @@ fn the_etcd_leader_killed_or_paused_stalls_the_log_without_losing_anything() {
     g.etcd.resume(e);
     progress(&g, &w, t, Duration::from_secs(30));
     eprintln!("SIGSTOP of etcd leader m{} for 3 s: rsrun leader {:?}", e + 1, g.leader());
-    let h = w.stop(&g);
-    eprintln!("{}", check(&g, &h, true));
+    finish(&g, w, true);
 }
 
 #[test]
 fn the_rsrun_leader_and_the_etcd_leader_killed_together() {
-    let Some(mut g) = HaGroup::start("the_rsrun_leader_and_the_etcd_leader_killed_together", 3, 2) else { return };
-    let w = Workload::start(&g, "both");
-    progress(&g, &w, Instant::now(), Duration::from_secs(20));
+    let Some((mut g, w)) = begin("the_rsrun_leader_and_the_etcd_leader_killed_together", 3, 2, "both") else { return };
     let old = g.wait_leader(Duration::from_secs(20));
     let e = g.etcd.wait_leader(Duration::from_secs(10));
     let t = Instant::now();
@@ -194,16 +189,13 @@ fn the_rsrun_leader_and_the_etcd_leader_killed_together() {
     g.etcd.restart(e);
     g.spawn(old);
     std::thread::sleep(Duration::from_secs(1));
-    let h = w.stop(&g);
-    eprintln!("{}", check(&g, &h, true));
+    finish(&g, w, true);
 }
 
 #[test]
 fn a_standby_away_across_a_compaction_resyncs_and_can_take_over() {
     // TTL 5 s: the standby's short absence does not cost it its lease, only its watch.
-    let Some(mut g) = HaGroup::start("a_standby_away_across_a_compaction_resyncs_and_can_take_over", 2, 5) else { return };
-    let w = Workload::start(&g, "compact");
-    progress(&g, &w, Instant::now(), Duration::from_secs(20));
+    let Some((mut g, w)) = begin("a_standby_away_across_a_compaction_resyncs_and_can_take_over", 2, 5, "compact") else { return };
     let leader = g.wait_leader(Duration::from_secs(20));
     let standby = 1 - leader;
     // The standby loses etcd (its watch breaks) while the leader writes on...
@@ -244,8 +236,7 @@ fn a_standby_away_across_a_compaction_resyncs_and_can_take_over() {
     assert_eq!(new, standby);
     progress(&g, &w, t, Duration::from_secs(30));
     g.spawn(leader);
-    let h = w.stop(&g);
-    eprintln!("{}", check(&g, &h, false));
+    finish(&g, w, false);
 }
 
 #[test]
@@ -294,8 +285,7 @@ fn etcd_over_mutual_tls() {
     g.kill9(old);
     g.wait_new_leader(old, Duration::from_secs(20));
     progress(&g, &w, t, Duration::from_secs(30));
-    let h = w.stop(&g);
-    eprintln!("{}", check(&g, &h, true));
+    finish(&g, w, true);
 }
 
 #[test]
@@ -334,6 +324,5 @@ fn password_auth_with_a_prefix_role_survives_an_etcd_restart_that_forgets_every_
     g.kill9(old);
     g.wait_new_leader(old, Duration::from_secs(20));
     progress(&g, &w, t, Duration::from_secs(30));
-    let h = w.stop(&g);
-    eprintln!("{}", check(&g, &h, true));
+    finish(&g, w, true);
 }
