@@ -136,6 +136,22 @@ impl DaemonRdzv {
                     (ep.to_string(), Some(addr), None, false, addrs)
                 }
             }
+            RdzvPlan::Group { endpoints } => {
+                // A highly available group: the client follows the leader. Addresses are advertised
+                // for the interface that reaches the first daemon that resolves.
+                let mut found = None;
+                for ep in endpoints {
+                    if let Ok(t) = resolve(&ep.host, ep.port) {
+                        found = Some(t);
+                        break;
+                    }
+                }
+                let target = found.with_context(|| {
+                    format!("cannot resolve any rendezvous endpoint of {}", crate::plan::endpoint_list(endpoints))
+                })?;
+                let addrs = advertised_addrs(plan, target);
+                (crate::plan::endpoint_list(endpoints), Some(target), None, false, addrs)
+            }
             RdzvPlan::Static { node_rank, master_addr, master_port } => {
                 let target = reach::resolve(master_addr, *master_port, plan.timeouts.join, console).await?;
                 let addrs = advertised_addrs(plan, target);

@@ -16,7 +16,7 @@ pub fn render(plan: &LaunchPlan) -> String {
         RdzvPlan::Static { node_rank, .. } => (*node_rank, plan.nodes.max, true),
         RdzvPlan::Standalone if plan.hosts.is_some() => (0, plan.nodes.max, true),
         RdzvPlan::Standalone => (0, 1, true),
-        RdzvPlan::Daemon { .. } => (plan.rank_hint.unwrap_or(0).min(plan.nodes.max - 1), plan.nodes.max, false),
+        RdzvPlan::Daemon { .. } | RdzvPlan::Group { .. } => (plan.rank_hint.unwrap_or(0).min(plan.nodes.max - 1), plan.nodes.max, false),
     };
     // Nodes may differ in slots (a host table): the table's world size is the truth.
     let world_size = plan.hosts.as_ref().and_then(HostTable::world_size).unwrap_or(num_nodes * nproc);
@@ -34,6 +34,14 @@ pub fn render(plan: &LaunchPlan) -> String {
                 HostMode::Auto => " (hosted by this launcher if the endpoint is this host and nothing listens)",
                 HostMode::Always => " (hosted by this launcher: is_host=true)",
                 HostMode::Never => "",
+            }
+        ),
+        RdzvPlan::Group { endpoints } => format!(
+            "highly available rsrun-rendezvous daemons at {}{} (the leader answers; a failover is a pause)",
+            crate::plan::endpoint_list(endpoints),
+            match &plan.tls_ca {
+                Some(ca) => format!(" over TLS (CA {})", ca.display()),
+                None => String::new(),
             }
         ),
         RdzvPlan::Static { node_rank, master_addr, master_port } => format!(
@@ -55,7 +63,7 @@ pub fn render(plan: &LaunchPlan) -> String {
     let port = match &plan.rdzv {
         RdzvPlan::Daemon { endpoint, .. } => Some(endpoint.port),
         RdzvPlan::Static { master_port, .. } => Some(*master_port),
-        RdzvPlan::Standalone => None,
+        RdzvPlan::Standalone | RdzvPlan::Group { .. } => None,
     };
     if let Some(port) = port
         && plan.port_probe > 0
@@ -135,6 +143,7 @@ pub fn render(plan: &LaunchPlan) -> String {
             RdzvPlan::Static { master_addr, master_port, .. } => Some(format!("{master_addr}:{master_port}")),
             RdzvPlan::Standalone => Some("127.0.0.1:<port>".into()),
             RdzvPlan::Daemon { endpoint, .. } => Some(endpoint.to_string()),
+            RdzvPlan::Group { endpoints } => Some(crate::plan::endpoint_list(endpoints)),
         },
     };
     for local_rank in 0..nproc {
@@ -168,7 +177,7 @@ pub fn render(plan: &LaunchPlan) -> String {
                 "MASTER_ADDR" => match &plan.rdzv {
                     RdzvPlan::Static { master_addr, .. } => master_addr.clone(),
                     RdzvPlan::Standalone => "127.0.0.1".into(),
-                    RdzvPlan::Daemon { .. } => "<address of the rendezvous service>".into(),
+                    RdzvPlan::Daemon { .. } | RdzvPlan::Group { .. } => "<address of the rendezvous service>".into(),
                 },
                 "MASTER_PORT" => "<port of the TCPStore the rendezvous serves for the round>".into(),
                 _ => v,

@@ -244,6 +244,11 @@ impl fmt::Display for Endpoint {
     }
 }
 
+/// The endpoints of a group, comma-separated (as `--rdzv-endpoint` takes them).
+pub fn endpoint_list(endpoints: &[Endpoint]) -> String {
+    endpoints.iter().map(Endpoint::to_string).collect::<Vec<_>>().join(",")
+}
+
 /// How this node finds its peers.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RdzvPlan {
@@ -256,6 +261,13 @@ pub enum RdzvPlan {
         endpoint: Endpoint,
         /// Host an embedded service if the endpoint is this host and nothing listens there.
         host: HostMode,
+    },
+    /// A highly available group of rsrun-rendezvous daemons (`--rdzv-endpoint h1:29400,h2:29400`,
+    /// daemons started with `--etcd-endpoints`): the client follows the leader and rides through a
+    /// failover. Never hosted by a launcher.
+    Group {
+        /// Every daemon of the group, as given.
+        endpoints: Vec<Endpoint>,
     },
     /// torchrun's static backend: fixed node ranks, no elasticity. Node rank 0 hosts the rendezvous
     /// at `master_addr:master_port`; the others join it, and duplicate or missing node ranks are
@@ -940,8 +952,28 @@ impl LaunchPlan {
         let rconf = parse_rdzv_conf(&args.rdzv_conf, &mut notes)?;
 
         // Rendezvous: --standalone, implicit single-node standalone, static, or the daemon.
+        // Several endpoints: the daemons of a highly available group.
+        let group: Vec<Endpoint> = if args.rdzv_endpoint.contains(',') {
+            let mut eps = Vec::new();
+            for part in args.rdzv_endpoint.split(',') {
+                let ep = Endpoint::parse(part, "--rdzv-endpoint", DEFAULT_RDZV_PORT)?;
+                if ep.port == 0 {
+                    return Err(invalid("--rdzv-endpoint", &args.rdzv_endpoint, "fixed ports for every daemon of a group (HOST:PORT,HOST:PORT...)"));
+                }
+                if eps.contains(&ep) {
+                    return Err(invalid("--rdzv-endpoint", &args.rdzv_endpoint, format!("distinct daemons; {ep} is listed twice")));
+                }
+                eps.push(ep);
+            }
+            eps
+        } else {
+            Vec::new()
+        };
         let endpoint = (!args.rdzv_endpoint.trim().is_empty())
-            .then(|| Endpoint::parse(&args.rdzv_endpoint, "--rdzv-endpoint", DEFAULT_RDZV_PORT))
+            .then(|| match group.first() {
+                Some(first) => Ok(first.clone()),
+                None => Endpoint::parse(&args.rdzv_endpoint, "--rdzv-endpoint", DEFAULT_RDZV_PORT),
+            })
             .transpose()?;
         let backend = match args.rdzv_backend.trim().to_ascii_lowercase() {
             // Deviation from torchrun (which picks static): an endpoint without a fixed node rank
@@ -972,6 +1004,12 @@ impl LaunchPlan {
             (RdzvPlan::Standalone, random_id())
         } else {
             match backend.as_str() {
+                "static" if !group.is_empty() => {
+                    return Err(PlanError::Conflict(format!(
+                        "--rdzv-endpoint {} lists several daemons, which only the c10d backend uses (a highly available group); the static backend takes one --master-addr:--master-port",
+                        args.rdzv_endpoint
+                    )));
+                }
                 "static" => {
                     if endpoint.is_none() && args.master_port.is_none() && nodes.max == 1 {
                         // torchrun 2.15: single node without a port → c10d on localhost:0.
@@ -1055,12 +1093,21 @@ impl LaunchPlan {
                                 "none".into()
                             }
                         };
-                        (RdzvPlan::Daemon { endpoint, host: rconf.host }, id)
+                        if group.is_empty() {
+                            (RdzvPlan::Daemon { endpoint, host: rconf.host }, id)
+                        } else {
+                            if rconf.host == HostMode::Always {
+                                return Err(PlanError::Conflict(
+                                    "--rdzv-conf is_host=true with several --rdzv-endpoint daemons: a group of daemons is started with `rsrun-rendezvous serve --etcd-endpoints`, never hosted by a launcher".into(),
+                                ));
+                            }
+                            (RdzvPlan::Group { endpoints: group.clone() }, id)
+                        }
                     }
                 }
                 "etcd" | "etcd-v2" => {
                     return Err(PlanError::Conflict(format!(
-                        "--rdzv-backend {backend} is not supported: run `rsrun-rendezvous serve` and use --rdzv-backend c10d --rdzv-endpoint HOST:PORT"
+                        "--rdzv-backend {backend} is not supported: run `rsrun-rendezvous serve` and use --rdzv-backend c10d --rdzv-endpoint HOST:PORT (for a rendezvous that survives its host, run several `rsrun-rendezvous serve --etcd-endpoints ...` daemons and list them all: --rdzv-endpoint h1:29400,h2:29400)"
                     )));
                 }
                 other => return Err(invalid("--rdzv-backend", other, "c10d (alias rsrun) or static")),
@@ -1229,6 +1276,13 @@ impl LaunchPlan {
         // TLS to the daemon.
         let tls_ca = match (&args.rdzv_tls_ca, &rdzv) {
             (None, _) => None,
+            (Some(path), RdzvPlan::Group { .. }) => {
+                let p = host.cwd.join(path);
+                if let Err(e) = std::fs::read(&p) {
+                    return Err(invalid("--rdzv-tls-ca", &path.display().to_string(), format!("a readable PEM file ({e})")));
+                }
+                Some(p)
+            }
             (Some(path), RdzvPlan::Daemon { host: mode, .. }) => {
                 let p = host.cwd.join(path);
                 if let Err(e) = std::fs::read(&p) {
@@ -1287,7 +1341,7 @@ impl LaunchPlan {
 
         let mode = match (&cluster.mode, &rdzv) {
             (LaunchMode::SingleNode, RdzvPlan::Static { .. }) => LaunchMode::Static,
-            (LaunchMode::SingleNode, RdzvPlan::Daemon { .. }) => LaunchMode::Rendezvous,
+            (LaunchMode::SingleNode, RdzvPlan::Daemon { .. } | RdzvPlan::Group { .. }) => LaunchMode::Rendezvous,
             (m, _) => m.clone(),
         };
         let mut sources = topology_sources(args, &cluster, nodes, nproc_per_node, &rdzv, &job_id);
@@ -1378,6 +1432,11 @@ fn topology_sources(
         RdzvPlan::Daemon { endpoint, .. } => {
             if !has(&out, "rendezvous") {
                 out.push(Sourced { name: "rendezvous", value: endpoint.to_string(), source: opt("rdzv_endpoint", "--rdzv-endpoint") });
+            }
+        }
+        RdzvPlan::Group { endpoints } => {
+            if !has(&out, "rendezvous") {
+                out.push(Sourced { name: "rendezvous", value: endpoint_list(endpoints), source: opt("rdzv_endpoint", "--rdzv-endpoint") });
             }
         }
         RdzvPlan::Standalone => {}

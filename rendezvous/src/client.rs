@@ -5,6 +5,12 @@
 //! `kill -9` and restart of the daemon is a pause, not an error. Non-idempotent store calls carry a
 //! request id, so a retry is answered from the daemon's memory instead of being applied twice.
 //!
+//! The endpoint may list several daemons (`h1:29400,h2:29400`): a highly available group. A standby
+//! refuses with a hint naming the leader, and the client goes there at once; an endpoint that does
+//! not answer sends it to the next one, backing off at most 500 ms. Every answer of an HA leader
+//! carries its epoch; the client remembers the highest it saw and refuses answers of a lower one (a
+//! deposed leader that has not noticed), so what it observes never goes back in time.
+//!
 //! ```no_run
 //! # async fn demo() -> Result<(), rsrun_rendezvous::RdzvError> {
 //! use rsrun_rendezvous::client::{ClientConfig, RdzvClient};
@@ -15,9 +21,11 @@
 //! ```
 
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
+use prost::Message;
 use rsrun_proto::v1 as pb;
 use rsrun_proto::v1::rendezvous_client::RendezvousClient;
 use tokio::sync::watch;
@@ -39,7 +47,8 @@ pub const KEEP_ALIVE_GIVE_UP: Duration = Duration::from_secs(120);
 /// Where and how to reach the service.
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
-    /// `host:port`, `[v6]:port`, or a full `http://` / `https://` URI.
+    /// `host:port`, `[v6]:port`, or a full `http://` / `https://` URI; or several, comma-separated
+    /// (the daemons of a highly available group).
     pub endpoint: String,
     /// Bearer token, when the service requires one.
     pub token: Option<String>,
@@ -135,10 +144,114 @@ impl JobSpec {
     }
 }
 
-/// A connection to the rendezvous service (cheap to clone; clones share the channel).
+/// One daemon's channel.
+#[derive(Debug, Clone)]
+struct Conn {
+    name: String,
+    client: Inner,
+}
+
+/// The daemons a client talks to, which one it uses now, and the highest epoch it heard.
+#[derive(Debug)]
+struct Conns {
+    list: RwLock<Vec<Conn>>,
+    current: AtomicUsize,
+    epoch: AtomicU64,
+    header: Option<MetadataValue<tonic::metadata::Ascii>>,
+    ca_pem: Option<Vec<u8>>,
+}
+
+/// `host:port` of an endpoint as written (scheme dropped), for matching leader hints.
+fn bare(endpoint: &str) -> &str {
+    let e = endpoint.trim();
+    e.strip_prefix("http://").or_else(|| e.strip_prefix("https://")).unwrap_or(e).trim_end_matches('/')
+}
+
+fn channel(raw: &str, cfg: &ClientConfig, ca_pem: Option<&[u8]>, header: Option<MetadataValue<tonic::metadata::Ascii>>) -> Result<Inner, RdzvError> {
+    let bad = |message: String| RdzvError::Connect { endpoint: raw.to_string(), message };
+    let raw = raw.trim();
+    let uri = if raw.starts_with("http://") || raw.starts_with("https://") {
+        raw.to_string()
+    } else {
+        let scheme = if ca_pem.is_some() { "https" } else { "http" };
+        format!("{scheme}://{raw}")
+    };
+    let parsed: tonic::codegen::http::Uri = uri.parse().map_err(|e| bad(format!("not a host:port address ({e})")))?;
+    let host = parsed.host().filter(|h| !h.is_empty()).ok_or_else(|| bad("no host".into()))?.to_string();
+    if parsed.port_u16().is_none() {
+        return Err(bad("no port; expected host:port (the daemon's default is 29400)".into()));
+    }
+    let mut endpoint = Endpoint::from_shared(uri.clone())
+        .map_err(|e| bad(e.to_string()))?
+        .connect_timeout(cfg.connect_timeout)
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(10))
+        .keep_alive_timeout(Duration::from_secs(20))
+        .keep_alive_while_idle(true);
+    if let Some(pem) = ca_pem {
+        let host = host.trim_start_matches('[').trim_end_matches(']').to_string();
+        endpoint = endpoint
+            .tls_config(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem)).domain_name(host))
+            .map_err(|e| bad(format!("TLS configuration: {e}")))?;
+    }
+    let channel = endpoint.connect_lazy();
+    Ok(RendezvousClient::with_interceptor(channel, TokenInjector { header }).max_decoding_message_size(usize::MAX))
+}
+
+impl Conns {
+    fn pick(&self) -> (usize, Conn) {
+        let list = self.list.read().unwrap_or_else(|p| p.into_inner());
+        let i = self.current.load(Ordering::Relaxed) % list.len();
+        (i, list[i].clone())
+    }
+
+    fn len(&self) -> usize {
+        self.list.read().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    /// After endpoint `i` failed: the next one.
+    fn rotate(&self, i: usize) {
+        let n = self.len();
+        let _ = self.current.compare_exchange(i, (i + 1) % n, Ordering::Relaxed, Ordering::Relaxed);
+    }
+
+    /// Goes to the daemon a standby named (adding it when the list lacks it). Returns whether the
+    /// client moved.
+    fn go_to(&self, leader: &str, cfg: &ClientConfig) -> bool {
+        let want = bare(leader);
+        let mut list = self.list.write().unwrap_or_else(|p| p.into_inner());
+        let at = match list.iter().position(|c| bare(&c.name) == want) {
+            Some(i) => i,
+            None => match channel(want, cfg, self.ca_pem.as_deref(), self.header.clone()) {
+                Ok(client) => {
+                    list.push(Conn { name: want.to_owned(), client });
+                    list.len() - 1
+                }
+                Err(e) => {
+                    tracing::debug!(leader, error = %e, "unusable leader hint");
+                    return false;
+                }
+            },
+        };
+        self.current.swap(at, Ordering::Relaxed) != at
+    }
+
+    /// Checks an answer's epoch against the highest seen.
+    fn check_epoch(&self, md: &tonic::metadata::MetadataMap) -> Result<(), RdzvError> {
+        let Some(v) = md.get_bin(crate::service::LEADER_STAMP_KEY) else { return Ok(()) };
+        let Some(stamp) = v.to_bytes().ok().and_then(|b| pb::LeaderStamp::decode(b.as_ref()).ok()) else { return Ok(()) };
+        let seen = self.epoch.fetch_max(stamp.epoch, Ordering::Relaxed);
+        if stamp.epoch < seen {
+            return Err(RdzvError::StaleEpoch { got: stamp.epoch, seen });
+        }
+        Ok(())
+    }
+}
+
+/// A connection to the rendezvous service (cheap to clone; clones share the channels).
 #[derive(Debug, Clone)]
 pub struct RdzvClient {
-    inner: Inner,
+    conns: Arc<Conns>,
     cfg: Arc<ClientConfig>,
 }
 
@@ -157,32 +270,10 @@ impl RdzvClient {
     /// A malformed endpoint, an unreadable CA file or a token that cannot travel in a header.
     pub fn connect(cfg: ClientConfig) -> Result<Self, RdzvError> {
         let bad = |message: String| RdzvError::Connect { endpoint: cfg.endpoint.clone(), message };
-        let raw = cfg.endpoint.trim();
-        let uri = if raw.starts_with("http://") || raw.starts_with("https://") {
-            raw.to_string()
-        } else {
-            let scheme = if cfg.tls_ca.is_some() { "https" } else { "http" };
-            format!("{scheme}://{raw}")
+        let ca_pem = match &cfg.tls_ca {
+            Some(ca) => Some(std::fs::read(ca).map_err(|e| bad(format!("cannot read CA file {}: {e}", ca.display())))?),
+            None => None,
         };
-        let parsed: tonic::codegen::http::Uri = uri.parse().map_err(|e| bad(format!("not a host:port address ({e})")))?;
-        let host = parsed.host().filter(|h| !h.is_empty()).ok_or_else(|| bad("no host".into()))?.to_string();
-        if parsed.port_u16().is_none() {
-            return Err(bad("no port; expected host:port (the daemon's default is 29400)".into()));
-        }
-        let mut endpoint = Endpoint::from_shared(uri.clone())
-            .map_err(|e| bad(e.to_string()))?
-            .connect_timeout(cfg.connect_timeout)
-            .tcp_nodelay(true)
-            .http2_keep_alive_interval(Duration::from_secs(10))
-            .keep_alive_timeout(Duration::from_secs(20))
-            .keep_alive_while_idle(true);
-        if let Some(ca) = &cfg.tls_ca {
-            let pem = std::fs::read(ca).map_err(|e| bad(format!("cannot read CA file {}: {e}", ca.display())))?;
-            let host = host.trim_start_matches('[').trim_end_matches(']').to_string();
-            endpoint = endpoint
-                .tls_config(ClientTlsConfig::new().ca_certificate(Certificate::from_pem(pem)).domain_name(host))
-                .map_err(|e| bad(format!("TLS configuration: {e}")))?;
-        }
         let header = match &cfg.token {
             None => None,
             Some(t) => Some(
@@ -191,14 +282,41 @@ impl RdzvClient {
                     .map_err(|_| bad("the token contains characters that cannot travel in a header".into()))?,
             ),
         };
-        let channel = endpoint.connect_lazy();
-        let inner = RendezvousClient::with_interceptor(channel, TokenInjector { header }).max_decoding_message_size(usize::MAX);
-        Ok(RdzvClient { inner, cfg: Arc::new(cfg) })
+        let names: Vec<&str> = cfg.endpoint.split(',').map(str::trim).filter(|e| !e.is_empty()).collect();
+        if names.is_empty() {
+            return Err(bad("empty; expected host:port (several: comma-separated)".into()));
+        }
+        let mut list = Vec::with_capacity(names.len());
+        for name in names {
+            list.push(Conn { name: name.to_owned(), client: channel(name, &cfg, ca_pem.as_deref(), header.clone())? });
+        }
+        let conns = Conns { list: RwLock::new(list), current: AtomicUsize::new(0), epoch: AtomicU64::new(0), header, ca_pem };
+        Ok(RdzvClient { conns: Arc::new(conns), cfg: Arc::new(cfg) })
     }
 
     /// The configuration it was made with.
     pub fn config(&self) -> &ClientConfig {
         &self.cfg
+    }
+
+    /// The highest leader epoch this client heard (0: no HA daemon answered yet).
+    pub fn epoch(&self) -> u64 {
+        self.conns.epoch.load(Ordering::Relaxed)
+    }
+
+    /// The endpoint calls go to now.
+    pub fn current_endpoint(&self) -> String {
+        self.conns.pick().1.name
+    }
+
+    /// Asks one daemon about itself (never redirected): its HA role, epoch and replica.
+    pub async fn daemon_info_at(&self, endpoint: &str) -> Result<pb::DaemonInfoResponse, RdzvError> {
+        let mut c = channel(endpoint, &self.cfg, self.conns.ca_pem.as_deref(), self.conns.header.clone())?;
+        match tokio::time::timeout(self.cfg.rpc_timeout, c.daemon_info(pb::DaemonInfoRequest {})).await {
+            Ok(Ok(r)) => Ok(r.into_inner()),
+            Ok(Err(s)) => Err(RdzvError::from(s)),
+            Err(_) => Err(RdzvError::Timeout(format!("{endpoint} did not answer within {:?}", self.cfg.rpc_timeout))),
+        }
     }
 
     /// Runs one call, retrying while the service is unreachable, until `wait` plus the configured
@@ -216,9 +334,16 @@ impl RdzvClient {
             attempts += 1;
             let now = Instant::now();
             let server_wait = wait.saturating_sub(now - start);
-            let result = tokio::time::timeout(deadline.saturating_duration_since(now), f(self.inner.clone(), server_wait)).await;
+            let (idx, conn) = self.conns.pick();
+            let result = tokio::time::timeout(deadline.saturating_duration_since(now), f(conn.client, server_wait)).await;
             let err = match result {
-                Ok(Ok(resp)) => return Ok(resp.into_inner()),
+                Ok(Ok(resp)) => match self.conns.check_epoch(resp.metadata()) {
+                    Ok(()) => return Ok(resp.into_inner()),
+                    Err(e) => {
+                        self.conns.rotate(idx);
+                        e
+                    }
+                },
                 Ok(Err(status)) => RdzvError::from(status),
                 // The deadline passed during an attempt: if earlier attempts could not reach the
                 // service, that is the story to tell, not the timeout of the last try.
@@ -250,10 +375,26 @@ impl RdzvClient {
                     start.elapsed()
                 )));
             }
-            tracing::debug!(what, attempts, error = %err, "rendezvous unreachable, retrying");
+            // Where to try next: the leader a standby named (at once), else the next daemon (the list
+            // may have grown by a leader a standby named).
+            let several = self.conns.len() > 1;
+            let cap = if several { Duration::from_millis(500) } else { Duration::from_secs(2) };
+            let redirected = match &err {
+                RdzvError::NotLeader { leader, .. } if !leader.is_empty() => self.conns.go_to(leader, &self.cfg),
+                _ => {
+                    if several {
+                        self.conns.rotate(idx);
+                    }
+                    false
+                }
+            };
+            tracing::debug!(what, attempts, endpoint = %conn.name, error = %err, "rendezvous unreachable, retrying");
             last_unreachable = Some(err);
+            if redirected {
+                continue;
+            }
             tokio::time::sleep(backoff.min(left)).await;
-            backoff = (backoff * 2).min(Duration::from_secs(2));
+            backoff = (backoff * 2).min(cap);
         }
     }
 
@@ -308,7 +449,9 @@ impl RdzvClient {
         tokio::spawn(async move {
             let mut backoff = Duration::from_millis(25);
             loop {
-                let mut c = client.inner.clone();
+                let cap = if client.conns.len() > 1 { Duration::from_millis(500) } else { Duration::from_secs(2) };
+                let (idx, conn) = client.conns.pick();
+                let mut c = conn.client;
                 let req = pb::WatchRequest { job_id: job.clone(), node_id: node.clone() };
                 let opened = tokio::select! {
                     r = c.watch(req) => r,
@@ -316,6 +459,11 @@ impl RdzvClient {
                 };
                 match opened {
                     Ok(stream) => {
+                        if client.conns.check_epoch(stream.metadata()).is_err() {
+                            client.conns.rotate(idx);
+                            tokio::time::sleep(backoff).await;
+                            continue;
+                        }
                         let mut stream = stream.into_inner();
                         loop {
                             let next = tokio::select! {
@@ -342,13 +490,21 @@ impl RdzvClient {
                             tracing::debug!(%job, error = %e, "watch ends");
                             return;
                         }
+                        match &e {
+                            RdzvError::NotLeader { leader, .. } if !leader.is_empty() => {
+                                if client.conns.go_to(leader, &client.cfg) {
+                                    continue;
+                                }
+                            }
+                            _ => client.conns.rotate(idx),
+                        }
                     }
                 }
                 tokio::select! {
                     _ = tokio::time::sleep(backoff) => {}
                     _ = tx.closed() => return,
                 }
-                backoff = (backoff * 2).min(Duration::from_secs(2));
+                backoff = (backoff * 2).min(cap);
             }
         });
         rx
@@ -696,5 +852,46 @@ impl StoreClient {
             })
             .await?;
         Ok(r.unique_id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tonic::metadata::{MetadataMap, MetadataValue};
+
+    fn stamped(epoch: u64) -> MetadataMap {
+        let mut m = MetadataMap::new();
+        let stamp = pb::LeaderStamp { epoch, leader_endpoint: "h:1".into() }.encode_to_vec();
+        m.insert_bin(crate::service::LEADER_STAMP_KEY, MetadataValue::from_bytes(&stamp));
+        m
+    }
+
+    #[tokio::test]
+    async fn answers_of_an_older_epoch_are_refused() {
+        let c = RdzvClient::connect(ClientConfig::new("127.0.0.1:1,127.0.0.1:2")).unwrap();
+        assert!(c.conns.check_epoch(&stamped(5)).is_ok());
+        assert!(c.conns.check_epoch(&stamped(7)).is_ok());
+        assert!(c.conns.check_epoch(&stamped(7)).is_ok());
+        assert_eq!(c.conns.check_epoch(&stamped(5)), Err(RdzvError::StaleEpoch { got: 5, seen: 7 }));
+        // A daemon that is not highly available stamps nothing.
+        assert!(c.conns.check_epoch(&MetadataMap::new()).is_ok());
+        assert_eq!(c.epoch(), 7);
+    }
+
+    #[tokio::test]
+    async fn a_leader_hint_selects_the_listed_daemon_or_adds_it() {
+        let c = RdzvClient::connect(ClientConfig::new(" 127.0.0.1:1 , http://127.0.0.1:2 ")).unwrap();
+        assert_eq!(c.current_endpoint(), "127.0.0.1:1");
+        assert!(c.conns.go_to("127.0.0.1:2", &c.cfg), "the hint names the second daemon");
+        assert_eq!(c.current_endpoint(), "http://127.0.0.1:2");
+        assert!(!c.conns.go_to("127.0.0.1:2", &c.cfg), "already there");
+        assert!(c.conns.go_to("127.0.0.1:3", &c.cfg), "a daemon the list lacks is added");
+        assert_eq!(c.current_endpoint(), "127.0.0.1:3");
+        assert_eq!(c.conns.len(), 3);
+        // A failed endpoint moves the client on, round the list.
+        c.conns.rotate(2);
+        assert_eq!(c.current_endpoint(), "127.0.0.1:1");
+        assert!(RdzvClient::connect(ClientConfig::new(" , ")).is_err());
     }
 }

@@ -1,5 +1,7 @@
 //! The crate's one error type, and its one conversion into `tonic::Status` (and back, for clients).
 
+use prost::Message;
+use rsrun_proto::v1 as pb;
 use tonic::{Code, Status};
 
 /// Everything that can go wrong in the rendezvous service or its client.
@@ -92,6 +94,24 @@ pub enum RdzvError {
     /// The daemon is shutting down.
     #[error("the rendezvous service is shutting down")]
     ShuttingDown,
+    /// HA: this daemon is not the leader (a standby, or a leader that lost its lease); the call was
+    /// not applied. Travels as `UNAVAILABLE` with a [`pb::NotLeader`] in the status details.
+    #[error("this rendezvous daemon is not the leader{}", leader_hint(leader, *epoch))]
+    NotLeader {
+        /// The leader's advertised address, when known.
+        leader: String,
+        /// The leader's epoch (0: unknown).
+        epoch: u64,
+    },
+    /// Client side: an answer from a leader older than one this client already heard from (a
+    /// deposed leader that has not noticed yet).
+    #[error("stale answer from a deposed leader of epoch {got} (epoch {seen} was already seen)")]
+    StaleEpoch {
+        /// The epoch of the answer.
+        got: u64,
+        /// The highest epoch this client saw.
+        seen: u64,
+    },
     /// Client side: the endpoint or TLS configuration is unusable.
     #[error("cannot connect to rendezvous endpoint {endpoint:?}: {message}")]
     Connect {
@@ -141,6 +161,14 @@ pub enum RdzvError {
     },
 }
 
+fn leader_hint(leader: &str, epoch: u64) -> String {
+    match (leader.is_empty(), epoch) {
+        (true, _) => ": no leader is known yet (an election is running)".into(),
+        (false, 0) => format!(": the leader is at {leader}"),
+        (false, e) => format!(": the leader is at {leader} (epoch {e})"),
+    }
+}
+
 impl RdzvError {
     /// Shorthand for [`RdzvError::InvalidArgument`].
     pub fn invalid(field: &'static str, message: impl Into<String>) -> Self {
@@ -162,9 +190,12 @@ impl RdzvError {
             RdzvError::Unauthenticated(_) => Code::Unauthenticated,
             RdzvError::ResourceExhausted(_) | RdzvError::TcpStoreLimit { .. } => Code::ResourceExhausted,
             RdzvError::Timeout(_) => Code::DeadlineExceeded,
-            RdzvError::Unavailable(_) | RdzvError::ShuttingDown | RdzvError::Connect { .. } | RdzvError::TcpStoreClient { .. } => {
-                Code::Unavailable
-            }
+            RdzvError::Unavailable(_)
+            | RdzvError::ShuttingDown
+            | RdzvError::Connect { .. }
+            | RdzvError::TcpStoreClient { .. }
+            | RdzvError::NotLeader { .. }
+            | RdzvError::StaleEpoch { .. } => Code::Unavailable,
             RdzvError::Storage { .. } => Code::Internal,
             RdzvError::Rpc { code, .. } => *code,
         }
@@ -179,6 +210,10 @@ impl RdzvError {
 /// The one conversion of the service's errors into gRPC statuses.
 impl From<RdzvError> for Status {
     fn from(err: RdzvError) -> Self {
+        if let RdzvError::NotLeader { leader, epoch } = &err {
+            let details = pb::NotLeader { leader_endpoint: leader.clone(), epoch: *epoch, daemon_id: String::new() }.encode_to_vec();
+            return Status::with_details(err.code(), err.to_string(), details.into());
+        }
         Status::new(err.code(), err.to_string())
     }
 }
@@ -196,6 +231,10 @@ impl From<Status> for RdzvError {
             Code::Unauthenticated => RdzvError::Unauthenticated(message),
             Code::ResourceExhausted => RdzvError::ResourceExhausted(message),
             Code::DeadlineExceeded => RdzvError::Timeout(message),
+            Code::Unavailable if !status.details().is_empty() => match pb::NotLeader::decode(status.details()) {
+                Ok(n) => RdzvError::NotLeader { leader: n.leader_endpoint, epoch: n.epoch },
+                Err(_) => RdzvError::Unavailable(message),
+            },
             Code::Unavailable | Code::Cancelled | Code::Unknown => {
                 RdzvError::Unavailable(if message.is_empty() { "service unavailable".into() } else { message })
             }

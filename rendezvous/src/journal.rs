@@ -163,9 +163,35 @@ fn read_snapshot(path: &Path) -> Result<Option<(State, u64)>, RdzvError> {
     Ok(Some((state, seq)))
 }
 
+/// The postcard encoding of a state: the payload of a snapshot, on disk and in etcd alike.
+pub fn encode_state(state: &State) -> Result<Vec<u8>, RdzvError> {
+    postcard::to_allocvec(state).map_err(|e| RdzvError::Storage { path: "snapshot".into(), message: format!("cannot encode state: {e}") })
+}
+
+/// Decodes framed records (as [`encode`] writes them) that must be whole: a short, damaged or
+/// undecodable record is an error naming its offset, never skipped (etcd keeps what it acknowledged
+/// whole, so there is no torn tail to forgive).
+pub fn decode_records(bytes: &[u8]) -> Result<Vec<Entry>, String> {
+    let mut out = Vec::new();
+    let mut at = 0usize;
+    while at < bytes.len() {
+        if bytes.len() - at < 8 {
+            return Err(format!("record header cut short at offset {at}"));
+        }
+        let len = u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]]) as usize;
+        let crc = u32::from_le_bytes([bytes[at + 4], bytes[at + 5], bytes[at + 6], bytes[at + 7]]);
+        let payload = bytes.get(at + 8..at + 8 + len).ok_or_else(|| format!("record at offset {at} cut short ({len} bytes announced)"))?;
+        if crc32fast::hash(payload) != crc {
+            return Err(format!("checksum mismatch in the record at offset {at}"));
+        }
+        out.push(postcard::from_bytes(payload).map_err(|e| format!("undecodable record at offset {at}: {e}"))?);
+        at += 8 + len;
+    }
+    Ok(out)
+}
+
 fn snapshot_bytes(state: &State, seq: u64) -> Result<Vec<u8>, RdzvError> {
-    let payload = postcard::to_allocvec(state)
-        .map_err(|e| RdzvError::Storage { path: "snapshot".into(), message: format!("cannot encode state: {e}") })?;
+    let payload = encode_state(state)?;
     let mut out = Vec::with_capacity(payload.len() + 28);
     out.extend_from_slice(SNAPSHOT_MAGIC);
     out.extend_from_slice(&seq.to_le_bytes());

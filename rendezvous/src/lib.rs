@@ -2,6 +2,8 @@
 //!
 //! - [`state`]: the pure state machine (membership, rounds, store, barriers, unique ids).
 //! - [`journal`]: durable state (fsync'd append log + snapshot compaction).
+//! - [`logstore`]: the seam between the executor and its log (the file journal, or etcd).
+//! - [`ha`]: highly available daemons: active/standby over a fenced log in etcd.
 //! - [`service`]: the executor that stamps commands with time, applies, journals and wakes waiters,
 //!   and the gRPC handlers over it.
 //! - [`server`]: serving (listen, auth, TLS, metrics, shutdown) and the embedded in-memory mode.
@@ -13,7 +15,9 @@
 pub mod auth;
 pub mod client;
 mod error;
+pub mod ha;
 pub mod journal;
+pub mod logstore;
 pub mod metrics;
 mod round_stores;
 pub mod server;

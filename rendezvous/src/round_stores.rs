@@ -87,6 +87,11 @@ impl RoundStores {
         }
     }
 
+    /// Stops every store (a leader stepping down: the new leader serves the rounds' stores).
+    pub(crate) fn clear(&mut self) {
+        self.running.clear();
+    }
+
     /// The store serving `round` of `job`, if any.
     pub(crate) fn endpoint(&self, job: &str, round: u64) -> Option<SocketAddr> {
         self.running.get(job).filter(|(r, _)| *r == round).and_then(|(_, s)| s.as_ref()).map(TcpStoreServer::local_addr)

@@ -16,6 +16,7 @@ use tonic::transport::{Identity, Server, ServerTlsConfig};
 
 use crate::RdzvError;
 use crate::auth::{AuthInterceptor, TokenTable};
+use crate::ha::{self, HaConfig};
 use crate::metrics::Metrics;
 use crate::service::{Core, CoreConfig, Service};
 use crate::tcpstore::TcpStoreLimits;
@@ -43,6 +44,9 @@ pub struct ServerConfig {
     /// Serve this job only (an embedded service hosted by a launcher for its own job): calls naming
     /// another job are refused with `PERMISSION_DENIED` naming both jobs.
     pub only_job: Option<String>,
+    /// Highly available: keep the log in etcd, as the leader or a standby of a group of daemons
+    /// (exclusive with `data_dir`).
+    pub ha: Option<HaConfig>,
 }
 
 impl ServerConfig {
@@ -58,9 +62,20 @@ impl ServerConfig {
             limits: Limits::default(),
             tcpstore: Some(TcpStoreLimits::default()),
             only_job: None,
+            ha: None,
         }
     }
 }
+
+/// HA: the largest store value (a log record must fit an etcd request with room to spare).
+pub const HA_MAX_VALUE_BYTES: usize = 512 << 10;
+/// HA: the default largest store value.
+pub const HA_DEFAULT_VALUE_BYTES: usize = 256 << 10;
+/// HA: the default store bytes per job.
+pub const HA_DEFAULT_STORE_BYTES_PER_JOB: usize = 16 << 20;
+/// HA: store writes are refused once all jobs together hold this much (snapshots and etcd
+/// history stay well under etcd's 2 GiB quota).
+pub const HA_MAX_TOTAL_STORE_BYTES: usize = 512 << 20;
 
 /// Where the server ended up listening.
 #[derive(Debug, Clone, Copy)]
@@ -99,10 +114,40 @@ pub async fn serve(config: ServerConfig, shutdown: CancellationToken, on_bound: 
             Some(ServerTlsConfig::new().identity(Identity::from_pem(read(cert)?, read(key)?)))
         }
     };
+    let etcd = match &config.ha {
+        None => None,
+        Some(ha) => {
+            if config.data_dir.is_some() {
+                return Err(RdzvError::invalid("data_dir", "--data-dir and --etcd-endpoints exclude each other: HA daemons keep their log in etcd"));
+            }
+            if config.limits.max_value_bytes > HA_MAX_VALUE_BYTES {
+                return Err(RdzvError::invalid(
+                    "max_value_bytes",
+                    format!("{} bytes; with --etcd-endpoints at most {HA_MAX_VALUE_BYTES} (a log batch must fit etcd's request limit)", config.limits.max_value_bytes),
+                ));
+            }
+            Some(ha::etcd::Etcd::connect(ha.etcd.clone())?)
+        }
+    };
     let listener = TcpListener::bind(config.listen)
         .await
         .map_err(|e| RdzvError::invalid("listen", format!("cannot bind {}: {e}", config.listen)))?;
     let addr = listener.local_addr().map_err(|e| RdzvError::Unavailable(format!("listener address: {e}")))?;
+    let mut ha_cfg = config.ha.clone();
+    if let Some(h) = ha_cfg.as_mut() {
+        if h.identity.advertise.is_empty() {
+            if addr.ip().is_unspecified() {
+                return Err(RdzvError::invalid(
+                    "advertise",
+                    format!("missing: the daemon listens on {addr} (every interface), so give --advertise HOST:PORT, the address clients reach it at"),
+                ));
+            }
+            h.identity.advertise = addr.to_string();
+        }
+        if h.identity.daemon_id.is_empty() {
+            h.identity.daemon_id = h.identity.advertise.clone();
+        }
+    }
     let tracker = TaskTracker::new();
     let core = Core::start(
         CoreConfig {
@@ -110,17 +155,29 @@ pub async fn serve(config: ServerConfig, shutdown: CancellationToken, on_bound: 
             limits: config.limits.clone(),
             tcpstore: config.tcpstore,
             listen: Some(addr.ip()),
+            ha: ha_cfg.as_ref().map(|h| h.identity.clone()),
+            max_total_store_bytes: ha_cfg.as_ref().map(|_| HA_MAX_TOTAL_STORE_BYTES),
         },
         shutdown.clone(),
         &tracker,
     )?;
+    if let (Some(ha_cfg), Some(etcd)) = (ha_cfg, etcd) {
+        if let Err(e) = ha::prepare(&etcd, &ha_cfg.prefix, Duration::from_secs(30)).await {
+            shutdown.cancel();
+            tracker.close();
+            tracker.wait().await;
+            return Err(e);
+        }
+        ha::spawn(core.clone(), ha_cfg, etcd, shutdown.clone(), &tracker);
+    }
     let metrics_addr = match config.metrics_listen {
         None => None,
         Some(m) => Some(spawn_metrics(m, core.metrics.clone(), shutdown.clone(), &tracker).await?),
     };
     on_bound(Bound { addr, metrics_addr });
-    tracing::info!(%addr, durable = config.data_dir.is_some(), auth = tokens.is_some(), tls = tls.is_some(), "rendezvous service listening");
-    let decode_limit = (config.limits.max_value_bytes + (1 << 20)).max(4 << 20);
+    tracing::info!(%addr, durable = config.data_dir.is_some(), ha = config.ha.is_some(), auth = tokens.is_some(), tls = tls.is_some(), "rendezvous service listening");
+    // HA: a request (so a log record) must fit one etcd log batch.
+    let decode_limit = if config.ha.is_some() { 1 << 20 } else { (config.limits.max_value_bytes + (1 << 20)).max(4 << 20) };
     let svc = RendezvousServer::new(Service::new(core))
         .max_decoding_message_size(decode_limit)
         .max_encoding_message_size(usize::MAX);

@@ -1,10 +1,16 @@
 //! The executor around the pure state machine, and the gRPC handlers over it.
 //!
 //! [`Core`] owns the [`State`] behind one mutex. A mutating call becomes a [`Command`]: stamped with
-//! the time, applied, appended to the journal buffer (in apply order, under the same lock), and then
-//! the caller waits until the journal's flusher thread reports that sequence durable (group commit:
-//! one fsync covers every record buffered meanwhile). Reads wait for the durability of the state they
+//! the time, applied, appended to the log buffer (in apply order, under the same lock), and then
+//! the caller waits until the log's flusher thread reports that sequence durable (group commit:
+//! one write covers every record buffered meanwhile). Reads wait for the durability of the state they
 //! observed, so nobody ever sees a change that a crash could take back.
+//!
+//! Where the log goes is a [`LogStore`]: the file journal (`--data-dir`), or, for highly available
+//! daemons, etcd ([`crate::ha`]). There a daemon is a leader or a standby ([`Role`]); only the
+//! leader applies commands, runs timers and answers, and its reads also wait for a leadership
+//! confirmation (a guarded etcd write) that began after they arrived, so a deposed leader that has
+//! not noticed yet answers nothing from its stale state.
 //!
 //! Waiting (join, blocking get, barrier, unique id, exit barrier) subscribes to a per-job view channel
 //! (changes only when a round forms or ends, or the job ends) and, for store waits, to a per-topic
@@ -12,7 +18,7 @@
 
 use std::collections::HashMap;
 use std::net::IpAddr;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::time::Duration;
 
 use rsrun_proto::v1 as pb;
@@ -25,16 +31,17 @@ use tracing::Instrument;
 use crate::RdzvError;
 use crate::auth::Principal;
 use crate::journal::{self, Entry, Journal};
+use crate::logstore::LogStore;
 use crate::metrics::Metrics;
 use crate::round_stores::RoundStores;
-use crate::tcpstore::TcpStoreLimits;
 use crate::state::{self, Command, Failure, JobSpec, JoinCmd, Ms, Outcome, Phase, Scope, State};
+use crate::tcpstore::TcpStoreLimits;
 use crate::validate::{self, Limits};
 
-/// Compact the journal into a snapshot once its log holds this many bytes.
-const COMPACT_BYTES: u64 = 64 << 20;
 /// Longest wait for a write to become durable before the call fails as unavailable.
 const DURABILITY_TIMEOUT: Duration = Duration::from_secs(30);
+/// Response metadata key of the [`pb::LeaderStamp`] (HA).
+pub const LEADER_STAMP_KEY: &str = "rsrun-leader-bin";
 
 /// Wall-clock milliseconds that advance with tokio's clock (so paused-time tests control them).
 #[derive(Debug, Clone)]
@@ -64,11 +71,41 @@ impl Clock {
     }
 }
 
-/// Durability progress published by the flusher.
+/// What the executor does with calls.
+///
+/// Transitions: `Single` never changes. With HA (`--etcd-endpoints`) a daemon starts as `Standby`
+/// (its state is a warm replica of the etcd log, applied by [`Core::replica_apply`]); it becomes
+/// `Leader` when it wins the election and caught up ([`Core::promote`]), and goes back to `Standby`
+/// when its lease may have lapsed, its log write was refused, or it stops ([`Core::demote`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Role {
+    /// The only daemon (in memory or `--data-dir`).
+    Single,
+    /// The HA leader of this epoch (its election key's creation revision).
+    Leader {
+        /// The fencing token.
+        epoch: u64,
+    },
+    /// An HA standby: refuses calls, naming the leader when it knows it.
+    Standby {
+        /// The leader's advertised address (empty: unknown).
+        leader: String,
+        /// Its epoch (0: unknown).
+        epoch: u64,
+    },
+}
+
+/// Durability progress published by the flusher of the current term.
 #[derive(Debug, Clone, Default)]
 struct Flushed {
+    /// The term it belongs to (a term starts at start-up, at every takeover and every step-down).
+    term: u64,
     seq: u64,
+    /// Highest confirmation ticket proven by a write that began after the ticket was taken.
+    confirmed: u64,
     error: Option<String>,
+    /// The log refused this writer for good (deposed): every waiter of the term gets this.
+    fatal: Option<RdzvError>,
 }
 
 enum Work {
@@ -79,32 +116,98 @@ enum Work {
 #[derive(Default)]
 struct Queue {
     items: Vec<Work>,
+    /// The flusher drains what is queued and stops.
     closed: bool,
+    /// The flusher stops at once, dropping what is queued (a leader stepping down).
+    abandoned: bool,
+    /// Confirmation tickets handed out (reads waiting for a leadership confirmation).
+    tickets: u64,
 }
 
-/// The journal side of the executor: a queue the flusher thread drains.
+/// The log side of the executor for one term: a queue the flusher thread drains.
 struct Durability {
     queue: Mutex<Queue>,
     ready: Condvar,
+    confirm_reads: bool,
+    compact_every: u64,
+}
+
+impl Durability {
+    fn lock(&self) -> MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A ticket that the next write beginning from now on will prove (0: no proof needed).
+    fn ticket(&self) -> u64 {
+        if !self.confirm_reads {
+            return 0;
+        }
+        let mut q = self.lock();
+        q.tickets += 1;
+        let t = q.tickets;
+        drop(q);
+        self.ready.notify_one();
+        t
+    }
+
+    fn stop(&self, abandon: bool) {
+        let mut q = self.lock();
+        q.closed = true;
+        if abandon {
+            q.abandoned = true;
+            q.items.clear();
+        }
+        drop(q);
+        self.ready.notify_one();
+    }
+}
+
+/// What a caller waits for before it answers: its sequence durable and, for HA leaders, a
+/// leadership confirmation begun after it looked at the state.
+#[derive(Debug, Clone, Copy)]
+struct Settle {
+    term: u64,
+    seq: u64,
+    ticket: u64,
+    logged: bool,
 }
 
 struct Inner {
     state: State,
     /// Last assigned sequence number.
     seq: u64,
+    /// Time of the last applied entry: stamps never go below it (a new leader's clock may be behind).
+    last_at: Ms,
     /// Bytes queued to the current log since the last compaction.
     log_bytes: u64,
+    /// Store bytes over all jobs (for the HA total cap).
+    total_store_bytes: usize,
     /// Per job: its view and the sequence number that view is as of (pushed only once durable).
     views: HashMap<String, watch::Sender<(pb::JobView, u64)>>,
     topics: HashMap<(String, String), watch::Sender<u64>>,
     /// PyTorch's store of every running round (`None`: not hosted).
     stores: Option<RoundStores>,
+    /// The log of the current term (`None`: in memory, or a standby).
+    log: Option<Arc<Durability>>,
+    role: Role,
+    term: u64,
+    /// Takeovers this daemon made.
+    takeovers: u64,
+}
+
+/// Who this daemon is, for HA status and stamps.
+#[derive(Debug, Clone, Default)]
+pub struct DaemonIdentity {
+    /// A name unique among the daemons.
+    pub daemon_id: String,
+    /// The address clients reach it at.
+    pub advertise: String,
 }
 
 /// Configuration of the executor.
 #[derive(Debug, Clone, Default)]
 pub struct CoreConfig {
-    /// Durable state directory; `None` keeps state in memory.
+    /// Durable state directory; `None` keeps state in memory (or, with `ha`, in etcd).
     pub data_dir: Option<std::path::PathBuf>,
     /// Limits.
     pub limits: Limits,
@@ -113,24 +216,37 @@ pub struct CoreConfig {
     /// The service's listen address: where round stores listen when no join told the job's
     /// interface (ignored when it names every interface).
     pub listen: Option<IpAddr>,
+    /// HA: start as a standby with this identity; [`crate::ha`] drives the role.
+    pub ha: Option<DaemonIdentity>,
+    /// HA: refuse store writes once all jobs' store bytes reach this (`RESOURCE_EXHAUSTED`).
+    pub max_total_store_bytes: Option<usize>,
 }
 
-/// The executor: state, journal, notifications, timers.
+/// The peers an HA daemon knows of (answered by the HA node, which reads etcd).
+pub trait PeerSource: Send + Sync + std::fmt::Debug {
+    /// The campaigning daemons, leader first.
+    fn peers(&self) -> futures::future::BoxFuture<'_, Vec<pb::DaemonPeer>>;
+}
+
+/// The executor: state, log, notifications, timers.
 pub struct Core {
     inner: Mutex<Inner>,
     limits: Limits,
     clock: Clock,
-    durability: Option<Arc<Durability>>,
+    flushed_tx: Arc<watch::Sender<Flushed>>,
     flushed: watch::Receiver<Flushed>,
     tick: Notify,
     /// Metrics of the service.
     pub metrics: Arc<Metrics>,
     cancel: CancellationToken,
+    identity: Option<DaemonIdentity>,
+    max_total_store_bytes: Option<usize>,
+    peers: OnceLock<Arc<dyn PeerSource>>,
 }
 
 impl std::fmt::Debug for Core {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Core").field("durable", &self.durability.is_some()).finish()
+        f.debug_struct("Core").field("role", &self.lock().role).finish()
     }
 }
 
@@ -142,6 +258,10 @@ fn significant(a: &pb::JobView, b: &pb::JobView) -> bool {
         || a.restart_count != b.restart_count
 }
 
+fn grows_store(cmd: &Command) -> bool {
+    matches!(cmd, Command::StoreSet { .. } | Command::StoreMultiSet { .. } | Command::StoreCas { .. } | Command::StoreAdd { .. })
+}
+
 impl Core {
     /// Recovers state (when durable) and starts the flusher thread and the timer task.
     ///
@@ -151,9 +271,9 @@ impl Core {
         let clock = Clock::system();
         let metrics = Arc::new(Metrics::default());
         let (flushed_tx, flushed) = watch::channel(Flushed::default());
-        let (state, seq, durability) = match &config.data_dir {
-            None => (State::default(), 0, None),
-            Some(dir) => {
+        let flushed_tx = Arc::new(flushed_tx);
+        let (state, seq, log, role) = match (&config.data_dir, &config.ha) {
+            (Some(dir), _) => {
                 let (journal, recovered) = Journal::open(dir)?;
                 tracing::info!(
                     data_dir = %dir.display(),
@@ -165,33 +285,38 @@ impl Core {
                 let mut state = recovered.state;
                 // Leases could not be renewed while the service was down: give every node a full one.
                 state.renew_all_leases(clock.now_ms());
-                let _ = flushed_tx.send(Flushed { seq: recovered.seq, error: None });
-                let durability = Arc::new(Durability { queue: Mutex::new(Queue::default()), ready: Condvar::new() });
-                let d = durability.clone();
-                let m = metrics.clone();
-                std::thread::Builder::new()
-                    .name("rsrun-journal".into())
-                    .spawn(move || flusher(journal, d, flushed_tx, m))
-                    .map_err(|e| RdzvError::Unavailable(format!("cannot start the journal thread: {e}")))?;
-                (state, recovered.seq, Some(durability))
+                let log = spawn_flusher(Box::new(journal), 0, recovered.seq, flushed_tx.clone(), metrics.clone())?;
+                (state, recovered.seq, Some(log), Role::Single)
             }
+            (None, Some(_)) => (State::default(), 0, None, Role::Standby { leader: String::new(), epoch: 0 }),
+            (None, None) => (State::default(), 0, None, Role::Single),
         };
+        let total_store_bytes = state.jobs.values().map(|j| j.store_bytes).sum();
         let core = Arc::new(Core {
             inner: Mutex::new(Inner {
                 state,
                 seq,
+                last_at: 0,
                 log_bytes: 0,
+                total_store_bytes,
                 views: HashMap::new(),
                 topics: HashMap::new(),
                 stores: config.tcpstore.map(|limits| RoundStores::new(limits, config.listen, cancel.child_token())),
+                log,
+                role,
+                term: 0,
+                takeovers: 0,
             }),
             limits: config.limits,
             clock,
-            durability,
+            flushed_tx,
             flushed,
             tick: Notify::new(),
             metrics,
             cancel: cancel.clone(),
+            identity: config.ha,
+            max_total_store_bytes: config.max_total_store_bytes,
+            peers: OnceLock::new(),
         });
         let c = core.clone();
         tracker.spawn(async move { c.timer_loop().await });
@@ -214,19 +339,53 @@ impl Core {
         self.clock.now_ms()
     }
 
-    /// Applies a command and, when it changed durable state, queues it for the journal. Returns the
+    /// The cancellation token the service stops on.
+    pub fn cancel_token(&self) -> &CancellationToken {
+        &self.cancel
+    }
+
+    /// `Err(NotLeader)` unless this daemon may answer (single, or the HA leader).
+    fn serving(g: &Inner) -> Result<(), RdzvError> {
+        match &g.role {
+            Role::Standby { leader, epoch } => Err(RdzvError::NotLeader { leader: leader.clone(), epoch: *epoch }),
+            Role::Single | Role::Leader { .. } => Ok(()),
+        }
+    }
+
+    /// What to wait for before answering from the state as it is now: `seq` durable and, when
+    /// `confirm`, a leadership confirmation begun from now on (HA leaders; free elsewhere).
+    fn settle_point(g: &Inner, seq: u64, confirm: bool) -> Settle {
+        let ticket = if confirm { g.log.as_ref().map(|d| d.ticket()).unwrap_or(0) } else { 0 };
+        Settle { term: g.term, seq, ticket, logged: g.log.is_some() }
+    }
+
+    /// Applies a command and, when it changed durable state, queues it for the log. Returns the
     /// outcome and the sequence number the caller must wait for.
     fn apply_locked(&self, g: &mut Inner, cmd: &Command) -> Result<(Outcome, u64), RdzvError> {
-        let now = self.clock.now_ms();
+        Self::serving(g)?;
+        let now = self.clock.now_ms().max(g.last_at);
         let job_id = cmd.job().to_string();
+        if let Some(cap) = self.max_total_store_bytes
+            && g.total_store_bytes >= cap
+            && grows_store(cmd)
+        {
+            return Err(RdzvError::ResourceExhausted(format!(
+                "the service holds {} store bytes over all jobs, its limit of {cap} bytes: delete keys or end jobs",
+                g.total_store_bytes
+            )));
+        }
+        let bytes_before = g.state.jobs.get(&job_id).map(|j| j.store_bytes).unwrap_or(0);
         let was_running = g.state.jobs.get(&job_id).map(|j| (j.round, matches!(j.phase, Phase::Running { .. })));
         let (outcome, effects) = g.state.apply(cmd, now, &self.limits)?;
+        let bytes_after = g.state.jobs.get(&job_id).map(|j| j.store_bytes).unwrap_or(0);
+        g.total_store_bytes = (g.total_store_bytes + bytes_after).saturating_sub(bytes_before);
         if effects.changed && cmd.is_durable() {
             g.seq += 1;
-            if let Some(d) = &self.durability {
+            g.last_at = now;
+            if let Some(d) = g.log.clone() {
                 let bytes = journal::encode(&Entry { seq: g.seq, at: now, cmd: cmd.clone() })?;
                 g.log_bytes += bytes.len() as u64;
-                let mut q = d.queue.lock().unwrap_or_else(|p| p.into_inner());
+                let mut q = d.lock();
                 match q.items.last_mut() {
                     Some(Work::Records { bytes: buf, last_seq }) => {
                         buf.extend_from_slice(&bytes);
@@ -234,7 +393,7 @@ impl Core {
                     }
                     _ => q.items.push(Work::Records { bytes, last_seq: g.seq }),
                 }
-                if g.log_bytes >= COMPACT_BYTES {
+                if g.log_bytes >= d.compact_every {
                     g.log_bytes = 0;
                     q.items.push(Work::Compact { state: Box::new(g.state.clone()), seq: g.seq });
                 }
@@ -302,17 +461,23 @@ impl Core {
 
     /// Executes a command and waits until it is durable.
     pub async fn execute(&self, cmd: Command) -> Result<Outcome, RdzvError> {
-        let (outcome, seq) = {
+        let (outcome, settle) = {
             let mut g = self.lock();
-            self.apply_locked(&mut g, &cmd)?
+            let before = g.seq;
+            let (outcome, seq) = self.apply_locked(&mut g, &cmd)?;
+            // A logged command is proven by its own guarded append, which begins after it was
+            // applied; one that logged nothing needs a confirmation.
+            (outcome, Self::settle_point(&g, seq, seq == before))
         };
-        self.wait_durable(seq).await?;
+        self.settle(settle).await?;
         Ok(outcome)
     }
 
-    /// Waits until everything up to `seq` is on disk.
-    async fn wait_durable(&self, seq: u64) -> Result<(), RdzvError> {
-        if self.durability.is_none() {
+    /// Waits until `settle.seq` is durable (and, for HA leaders, leadership was confirmed after the
+    /// caller looked). A term that ended meanwhile (step-down) fails the wait: nothing derived from
+    /// a dropped state is ever answered.
+    async fn settle(&self, settle: Settle) -> Result<(), RdzvError> {
+        if !settle.logged {
             return Ok(());
         }
         let mut rx = self.flushed.clone();
@@ -320,7 +485,13 @@ impl Core {
         loop {
             {
                 let f = rx.borrow_and_update();
-                if f.seq >= seq {
+                if f.term != settle.term {
+                    return Err(self.not_leader());
+                }
+                if let Some(e) = &f.fatal {
+                    return Err(e.clone());
+                }
+                if f.seq >= settle.seq && f.confirmed >= settle.ticket {
                     return Ok(());
                 }
                 if let Some(e) = &f.error {
@@ -330,20 +501,28 @@ impl Core {
             tokio::select! {
                 r = rx.changed() => if r.is_err() { return Err(RdzvError::ShuttingDown) },
                 _ = tokio::time::sleep_until(deadline) => {
-                    return Err(RdzvError::Unavailable(format!("the journal did not sync within {DURABILITY_TIMEOUT:?}")));
+                    return Err(RdzvError::Unavailable(format!("the log did not become durable within {DURABILITY_TIMEOUT:?}")));
                 }
                 _ = self.cancel.cancelled() => return Err(RdzvError::ShuttingDown),
             }
         }
     }
 
+    fn not_leader(&self) -> RdzvError {
+        match &self.lock().role {
+            Role::Standby { leader, epoch } => RdzvError::NotLeader { leader: leader.clone(), epoch: *epoch },
+            _ => RdzvError::NotLeader { leader: String::new(), epoch: 0 },
+        }
+    }
+
     /// Reads the state and waits until what it saw is durable (errors derived from the state too).
     pub async fn read<T>(&self, f: impl FnOnce(&State) -> Result<T, RdzvError>) -> Result<T, RdzvError> {
-        let (value, seq) = {
+        let (value, settle) = {
             let g = self.lock();
-            (f(&g.state), g.seq)
+            Self::serving(&g)?;
+            (f(&g.state), Self::settle_point(&g, g.seq, true))
         };
-        self.wait_durable(seq).await?;
+        self.settle(settle).await?;
         value
     }
 
@@ -358,26 +537,31 @@ impl Core {
         on_timeout: impl FnOnce(&State) -> String,
     ) -> Result<T, RdzvError> {
         loop {
-            let (found, seq, mut view_rx, mut topic_rx) = {
+            let (found, settle, mut view_rx, mut topic_rx) = {
                 let mut g = self.lock();
+                Self::serving(&g)?;
                 let found = check(&g.state);
                 let seq = g.seq;
+                let settle = match &found {
+                    Ok(None) => None,
+                    _ => Some(Self::settle_point(&g, seq, true)),
+                };
                 let view = g.state.jobs.get(job).map(|j| j.view());
                 let view_rx = view.map(|v| g.views.entry(job.to_string()).or_insert_with(|| watch::channel((v, seq)).0).subscribe());
                 let topic_rx = topic.as_ref().map(|t| {
                     g.topics.entry((job.to_string(), t.clone())).or_insert_with(|| watch::channel(0).0).subscribe()
                 });
-                (found, seq, view_rx, topic_rx)
+                (found, settle, view_rx, topic_rx)
             };
             // An answer derived from the state (a value or an error) must not show what a crash
             // could undo.
             match found {
                 Ok(Some(v)) => {
-                    self.wait_durable(seq).await?;
+                    self.settle(settle.unwrap_or(Settle { term: 0, seq: 0, ticket: 0, logged: false })).await?;
                     return Ok(v);
                 }
                 Err(e) => {
-                    self.wait_durable(seq).await?;
+                    self.settle(settle.unwrap_or(Settle { term: 0, seq: 0, ticket: 0, logged: false })).await?;
                     return Err(e);
                 }
                 Ok(None) => {}
@@ -403,6 +587,7 @@ impl Core {
                 _ = topic_changed => {}
                 _ = tokio::time::sleep_until(deadline) => {
                     let g = self.lock();
+                    Self::serving(&g)?;
                     return Err(RdzvError::Timeout(on_timeout(&g.state)));
                 }
                 _ = self.cancel.cancelled() => return Err(RdzvError::ShuttingDown),
@@ -410,17 +595,29 @@ impl Core {
         }
     }
 
-    /// A receiver of the job's view and the sequence number it is as of (current value first).
-    pub fn subscribe_view(&self, job: &str) -> Result<watch::Receiver<(pb::JobView, u64)>, RdzvError> {
+    /// A receiver of the job's view and the sequence number it is as of (current value first), and
+    /// the term it belongs to (pushes stop when the term ends).
+    pub fn subscribe_view(&self, job: &str) -> Result<(watch::Receiver<(pb::JobView, u64)>, u64), RdzvError> {
         let mut g = self.lock();
+        Self::serving(&g)?;
         let view = g.state.job(job)?.view();
         let seq = g.seq;
-        Ok(g.views.entry(job.to_string()).or_insert_with(|| watch::channel((view, seq)).0).subscribe())
+        let term = g.term;
+        Ok((g.views.entry(job.to_string()).or_insert_with(|| watch::channel((view, seq)).0).subscribe(), term))
     }
 
-    /// Waits until `seq` is durable (for pushed views).
-    pub async fn durable(&self, seq: u64) -> Result<(), RdzvError> {
-        self.wait_durable(seq).await
+    /// Waits until `seq` of `term` is durable (for pushed views: a view changes only with a
+    /// logged command, whose guarded append proves leadership).
+    pub async fn durable(&self, term: u64, seq: u64) -> Result<(), RdzvError> {
+        let settle = {
+            let g = self.lock();
+            if g.term != term {
+                drop(g);
+                return Err(self.not_leader());
+            }
+            Self::settle_point(&g, seq, false)
+        };
+        self.settle(settle).await
     }
 
     /// Applies what time made due, then sleeps until the next deadline or a change.
@@ -429,19 +626,25 @@ impl Core {
         loop {
             let next = {
                 let mut g = self.lock();
-                let now = self.clock.now_ms();
-                for cmd in g.state.due(now, &self.limits) {
-                    if let Err(e) = self.apply_locked(&mut g, &cmd) {
-                        tracing::debug!(error = %e, ?cmd, "timed command not applied");
-                    } else {
-                        log_timed(&cmd);
+                // Standbys run no timers: what time makes due is the leader's to decide and log.
+                let next = if Self::serving(&g).is_ok() {
+                    let now = self.clock.now_ms().max(g.last_at);
+                    for cmd in g.state.due(now, &self.limits) {
+                        if let Err(e) = self.apply_locked(&mut g, &cmd) {
+                            tracing::debug!(error = %e, ?cmd, "timed command not applied");
+                        } else {
+                            log_timed(&cmd);
+                        }
                     }
-                }
+                    g.state.next_deadline(&self.limits)
+                } else {
+                    None
+                };
                 if last_gauges.elapsed() >= Duration::from_secs(1) {
                     last_gauges = Instant::now();
                     self.update_gauges(&mut g);
                 }
-                g.state.next_deadline(&self.limits)
+                next
             };
             let wake = next.map(|t| self.clock.instant_at(t)).unwrap_or_else(|| Instant::now() + Duration::from_secs(1));
             let wake = wake.min(Instant::now() + Duration::from_secs(1));
@@ -451,10 +654,8 @@ impl Core {
                 _ = self.cancel.cancelled() => break,
             }
         }
-        if let Some(d) = &self.durability {
-            let mut q = d.queue.lock().unwrap_or_else(|p| p.into_inner());
-            q.closed = true;
-            d.ready.notify_one();
+        if let Some(d) = &self.lock().log {
+            d.stop(false);
         }
     }
 
@@ -465,6 +666,203 @@ impl Core {
         m.store_keys.set(g.state.jobs.values().map(|j| (j.store.len() + j.round_store.len()) as i64).sum());
         m.store_bytes.set(g.state.jobs.values().map(|j| j.store_bytes as i64).sum());
         g.topics.retain(|_, tx| tx.receiver_count() > 0);
+    }
+
+    // --- HA: driven by `crate::ha` -------------------------------------------------------------
+
+    /// The role now.
+    pub fn role(&self) -> Role {
+        self.lock().role.clone()
+    }
+
+    /// The last sequence number and entry time of the state (a standby's replica position).
+    pub fn position(&self) -> (u64, Ms) {
+        let g = self.lock();
+        (g.seq, g.last_at)
+    }
+
+    /// Standby: the leader to name in refusals.
+    pub fn set_leader_hint(&self, leader: &str, epoch: u64) {
+        let mut g = self.lock();
+        if let Role::Standby { leader: l, epoch: e } = &mut g.role
+            && epoch >= *e
+        {
+            *l = leader.to_owned();
+            *e = epoch;
+        }
+    }
+
+    /// Standby: replaces the replica with a state rebuilt from the log.
+    ///
+    /// # Errors
+    /// The daemon leads (its state is the log's source, never replaced).
+    pub fn replica_reset(&self, state: State, seq: u64, last_at: Ms) -> Result<(), RdzvError> {
+        let mut g = self.lock();
+        if !matches!(g.role, Role::Standby { .. }) {
+            return Err(RdzvError::FailedPrecondition("only a standby's replica can be reset".into()));
+        }
+        g.total_store_bytes = state.jobs.values().map(|j| j.store_bytes).sum();
+        g.state = state;
+        g.seq = seq;
+        g.last_at = last_at;
+        Ok(())
+    }
+
+    /// Standby: applies logged entries to the replica, in order; entries it already holds are
+    /// skipped. Returns the replica's sequence number.
+    ///
+    /// # Errors
+    /// A gap (an entry after the next one expected): the replica must be rebuilt.
+    pub fn replica_apply(&self, entries: &[Entry]) -> Result<u64, RdzvError> {
+        let mut g = self.lock();
+        if !matches!(g.role, Role::Standby { .. }) {
+            return Err(RdzvError::FailedPrecondition("only a standby applies replicated entries".into()));
+        }
+        for e in entries {
+            if e.seq <= g.seq {
+                continue;
+            }
+            if e.seq != g.seq + 1 {
+                return Err(RdzvError::Storage {
+                    path: "etcd log".into(),
+                    message: format!("gap in the replicated log: expected sequence {}, got {}", g.seq + 1, e.seq),
+                });
+            }
+            let before = g.state.jobs.get(e.cmd.job()).map(|j| j.store_bytes).unwrap_or(0);
+            if let Err(err) = g.state.apply(&e.cmd, e.at, &Limits::unbounded()) {
+                // A command that succeeded when it was logged must succeed again; say so loudly.
+                tracing::error!(seq = e.seq, error = %err, "replica diverged from the log");
+            }
+            let after = g.state.jobs.get(e.cmd.job()).map(|j| j.store_bytes).unwrap_or(0);
+            g.total_store_bytes = (g.total_store_bytes + after).saturating_sub(before);
+            g.seq = e.seq;
+            g.last_at = g.last_at.max(e.at);
+        }
+        Ok(g.seq)
+    }
+
+    /// Standby → leader of `epoch`: the replica (caught up to the barrier revision) becomes the
+    /// state, every node gets a full lease, the log goes to `store`, and calls are answered.
+    ///
+    /// # Errors
+    /// The flusher thread cannot start.
+    pub fn promote(&self, epoch: u64, store: Box<dyn LogStore>) -> Result<(), RdzvError> {
+        let mut g = self.lock();
+        let now = self.clock.now_ms().max(g.last_at);
+        g.term += 1;
+        let term = g.term;
+        g.state.renew_all_leases(now);
+        g.total_store_bytes = g.state.jobs.values().map(|j| j.store_bytes).sum();
+        let log = spawn_flusher(store, term, g.seq, self.flushed_tx.clone(), self.metrics.clone())?;
+        g.log = Some(log);
+        g.log_bytes = 0;
+        g.role = Role::Leader { epoch };
+        g.takeovers += 1;
+        let inner = &mut *g;
+        if let Some(stores) = inner.stores.as_mut() {
+            let jobs: Vec<String> = inner.state.jobs.keys().cloned().collect();
+            for job in jobs {
+                stores.sync(&job, &inner.state);
+            }
+        }
+        drop(g);
+        self.metrics.ha_leader.set(1);
+        self.metrics.ha_epoch.set(epoch as i64);
+        self.metrics.ha_failovers.inc();
+        self.tick.notify_one();
+        Ok(())
+    }
+
+    /// Leader → standby: stops answering at once, fails every waiter of the term with a
+    /// [`RdzvError::NotLeader`], drops the log and the round stores. The state it held may contain
+    /// speculative, never-committed commands: the HA node rebuilds the replica from etcd before
+    /// anything else.
+    pub fn demote(&self, leader: &str, epoch: u64) {
+        let mut g = self.lock();
+        let was_leading = matches!(g.role, Role::Leader { .. });
+        g.term += 1;
+        let term = g.term;
+        g.role = Role::Standby { leader: leader.to_owned(), epoch };
+        if let Some(d) = g.log.take() {
+            d.stop(true);
+        }
+        let err = RdzvError::NotLeader { leader: leader.to_owned(), epoch };
+        self.flushed_tx.send_replace(Flushed { term, seq: g.seq, confirmed: 0, error: None, fatal: Some(err) });
+        // Dropping the senders wakes every waiter and ends every pushed stream.
+        g.views.clear();
+        g.topics.clear();
+        if let Some(stores) = g.stores.as_mut() {
+            stores.clear();
+        }
+        drop(g);
+        self.metrics.ha_leader.set(0);
+        if was_leading {
+            tracing::warn!(leader, epoch, "no longer the leader: calls are refused until this daemon leads again");
+        }
+    }
+
+    /// The epoch the flusher of the current term reported fatal (deposed), if it did.
+    pub async fn deposed(&self) -> RdzvError {
+        let mut rx = self.flushed.clone();
+        let term = self.lock().term;
+        loop {
+            {
+                let f = rx.borrow_and_update();
+                if f.term == term
+                    && let Some(e) = &f.fatal
+                {
+                    return e.clone();
+                }
+            }
+            if rx.changed().await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+
+    /// Installs where `DaemonInfo` finds the campaigning daemons.
+    pub fn set_peer_source(&self, peers: Arc<dyn PeerSource>) {
+        let _ = self.peers.set(peers);
+    }
+
+    /// This daemon's role and progress.
+    pub async fn daemon_info(&self) -> pb::DaemonInfoResponse {
+        let mut info = {
+            let g = self.lock();
+            let (role, epoch, leader) = match &g.role {
+                Role::Single => (pb::DaemonRole::Single, 0, String::new()),
+                Role::Leader { epoch } => {
+                    (pb::DaemonRole::Leader, *epoch, self.identity.as_ref().map(|i| i.advertise.clone()).unwrap_or_default())
+                }
+                Role::Standby { leader, epoch } => (pb::DaemonRole::Standby, *epoch, leader.clone()),
+            };
+            pb::DaemonInfoResponse {
+                daemon_id: self.identity.as_ref().map(|i| i.daemon_id.clone()).unwrap_or_default(),
+                advertise: self.identity.as_ref().map(|i| i.advertise.clone()).unwrap_or_default(),
+                role: role as i32,
+                epoch,
+                leader_endpoint: leader,
+                applied_seq: g.seq,
+                applied_at_unix_ms: g.last_at,
+                daemons: Vec::new(),
+                takeovers: g.takeovers,
+            }
+        };
+        if let Some(p) = self.peers.get() {
+            info.daemons = p.peers().await;
+        }
+        info
+    }
+
+    /// The stamp every response of the HA leader carries.
+    fn stamp(&self) -> Option<pb::LeaderStamp> {
+        match &self.lock().role {
+            Role::Leader { epoch } => Some(pb::LeaderStamp {
+                epoch: *epoch,
+                leader_endpoint: self.identity.as_ref().map(|i| i.advertise.clone()).unwrap_or_default(),
+            }),
+            _ => None,
+        }
     }
 }
 
@@ -477,46 +875,92 @@ fn log_timed(cmd: &Command) {
     }
 }
 
-/// The journal thread: drains the queue in order, appending + fsyncing records (group commit) and
-/// writing snapshots. On a write error it keeps the records, reports the error to waiters, and retries.
-fn flusher(mut journal: Journal, d: Arc<Durability>, flushed: watch::Sender<Flushed>, metrics: Arc<Metrics>) {
-    let mut durable = flushed.borrow().seq;
+/// Starts the flusher thread of one term over `store`, whose log holds everything up to `durable`.
+fn spawn_flusher(
+    store: Box<dyn LogStore>,
+    term: u64,
+    durable: u64,
+    flushed: Arc<watch::Sender<Flushed>>,
+    metrics: Arc<Metrics>,
+) -> Result<Arc<Durability>, RdzvError> {
+    let d = Arc::new(Durability {
+        queue: Mutex::new(Queue::default()),
+        ready: Condvar::new(),
+        confirm_reads: store.reads_need_confirmation(),
+        compact_every: store.compact_every(),
+    });
+    flushed.send_replace(Flushed { term, seq: durable, confirmed: 0, error: None, fatal: None });
+    let q = d.clone();
+    std::thread::Builder::new()
+        .name("rsrun-log".into())
+        .spawn(move || flusher(store, term, durable, q, flushed, metrics))
+        .map_err(|e| RdzvError::Unavailable(format!("cannot start the log thread: {e}")))?;
+    Ok(d)
+}
+
+/// The log thread of one term: drains the queue in order, appending records (group commit: one
+/// write covers everything queued meanwhile), writing snapshots, and proving leadership for waiting
+/// reads. On a write error it keeps the work, reports the error to waiters, and retries; when the
+/// log refuses this writer for good (deposed) it reports that and ends.
+fn flusher(mut store: Box<dyn LogStore>, term: u64, mut durable: u64, d: Arc<Durability>, flushed: Arc<watch::Sender<Flushed>>, metrics: Arc<Metrics>) {
+    let mut confirmed = 0u64;
+    let publish = |f: Flushed| {
+        flushed.send_if_modified(|cur| {
+            // A newer term owns the channel: this thread's news is stale.
+            if cur.term != term {
+                return false;
+            }
+            *cur = f;
+            true
+        });
+    };
     loop {
-        let work = {
-            let mut q = d.queue.lock().unwrap_or_else(|p| p.into_inner());
-            while q.items.is_empty() && !q.closed {
+        let (work, ticket) = {
+            let mut q = d.lock();
+            while q.items.is_empty() && !q.closed && q.tickets == confirmed {
                 q = d.ready.wait(q).unwrap_or_else(|p| p.into_inner());
             }
-            if q.items.is_empty() {
+            if q.abandoned || (q.closed && q.items.is_empty()) {
                 return;
             }
-            q.items.remove(0)
+            let ticket = q.tickets;
+            let work = if q.items.is_empty() { None } else { Some(q.items.remove(0)) };
+            (work, ticket)
         };
         let result = match &work {
-            Work::Records { bytes, last_seq } => journal.append(bytes).map(|_| {
+            Some(Work::Records { bytes, last_seq }) => store.append(bytes, durable + 1, *last_seq).map(|()| {
                 metrics.journal_syncs.inc();
                 metrics.journal_bytes.inc_by(bytes.len() as u64);
-                *last_seq
+                (*last_seq, ticket)
             }),
-            Work::Compact { state, seq } => journal.compact(state, *seq).map(|_| durable),
+            Some(Work::Compact { state, seq }) => store.compact(state, *seq).map(|()| (durable, confirmed)),
+            None => store.confirm().map(|()| (durable, ticket)),
         };
         match result {
-            Ok(seq) => {
+            Ok((seq, proven)) => {
                 durable = seq;
-                let _ = flushed.send(Flushed { seq, error: None });
+                confirmed = confirmed.max(proven);
+                publish(Flushed { term, seq, confirmed, error: None, fatal: None });
+            }
+            Err(e @ RdzvError::NotLeader { .. }) => {
+                tracing::warn!(error = %e, "the log refused this leader's write: stepping down");
+                publish(Flushed { term, seq: durable, confirmed, error: None, fatal: Some(e) });
+                return;
             }
             Err(e) => {
                 let first = flushed.borrow().error.is_none();
                 if first {
-                    tracing::error!(error = %e, "journal write failed; mutations are refused until it succeeds");
+                    tracing::error!(error = %e, "log write failed; mutations are refused until it succeeds");
                 }
-                let _ = flushed.send(Flushed { seq: durable, error: Some(e.to_string()) });
+                publish(Flushed { term, seq: durable, confirmed, error: Some(e.to_string()), fatal: None });
                 // Put the work back in front and retry after a pause.
-                let mut q = d.queue.lock().unwrap_or_else(|p| p.into_inner());
-                q.items.insert(0, work);
-                let closed = q.closed;
+                let mut q = d.lock();
+                if let Some(w) = work {
+                    q.items.insert(0, w);
+                }
+                let stop = q.closed;
                 drop(q);
-                if closed {
+                if stop {
                     return;
                 }
                 std::thread::sleep(Duration::from_millis(500));
@@ -524,6 +968,8 @@ fn flusher(mut journal: Journal, d: Arc<Durability>, flushed: watch::Sender<Flus
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------------
 
 // ---------------------------------------------------------------------------------------------------
 // gRPC handlers
@@ -560,7 +1006,16 @@ async fn rpc<T>(core: &Core, method: &'static str, body: impl Future<Output = Re
     if let Err(e) = &result {
         tracing::debug!(method, error = %e, "rpc failed");
     }
-    result.map(Response::new).map_err(Status::from)
+    result.map(|body| stamped(core, Response::new(body))).map_err(Status::from)
+}
+
+/// Adds the HA leader's [`pb::LeaderStamp`] to a response (nothing outside HA).
+fn stamped<T>(core: &Core, mut resp: Response<T>) -> Response<T> {
+    if let Some(stamp) = core.stamp() {
+        use prost::Message;
+        resp.metadata_mut().insert_bin(LEADER_STAMP_KEY, tonic::metadata::MetadataValue::from_bytes(&stamp.encode_to_vec()));
+    }
+    resp
 }
 
 fn job_spec(config: Option<&pb::JobConfig>) -> Result<JobSpec, RdzvError> {
@@ -731,7 +1186,7 @@ impl pb::rendezvous_server::Rendezvous for Service {
     async fn watch(&self, req: Request<pb::WatchRequest>) -> Result<Response<Self::WatchStream>, Status> {
         let p = principal(&req);
         let r = req.into_inner();
-        let rx = rpc(&self.core, "Watch", async {
+        let (rx, term) = rpc(&self.core, "Watch", async {
             validate::id("job_id", &r.job_id)?;
             p.check(&r.job_id)?;
             self.core.subscribe_view(&r.job_id)
@@ -740,7 +1195,7 @@ impl pb::rendezvous_server::Rendezvous for Service {
         .into_inner();
         let cancel = self.core.cancel.clone();
         let core = self.core.clone();
-        let stream = futures::stream::unfold((rx, true, cancel, core), |(mut rx, first, cancel, core)| async move {
+        let stream = futures::stream::unfold((rx, true, cancel, core), move |(mut rx, first, cancel, core)| async move {
             if !first {
                 tokio::select! {
                     r = rx.changed() => if r.is_err() { return None },
@@ -749,12 +1204,12 @@ impl pb::rendezvous_server::Rendezvous for Service {
             }
             let (view, seq) = rx.borrow_and_update().clone();
             // Push only what a crash cannot take back.
-            if let Err(e) = core.durable(seq).await {
+            if let Err(e) = core.durable(term, seq).await {
                 return Some((Err(Status::from(e)), (rx, false, cancel, core)));
             }
             Some((Ok(pb::JobEvent { view: Some(view) }), (rx, false, cancel, core)))
         });
-        Ok(Response::new(Box::pin(stream)))
+        Ok(stamped(&self.core, Response::new(Box::pin(stream))))
     }
 
     async fn report_failure(&self, req: Request<pb::ReportFailureRequest>) -> Result<Response<pb::ReportFailureResponse>, Status> {
@@ -1115,8 +1570,17 @@ impl pb::rendezvous_server::Rendezvous for Service {
                     }
                 })
                 .await?;
-            Ok(pb::StatusResponse { jobs, server_time_unix_ms: self.core.now_ms() })
+            let daemon = Some(self.core.daemon_info().await);
+            Ok(pb::StatusResponse { jobs, server_time_unix_ms: self.core.now_ms(), daemon })
         })
         .await
+    }
+
+    async fn daemon_info(&self, _req: Request<pb::DaemonInfoRequest>) -> Result<Response<pb::DaemonInfoResponse>, Status> {
+        // Answered by every daemon, whatever its role: `status` asks each one for its replica.
+        let start = std::time::Instant::now();
+        let info = self.core.daemon_info().await;
+        self.core.metrics.observe("DaemonInfo", tonic::Code::Ok, start.elapsed().as_secs_f64());
+        Ok(Response::new(info))
     }
 }

@@ -9,6 +9,9 @@
 //! links the missing binaries, after `cargo test -p rsrun-tests` it also brings stale ones up to
 //! date. No manual build step is needed.
 
+pub mod etcd;
+pub mod proxy;
+
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Output, Stdio};
@@ -247,28 +250,7 @@ impl Daemon {
 
     /// Starts the daemon on `listen` with extra `serve` arguments (e.g. `--data-dir DIR`).
     pub fn start_with(listen: &str, extra: &[&std::ffi::OsStr]) -> Self {
-        let mut child = KillOnDrop(
-            Command::new(bin("rsrun-rendezvous"))
-                .args(["serve", "--listen", listen])
-                .args(extra)
-                .env("RSRUN_LOG", "warn")
-                .stdout(Stdio::piped())
-                .stderr(Stdio::inherit())
-                .spawn()
-                .expect("spawn rsrun-rendezvous"),
-        );
-        let stdout = child.0.stdout.take().expect("daemon stdout");
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            let mut lines = BufReader::new(stdout).lines();
-            if let Some(Ok(line)) = lines.next() {
-                let _ = tx.send(line);
-            }
-            // Keep draining so the daemon never blocks on a full pipe.
-            for _ in lines {}
-        });
-        let line = rx.recv_timeout(Duration::from_secs(30)).expect("daemon printed no address");
-        let addr = line.trim().strip_prefix("listening on ").unwrap_or_else(|| panic!("unexpected first line {line:?}")).to_owned();
+        let (child, addr) = serve(&bin("rsrun-rendezvous"), listen, extra, "warn", Stdio::inherit()).unwrap_or_else(|e| panic!("{e}"));
         Daemon { child, addr }
     }
 
@@ -282,6 +264,35 @@ impl Daemon {
         let _ = self.child.0.kill();
         let _ = self.child.0.wait();
     }
+}
+
+/// Starts `BINARY serve --listen LISTEN EXTRA...` (an `rsrun-rendezvous`, logging at `RSRUN_LOG=log`
+/// to `stderr`) and returns it, killed on drop, with the address of its `listening on ADDR` line
+/// (waited for up to 40 s). Shared by the tests and the benchmarks.
+pub fn serve<S: AsRef<std::ffi::OsStr>>(binary: &Path, listen: &str, extra: &[S], log: &str, stderr: Stdio) -> Result<(KillOnDrop, String), String> {
+    let mut child = KillOnDrop(
+        Command::new(binary)
+            .args(["serve", "--listen", listen])
+            .args(extra)
+            .env("RSRUN_LOG", log)
+            .stdout(Stdio::piped())
+            .stderr(stderr)
+            .spawn()
+            .map_err(|e| format!("cannot start {}: {e}", binary.display()))?,
+    );
+    let stdout = child.0.stdout.take().ok_or("no daemon stdout")?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let mut lines = BufReader::new(stdout).lines();
+        if let Some(Ok(line)) = lines.next() {
+            let _ = tx.send(line);
+        }
+        // Keep draining so the daemon never blocks on a full pipe.
+        for _ in lines {}
+    });
+    let line = rx.recv_timeout(Duration::from_secs(40)).map_err(|_| format!("{} printed no address", binary.display()))?;
+    let addr = line.trim().strip_prefix("listening on ").ok_or_else(|| format!("unexpected first line {line:?}"))?.to_owned();
+    Ok((child, addr))
 }
 
 /// `python3` with torch importable, if any. `RSRUN_TEST_PYTHON` names the interpreter (CI sets it,

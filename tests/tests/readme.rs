@@ -103,6 +103,15 @@ const SSH_RUN: &str = "rsrun -H node1:8,node2:8 --rdzv-endpoint node1 train --st
 const SSH_DRY_RUN: &str = "rsrun -H node1:8,node2:8 --dry-run train --steps 1000";
 const FAKE_RSH_RUN: &str = "./target/release/rsrun -H h1:2,h2:2 --rsh tests/fake-rsh --allow-same-host --rdzv-endpoint 127.0.0.1:0 ./target/release/hello --steps 3";
 
+const ETCD_MEMBER: &str = "etcd --name e1 --data-dir /var/lib/etcd --listen-client-urls http://e1:2379 --advertise-client-urls http://e1:2379 --listen-peer-urls http://e1:2380 --initial-advertise-peer-urls http://e1:2380 --initial-cluster e1=http://e1:2380,e2=http://e2:2380,e3=http://e3:2380 --auto-compaction-retention 1h";
+const HA_DAEMON: &str = "rsrun-rendezvous serve --listen 0.0.0.0:29400 --advertise h1:29400 --token-file /etc/rsrun/tokens --etcd-endpoints e1:2379,e2:2379,e3:2379 --etcd-prefix /rsrun --leader-lease-ttl 5";
+const HA_NODE: &str = "rsrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint h1:29400,h2:29400,h3:29400 --rdzv-id job8 --rdzv-token-file /etc/rsrun/tokens train --steps 1000";
+const HA_STATUS: &str = "rsrun-rendezvous status --endpoint h1:29400,h2:29400,h3:29400 --token-file /etc/rsrun/tokens";
+const ETCD_ROOT_ENV: &str = r#"export ETCDCTL_USER="root:$(cat /etc/etcd/root-password)""#;
+const ETCD_USER: &str = r#"etcdctl user add rsrun --new-user-password "$(cat /etc/rsrun/etcd-password)""#;
+const ETCD_ROLE: &str = "etcdctl role add rsrun && etcdctl role grant-permission rsrun --prefix=true readwrite /rsrun/ && etcdctl user grant-role rsrun rsrun";
+const HA_DAEMON_AUTH: &str = "rsrun-rendezvous serve --listen 0.0.0.0:29400 --advertise h1:29400 --etcd-endpoints e1:2379,e2:2379,e3:2379 --etcd-user rsrun --etcd-password-file /etc/rsrun/etcd-password";
+
 const PIP_VENV: &str = "python3 -m venv .venv";
 const PIP_INSTALL: &str = ".venv/bin/pip install .";
 const PIP_VERSIONS: &str = ".venv/bin/rsrun --version && .venv/bin/rsrun-rendezvous --version";
@@ -127,6 +136,14 @@ const COVERED: &[&str] = &[
     SSH_RUN,
     SSH_DRY_RUN,
     FAKE_RSH_RUN,
+    ETCD_MEMBER,
+    HA_DAEMON,
+    HA_NODE,
+    HA_STATUS,
+    ETCD_ROOT_ENV,
+    ETCD_USER,
+    ETCD_ROLE,
+    HA_DAEMON_AUTH,
     PIP_VENV,
     PIP_INSTALL,
     PIP_VERSIONS,
@@ -377,4 +394,119 @@ fn pip_install_from_a_clone() {
         assert_eq!(code(&out.status), 0, "{}", text(&out));
         assert!(String::from_utf8_lossy(&out.stdout).contains("allreduce ok rank=1 world=2"), "{}", text(&out));
     }
+}
+
+/// Waits until something accepts connections at `127.0.0.1:port`.
+fn listens(port: u16) -> bool {
+    rsrun_tests::wait_until(Duration::from_secs(30), || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok())
+}
+
+/// The README's highly available group, as printed but on one machine: three etcd members, three
+/// daemons, a two-node job through the group, `status`; then the leader is killed and `status`
+/// names another one.
+#[test]
+fn ha_group_over_three_etcd_members() {
+    let _turn = serial();
+    if rsrun_tests::etcd::require_etcd("ha_group_over_three_etcd_members").is_none() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    // Three members: names, URLs and data directories per member, on free loopback ports.
+    let ports: Vec<(u16, u16)> = (0..3).map(|_| (free_port(), free_port())).collect();
+    let initial = (0..3).map(|i| format!("e{}=http://127.0.0.1:{}", i + 1, ports[i].1)).collect::<Vec<_>>().join(",");
+    let mut etcd = Vec::new();
+    for (i, (client, peer)) in ports.iter().enumerate() {
+        let cmd = readme(ETCD_MEMBER)
+            .replace("e1=http://e1:2380,e2=http://e2:2380,e3=http://e3:2380", &initial)
+            .replace("--name e1", &format!("--name e{}", i + 1))
+            .replace("http://e1:2379", &format!("http://127.0.0.1:{client}"))
+            .replace("http://e1:2380", &format!("http://127.0.0.1:{peer}"))
+            .replace("/var/lib/etcd", &d.join(format!("etcd{i}")).display().to_string());
+        etcd.push(KillOnDrop::spawn(&mut shell(d, &format!("exec {cmd} 2>{}", d.join(format!("etcd{i}.log")).display()))));
+    }
+    let etcd_eps = ports.iter().map(|(c, _)| format!("127.0.0.1:{c}")).collect::<Vec<_>>().join(",");
+    let put = format!("ETCDCTL_API=3 etcdctl --endpoints={etcd_eps} --command-timeout=2s put /ready 1");
+    assert!(
+        rsrun_tests::wait_until(Duration::from_secs(30), || shell(d, &put).output().is_ok_and(|o| o.status.success())),
+        "the README's etcd members never accepted a write"
+    );
+    std::fs::create_dir_all(d.join("etc/rsrun")).unwrap();
+    std::fs::write(d.join("etc/rsrun/tokens"), "0123456789abcdef0123456789abcdef\n").unwrap();
+    let paths = |c: &str| c.replace("/etc/rsrun", &d.join("etc/rsrun").display().to_string());
+    // Three daemons, each with its own --advertise; the first one started leads.
+    let dports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+    let mut daemons = Vec::new();
+    for (i, port) in dports.iter().enumerate() {
+        let cmd = paths(&readme(HA_DAEMON))
+            .replace("0.0.0.0:29400", &format!("127.0.0.1:{port}"))
+            .replace("--advertise h1:29400", &format!("--advertise 127.0.0.1:{port}"))
+            .replace("e1:2379,e2:2379,e3:2379", &etcd_eps);
+        daemons.push(Some(KillOnDrop::spawn(&mut shell(d, &format!("exec {cmd}")))));
+        assert!(listens(*port), "daemon {i} did not listen");
+    }
+    let group = dports.iter().map(|p| format!("127.0.0.1:{p}")).collect::<Vec<_>>().join(",");
+    let node = paths(&readme(HA_NODE))
+        .replace("h1:29400,h2:29400,h3:29400", &group)
+        .replace("--nproc-per-node 8", "--nproc-per-node 1")
+        .replace("--steps 1000", "--steps 3");
+    let outs = run_all(vec![shell(d, &node), shell(d, &node)], RUN_DEADLINE * 3);
+    ok(&outs);
+    assert!(text(&outs[0]).contains("summary:") || text(&outs[1]).contains("summary:"), "{}\n{}", text(&outs[0]), text(&outs[1]));
+    let status = paths(&readme(HA_STATUS)).replace("h1:29400,h2:29400,h3:29400", &group);
+    let out = run_all(vec![shell(d, &status)], RUN_DEADLINE).remove(0);
+    let s = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    assert!(s.starts_with("leader 127.0.0.1:") && s.matches(" standby ").count() == 2 && s.contains("job job8"), "{s}");
+    // The leader dies: status names another one.
+    let leader = s.split_whitespace().nth(1).unwrap().to_owned();
+    let i = dports.iter().position(|p| leader.ends_with(&format!(":{p}"))).expect("the leader is one of the daemons");
+    drop(daemons[i].take());
+    let out = run_all(vec![shell(d, &status)], RUN_DEADLINE).remove(0);
+    let s = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    assert!(s.starts_with("leader 127.0.0.1:") && !s.starts_with(&format!("leader {leader} ")), "{s}");
+    drop(daemons);
+    drop(etcd);
+}
+
+/// The README's etcd RBAC recipe and a daemon that logs in as the user it creates.
+#[test]
+fn ha_etcd_auth_recipe() {
+    let _turn = serial();
+    let Some(etcd) = rsrun_tests::etcd::EtcdCluster::start("ha_etcd_auth_recipe", 3) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    for f in ["etc/etcd", "etc/rsrun"] {
+        std::fs::create_dir_all(d.join(f)).unwrap();
+    }
+    std::fs::write(d.join("etc/etcd/root-password"), "rootpw\n").unwrap();
+    std::fs::write(d.join("etc/rsrun/etcd-password"), "rsrunpw\n").unwrap();
+    // What the README takes as done once: a root user and auth on.
+    for args in [&["user", "add", "root", "--new-user-password", "rootpw"][..], &["auth", "enable"]] {
+        let out = etcd.etcdctl(args);
+        assert!(out.status.success(), "etcdctl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let paths = |c: &str| c.replace("/etc/rsrun", &d.join("etc/rsrun").display().to_string()).replace("/etc/etcd", &d.join("etc/etcd").display().to_string());
+    let recipe = [ETCD_ROOT_ENV, ETCD_USER, ETCD_ROLE].iter().map(|c| paths(&readme(c))).collect::<Vec<_>>().join(" && ");
+    let mut sh = shell(d, &recipe);
+    sh.env("ETCDCTL_API", "3").env("ETCDCTL_ENDPOINTS", etcd.endpoints_csv());
+    let out = run_all(vec![sh], RUN_DEADLINE).remove(0);
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    let port = free_port();
+    let cmd = paths(&readme(HA_DAEMON_AUTH))
+        .replace("0.0.0.0:29400", &format!("127.0.0.1:{port}"))
+        .replace("--advertise h1:29400", &format!("--advertise 127.0.0.1:{port}"))
+        .replace("e1:2379,e2:2379,e3:2379", &etcd.endpoints_csv());
+    let daemon = KillOnDrop::spawn(&mut shell(d, &format!("exec {cmd}")));
+    assert!(listens(port), "the daemon did not listen");
+    let status = format!("rsrun-rendezvous status --endpoint 127.0.0.1:{port}");
+    let out = run_all(vec![shell(d, &status)], RUN_DEADLINE).remove(0);
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with(&format!("leader 127.0.0.1:{port}")), "{}", text(&out));
+    // Its keys are where the role allows, nothing else was written.
+    let keys = etcd.etcdctl(&["--user=root:rootpw", "get", "", "--prefix", "--keys-only"]);
+    let keys = String::from_utf8_lossy(&keys.stdout).into_owned();
+    assert!(keys.lines().filter(|l| !l.is_empty()).all(|k| k.starts_with("/rsrun/") || k == "/rsrun-test/ready"), "{keys}");
+    drop(daemon);
 }

@@ -7,20 +7,33 @@
 //! daemon binary itself (a separate process, on 127.0.0.1 port 0), so client and server do not share a
 //! runtime.
 //!
+//! With `--compare-ha`, one run measures three services side by side: the daemon in memory, the
+//! daemon with `--data-dir` (fsync'd journal), and a highly available group — 3 daemons over a
+//! 3-member etcd cluster on 127.0.0.1 (Debian's `etcd-server`), the agents listing all three.
+//!
 //! ```text
 //! rendezvous-bench --agents 1024
 //! rendezvous-bench --endpoint 127.0.0.1:29400 --agents 10000 --jobs 4
+//! rendezvous-bench --agents 1024 --compare-ha
 //! ```
 
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
+use std::process::Stdio;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 use clap::Parser;
 use rsrun_rendezvous::client::{ClientConfig, JobSpec, JoinSpec, RdzvClient};
+use rsrun_tests::KillOnDrop;
 use tokio::sync::Barrier;
+
+/// A line on stdout (what the benchmark reports).
+macro_rules! out {
+    ($($t:tt)*) => {{
+        use std::io::Write;
+        let _ = writeln!(std::io::stdout().lock(), $($t)*);
+    }};
+}
 
 #[derive(Parser, Debug)]
 #[command(about = "Rendezvous service benchmark: join, barrier and unique-id exchange of N agents")]
@@ -40,35 +53,23 @@ struct Args {
     /// Give up after this many seconds.
     #[arg(long, default_value_t = 120)]
     timeout_secs: u64,
+    /// Measure the in-memory daemon, the `--data-dir` daemon and an HA group of 3 daemons over 3
+    /// etcd members in one run (needs `/usr/bin/etcd`).
+    #[arg(long, conflicts_with = "endpoint")]
+    compare_ha: bool,
 }
 
-struct Daemon(Child);
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn start_daemon() -> anyhow::Result<(Daemon, String)> {
+/// Starts `rsrun-rendezvous serve` (next to this binary) with `extra` arguments and returns it with
+/// its address.
+fn start_daemon(listen: &str, extra: &[String]) -> anyhow::Result<(KillOnDrop, String)> {
     let exe = std::env::current_exe().context("cannot locate the bench binary")?;
     let daemon = exe.with_file_name("rsrun-rendezvous");
     if !daemon.exists() {
         bail!("{} not found; build it first (cargo build --release -p rsrun-rendezvous) or pass --endpoint", daemon.display());
     }
-    let mut child = Command::new(&daemon)
-        .args(["serve", "--listen", "127.0.0.1:0", "--max-jobs", "100000"])
-        .env("RSRUN_LOG", "warn")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .with_context(|| format!("cannot start {}", daemon.display()))?;
-    let mut line = String::new();
-    let stdout = child.stdout.take().context("daemon stdout")?;
-    BufReader::new(stdout).read_line(&mut line).context("reading the daemon's address")?;
-    let addr = line.trim().strip_prefix("listening on ").with_context(|| format!("unexpected daemon output {line:?}"))?.to_string();
-    Ok((Daemon(child), addr))
+    let mut all = vec!["--max-jobs".to_string(), "100000".into()];
+    all.extend(extra.iter().cloned());
+    rsrun_tests::serve(&daemon, listen, &all, "warn", Stdio::inherit()).map_err(anyhow::Error::msg)
 }
 
 fn percentile(sorted: &[f64], p: f64) -> f64 {
@@ -87,22 +88,77 @@ struct AgentTimes {
     rpc_ms: Vec<f64>,
 }
 
+/// What one run measured.
+struct Figures {
+    round_s: f64,
+    barrier_s: f64,
+    p99_rpc_ms: f64,
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if args.compare_ha {
+        return compare_ha(&args).await;
+    }
     let (_daemon, endpoint) = match &args.endpoint {
         Some(e) => (None, e.clone()),
         None => {
-            let (d, a) = start_daemon()?;
+            let (d, a) = start_daemon("127.0.0.1:0", &[])?;
             (Some(d), a)
         }
     };
+    let f = run(&args, &endpoint).await?;
+    out!("summary: agents={} round_s={:.3} barrier_s={:.3} p99_rpc_ms={:.3}", args.agents, f.round_s, f.barrier_s, f.p99_rpc_ms);
+    Ok(())
+}
+
+/// In memory, `--data-dir`, and an HA group over etcd, one after the other in this run.
+async fn compare_ha(args: &Args) -> anyhow::Result<()> {
+    let (mem, addr) = start_daemon("127.0.0.1:0", &[])?;
+    out!("--- in memory ---");
+    let m = run(args, &addr).await?;
+    drop(mem);
+    let dir = tempfile::tempdir().context("temporary data directory")?;
+    let (dd, addr) = start_daemon("127.0.0.1:0", &["--data-dir".into(), dir.path().display().to_string()])?;
+    out!("--- --data-dir {} ---", dir.path().display());
+    let d = run(args, &addr).await?;
+    drop(dd);
+    let Some(etcd) = rsrun_tests::etcd::EtcdCluster::start("rendezvous-bench --compare-ha", 3) else {
+        bail!("etcd is not installed (apt-get install etcd-server etcd-client)");
+    };
+    let etcd_eps = etcd.endpoints_csv();
+    let mut group = Vec::new();
+    for _ in 0..3 {
+        let port = rsrun_tests::free_port();
+        let listen = format!("127.0.0.1:{port}");
+        let extra = vec!["--etcd-endpoints".to_string(), etcd_eps.clone(), "--etcd-prefix".into(), "/rsrun-bench".into()];
+        let (daemon, addr) = start_daemon(&listen, &extra)?;
+        // The first one started leads: list it first, as an operator would after `status`.
+        if group.is_empty() {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+        }
+        group.push((daemon, addr));
+    }
+    let eps: Vec<String> = group.iter().map(|(_, a)| a.clone()).collect();
+    out!("--- HA: 3 daemons over 3 etcd members ({}) ---", etcd_eps);
+    let h = run(args, &eps.join(",")).await?;
+    drop(group);
+    out!(
+        "summary: agents={} ha_round_s={:.3} data_dir_round_s={:.3} memory_round_s={:.3} ha_barrier_s={:.3} ha_p99_rpc_ms={:.3} data_dir_p99_rpc_ms={:.3} memory_p99_rpc_ms={:.3}",
+        args.agents, h.round_s, d.round_s, m.round_s, h.barrier_s, h.p99_rpc_ms, d.p99_rpc_ms, m.p99_rpc_ms
+    );
+    Ok(())
+}
+
+/// The agents against one service.
+async fn run(args: &Args, endpoint: &str) -> anyhow::Result<Figures> {
     let n = args.agents;
     let jobs = args.jobs.min(n);
     let conns = args.connections.min(n) as usize;
     let mut clients = Vec::with_capacity(conns);
     for _ in 0..conns {
-        let mut cfg = ClientConfig::new(endpoint.clone());
+        let mut cfg = ClientConfig::new(endpoint.to_owned());
         cfg.rpc_timeout = Duration::from_secs(args.timeout_secs);
         clients.push(RdzvClient::connect(cfg)?);
     }
@@ -188,22 +244,19 @@ async fn main() -> anyhow::Result<()> {
     quick.sort_by(f64::total_cmp);
     let mut joins: Vec<f64> = times.iter().map(|a| a.rpc_ms[0]).collect();
     joins.sort_by(f64::total_cmp);
-    println!("agents={n} jobs={jobs} connections={conns} endpoint={endpoint}");
-    println!(
+    out!("agents={n} jobs={jobs} connections={conns} endpoint={endpoint}");
+    out!(
         "join (blocking until the round forms): p50={:.2} ms p99={:.2} ms",
         percentile(&joins, 0.5),
         percentile(&joins, 0.99)
     );
-    println!(
+    out!(
         "keep-alive + store set (non-blocking): p50={:.3} ms p99={:.3} ms over {} calls",
         percentile(&quick, 0.5),
         percentile(&quick, 0.99),
         quick.len()
     );
-    println!("all agents hold the unique id after {uid_s:.3} s");
-    println!(
-        "summary: agents={n} round_s={round_s:.3} barrier_s={barrier_s:.3} p99_rpc_ms={:.3}",
-        percentile(&quick, 0.99)
-    );
-    Ok(())
+    out!("all agents hold the unique id after {uid_s:.3} s");
+    out!("round formed after {round_s:.3} s, barrier released after {barrier_s:.3} s");
+    Ok(Figures { round_s, barrier_s, p99_rpc_ms: percentile(&quick, 0.99) })
 }

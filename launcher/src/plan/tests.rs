@@ -143,6 +143,22 @@ fn an_endpoint_without_backend_or_node_rank_means_c10d() {
 }
 
 #[test]
+fn a_group_of_daemons() {
+    let p = resolve(&["--nnodes", "2", "--rdzv-endpoint", "h1:29400, h2:29401", "--rdzv-id", "j", "true"]).unwrap();
+    let eps = vec![Endpoint { host: "h1".into(), port: 29400 }, Endpoint { host: "h2".into(), port: 29401 }];
+    assert_eq!(p.rdzv, RdzvPlan::Group { endpoints: eps });
+    assert_eq!(p.mode, LaunchMode::Rendezvous);
+    // Default ports, IPv6, and what a group cannot be.
+    let p = resolve(&["--rdzv-endpoint", "h1,[::1]:7", "--rdzv-id", "j", "true"]).unwrap();
+    assert_eq!(p.rdzv, RdzvPlan::Group { endpoints: vec![Endpoint { host: "h1".into(), port: 29400 }, Endpoint { host: "::1".into(), port: 7 }] });
+    assert!(err(&["--rdzv-endpoint", "h1:1,h1:1", "true"]).contains("listed twice"));
+    assert!(err(&["--rdzv-endpoint", "h1:0,h2:1", "true"]).contains("fixed ports"));
+    assert!(err(&["--rdzv-endpoint", "h1:1,", "true"]).contains("--rdzv-endpoint"));
+    assert!(err(&["--rdzv-endpoint", "h1:1,h2:1", "--rdzv-conf", "is_host=true", "true"]).contains("never hosted"));
+    assert!(err(&["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "h1:1,h2:1", "true"]).contains("several daemons"));
+}
+
+#[test]
 fn daemon() {
     let p = resolve(&["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-id", "j", "--nnodes", "1:3", "true"])
         .unwrap();

@@ -8,7 +8,11 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
+use rsrun_rendezvous::RdzvError;
 use rsrun_rendezvous::client::{ClientConfig, RdzvClient};
+use rsrun_rendezvous::ha::HaConfig;
+use rsrun_rendezvous::ha::etcd::EtcdConfig;
+use rsrun_rendezvous::service::DaemonIdentity;
 use rsrun_rendezvous::server::{self, ServerConfig};
 use rsrun_rendezvous::tcpstore::{TcpStoreLimits, TcpStoreServer};
 use rsrun_rendezvous::validate::Limits;
@@ -24,7 +28,7 @@ struct Cli {
 #[derive(Subcommand, Debug)]
 enum Cmd {
     /// Run the service.
-    Serve(ServeArgs),
+    Serve(Box<ServeArgs>),
     /// Show jobs, rounds, nodes, ranks and heartbeats.
     Status(StatusArgs),
     /// Serve one PyTorch TCPStore (an empty keyspace per start) until SIGINT or SIGTERM.
@@ -88,9 +92,9 @@ struct ServeArgs {
     /// Allow a non-loopback listen address without a token.
     #[arg(long)]
     insecure: bool,
-    /// Largest store value in bytes.
-    #[arg(long, default_value_t = 1 << 20, value_parser = clap::value_parser!(u64).range(1..=(64 << 20)))]
-    max_value_bytes: u64,
+    /// Largest store value in bytes [default: 1048576; with --etcd-endpoints 262144, at most 524288].
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=(64 << 20)))]
+    max_value_bytes: Option<u64>,
     /// Most keys per job.
     #[arg(long, default_value_t = 100_000, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
     max_keys_per_job: u64,
@@ -106,11 +110,49 @@ struct ServeArgs {
     /// authentication: keep that interface on the cluster's own network).
     #[arg(long)]
     no_tcpstore: bool,
+    /// Run as one of a group of highly available daemons (active/standby) that keep their log in
+    /// this etcd cluster: comma-separated members, `HOST:PORT` or `https://HOST:PORT`. Exclusive with
+    /// --data-dir. Clients list every daemon (`--rdzv-endpoint h1:29400,h2:29400`).
+    #[arg(long, value_delimiter = ',', conflicts_with = "data_dir")]
+    etcd_endpoints: Vec<String>,
+    /// Key prefix of this group of daemons in etcd (daemons with the same prefix form one group).
+    #[arg(long, default_value = "/rsrun")]
+    etcd_prefix: String,
+    /// The address clients reach this daemon at (HOST:PORT); standbys send clients to the leader's.
+    /// Default: the bound listen address (required when listening on every interface).
+    #[arg(long)]
+    advertise: Option<String>,
+    /// A name for this daemon in `status` [default: the --advertise address].
+    #[arg(long)]
+    daemon_id: Option<String>,
+    /// Leader election lease in seconds: after a leader crash a standby takes over within about
+    /// this long (etcd's minimum is 2 s).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(2..=3600))]
+    leader_lease_ttl: u64,
+    /// CA certificate (PEM) that verifies the etcd members (TLS).
+    #[arg(long)]
+    etcd_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for etcd mTLS; etcd with --client-cert-auth takes its CN as the user.
+    #[arg(long, requires = "etcd_key")]
+    etcd_cert: Option<PathBuf>,
+    /// Client key (PEM) for etcd mTLS.
+    #[arg(long, requires = "etcd_cert")]
+    etcd_key: Option<PathBuf>,
+    /// etcd user (password auth); the password comes from --etcd-password-file.
+    #[arg(long, requires = "etcd_password_file")]
+    etcd_user: Option<String>,
+    /// File whose first line is the etcd user's password.
+    #[arg(long, requires = "etcd_user")]
+    etcd_password_file: Option<PathBuf>,
+    /// HA: write a snapshot to etcd every this many bytes of log (tests lower it).
+    #[arg(long, hide = true, default_value_t = rsrun_rendezvous::ha::log::COMPACT_EVERY, value_parser = clap::value_parser!(u64).range(1024..))]
+    ha_snapshot_bytes: u64,
 }
 
 #[derive(Parser, Debug)]
 struct StatusArgs {
-    /// The service, host:port.
+    /// The service, host:port; for a highly available group, every daemon, comma-separated (the
+    /// leader answers; each daemon reports its role and replica).
     #[arg(long, default_value = "127.0.0.1:29400")]
     endpoint: String,
     /// Only this job.
@@ -142,7 +184,7 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
-            Cmd::Serve(args) => serve(args).await,
+            Cmd::Serve(args) => serve(*args).await,
             Cmd::Status(args) => status(args).await,
             Cmd::Tcpstore(args) => tcpstore(args).await,
         }
@@ -163,7 +205,69 @@ fn main() -> ExitCode {
     }
 }
 
+/// The HA part of `serve`'s flags, validated (`None`: a single daemon).
+fn ha_config(args: &ServeArgs) -> anyhow::Result<Option<HaConfig>> {
+    let ha_only = [
+        ("--advertise", args.advertise.is_some()),
+        ("--daemon-id", args.daemon_id.is_some()),
+        ("--etcd-ca", args.etcd_ca.is_some()),
+        ("--etcd-cert", args.etcd_cert.is_some()),
+        ("--etcd-user", args.etcd_user.is_some()),
+    ];
+    if args.etcd_endpoints.is_empty() {
+        if let Some((flag, _)) = ha_only.iter().find(|(_, given)| *given) {
+            return Err(RdzvError::invalid("etcd_endpoints", format!("missing: {flag} only applies to highly available daemons (--etcd-endpoints)")).into());
+        }
+        return Ok(None);
+    }
+    let endpoints: Vec<String> = args.etcd_endpoints.iter().map(|e| e.trim().to_owned()).filter(|e| !e.is_empty()).collect();
+    if endpoints.is_empty() {
+        return Err(RdzvError::invalid("etcd_endpoints", "empty; expected HOST:PORT[,HOST:PORT...]").into());
+    }
+    let prefix = args.etcd_prefix.trim();
+    if !prefix.starts_with('/') || prefix.len() < 2 || prefix.contains(char::is_whitespace) {
+        return Err(RdzvError::invalid("etcd_prefix", format!("{prefix:?}; expected a key prefix such as /rsrun or /rsrun/cluster-a")).into());
+    }
+    if let Some(a) = &args.advertise {
+        let ok = a.rsplit_once(':').is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok_and(|p| p > 0));
+        if !ok {
+            return Err(RdzvError::invalid("advertise", format!("{a:?}; expected HOST:PORT, the address clients reach this daemon at")).into());
+        }
+    }
+    let user = match (&args.etcd_user, &args.etcd_password_file) {
+        (Some(u), Some(f)) => {
+            let text = std::fs::read_to_string(f).with_context(|| format!("cannot read --etcd-password-file {}", f.display()))?;
+            let pw = text.lines().next().unwrap_or_default().trim_end().to_owned();
+            if pw.is_empty() {
+                return Err(RdzvError::invalid("etcd_password_file", format!("{}: the first line is empty; expected the password of {u:?}", f.display())).into());
+            }
+            Some((u.clone(), pw))
+        }
+        _ => None,
+    };
+    Ok(Some(HaConfig {
+        etcd: EtcdConfig {
+            endpoints,
+            ca: args.etcd_ca.clone(),
+            cert_key: args.etcd_cert.clone().zip(args.etcd_key.clone()),
+            user,
+            request_timeout: Duration::from_secs(2),
+        },
+        prefix: prefix.trim_end_matches('/').to_owned(),
+        identity: DaemonIdentity { daemon_id: args.daemon_id.clone().unwrap_or_default(), advertise: args.advertise.clone().unwrap_or_default() },
+        lease_ttl: Duration::from_secs(args.leader_lease_ttl),
+        snapshot_bytes: args.ha_snapshot_bytes,
+    }))
+}
+
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let ha = ha_config(&args)?;
+    let defaults = Limits::default();
+    let (value_default, store_per_job) = if ha.is_some() {
+        (server::HA_DEFAULT_VALUE_BYTES, server::HA_DEFAULT_STORE_BYTES_PER_JOB)
+    } else {
+        (defaults.max_value_bytes, defaults.max_store_bytes_per_job)
+    };
     let config = ServerConfig {
         listen: args.listen,
         data_dir: args.data_dir,
@@ -172,7 +276,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         metrics_listen: args.metrics_listen,
         insecure: args.insecure,
         limits: Limits {
-            max_value_bytes: args.max_value_bytes as usize,
+            max_value_bytes: args.max_value_bytes.map_or(value_default, |v| v as usize),
+            max_store_bytes_per_job: store_per_job,
             max_keys_per_job: args.max_keys_per_job as usize,
             max_jobs: args.max_jobs as usize,
             retention_ms: args.retention_secs.saturating_mul(1000),
@@ -180,6 +285,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         },
         tcpstore: (!args.no_tcpstore).then(TcpStoreLimits::default),
         only_job: None,
+        ha,
     };
     let shutdown = cancel_on_signals();
     server::serve(config, shutdown, |bound| {
@@ -272,6 +378,29 @@ async fn tcpstore(args: TcpStoreArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The HA group as the leader and each daemon see it: leader, epoch, standbys and their lag.
+async fn ha_lines(client: &RdzvClient, leader: &rsrun_rendezvous::proto::DaemonInfoResponse) -> String {
+    use rsrun_rendezvous::proto::DaemonRole;
+    let mut out = format!(
+        "leader {} (id {})  epoch {}  seq {}  takeovers {}\n",
+        leader.advertise, leader.daemon_id, leader.epoch, leader.applied_seq, leader.takeovers
+    );
+    out.push_str(&format!("  {:<28} {:<24} {:<8} {:>10} {:>12} {:>9}\n", "DAEMON", "ADDRESS", "ROLE", "SEQ", "LAG_ENTRIES", "LAG_MS"));
+    for peer in &leader.daemons {
+        let info = if peer.advertise == leader.advertise { Ok(leader.clone()) } else { client.daemon_info_at(&peer.advertise).await };
+        match info {
+            Ok(d) => {
+                let role = DaemonRole::try_from(d.role).map(|r| r.as_str_name().trim_start_matches("DAEMON_ROLE_").to_lowercase()).unwrap_or_default();
+                let lag = leader.applied_seq.saturating_sub(d.applied_seq);
+                let lag_ms = if lag == 0 { 0 } else { leader.applied_at_unix_ms.saturating_sub(d.applied_at_unix_ms) };
+                out.push_str(&format!("  {:<28} {:<24} {:<8} {:>10} {:>12} {:>9}\n", d.daemon_id, d.advertise, role, d.applied_seq, lag, lag_ms));
+            }
+            Err(e) => out.push_str(&format!("  {:<28} {:<24} {:<8} {e}\n", peer.daemon_id, peer.advertise, "?")),
+        }
+    }
+    out
+}
+
 fn age(now: u64, then: u64) -> String {
     if then == 0 {
         return "-".into();
@@ -281,7 +410,7 @@ fn age(now: u64, then: u64) -> String {
 }
 
 async fn status(args: StatusArgs) -> anyhow::Result<()> {
-    use rsrun_rendezvous::proto::{JobState, NodeState};
+    use rsrun_rendezvous::proto::{DaemonRole, JobState, NodeState};
     let mut cfg = ClientConfig::new(args.endpoint.clone());
     cfg.rpc_timeout = Duration::from_secs(10);
     cfg.tls_ca = args.tls_ca;
@@ -292,6 +421,11 @@ async fn status(args: StatusArgs) -> anyhow::Result<()> {
     let resp = client.status(args.job.as_deref()).await.with_context(|| format!("cannot get status from {}", args.endpoint))?;
     let now = resp.server_time_unix_ms;
     let mut out = String::new();
+    if let Some(d) = &resp.daemon
+        && d.role == DaemonRole::Leader as i32
+    {
+        out.push_str(&ha_lines(&client, d).await);
+    }
     if resp.jobs.is_empty() {
         out.push_str("no jobs\n");
     }
