@@ -180,6 +180,9 @@ struct UnitState {
     grad: flat::FlatBuf,
     /// Optimizer state slots over the owned range (`shard_len` each).
     state: Vec<Vec<f32>>,
+    /// ZeRO-3 on the native path: the unit's gathered parameters, flat (`numel`), while it is
+    /// live (the candle path puts them into the `Var`s instead). Empty otherwise.
+    gathered: Vec<f32>,
 }
 
 /// Transient-memory tracker (current and peak bytes).
@@ -370,6 +373,7 @@ impl<M: UnitModel> Engine<M> {
                 shard16: flat::FlatBuf::default(),
                 grad: flat::FlatBuf::zeros(cfg.grad_dtype(), grad_len),
                 state: (0..slots).map(|_| vec![0f32; owned]).collect(),
+                gathered: Vec::new(),
             });
         }
         let buckets = make_buckets(&layout, cfg.first_bucket_bytes, cfg.bucket_cap_bytes);
@@ -785,11 +789,17 @@ impl<M: UnitModel> Engine<M> {
         while let Some((u, w)) = self.inflight.pop_front() {
             let (input, full) = w.wait()?;
             self.comm.sub(input.bytes() + full.bytes());
-            let full = full.into_f32();
+            let mut full = full.into_f32();
             let ul = &self.layout.units[u];
             self.gathered.add(ul.numel * 4);
-            for (p, v) in ul.params.iter().zip(&self.units[u].vars) {
-                set_storage(v.as_tensor(), full[p.range()].to_vec())?;
+            if self.native_enabled() {
+                // The native path reads the flat buffer itself: no copy into per-parameter storage.
+                full.truncate(ul.numel);
+                self.units[u].gathered = full;
+            } else {
+                for (p, v) in ul.params.iter().zip(&self.units[u].vars) {
+                    set_storage(v.as_tensor(), full[p.range()].to_vec())?;
+                }
             }
             self.live[u] = true;
             if u == ui {
@@ -813,8 +823,12 @@ impl<M: UnitModel> Engine<M> {
         if !self.live[ui] {
             return Ok(());
         }
-        for v in &self.units[ui].vars {
-            set_storage(v.as_tensor(), Vec::new())?;
+        if self.native_enabled() {
+            self.units[ui].gathered = Vec::new();
+        } else {
+            for v in &self.units[ui].vars {
+                set_storage(v.as_tensor(), Vec::new())?;
+            }
         }
         self.live[ui] = false;
         self.gathered.sub(self.layout.units[ui].numel * 4);

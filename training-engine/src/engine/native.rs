@@ -7,6 +7,7 @@ use candle_core::{CpuStorage, Storage, Var};
 
 use super::{Engine, Reductions, flat};
 use crate::error::{EngineError, EngineResult};
+use crate::layout::UnitLayout;
 use crate::model::{Batch, UnitModel};
 use crate::native::{NativeBatch, Scratch, UnitCache};
 
@@ -20,6 +21,24 @@ pub(super) struct NativeState {
     /// A unit's gradients of one micro-batch when its accumulation buffer already holds earlier
     /// micro-batches' (added afterwards, so accumulation rounds as the candle path does).
     fresh: Vec<f32>,
+}
+
+/// Runs `f` on a unit's parameters, one slice per parameter: from the ZeRO-3 gathered flat
+/// buffer when there is one, else from the `Var`s.
+fn unit_params<R>(vars: &[Var], gathered: &[f32], ul: &UnitLayout, f: impl FnOnce(&[&[f32]]) -> R) -> EngineResult<R> {
+    if gathered.is_empty() {
+        return with_params(vars, f);
+    }
+    if gathered.len() < ul.numel {
+        return Err(EngineError::Tensor(format!(
+            "unit {}: {} gathered values for {} parameters",
+            ul.name,
+            gathered.len(),
+            ul.numel
+        )));
+    }
+    let slices: Vec<&[f32]> = ul.params.iter().map(|p| &gathered[p.range()]).collect();
+    Ok(f(&slices))
 }
 
 /// Runs `f` on the f32 data of `vars` (one slice per parameter).
@@ -69,7 +88,10 @@ impl<M: UnitModel> Engine<M> {
                 .ok_or_else(|| EngineError::Config("model has no native path".into()))?;
             let (before, rest) = self.native.caches.split_at_mut(ui);
             let x: &[f32] = before.last().map_or(&[], |c| c.out.as_slice());
-            with_params(&self.units[ui].vars, |p| native.forward(ui, p, x, &nb, &mut rest[0]))??;
+            let u = &self.units[ui];
+            unit_params(&u.vars, &u.gathered, &self.layout.units[ui], |p| {
+                native.forward(ui, p, x, &nb, &mut rest[0])
+            })??;
             if z3 && ui + 1 < n {
                 self.free_unit(ui)?;
             }
@@ -104,12 +126,15 @@ impl<M: UnitModel> Engine<M> {
             let x: &[f32] = before.last().map_or(&[], |c| c.out.as_slice());
             let cache = &mut rest[0];
             let vars = self.units[ui].vars.clone();
+            // The gathered parameters move out while the unit's gradient buffer is written.
+            let gathered = std::mem::take(&mut self.units[ui].gathered);
             let mut run = |grads: &mut [f32]| {
-                with_params(&vars, |p| {
+                unit_params(&vars, &gathered, ul, |p| {
                     native.backward(ui, p, x, &nb, cache, &st.dy, grads, &mut st.dx, &mut st.scratch)
                 })?
             };
             let mut flat = flat::FlatBuf::default();
+            let mut fresh_back = None;
             if stage >= 2 {
                 // A fresh zeroed buffer per unit and micro-batch, reduce-scattered below.
                 flat = flat::FlatBuf::zeros(flat::FlatDtype::F32, ul.padded_numel);
@@ -131,9 +156,14 @@ impl<M: UnitModel> Engine<M> {
                 fresh.resize(ul.numel, 0.0);
                 let r = run(&mut fresh);
                 self.units[ui].grad.add_f32(0, &fresh);
-                self.native.fresh = fresh;
+                fresh_back = Some(fresh);
                 r?;
             }
+            drop(run);
+            if let Some(f) = fresh_back {
+                self.native.fresh = f;
+            }
+            self.units[ui].gathered = gathered;
             let st = &mut self.native;
             std::mem::swap(&mut st.dy, &mut st.dx);
             if z3 {

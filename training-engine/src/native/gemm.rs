@@ -491,8 +491,16 @@ unsafe fn kernel_avx512(
     use std::arch::x86_64::*;
     let mut acc = [_mm512_setzero_ps(); 24];
     // SAFETY: the loop reads A and B inside the bounds of the contract and writes only `acc`;
-    // every clobbered vector register is declared.
+    // every clobbered vector register is declared. Prefetches only hint (the tile is valid
+    // memory); they bring the destination in while the k loop runs.
     unsafe {
+        if load {
+            for r in 0..6 {
+                for q in 0..4 {
+                    _mm_prefetch::<_MM_HINT_T0>(c.add(r * rs + 16 * q).cast());
+                }
+            }
+        }
         asm!(
             "vxorps xmm0, xmm0, xmm0", "vxorps xmm1, xmm1, xmm1", "vxorps xmm2, xmm2, xmm2",
             "vxorps xmm3, xmm3, xmm3", "vxorps xmm4, xmm4, xmm4", "vxorps xmm5, xmm5, xmm5",
@@ -604,6 +612,11 @@ unsafe fn kernel_avx2(
     let mut acc = [_mm256_setzero_ps(); 12];
     // SAFETY: as in `kernel_avx512`.
     unsafe {
+        if load {
+            for r in 0..6 {
+                _mm_prefetch::<_MM_HINT_T0>(c.add(r * rs).cast());
+            }
+        }
         asm!(
             "vxorps ymm0, ymm0, ymm0", "vxorps ymm1, ymm1, ymm1", "vxorps ymm2, ymm2, ymm2",
             "vxorps ymm3, ymm3, ymm3", "vxorps ymm4, ymm4, ymm4", "vxorps ymm5, ymm5, ymm5",
