@@ -1,10 +1,14 @@
 //! `tcpstore-bench`: rsrun's TCPStore server against torch's libuv TCPStore server.
 //!
-//! 1. Throughput: `--clients` connections (one tokio task and one TCP connection each) do the
-//!    VALIDATE + PING handshake, then alternate SET and GET of a small value on their own key for
-//!    `--secs` seconds, against (a) `rsrun-rendezvous tcpstore` started as a child process (or the
-//!    server in-process when that binary is not found) and (b) torch's libuv server in a Python
-//!    child process. Same client, same run. SET and GET count one operation each.
+//! 1. Throughput: `--clients` connections do the VALIDATE + PING handshake, then send SET and GET
+//!    of a small value on their own key and wait for the GET's reply, over and over, for `--secs`
+//!    seconds, against (a) `rsrun-rendezvous tcpstore` started as a child process (or the server
+//!    in-process when that binary is not found) and (b) torch's libuv server in a Python child
+//!    process. Same client, same run, `--rounds` times in turn (ours, torch, ours, torch, ...);
+//!    the summary takes each server's median. SET and GET count one operation each. The client is
+//!    one thread with one epoll loop (see [`load`]), so the CPU it takes from the servers is as
+//!    small as a client's can be. `--pipeline N` sends N SET+GET pairs per write (torch's client
+//!    never does; 1 is the default and what the summary is about).
 //! 2. Scale: `--connections` concurrent connections to our server, each doing the handshake
 //!    (VALIDATE + PING) and one more PING, all held open until the last one is through.
 //!
@@ -18,7 +22,6 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
@@ -36,6 +39,13 @@ struct Args {
     /// Value size in bytes.
     #[arg(long, default_value_t = 32)]
     value_bytes: usize,
+    /// SET+GET pairs per write on each connection (1: one request with a reply in flight, as
+    /// torch's client).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    pipeline: u64,
+    /// Measurements per server, taken in turn; the summary reports the medians.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=100))]
+    rounds: u64,
     /// Concurrent connections in the scale measurement (0 skips it).
     #[arg(long, default_value_t = 10_000)]
     connections: usize,
@@ -86,47 +96,114 @@ fn raise_nofile_limit() -> anyhow::Result<u64> {
     Ok(lim.rlim_cur)
 }
 
-/// `clients` connections alternating SET and GET for `secs`; returns operations per second.
-async fn load(addr: SocketAddr, clients: usize, secs: u64, value_bytes: usize) -> anyhow::Result<f64> {
-    let ready = Arc::new(tokio::sync::Barrier::new(clients + 1));
-    let stop = Arc::new(AtomicBool::new(false));
-    let counting = Arc::new(AtomicBool::new(false));
-    let ops = Arc::new(AtomicU64::new(0));
-    let mut tasks = Vec::new();
+/// One load connection: its request bytes (SET + GET of its own key, `pipeline` times) and how
+/// many reply bytes one batch brings back.
+struct LoadConn {
+    stream: mio::net::TcpStream,
+    batch: Vec<u8>,
+    /// Reply bytes of the batch still to come.
+    due: usize,
+    /// The expected reply (`pipeline` GET replies) and how much of it was checked.
+    reply: Vec<u8>,
+}
+
+/// `clients` connections, each sending SET then GET of its own key (`pipeline` pairs per write,
+/// 1 = one request with a reply in flight, as torch's client) for `secs` seconds after one second
+/// of warm-up; returns operations (SETs plus GETs) per second.
+///
+/// The client is one thread with one epoll loop (mio): one `write` and one `read` per batch per
+/// connection and nothing allocated per operation, so on a small machine it costs the server as
+/// little CPU as a client can, and the server's own cost is what the figure measures. Every reply
+/// is checked byte for byte.
+fn load(addr: SocketAddr, clients: usize, secs: u64, value_bytes: usize, pipeline: usize) -> anyhow::Result<f64> {
+    use mio::{Events, Interest, Poll, Token};
+    use std::io::{Read, Write};
+    use rsrun_rendezvous::tcpstore::proto::{Request, VALIDATE_MAGIC, put_bytes};
+
+    let mut poll = Poll::new()?;
+    let mut conns = Vec::with_capacity(clients);
+    let value = vec![b'v'; value_bytes];
     for i in 0..clients {
-        let (ready, stop, counting, ops) = (ready.clone(), stop.clone(), counting.clone(), ops.clone());
-        tasks.push(tokio::spawn(async move {
-            let c = TcpStoreClient::connect(addr).await;
-            ready.wait().await;
-            let mut c = c?;
-            let key = format!("/bench/{i}").into_bytes();
-            let value = vec![b'v'; value_bytes];
-            while !stop.load(Ordering::Relaxed) {
-                c.set(&key, &value).await?;
-                let got = c.get(&key).await?;
-                if got.len() != value_bytes {
-                    anyhow::bail!("GET returned {} bytes, expected {value_bytes}", got.len());
+        let mut s = std::net::TcpStream::connect(addr).with_context(|| format!("connecting to {addr}"))?;
+        s.set_nodelay(true)?;
+        let mut hs = Vec::new();
+        Request::Validate { magic: VALIDATE_MAGIC }.encode(&mut hs);
+        Request::Ping { nonce: i as u32 }.encode(&mut hs);
+        s.write_all(&hs)?;
+        let mut echo = [0u8; 4];
+        s.read_exact(&mut echo).context("reading the PING echo")?;
+        if u32::from_le_bytes(echo) != i as u32 {
+            bail!("PING echoed {:#x}, sent {i:#x}", u32::from_le_bytes(echo));
+        }
+        s.set_nonblocking(true)?;
+        let mut stream = mio::net::TcpStream::from_std(s);
+        poll.registry().register(&mut stream, Token(i), Interest::READABLE)?;
+        let key = format!("/bench/{i}").into_bytes();
+        let (mut batch, mut reply) = (Vec::new(), Vec::new());
+        for _ in 0..pipeline {
+            Request::Set { key: key.clone(), value: value.clone() }.encode(&mut batch);
+            Request::Get { key: key.clone() }.encode(&mut batch);
+            put_bytes(&mut reply, &value);
+        }
+        conns.push(LoadConn { stream, batch, due: 0, reply });
+    }
+    for c in &mut conns {
+        c.stream.write_all(&c.batch)?;
+        c.due = c.reply.len();
+    }
+    let mut events = Events::with_capacity(clients.max(1));
+    let mut buf = vec![0u8; 64 << 10];
+    let started = Instant::now();
+    let (warm, end) = (started + Duration::from_secs(1), started + Duration::from_secs(1 + secs));
+    let mut batches = 0u64;
+    let mut at_warm: Option<(Instant, u64)> = None;
+    loop {
+        let now = Instant::now();
+        if at_warm.is_none() && now >= warm {
+            at_warm = Some((now, batches));
+        }
+        if now >= end {
+            break;
+        }
+        poll.poll(&mut events, Some(Duration::from_millis(100)))?;
+        for ev in events.iter() {
+            let c = &mut conns[ev.token().0];
+            loop {
+                let n = match c.stream.read(&mut buf) {
+                    Ok(0) => bail!("the server closed connection {}", ev.token().0),
+                    Ok(n) => n,
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                    Err(e) => return Err(e).context("reading replies"),
+                };
+                let mut got = &buf[..n];
+                while !got.is_empty() {
+                    if c.due == 0 {
+                        bail!("{} reply bytes nobody asked for", got.len());
+                    }
+                    let at = c.reply.len() - c.due;
+                    let take = got.len().min(c.due);
+                    if got[..take] != c.reply[at..at + take] {
+                        bail!("a GET reply differs from the value just SET");
+                    }
+                    got = &got[take..];
+                    c.due -= take;
+                    if c.due == 0 {
+                        batches += 1;
+                        c.stream.write_all(&c.batch).context("writing requests")?;
+                        c.due = c.reply.len();
+                    }
                 }
-                if counting.load(Ordering::Relaxed) {
-                    ops.fetch_add(2, Ordering::Relaxed);
+                // A short read emptied the socket: the next reply brings a new event.
+                if n < buf.len() {
+                    break;
                 }
             }
-            anyhow::Ok(())
-        }));
+        }
     }
-    ready.wait().await;
-    tokio::time::sleep(Duration::from_secs(1)).await; // warm-up
-    let start = Instant::now();
-    let before = ops.load(Ordering::Relaxed);
-    counting.store(true, Ordering::Relaxed);
-    tokio::time::sleep(Duration::from_secs(secs)).await;
-    let done = ops.load(Ordering::Relaxed) - before;
-    let elapsed = start.elapsed();
-    stop.store(true, Ordering::Relaxed);
-    for t in tasks {
-        t.await??;
-    }
-    Ok(done as f64 / elapsed.as_secs_f64())
+    let (t0, b0) = at_warm.context("the measurement ended before the warm-up did")?;
+    let ops = (batches - b0) * 2 * pipeline as u64;
+    Ok(ops as f64 / t0.elapsed().as_secs_f64())
 }
 
 /// Opens `n` connections (handshake + one PING each) and holds them; returns the seconds until the
@@ -162,7 +239,10 @@ async fn connect_many(addr: SocketAddr, n: usize, concurrency: usize) -> anyhow:
 
 async fn run(args: Args) -> anyhow::Result<()> {
     let nofile = raise_nofile_limit()?;
-    println!("tcpstore-bench: {} clients, {} s per server, {}-byte values; RLIMIT_NOFILE {nofile}", args.clients, args.secs, args.value_bytes);
+    println!(
+        "tcpstore-bench: {} clients, {} SET+GET pair(s) per write, {} s per server per round, {} rounds, {}-byte values; RLIMIT_NOFILE {nofile}",
+        args.clients, args.pipeline, args.secs, args.rounds, args.value_bytes
+    );
 
     // (a) ours.
     let server_bin = match &args.server_bin {
@@ -186,8 +266,6 @@ async fn run(args: Args) -> anyhow::Result<()> {
             (None, addr)
         }
     };
-    let ours_ops = load(ours, args.clients, args.secs, args.value_bytes).await?;
-    println!("ours: {ours_ops:.0} ops/s");
 
     // (b) torch's libuv server.
     let python = args
@@ -203,18 +281,40 @@ async fn run(args: Args) -> anyhow::Result<()> {
                   sys.stdin.read()\n";
     let mut cmd = Command::new(&python);
     cmd.args(["-c", script]).stdin(Stdio::piped());
-    let torch_ops = match spawn_with_port(cmd, &format!("{} (torch TCPStore)", python.display())) {
-        Ok((_child, port)) => {
+    let torch = match spawn_with_port(cmd, &format!("{} (torch TCPStore)", python.display())) {
+        Ok((child, port)) => {
             println!("torch: libuv TCPStore ({}) on port {port}", python.display());
-            let ops = load(SocketAddr::from(([127, 0, 0, 1], port)), args.clients, args.secs, args.value_bytes).await?;
-            println!("torch: {ops:.0} ops/s");
-            Some(ops)
+            Some((child, SocketAddr::from(([127, 0, 0, 1], port))))
         }
         Err(e) => {
             println!("torch: unavailable, not measured: {e:#}");
             None
         }
     };
+
+    let (clients, secs, value_bytes, pipeline) = (args.clients, args.secs, args.value_bytes, args.pipeline as usize);
+    let measure = move |addr| tokio::task::spawn_blocking(move || load(addr, clients, secs, value_bytes, pipeline));
+    let (mut ours_all, mut torch_all) = (Vec::new(), Vec::new());
+    for round in 1..=args.rounds {
+        let o = measure(ours).await??;
+        println!("round {round}: ours {o:.0} ops/s");
+        ours_all.push(o);
+        if let Some((_, addr)) = &torch {
+            let t = measure(*addr).await??;
+            println!("round {round}: torch {t:.0} ops/s (ratio {:.2})", o / t);
+            torch_all.push(t);
+        }
+    }
+    let ours_ops = median(&mut ours_all);
+    let torch_ops = (!torch_all.is_empty()).then(|| median(&mut torch_all));
+    let spread = |v: &[f64]| format!("{:.0}..{:.0}", v[0], v[v.len() - 1]);
+    println!(
+        "spread over {} rounds: ours {} ops/s, torch {} ops/s",
+        args.rounds,
+        spread(&ours_all),
+        if torch_all.is_empty() { "NA".to_string() } else { spread(&torch_all) }
+    );
+    drop(torch);
     let fmt = |v: Option<f64>, digits: usize| v.map_or_else(|| "NA".to_string(), |v| format!("{v:.digits$}"));
     println!(
         "summary: tcpstore_ops_per_s={ours_ops:.0} torch_libuv_ops_per_s={} ratio={}",
@@ -235,6 +335,13 @@ async fn run(args: Args) -> anyhow::Result<()> {
         s.shutdown().await;
     }
     Ok(())
+}
+
+/// Sorts `v` and returns its median.
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 }
 }
 
 fn main() -> anyhow::Result<()> {
