@@ -7,8 +7,10 @@
 //!    process. Same client, same run, `--rounds` times in turn (ours, torch, ours, torch, ...);
 //!    the summary takes each server's median. SET and GET count one operation each. The client is
 //!    one thread with one epoll loop (see [`load`]), so the CPU it takes from the servers is as
-//!    small as a client's can be. `--pipeline N` sends N SET+GET pairs per write (torch's client
-//!    never does; 1 is the default and what the summary is about).
+//!    small as a client's can be. The summary is about one request with a reply in flight per
+//!    connection, as torch's client sends them; a second line repeats the measurement with
+//!    `--pipeline N` SET+GET pairs per write (torch's client never does that; it shows what each
+//!    server does with several requests in one read: ours answers them with one write).
 //! 2. Scale: `--connections` concurrent connections to our server, each doing the handshake
 //!    (VALIDATE + PING) and one more PING, all held open until the last one is through.
 //!
@@ -39,9 +41,9 @@ struct Args {
     /// Value size in bytes.
     #[arg(long, default_value_t = 32)]
     value_bytes: usize,
-    /// SET+GET pairs per write on each connection (1: one request with a reply in flight, as
-    /// torch's client).
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    /// SET+GET pairs per write in the second, pipelined measurement (0 skips it; the summary is
+    /// always about one pair per write, one request with a reply in flight, as torch's client).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(0..=4096))]
     pipeline: u64,
     /// Measurements per server, taken in turn; the summary reports the medians.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=100))]
@@ -71,14 +73,15 @@ impl Drop for Owned {
     }
 }
 
-/// Starts `cmd` (stdout piped) and reads its first stdout line as a port.
-fn spawn_with_port(mut cmd: Command, what: &str) -> anyhow::Result<(Owned, u16)> {
+/// Starts `cmd` (stdout piped) and reads its first stdout line: a port, then maybe more words.
+fn spawn_with_port(mut cmd: Command, what: &str) -> anyhow::Result<(Owned, u16, String)> {
     let mut child = Owned(cmd.stdout(Stdio::piped()).spawn().with_context(|| format!("cannot start {what}"))?);
     let stdout = child.0.stdout.take().context("child stdout")?;
     let mut line = String::new();
     BufReader::new(stdout).read_line(&mut line).with_context(|| format!("reading {what}'s port"))?;
-    let port = line.trim().parse().with_context(|| format!("{what} printed {line:?}, not a port"))?;
-    Ok((child, port))
+    let (port, rest) = line.trim().split_once(' ').unwrap_or((line.trim(), ""));
+    let port = port.parse().with_context(|| format!("{what} printed {line:?}, not a port"))?;
+    Ok((child, port, rest.to_string()))
 }
 
 fn raise_nofile_limit() -> anyhow::Result<u64> {
@@ -240,8 +243,8 @@ async fn connect_many(addr: SocketAddr, n: usize, concurrency: usize) -> anyhow:
 async fn run(args: Args) -> anyhow::Result<()> {
     let nofile = raise_nofile_limit()?;
     println!(
-        "tcpstore-bench: {} clients, {} SET+GET pair(s) per write, {} s per server per round, {} rounds, {}-byte values; RLIMIT_NOFILE {nofile}",
-        args.clients, args.pipeline, args.secs, args.rounds, args.value_bytes
+        "tcpstore-bench: {} clients, {} s per server per round, {} rounds, {}-byte values; RLIMIT_NOFILE {nofile}",
+        args.clients, args.secs, args.rounds, args.value_bytes
     );
 
     // (a) ours.
@@ -254,7 +257,7 @@ async fn run(args: Args) -> anyhow::Result<()> {
         Some(bin) => {
             let mut cmd = Command::new(bin);
             cmd.args(["tcpstore", "--listen", "127.0.0.1:0", "--print-port"]);
-            let (child, port) = spawn_with_port(cmd, &bin.display().to_string())?;
+            let (child, port, _) = spawn_with_port(cmd, &bin.display().to_string())?;
             println!("ours: {} tcpstore (child process) on port {port}", bin.display());
             (Some(child), SocketAddr::from(([127, 0, 0, 1], port)))
         }
@@ -276,14 +279,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
         .context("no --python, RSRUN_TEST_PYTHON or HOME")?;
     let script = "import sys, torch, torch.distributed as d\n\
                   s = d.TCPStore('127.0.0.1', 0, 1, True, use_libuv=True, wait_for_workers=False)\n\
-                  print(s.port, flush=True)\n\
-                  print('torch', torch.__version__, file=sys.stderr, flush=True)\n\
+                  print(s.port, torch.__version__, flush=True)\n\
                   sys.stdin.read()\n";
     let mut cmd = Command::new(&python);
-    cmd.args(["-c", script]).stdin(Stdio::piped());
+    // stderr: libuv logs every connection the client closes at the end.
+    cmd.args(["-c", script]).stdin(Stdio::piped()).stderr(Stdio::null());
     let torch = match spawn_with_port(cmd, &format!("{} (torch TCPStore)", python.display())) {
-        Ok((child, port)) => {
-            println!("torch: libuv TCPStore ({}) on port {port}", python.display());
+        Ok((child, port, version)) => {
+            println!("torch: libuv TCPStore of torch {version} ({}) on port {port}", python.display());
             Some((child, SocketAddr::from(([127, 0, 0, 1], port))))
         }
         Err(e) => {
@@ -292,35 +295,43 @@ async fn run(args: Args) -> anyhow::Result<()> {
         }
     };
 
-    let (clients, secs, value_bytes, pipeline) = (args.clients, args.secs, args.value_bytes, args.pipeline as usize);
-    let measure = move |addr| tokio::task::spawn_blocking(move || load(addr, clients, secs, value_bytes, pipeline));
-    let (mut ours_all, mut torch_all) = (Vec::new(), Vec::new());
+    let (clients, secs, value_bytes) = (args.clients, args.secs, args.value_bytes);
+    let measure = move |addr, pipeline| tokio::task::spawn_blocking(move || load(addr, clients, secs, value_bytes, pipeline));
+    let depths: Vec<usize> = if args.pipeline > 1 { vec![1, args.pipeline as usize] } else { vec![1] };
+    // Per depth: ours, torch.
+    let mut all: Vec<(Vec<f64>, Vec<f64>)> = vec![(Vec::new(), Vec::new()); depths.len()];
     for round in 1..=args.rounds {
-        let o = measure(ours).await??;
-        println!("round {round}: ours {o:.0} ops/s");
-        ours_all.push(o);
-        if let Some((_, addr)) = &torch {
-            let t = measure(*addr).await??;
-            println!("round {round}: torch {t:.0} ops/s (ratio {:.2})", o / t);
-            torch_all.push(t);
+        for (d, &depth) in depths.iter().enumerate() {
+            let o = measure(ours, depth).await??;
+            all[d].0.push(o);
+            let t = match &torch {
+                Some((_, addr)) => Some(measure(*addr, depth).await??),
+                None => None,
+            };
+            let shown = t.map_or_else(String::new, |t| format!(", torch {t:.0} ops/s (ratio {:.2})", o / t));
+            println!("round {round}, {depth} SET+GET per write: ours {o:.0} ops/s{shown}");
+            all[d].1.extend(t);
         }
     }
-    let ours_ops = median(&mut ours_all);
-    let torch_ops = (!torch_all.is_empty()).then(|| median(&mut torch_all));
-    let spread = |v: &[f64]| format!("{:.0}..{:.0}", v[0], v[v.len() - 1]);
-    println!(
-        "spread over {} rounds: ours {} ops/s, torch {} ops/s",
-        args.rounds,
-        spread(&ours_all),
-        if torch_all.is_empty() { "NA".to_string() } else { spread(&torch_all) }
-    );
     drop(torch);
     let fmt = |v: Option<f64>, digits: usize| v.map_or_else(|| "NA".to_string(), |v| format!("{v:.digits$}"));
-    println!(
-        "summary: tcpstore_ops_per_s={ours_ops:.0} torch_libuv_ops_per_s={} ratio={}",
-        fmt(torch_ops, 0),
-        fmt(torch_ops.map(|t| ours_ops / t), 2)
-    );
+    let spread = |v: &[f64]| if v.is_empty() { "NA".to_string() } else { format!("{:.0}..{:.0}", v[0], v[v.len() - 1]) };
+    let mut lines = Vec::new();
+    for (d, &depth) in depths.iter().enumerate() {
+        let (o, t) = &mut all[d];
+        let ours_ops = median(o);
+        let torch_ops = (!t.is_empty()).then(|| median(t));
+        println!("{depth} SET+GET per write, spread over {} rounds: ours {} ops/s, torch {} ops/s", args.rounds, spread(o), spread(t));
+        let figures = format!(
+            "tcpstore_ops_per_s={ours_ops:.0} torch_libuv_ops_per_s={} ratio={}",
+            fmt(torch_ops, 0),
+            fmt(torch_ops.map(|t| ours_ops / t), 2)
+        );
+        lines.push(if depth == 1 { format!("summary: {figures}") } else { format!("pipelined ({depth} SET+GET per write): {figures}") });
+    }
+    for l in lines {
+        println!("{l}");
+    }
 
     // 2. Scale, against ours.
     if args.connections > 0 {
