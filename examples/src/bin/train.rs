@@ -236,7 +236,7 @@ impl ProgressView {
                 }
             }
             ProgressView::Lines => {
-                if done % (steps / 20).max(1) == 0 || done == steps {
+                if done.is_multiple_of((steps / 20).max(1)) || done == steps {
                     println!("{}", line());
                 }
             }
