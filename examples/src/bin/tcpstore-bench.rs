@@ -45,6 +45,11 @@ struct Args {
     /// always about one pair per write, one request with a reply in flight, as torch's client).
     #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u64).range(0..=4096))]
     pipeline: u64,
+    /// Pin the client to CPU 0 and each server process to CPU 1 (with at least 2 CPUs), so that
+    /// both servers run under the same placement and neither moves onto the client's core. Off by
+    /// default: on a machine others use, a pinned process cannot move away from their load.
+    #[arg(long)]
+    pin: bool,
     /// Measurements per server, taken in turn; the summary reports the medians.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u64).range(1..=100))]
     rounds: u64,
@@ -70,6 +75,32 @@ impl Drop for Owned {
     fn drop(&mut self) {
         let _ = self.0.kill();
         let _ = self.0.wait();
+    }
+}
+
+/// Restricts the calling thread (`pid` 0) or process `pid`, and what it starts later, to `cpu`.
+fn pin_to(pid: libc::pid_t, cpu: usize) -> std::io::Result<()> {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET stays within it for cpu < CPU_SETSIZE
+    // (checked), and sched_setaffinity only reads it.
+    unsafe {
+        if cpu >= libc::CPU_SETSIZE as usize {
+            return Err(std::io::Error::other(format!("cpu {cpu} is out of range")));
+        }
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        if libc::sched_setaffinity(pid, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// Makes `cmd`'s process (and every thread it starts) run on `cpu` only.
+fn pin_command(cmd: &mut Command, cpu: usize) {
+    use std::os::unix::process::CommandExt;
+    // SAFETY: the closure runs in the child between fork and exec and only makes one system call.
+    unsafe {
+        cmd.pre_exec(move || pin_to(0, cpu));
     }
 }
 
@@ -242,10 +273,13 @@ async fn connect_many(addr: SocketAddr, n: usize, concurrency: usize) -> anyhow:
 
 async fn run(args: Args) -> anyhow::Result<()> {
     let nofile = raise_nofile_limit()?;
+    let cpus = std::thread::available_parallelism().map_or(1, usize::from);
+    let pin = args.pin && cpus >= 2;
     println!(
         "tcpstore-bench: {} clients, {} s per server per round, {} rounds, {}-byte values; RLIMIT_NOFILE {nofile}",
         args.clients, args.secs, args.rounds, args.value_bytes
     );
+    println!("{cpus} CPUs; {}", if pin { "client on CPU 0, each server on CPU 1" } else { "no pinning" });
 
     // (a) ours.
     let server_bin = match &args.server_bin {
@@ -257,6 +291,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
         Some(bin) => {
             let mut cmd = Command::new(bin);
             cmd.args(["tcpstore", "--listen", "127.0.0.1:0", "--print-port"]);
+            if pin {
+                pin_command(&mut cmd, 1);
+            }
             let (child, port, _) = spawn_with_port(cmd, &bin.display().to_string())?;
             println!("ours: {} tcpstore (child process) on port {port}", bin.display());
             (Some(child), SocketAddr::from(([127, 0, 0, 1], port)))
@@ -284,6 +321,9 @@ async fn run(args: Args) -> anyhow::Result<()> {
     let mut cmd = Command::new(&python);
     // stderr: libuv logs every connection the client closes at the end.
     cmd.args(["-c", script]).stdin(Stdio::piped()).stderr(Stdio::null());
+    if pin {
+        pin_command(&mut cmd, 1);
+    }
     let torch = match spawn_with_port(cmd, &format!("{} (torch TCPStore)", python.display())) {
         Ok((child, port, version)) => {
             println!("torch: libuv TCPStore of torch {version} ({}) on port {port}", python.display());
@@ -296,7 +336,14 @@ async fn run(args: Args) -> anyhow::Result<()> {
     };
 
     let (clients, secs, value_bytes) = (args.clients, args.secs, args.value_bytes);
-    let measure = move |addr, pipeline| tokio::task::spawn_blocking(move || load(addr, clients, secs, value_bytes, pipeline));
+    let measure = move |addr, pipeline| {
+        tokio::task::spawn_blocking(move || {
+            if pin {
+                pin_to(0, 0).context("pinning the client to CPU 0")?;
+            }
+            load(addr, clients, secs, value_bytes, pipeline)
+        })
+    };
     let depths: Vec<usize> = if args.pipeline > 1 { vec![1, args.pipeline as usize] } else { vec![1] };
     // Per depth: ours, torch.
     let mut all: Vec<(Vec<f64>, Vec<f64>)> = vec![(Vec::new(), Vec::new()); depths.len()];
