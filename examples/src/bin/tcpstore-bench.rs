@@ -11,6 +11,9 @@
 //!    connection, as torch's client sends them; a second line repeats the measurement with
 //!    `--pipeline N` SET+GET pairs per write (torch's client never does that; it shows what each
 //!    server does with several requests in one read: ours answers them with one write).
+//!    With one request in flight, every request and every reply is a TCP segment of its own, and
+//!    the kernel's loopback TCP path (the same for any server) takes most of both servers' CPU;
+//!    `perf record -g -p <server pid>` during a run shows the split.
 //! 2. Scale: `--connections` concurrent connections to our server, each doing the handshake
 //!    (VALIDATE + PING) and one more PING, all held open until the last one is through.
 //!
