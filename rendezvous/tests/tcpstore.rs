@@ -500,6 +500,52 @@ async fn two_thousand_concurrent_connections_each_set_and_get() {
     }
 }
 
+/// A peer that pipelines far more than one read takes, and reads none of its replies until it
+/// has sent everything: the server stops reading it while 16 MiB of replies wait, goes on serving
+/// others meanwhile, and resumes when the peer reads. Every reply arrives, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_reads_late_gets_every_reply_in_order_and_others_are_served_meanwhile() {
+    const N: usize = 40_000;
+    let server = server().await;
+    let addr = server.local_addr();
+    let value = vec![0xa5; 1024];
+    let mut s = validated(addr).await;
+    send(&mut s, &[Request::Set { key: k("/v"), value: value.clone() }]).await;
+    // 40,000 GETs (about 40 MiB of replies, more than the kernel buffers and the 16 MiB cap hold) and a final PING, written by a separate task while
+    // nothing is read: the server has to pause this connection.
+    let mut reqs = Vec::new();
+    for i in 0..N {
+        Request::Get { key: k("/v") }.encode(&mut reqs);
+        if i % 1000 == 999 {
+            Request::Ping { nonce: i as u32 }.encode(&mut reqs);
+        }
+    }
+    let (mut rd, mut wr) = s.into_split();
+    let writer = tokio::spawn(async move {
+        wr.write_all(&reqs).await.unwrap();
+        wr
+    });
+    // The server still serves another connection while this one is stuck.
+    let mut other = TcpStoreClient::connect(addr).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    other.set(b"/other", b"1").await.unwrap();
+    assert_eq!(other.get(b"/other").await.unwrap(), b"1");
+    let one = blob(&value);
+    let mut got = vec![0; one.len()];
+    for i in 0..N {
+        tokio::time::timeout(DEADLINE, rd.read_exact(&mut got)).await.expect("a reply is missing").unwrap();
+        assert!(got == one, "reply {i} differs");
+        if i % 1000 == 999 {
+            let mut echo = [0; 4];
+            tokio::time::timeout(DEADLINE, rd.read_exact(&mut echo)).await.expect("a PING echo is missing").unwrap();
+            assert_eq!(echo, (i as u32).to_le_bytes(), "the PING echo after reply {i}");
+        }
+    }
+    let wr = writer.await.unwrap();
+    let mut s = rd.reunite(wr).unwrap();
+    assert_quiet(&mut s).await;
+}
+
 #[tokio::test]
 async fn shutdown_closes_every_connection_and_the_listener() {
     let server = server().await;

@@ -55,7 +55,11 @@ fn cargo_build(args: &[&str]) -> Result<(), String> {
     let profile_dir = target_dir();
     let profile = profile_dir.file_name().and_then(|p| p.to_str()).unwrap_or("debug").to_owned();
     let target_root = profile_dir.parent().ok_or("test binary outside a target directory")?.to_owned();
-    let workspace = Path::new(env!("CARGO_MANIFEST_DIR")).parent().ok_or("tests/ has no parent")?.to_owned();
+    // The running test's package directory, as cargo sets it for the test process; the path
+    // compiled in is only the fallback: a target directory copied from another checkout (whose
+    // compiled library cargo then reuses) would otherwise build that checkout's sources here.
+    let manifest_dir = std::env::var_os("CARGO_MANIFEST_DIR").map_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")), PathBuf::from);
+    let workspace = manifest_dir.parent().ok_or("the test package has no parent directory")?.to_owned();
     let cargo = std::env::var_os("CARGO").unwrap_or_else(|| env!("CARGO").into());
     let mut cmd = Command::new(&cargo);
     cmd.current_dir(&workspace).arg("build").args(args).args(["--quiet", "--target-dir"]).arg(&target_root);

@@ -14,7 +14,8 @@
 //! `rsrun --max-restarts K` a failed worker group restarts and resumes from the last checkpoint; in
 //! deterministic mode the final `params_sha256` equals an uninterrupted run's.
 //!
-//! Rank 0 shows progress (a bar on a terminal, periodic lines otherwise), writes `metrics.jsonl` and a
+//! Rank 0 shows progress (see [`ProgressView`]: a bar on a terminal; under rsrun, carriage-return
+//! updates that rsrun draws in place; alone on a pipe, a line every 5 %), writes `metrics.jsonl` and a
 //! loss-curve SVG into the run directory, and ends with a `summary:` line whose `params_sha256` is the
 //! hash of the consolidated fp32 parameters.
 
@@ -178,6 +179,78 @@ fn rss_mib() -> (f64, f64) {
             .unwrap_or(0.0)
     };
     (field("VmRSS:"), field("VmHWM:"))
+}
+
+/// How rank 0 shows its progress.
+enum ProgressView {
+    /// Its own stderr is a terminal: an indicatif bar, redrawn in place.
+    Bar(indicatif::ProgressBar),
+    /// Under rsrun (stderr is rsrun's pipe): the bar as carriage-return updates on stderr (`\r` and
+    /// the whole line, `\n` after the last step), as tqdm does. rsrun's console draws them in
+    /// place on a terminal, or prints one a second on a pipe, prefixed with the rank; the rank's
+    /// log file keeps every update. At most one update per [`CR_EVERY`], plus the last.
+    CarriageReturn {
+        /// When the last update was written.
+        last: Option<Instant>,
+    },
+    /// Alone on a pipe or a file: a plain line on stdout every 5 % of the steps.
+    Lines,
+}
+
+/// The least time between two carriage-return updates.
+const CR_EVERY: Duration = Duration::from_millis(100);
+
+impl ProgressView {
+    fn choose(steps: u64) -> ProgressView {
+        if std::io::stderr().is_terminal() {
+            let pb = indicatif::ProgressBar::new(steps);
+            pb.set_style(
+                indicatif::ProgressStyle::with_template("{bar:30.cyan/blue} {pos}/{len} {msg} ETA {eta}")
+                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            ProgressView::Bar(pb)
+        } else if std::env::var_os("RSRUN_JOB_ID").is_some() {
+            ProgressView::CarriageReturn { last: None }
+        } else {
+            ProgressView::Lines
+        }
+    }
+
+    /// Shows that `done` of `steps` steps are done.
+    fn step(&mut self, done: u64, steps: u64, status: &str, eta: Duration) {
+        let line = || {
+            let filled = (done * 20 / steps) as usize;
+            format!("[{}{}] step {done}/{steps} {status} ETA {}", "#".repeat(filled), "-".repeat(20 - filled), fmt_duration(eta))
+        };
+        match self {
+            ProgressView::Bar(pb) => {
+                pb.set_message(status.to_string());
+                pb.inc(1);
+            }
+            ProgressView::CarriageReturn { last } => {
+                if done == steps || last.is_none_or(|t| t.elapsed() >= CR_EVERY) {
+                    *last = Some(Instant::now());
+                    let mut err = std::io::stderr().lock();
+                    // Progress is best effort: a closed stderr must not stop training.
+                    let _ = write!(err, "\r{}", line()).and_then(|()| err.flush());
+                }
+            }
+            ProgressView::Lines => {
+                if done.is_multiple_of((steps / 20).max(1)) || done == steps {
+                    println!("{}", line());
+                }
+            }
+        }
+    }
+
+    /// Ends the display: clears the bar, or ends the carriage-return line.
+    fn finish(self) {
+        match self {
+            ProgressView::Bar(pb) => pb.finish_and_clear(),
+            ProgressView::CarriageReturn { last: Some(_) } => eprintln!(),
+            ProgressView::CarriageReturn { last: None } | ProgressView::Lines => {}
+        }
+    }
 }
 
 fn fmt_duration(d: Duration) -> String {
@@ -348,14 +421,7 @@ fn run() -> anyhow::Result<()> {
     }
     let json = args.log_format == LogFormat::Json;
     let tokens_per_step = (args.batch * args.seq_len * args.grad_accum) as f64 * world as f64;
-    let bar = (rank == 0 && !json && std::io::stderr().is_terminal()).then(|| {
-        let pb = indicatif::ProgressBar::new(args.steps);
-        pb.set_style(
-            indicatif::ProgressStyle::with_template("{bar:30.cyan/blue} {pos}/{len} {msg} ETA {eta}")
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-        );
-        pb
-    });
+    let mut view = (rank == 0 && !json).then(|| ProgressView::choose(args.steps));
     if rank == 0 && !json {
         println!(
             "training {} parameters ({} units), strategy {}, world {world}, global batch {} x {} bytes{}",
@@ -370,12 +436,11 @@ fn run() -> anyhow::Result<()> {
             println!("precision {precision}, reduce dtype {reduce_dtype}, offload {}", offload.name());
         }
     }
-    if let Some(pb) = &bar {
+    if let Some(ProgressView::Bar(pb)) = &view {
         pb.set_position(start);
     }
     let mut step_ms = Vec::with_capacity(args.steps as usize);
     let started = Instant::now();
-    let line_every = (args.steps / 20).max(1);
     let fail_rank = if world > 1 { 1 } else { 0 };
     for step in start..args.steps {
         if args.fail_at_step == Some(step + 1) && rank == fail_rank && restart_count() == 0 {
@@ -429,19 +494,9 @@ fn run() -> anyhow::Result<()> {
                     args.steps,
                     eta.as_secs_f64()
                 );
-            } else if let Some(pb) = &bar {
-                pb.set_message(format!("loss {loss:.4} | {tok_s:.0} tok/s | mem {mem} MiB"));
-                pb.inc(1);
-            } else if (step + 1) % line_every == 0 || step + 1 == args.steps {
-                let filled = ((step + 1) * 20 / args.steps) as usize;
-                println!(
-                    "[{}{}] step {}/{} loss {loss:.4} {tok_s:.0} tok/s ETA {} mem {mem} MiB",
-                    "#".repeat(filled),
-                    "-".repeat(20 - filled),
-                    step + 1,
-                    args.steps,
-                    fmt_duration(eta)
-                );
+            } else if let Some(v) = view.as_mut() {
+                let status = format!("loss {loss:.4} | {tok_s:.0} tok/s | mem {mem} MiB");
+                v.step(step + 1, args.steps, &status, eta);
             }
         }
         // After the metrics line of this step, so a resumed run's metrics.jsonl is complete.
@@ -456,14 +511,14 @@ fn run() -> anyhow::Result<()> {
                 let dir = engine
                     .save_checkpoint(root, &progress, args.keep_checkpoints)
                     .with_context(|| format!("saving the checkpoint of step {done} under {}", root.display()))?;
-                if rank == 0 && !json && bar.is_none() {
+                if view.as_ref().is_some_and(|v| !matches!(v, ProgressView::Bar(_))) {
                     println!("checkpoint: {}", dir.display());
                 }
             }
         }
     }
-    if let Some(pb) = bar {
-        pb.finish_and_clear();
+    if let Some(v) = view {
+        v.finish();
     }
     // Consolidated parameters (every rank takes part in the gather), hashed as little-endian f32.
     let params = engine.full_params()?;

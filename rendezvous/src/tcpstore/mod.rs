@@ -9,8 +9,9 @@
 //! - [`state`]: the keyspace, queues, waits and barriers; applying a request returns its reply and
 //!   the other connections' waits it completed, and does no I/O;
 //! - [`replies`]: per-connection reply ordering around pending waits;
-//! - [`server`]: [`TcpStoreServer`], the tokio listener and connection tasks;
-//! - [`client`]: [`TcpStoreClient`], a small raw-protocol client for tests, benchmarks and probes.
+//! - [`server`]: [`TcpStoreServer`], one event-loop thread (mio/epoll) per server that owns the
+//!   listener, the connections and the keyspace;
+//! - [`client`]: [`TcpStoreClient`], a small raw-protocol client for tests and probes.
 //!
 //! The protocol has no authentication and torch pickles state through it: bind a server to
 //! loopback or to the job's own interface, never to every interface by default. One server is one

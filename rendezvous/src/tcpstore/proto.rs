@@ -269,23 +269,28 @@ fn next_kind(cmd: Command, fields: &[Field]) -> Option<Kind> {
 #[derive(Debug)]
 struct Partial {
     cmd: Command,
-    /// Completed fields, in wire order.
-    fields: Vec<Field>,
-    /// Bytes of the field being read: an integer, a length header, or a key or value body.
-    scratch: Vec<u8>,
-    /// The length of the key or value whose body is being read (its header is complete).
+    /// The key or value whose body is being read (its header is complete): its length, and the
+    /// bytes so far.
     body_len: Option<usize>,
+    body: Vec<u8>,
     /// Wire bytes of this request so far, declared bodies included.
     n_bytes: usize,
 }
 
 /// The incremental request parser of one connection. The first request must be VALIDATE with the
 /// right magic; a connection that opens with any other byte is refused at that byte.
+///
+/// Its buffers are kept from one request to the next, so a request costs no allocation beyond its
+/// keys and values.
 #[derive(Debug)]
 pub struct RequestParser {
     limits: ParseLimits,
     validated: bool,
     cur: Option<Partial>,
+    /// The completed fields of the current request, in wire order.
+    fields: Vec<Field>,
+    /// Bytes of the integer or length header being read (at most 8).
+    scratch: Vec<u8>,
 }
 
 /// Bodies are grown as their bytes arrive, never reserved from the declared length up front, so a
@@ -295,7 +300,7 @@ const MAX_RESERVE: usize = 64 << 10;
 impl RequestParser {
     /// A parser for a new connection (expects VALIDATE first).
     pub fn new(limits: ParseLimits) -> Self {
-        RequestParser { limits, validated: false, cur: None }
+        RequestParser { limits, validated: false, cur: None, fields: Vec::new(), scratch: Vec::with_capacity(8) }
     }
 
     /// True while a request is partly read.
@@ -320,13 +325,15 @@ impl RequestParser {
                         "first byte {b:#04x} is not VALIDATE (0x00): not a torch >= 2.2 client"
                     )));
                 }
-                self.cur = Some(Partial { cmd, fields: Vec::new(), scratch: Vec::new(), body_len: None, n_bytes: 1 });
+                self.fields.clear();
+                self.scratch.clear();
+                self.cur = Some(Partial { cmd, body_len: None, body: Vec::new(), n_bytes: 1 });
                 continue;
             };
-            let Some(kind) = next_kind(p.cmd, &p.fields) else {
-                // Invariant: `cur` is Some in this branch.
-                let Some(done) = self.cur.take() else { return Ok(()) };
-                let req = build(done)?;
+            let Some(kind) = next_kind(p.cmd, &self.fields) else {
+                let cmd = p.cmd;
+                self.cur = None;
+                let req = build(cmd, &mut self.fields)?;
                 if let Request::Validate { magic } = req {
                     if magic != VALIDATE_MAGIC {
                         return Err(RdzvError::TcpStoreProtocol(format!(
@@ -338,25 +345,28 @@ impl RequestParser {
                 out.push(req);
                 continue;
             };
-            let want = match (kind, p.body_len) {
-                (Kind::U32, _) => 4,
-                (Kind::Key | Kind::Value, Some(len)) => len,
-                _ => 8,
-            };
-            let take = (want - p.scratch.len()).min(input.len());
-            p.scratch.extend_from_slice(&input[..take]);
+            if let (Kind::Key | Kind::Value, Some(len)) = (kind, p.body_len) {
+                let take = (len - p.body.len()).min(input.len());
+                p.body.extend_from_slice(&input[..take]);
+                input = &input[take..];
+                if p.body.len() < len {
+                    return Ok(());
+                }
+                self.fields.push(Field::Blob(std::mem::take(&mut p.body)));
+                p.body_len = None;
+                continue;
+            }
+            let want = if kind == Kind::U32 { 4 } else { 8 };
+            let take = (want - self.scratch.len()).min(input.len());
+            self.scratch.extend_from_slice(&input[..take]);
             input = &input[take..];
-            if p.scratch.len() < want {
+            if self.scratch.len() < want {
                 return Ok(());
             }
-            match (kind, p.body_len) {
-                (Kind::Key | Kind::Value, Some(_)) => {
-                    p.fields.push(Field::Blob(std::mem::take(&mut p.scratch)));
-                    p.body_len = None;
-                }
-                (Kind::Key | Kind::Value, None) => {
-                    let len = le_u64(&p.scratch);
-                    p.scratch.clear();
+            match kind {
+                Kind::Key | Kind::Value => {
+                    let len = le_u64(&self.scratch);
+                    self.scratch.clear();
                     let (limit, max) = if kind == Kind::Key {
                         ("key size", self.limits.max_key_bytes)
                     } else {
@@ -369,18 +379,18 @@ impl RequestParser {
                     let len = len as usize;
                     p.n_bytes += 8 + len;
                     check_request_size(p.n_bytes, &self.limits)?;
-                    p.scratch.reserve(len.min(MAX_RESERVE));
+                    p.body = Vec::with_capacity(len.min(MAX_RESERVE));
                     p.body_len = Some(len);
                 }
-                (Kind::U32, _) => {
-                    let v = u32::from_le_bytes([p.scratch[0], p.scratch[1], p.scratch[2], p.scratch[3]]);
-                    p.scratch.clear();
+                Kind::U32 => {
+                    let v = u32::from_le_bytes([self.scratch[0], self.scratch[1], self.scratch[2], self.scratch[3]]);
+                    self.scratch.clear();
                     p.n_bytes += 4;
-                    p.fields.push(Field::Int(u64::from(v)));
+                    self.fields.push(Field::Int(u64::from(v)));
                 }
-                (Kind::I64 | Kind::Count, _) => {
-                    let v = le_u64(&p.scratch);
-                    p.scratch.clear();
+                Kind::I64 | Kind::Count => {
+                    let v = le_u64(&self.scratch);
+                    self.scratch.clear();
                     p.n_bytes += 8;
                     if kind == Kind::Count && v > self.limits.max_keys_per_request as u64 {
                         return Err(RdzvError::TcpStoreLimit {
@@ -390,7 +400,7 @@ impl RequestParser {
                         });
                     }
                     check_request_size(p.n_bytes, &self.limits)?;
-                    p.fields.push(Field::Int(v));
+                    self.fields.push(Field::Int(v));
                 }
             }
         }
@@ -416,9 +426,9 @@ fn le_u64(b: &[u8]) -> u64 {
 }
 
 /// The fields of a complete request, taken in wire order.
-struct Fields(std::vec::IntoIter<Field>);
+struct Fields<'a>(std::vec::Drain<'a, Field>);
 
-impl Fields {
+impl Fields<'_> {
     fn blob(&mut self) -> Option<Vec<u8>> {
         match self.0.next()? {
             Field::Blob(b) => Some(b),
@@ -439,10 +449,9 @@ impl Fields {
     }
 }
 
-/// Turns a complete request's fields into a [`Request`].
-fn build(p: Partial) -> Result<Request, RdzvError> {
-    let cmd = p.cmd;
-    let mut f = Fields(p.fields.into_iter());
+/// Turns a complete request's fields into a [`Request`] (emptying `fields`).
+fn build(cmd: Command, fields: &mut Vec<Field>) -> Result<Request, RdzvError> {
+    let mut f = Fields(fields.drain(..));
     use Command::*;
     let req = (|| {
         Some(match cmd {

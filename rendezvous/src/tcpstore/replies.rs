@@ -75,7 +75,8 @@ impl ReplyQueue {
         while let Some(Slot::Ready(_)) = self.slots.front() {
             if let Some(Slot::Ready(b)) = self.slots.pop_front() {
                 self.n_bytes -= b.len();
-                if out.is_empty() {
+                // A large reply moves in whole; small ones are copied into `out`'s kept capacity.
+                if out.is_empty() && b.len() > out.capacity() {
                     *out = b;
                 } else {
                     out.extend_from_slice(&b);

@@ -1,23 +1,32 @@
-//! The thin tokio layer: a listener, one task per connection, and the one keyspace they share.
+//! The thin I/O layer: one event-loop thread per server (mio, i.e. epoll on Linux) owns the
+//! listener, every connection and the keyspace.
 //!
-//! A connection task reads whatever bytes arrived, feeds them to its [`RequestParser`], applies
-//! the completed requests to the shared [`StoreState`] under one short lock, and writes the replies
-//! its [`ReplyQueue`] lets out. A request that completes another connection's wait sends that
-//! connection the wait's id over its channel while the lock is held, so a wake-up is always queued
-//! before anything that connection applies afterwards (which is what keeps `00 01` in that order).
+//! One turn of the loop: wait for readiness; accept what is pending; for each readable connection
+//! read what arrived, feed it to its [`RequestParser`] and apply every completed request to the
+//! [`StoreState`] in order, queueing the replies in its [`ReplyQueue`]; a request that completes
+//! another connection's wait marks that wait done in the other queue right away; then every
+//! connection that got replies this turn writes them in one `write` call. So a burst of pipelined
+//! requests costs one read and one write, and nothing is allocated, woken or locked per request
+//! beyond the core's own work.
+//!
+//! Ordering needs no channel: the loop applies requests and wake-ups one at a time, so a wake-up
+//! is in its connection's queue before anything that connection sends afterwards is applied (which
+//! is what keeps `00 01` in that order), and each queue hands out its replies in request order.
+//!
+//! Why a thread and not a tokio task per connection: a store is a single keyspace whose requests
+//! are a few hundred nanoseconds of work each, so per-request task wake-ups, cross-thread channels
+//! and the keyspace lock cost more than the work (and, on a machine the workers share, the CPU the
+//! workers need). The thread sleeps in `epoll_wait` when no client sends anything.
 
-use std::cell::RefCell;
-use std::collections::HashMap;
+use std::io::{ErrorKind, Read, Write};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use tokio::io::AsyncWriteExt;
-use tokio::net::{TcpListener, TcpSocket, TcpStream};
-use tokio::sync::mpsc;
+use mio::net::{TcpListener, TcpStream};
+use mio::{Events, Interest, Poll, Token, Waker};
 use tokio_util::sync::CancellationToken;
-use tokio_util::task::TaskTracker;
 
 use crate::RdzvError;
 use crate::tcpstore::TcpStoreLimits;
@@ -27,17 +36,25 @@ use crate::tcpstore::state::{ConnId, StoreState, WaitId};
 
 /// The listen backlog asked for; the kernel caps it at `net.core.somaxconn`. Thousands of ranks
 /// connect at once when a job starts, and a full backlog costs each late one a SYN retry.
-const LISTEN_BACKLOG: u32 = 65_535;
+const LISTEN_BACKLOG: i32 = 65_535;
 /// A connection stops reading while this many reply bytes are held behind one of its pending
-/// waits (only a client that pipelines behind a WAIT gets there; torch's client never does).
+/// waits, or are waiting for the peer to read them (only a client that pipelines behind a WAIT, or
+/// never reads, gets there; torch's client does neither).
 const MAX_HELD_BYTES: usize = 16 << 20;
 /// A connection stops reading while it has this many pending waits (torch's client has one).
 const MAX_PENDING_WAITS: usize = 1024;
-/// Bytes read per `read` call. The buffer is per worker thread, not per connection, so 10,000 idle
+/// Bytes read per `read` call. The buffer belongs to the loop, not to a connection, so 10,000 idle
 /// connections hold no read buffers.
 const READ_CHUNK: usize = 64 << 10;
+/// Full reads of one connection per turn before the others get their turn (the rest is read on
+/// the next turn).
+const READS_PER_TURN: usize = 4;
+/// Connections accepted per turn before the open ones get their turn.
+const ACCEPTS_PER_TURN: usize = 1024;
 /// A write buffer larger than this is freed after use rather than kept for the next reply.
 const KEEP_WRITE_BUFFER: usize = 64 << 10;
+/// Readiness events taken per `epoll_wait`.
+const EVENTS: usize = 1024;
 /// Pause after a failed `accept` (out of file descriptors, typically) before trying again.
 const ACCEPT_RETRY: Duration = Duration::from_millis(50);
 /// TCP keepalive: a peer that vanished without a FIN (host died) is found after about
@@ -45,9 +62,8 @@ const ACCEPT_RETRY: Duration = Duration::from_millis(50);
 const KEEPALIVE_IDLE: Duration = Duration::from_secs(60);
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
 
-thread_local! {
-    static READ_BUF: RefCell<Vec<u8>> = RefCell::new(vec![0; READ_CHUNK]);
-}
+const LISTENER: Token = Token(usize::MAX);
+const WAKER: Token = Token(usize::MAX - 1);
 
 /// Counts for metrics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,8 +80,8 @@ pub struct TcpStoreStats {
     pub n_waits: usize,
 }
 
-/// A running TCPStore server: one listener, one keyspace. Dropping it (or [`shutdown`]) closes the
-/// listener and every connection; the next server starts empty.
+/// A running TCPStore server: one listener, one keyspace, one event-loop thread. Dropping it (or
+/// [`shutdown`]) closes the listener and every connection; the next server starts empty.
 ///
 /// [`shutdown`]: TcpStoreServer::shutdown
 #[derive(Debug)]
@@ -74,50 +90,23 @@ pub struct TcpStoreServer {
     shared: Arc<Shared>,
     /// A child of the token given to `start`: cancelling either stops this server.
     cancel: CancellationToken,
-    tracker: TaskTracker,
+    waker: Arc<Waker>,
+    /// Fires when the loop thread has closed everything and is about to end.
+    stopped: Option<tokio::sync::oneshot::Receiver<()>>,
 }
 
 #[derive(Debug)]
 struct Shared {
-    limits: TcpStoreLimits,
-    inner: Mutex<Inner>,
+    /// Locked by the loop once per turn, and by [`TcpStoreServer::stats`].
+    state: Mutex<StoreState>,
     n_connections: AtomicUsize,
-    next_conn: AtomicU64,
-}
-
-#[derive(Debug)]
-struct Inner {
-    state: StoreState,
-    /// Where to send the ids of a connection's completed waits.
-    wakers: HashMap<ConnId, mpsc::UnboundedSender<WaitId>>,
 }
 
 impl Shared {
-    fn lock(&self) -> MutexGuard<'_, Inner> {
-        // The critical sections only call the pure core, which does not panic on any input; if it
-        // ever did, the connection that hit it is gone and the keyspace is still the best we have.
-        self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    /// Applies `reqs` (drained) for `conn`, queueing its replies and sending other connections'
-    /// wake-ups. Stops at the first request that must close the connection.
-    fn apply(&self, conn: ConnId, reqs: &mut Vec<Request>, queue: &mut ReplyQueue) -> Result<(), RdzvError> {
-        let mut guard = self.lock();
-        let Inner { state, wakers } = &mut *guard;
-        for req in reqs.drain(..) {
-            let applied = state.apply(conn, req)?;
-            queue.cancelled(&applied.cancelled);
-            queue.push(applied.reply);
-            for id in applied.woken {
-                if id.conn() == conn {
-                    queue.woken(id);
-                } else if let Some(tx) = wakers.get(&id.conn()) {
-                    // A closed channel means that connection is ending; its waits go with it.
-                    let _ = tx.send(id);
-                }
-            }
-        }
-        Ok(())
+    fn lock(&self) -> MutexGuard<'_, StoreState> {
+        // The loop only calls the pure core under the lock, which does not panic on any input; if
+        // it ever did, the loop is gone and the keyspace is still the best answer for `stats`.
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
 
@@ -128,27 +117,50 @@ impl TcpStoreServer {
     /// The protocol has no authentication: bind to loopback or to the job's own network, never to
     /// every interface by default.
     ///
-    /// Synchronous (binding is one system call), so the rendezvous executor can start a round's
+    /// Synchronous (binding is a few system calls), so the rendezvous executor can start a round's
     /// store while it applies the command that formed the round. Must be called inside a tokio
-    /// runtime (the listener registers with its reactor).
+    /// runtime (a task there turns the cancellation of `shutdown` into a wake-up of the loop).
+    /// The loop logs into the span and subscriber current at the call.
     ///
     /// # Errors
     /// A limit of zero, or an address that cannot be bound ([`RdzvError::InvalidArgument`]).
     pub fn start(addr: SocketAddr, limits: TcpStoreLimits, shutdown: CancellationToken) -> Result<TcpStoreServer, RdzvError> {
         limits.validate()?;
-        let listener = bind(addr).map_err(|e| RdzvError::invalid("listen", format!("cannot bind {addr}: {e}")))?;
+        let runtime = tokio::runtime::Handle::try_current()
+            .map_err(|_| RdzvError::invalid("tcpstore", "TcpStoreServer::start must be called inside a tokio runtime"))?;
+        let bind_err = |e: std::io::Error| RdzvError::invalid("listen", format!("cannot bind {addr}: {e}"));
+        let listener = bind(addr).map_err(bind_err)?;
         let local_addr = listener.local_addr().map_err(|e| RdzvError::invalid("listen", format!("listener address of {addr}: {e}")))?;
-        let shared = Arc::new(Shared {
-            limits,
-            inner: Mutex::new(Inner { state: StoreState::new(limits.max_total_bytes), wakers: HashMap::new() }),
-            n_connections: AtomicUsize::new(0),
-            next_conn: AtomicU64::new(0),
-        });
+        let poll = Poll::new().map_err(bind_err)?;
+        let waker = Arc::new(Waker::new(poll.registry(), WAKER).map_err(bind_err)?);
+        let shared = Arc::new(Shared { state: Mutex::new(StoreState::new(limits.max_total_bytes)), n_connections: AtomicUsize::new(0) });
         let cancel = shutdown.child_token();
-        let tracker = TaskTracker::new();
-        tracker.spawn(accept_loop(listener, shared.clone(), tracker.clone(), cancel.clone()));
+        let (stopped_tx, stopped) = tokio::sync::oneshot::channel();
+        let mut event_loop = EventLoop::new(poll, listener, shared.clone(), limits, cancel.clone()).map_err(bind_err)?;
+        let dispatch = tracing::dispatcher::get_default(|d| d.clone());
+        let span = tracing::info_span!("tcpstore", addr = %local_addr);
+        std::thread::Builder::new()
+            .name(format!("tcpstore-{}", local_addr.port()))
+            .spawn(move || {
+                tracing::dispatcher::with_default(&dispatch, || {
+                    let _entered = span.enter();
+                    if let Err(e) = event_loop.run() {
+                        tracing::error!(error = %e, "tcpstore: the event loop failed; the store is closed");
+                    }
+                    drop(event_loop);
+                    tracing::debug!("tcpstore stopped");
+                });
+                let _ = stopped_tx.send(());
+            })
+            .map_err(|e| RdzvError::invalid("tcpstore", format!("cannot start the event-loop thread: {e}")))?;
+        // Turns the token's cancellation (ours or the parent's) into a wake-up of the loop.
+        let (token, w) = (cancel.clone(), waker.clone());
+        runtime.spawn(async move {
+            token.cancelled().await;
+            let _ = w.wake();
+        });
         tracing::info!(%local_addr, "tcpstore listening");
-        Ok(TcpStoreServer { local_addr, shared, cancel, tracker })
+        Ok(TcpStoreServer { local_addr, shared, cancel, waker, stopped: Some(stopped) })
     }
 
     /// The bound address (with the real port when 0 was asked for).
@@ -158,7 +170,7 @@ impl TcpStoreServer {
 
     /// Counts for metrics.
     pub fn stats(&self) -> TcpStoreStats {
-        let s = self.shared.lock().state.stats();
+        let s = self.shared.lock().stats();
         TcpStoreStats {
             n_connections: self.shared.n_connections.load(Ordering::Relaxed),
             n_keys: s.n_keys,
@@ -168,53 +180,36 @@ impl TcpStoreServer {
         }
     }
 
-    /// Stops listening, closes every connection and waits until all of its tasks have ended.
-    pub async fn shutdown(self) {
+    /// Stops listening, closes every connection and waits until the loop thread has done so.
+    pub async fn shutdown(mut self) {
+        self.stop();
+        if let Some(stopped) = self.stopped.take() {
+            // An error means the thread is gone already (it sends just before it ends).
+            let _ = stopped.await;
+        }
+    }
+
+    fn stop(&self) {
         self.cancel.cancel();
-        self.tracker.close();
-        self.tracker.wait().await;
-        tracing::debug!(local_addr = %self.local_addr, "tcpstore stopped");
+        // The watcher task wakes the loop too; waking here does not depend on the runtime.
+        let _ = self.waker.wake();
     }
 }
 
 impl Drop for TcpStoreServer {
     fn drop(&mut self) {
-        // The tasks see the cancellation and close their sockets; `shutdown` also waits for that.
-        self.cancel.cancel();
+        // The loop sees the cancellation and closes its sockets; `shutdown` also waits for that.
+        self.stop();
     }
 }
 
 fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
-    let socket = if addr.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
-    socket.set_reuseaddr(true)?;
-    socket.bind(addr)?;
-    socket.listen(LISTEN_BACKLOG)
-}
-
-async fn accept_loop(listener: TcpListener, shared: Arc<Shared>, tracker: TaskTracker, cancel: CancellationToken) {
-    loop {
-        let accepted = tokio::select! {
-            _ = cancel.cancelled() => return,
-            r = listener.accept() => r,
-        };
-        match accepted {
-            Ok((stream, peer)) => {
-                if let Err(e) = configure(&stream) {
-                    tracing::debug!(%peer, error = %e, "tcpstore: cannot set socket options");
-                }
-                let conn = ConnId(shared.next_conn.fetch_add(1, Ordering::Relaxed));
-                shared.n_connections.fetch_add(1, Ordering::Relaxed);
-                tracker.spawn(serve_conn(shared.clone(), stream, peer, conn, cancel.clone()));
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "tcpstore: accept failed (out of file descriptors? raise RLIMIT_NOFILE)");
-                tokio::select! {
-                    _ = cancel.cancelled() => return,
-                    _ = tokio::time::sleep(ACCEPT_RETRY) => {}
-                }
-            }
-        }
-    }
+    let socket = socket2::Socket::new(socket2::Domain::for_address(addr), socket2::Type::STREAM, Some(socket2::Protocol::TCP))?;
+    socket.set_reuse_address(true)?;
+    socket.set_nonblocking(true)?;
+    socket.bind(&addr.into())?;
+    socket.listen(LISTEN_BACKLOG)?;
+    Ok(TcpListener::from_std(socket.into()))
 }
 
 fn configure(stream: &TcpStream) -> std::io::Result<()> {
@@ -223,98 +218,345 @@ fn configure(stream: &TcpStream) -> std::io::Result<()> {
     socket2::SockRef::from(stream).set_tcp_keepalive(&keepalive)
 }
 
-async fn serve_conn(shared: Arc<Shared>, mut stream: TcpStream, peer: SocketAddr, conn: ConnId, cancel: CancellationToken) {
-    let (tx, rx) = mpsc::unbounded_channel();
-    shared.lock().wakers.insert(conn, tx);
-    // Logged while the socket is still open, so the line is out before the peer sees the close.
-    match conn_loop(&shared, &mut stream, peer, conn, rx, &cancel).await {
-        Ok(()) => tracing::trace!(%peer, "tcpstore: connection closed"),
-        Err(e) => tracing::warn!(%peer, error = %e, "tcpstore: closing the connection"),
-    }
-    {
-        let mut inner = shared.lock();
-        inner.wakers.remove(&conn);
-        inner.state.disconnect(conn);
-    }
-    shared.n_connections.fetch_sub(1, Ordering::Relaxed);
-    drop(stream);
-}
-
-/// What one read produced.
-enum Read {
-    /// Bytes were parsed (maybe into requests; maybe ending in a violation).
-    Parsed(Result<(), RdzvError>),
-    /// Spurious readiness.
-    WouldBlock,
-    /// End of stream or a socket error: the peer is gone.
-    Closed,
-}
-
-/// Serves one connection until the peer closes it, it breaks the protocol or a limit (the error),
-/// or the server shuts down.
-async fn conn_loop(
-    shared: &Shared,
-    stream: &mut TcpStream,
+/// One client connection.
+struct Conn {
+    id: ConnId,
+    stream: TcpStream,
     peer: SocketAddr,
-    conn: ConnId,
-    mut wakes: mpsc::UnboundedReceiver<WaitId>,
-    cancel: &CancellationToken,
-) -> Result<(), RdzvError> {
-    let mut parser = RequestParser::new(shared.limits.parse_limits());
-    let mut queue = ReplyQueue::new();
-    let mut reqs = Vec::new();
-    let mut out = Vec::new();
-    loop {
-        let may_read = queue.n_bytes() <= MAX_HELD_BYTES && queue.n_pending() < MAX_PENDING_WAITS;
-        let mut violation = Ok(());
-        tokio::select! {
-            _ = cancel.cancelled() => return Ok(()),
-            Some(id) = wakes.recv() => queue.woken(id),
-            r = stream.readable(), if may_read => {
-                if let Err(e) = r {
-                    tracing::debug!(%peer, error = %e, "tcpstore: read failed");
-                    return Ok(());
+    parser: RequestParser,
+    queue: ReplyQueue,
+    /// Reply bytes taken from the queue and not yet written (from `out_at` on).
+    out: Vec<u8>,
+    out_at: usize,
+    /// The last write stopped short: wait for writability before writing again.
+    write_blocked: bool,
+    /// In the loop's `dirty` list (has replies to write this turn).
+    dirty: bool,
+    /// Bytes may be waiting in the socket that were not read (a paused or budget-limited read).
+    unread: bool,
+    /// In the loop's `backlog` list (to be read next turn without waiting for readiness).
+    in_backlog: bool,
+    /// Listed to be closed at the end of the turn: nothing more is read.
+    closing: bool,
+}
+
+impl Conn {
+    /// Reading is paused while too much is held back for this peer.
+    fn paused(&self) -> bool {
+        self.queue.n_bytes() + (self.out.len() - self.out_at) > MAX_HELD_BYTES || self.queue.n_pending() >= MAX_PENDING_WAITS
+    }
+}
+
+/// Why a connection is closed.
+enum Close {
+    /// The peer closed it, reset it, or a read or write failed: an ordinary end.
+    Peer,
+    /// The peer broke the protocol or a limit: logged as a warning with the peer's address.
+    Violation(RdzvError),
+}
+
+struct EventLoop {
+    poll: Poll,
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    limits: TcpStoreLimits,
+    cancel: CancellationToken,
+    /// Connections by token; `None` slots are listed in `free`.
+    conns: Vec<Option<Conn>>,
+    free: Vec<usize>,
+    /// Distinguishes the connections that used one slot over time (the high half of a [`ConnId`]).
+    generation: u32,
+    read_buf: Vec<u8>,
+    reqs: Vec<Request>,
+    /// Waits completed this turn for other connections.
+    woken: Vec<WaitId>,
+    /// Connections with replies to write this turn.
+    dirty: Vec<usize>,
+    /// Connections to read this turn without a readiness event.
+    backlog: Vec<usize>,
+    /// Connections to close at the end of the turn.
+    closing: Vec<(usize, Close)>,
+    /// `accept` failed (out of descriptors): try again at this time.
+    accept_retry: Option<Instant>,
+    /// More connections may be waiting in the backlog than one turn accepted.
+    accept_more: bool,
+}
+
+impl EventLoop {
+    fn new(poll: Poll, mut listener: TcpListener, shared: Arc<Shared>, limits: TcpStoreLimits, cancel: CancellationToken) -> std::io::Result<Self> {
+        poll.registry().register(&mut listener, LISTENER, Interest::READABLE)?;
+        Ok(EventLoop {
+            poll,
+            listener,
+            shared,
+            limits,
+            cancel,
+            conns: Vec::new(),
+            free: Vec::new(),
+            generation: 0,
+            read_buf: vec![0; READ_CHUNK],
+            reqs: Vec::new(),
+            woken: Vec::new(),
+            dirty: Vec::new(),
+            backlog: Vec::new(),
+            closing: Vec::new(),
+            accept_retry: None,
+            accept_more: false,
+        })
+    }
+
+    /// Serves until the token is cancelled. Only a failing `epoll_wait` is an error.
+    fn run(&mut self) -> std::io::Result<()> {
+        let mut events = Events::with_capacity(EVENTS);
+        loop {
+            let timeout = if !self.backlog.is_empty() || self.accept_more {
+                Some(Duration::ZERO)
+            } else {
+                self.accept_retry.map(|at| at.saturating_duration_since(Instant::now()))
+            };
+            match self.poll.poll(&mut events, timeout) {
+                Ok(()) => {}
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            }
+            if self.cancel.is_cancelled() {
+                return Ok(());
+            }
+            let shared = self.shared.clone();
+            let mut state = shared.lock();
+            let mut accept = std::mem::take(&mut self.accept_more) || self.accept_retry.is_some_and(|at| at <= Instant::now());
+            for ev in events.iter() {
+                match ev.token() {
+                    LISTENER => accept = true,
+                    WAKER => {}
+                    Token(i) => {
+                        if ev.is_writable() || ev.is_write_closed() || ev.is_error() {
+                            self.writable(i);
+                        }
+                        if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
+                            self.read(i, &mut state);
+                        }
+                    }
                 }
-                let read = READ_BUF.with_borrow_mut(|buf| match stream.try_read(buf) {
-                    Ok(0) => Read::Closed,
-                    Ok(n) => Read::Parsed(parser.feed(&buf[..n], &mut reqs)),
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Read::WouldBlock,
+            }
+            for i in std::mem::take(&mut self.backlog) {
+                if let Some(c) = self.conns.get_mut(i).and_then(Option::as_mut) {
+                    c.in_backlog = false;
+                    self.read(i, &mut state);
+                }
+            }
+            if accept {
+                self.accept();
+            }
+            self.flush_dirty();
+            self.close_pending(&mut state);
+        }
+    }
+
+    fn accept(&mut self) {
+        self.accept_retry = None;
+        for _ in 0..ACCEPTS_PER_TURN {
+            let (mut stream, peer) = match self.listener.accept() {
+                Ok(accepted) => accepted,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+                Err(e) if matches!(e.kind(), ErrorKind::Interrupted | ErrorKind::ConnectionAborted) => continue,
+                Err(e) => {
+                    tracing::warn!(error = %e, "tcpstore: accept failed (out of file descriptors? raise RLIMIT_NOFILE)");
+                    self.accept_retry = Some(Instant::now() + ACCEPT_RETRY);
+                    return;
+                }
+            };
+            if let Err(e) = configure(&stream) {
+                tracing::debug!(%peer, error = %e, "tcpstore: cannot set socket options");
+            }
+            let slot = self.free.pop().unwrap_or_else(|| {
+                self.conns.push(None);
+                self.conns.len() - 1
+            });
+            if let Err(e) = self.poll.registry().register(&mut stream, Token(slot), Interest::READABLE | Interest::WRITABLE) {
+                tracing::warn!(%peer, error = %e, "tcpstore: cannot watch the connection; closing it");
+                self.free.push(slot);
+                continue;
+            }
+            self.generation = self.generation.wrapping_add(1);
+            let id = ConnId((u64::from(self.generation) << 32) | slot as u64);
+            self.conns[slot] = Some(Conn {
+                id,
+                stream,
+                peer,
+                parser: RequestParser::new(self.limits.parse_limits()),
+                queue: ReplyQueue::new(),
+                out: Vec::new(),
+                out_at: 0,
+                write_blocked: false,
+                dirty: false,
+                unread: false,
+                in_backlog: false,
+                closing: false,
+            });
+            self.shared.n_connections.fetch_add(1, Ordering::Relaxed);
+        }
+        self.accept_more = true;
+    }
+
+    fn mark_dirty(dirty: &mut Vec<usize>, slot: usize, c: &mut Conn) {
+        if !c.dirty {
+            c.dirty = true;
+            dirty.push(slot);
+        }
+    }
+
+    /// Reads what arrived on connection `slot` and applies it.
+    fn read(&mut self, slot: usize, state: &mut StoreState) {
+        let Some(c) = self.conns.get_mut(slot).and_then(Option::as_mut) else { return };
+        if c.closing {
+            return;
+        }
+        if c.paused() {
+            c.unread = true;
+            return;
+        }
+        c.unread = false;
+        let mut close = None;
+        for n_read in 1..=READS_PER_TURN {
+            let n = match c.stream.read(&mut self.read_buf) {
+                Ok(0) => {
+                    close = Some(Close::Peer);
+                    break;
+                }
+                Ok(n) => n,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    tracing::debug!(peer = %c.peer, error = %e, "tcpstore: read failed");
+                    close = Some(Close::Peer);
+                    break;
+                }
+            };
+            let parsed = c.parser.feed(&self.read_buf[..n], &mut self.reqs);
+            // Requests parsed before a violation are still served, as they would be by torch.
+            let mut applied = Ok(());
+            for req in self.reqs.drain(..) {
+                match state.apply(c.id, req) {
+                    Ok(a) => {
+                        c.queue.cancelled(&a.cancelled);
+                        c.queue.push(a.reply);
+                        for id in a.woken {
+                            if id.conn() == c.id { c.queue.woken(id) } else { self.woken.push(id) }
+                        }
+                    }
                     Err(e) => {
-                        tracing::debug!(%peer, error = %e, "tcpstore: read failed");
-                        Read::Closed
-                    }
-                });
-                match read {
-                    Read::Closed => return Ok(()),
-                    Read::WouldBlock => continue,
-                    Read::Parsed(r) => violation = r,
-                }
-                if !reqs.is_empty() {
-                    // Requests parsed before a violation are still served, as they would be by torch.
-                    let applied = shared.apply(conn, &mut reqs, &mut queue);
-                    if violation.is_ok() {
-                        violation = applied;
+                        applied = Err(e);
+                        break;
                     }
                 }
             }
-        }
-        while let Ok(id) = wakes.try_recv() {
-            queue.woken(id);
-        }
-        queue.take_ready(&mut out);
-        if !out.is_empty() {
-            tokio::select! {
-                _ = cancel.cancelled() => return Ok(()),
-                r = stream.write_all(&out) => if let Err(e) = r {
-                    tracing::debug!(%peer, error = %e, "tcpstore: write failed");
-                    return Ok(());
-                },
+            self.reqs.clear();
+            Self::mark_dirty(&mut self.dirty, slot, c);
+            if let Err(e) = parsed.and(applied) {
+                close = Some(Close::Violation(e));
+                break;
             }
-            out.clear();
-            if out.capacity() > KEEP_WRITE_BUFFER {
-                out = Vec::new();
+            // A short read emptied the socket: the next bytes bring a new readiness event.
+            if n < self.read_buf.len() {
+                break;
+            }
+            if c.paused() || n_read == READS_PER_TURN {
+                c.unread = true;
+                break;
             }
         }
-        violation?;
+        if c.unread && !c.paused() && !c.in_backlog {
+            c.in_backlog = true;
+            self.backlog.push(slot);
+        }
+        if let Some(close) = close {
+            c.closing = true;
+            self.closing.push((slot, close));
+        }
+        self.deliver_wakes();
+    }
+
+    /// Puts this turn's wake-ups into their connections' queues.
+    fn deliver_wakes(&mut self) {
+        for id in self.woken.drain(..) {
+            // The slot is the low half of a ConnId; the generation check skips a closed connection.
+            let slot = (id.conn().0 & u64::from(u32::MAX)) as usize;
+            let Some(c) = self.conns.get_mut(slot).and_then(Option::as_mut).filter(|c| c.id == id.conn()) else { continue };
+            c.queue.woken(id);
+            Self::mark_dirty(&mut self.dirty, slot, c);
+            // A pause on pending waits may be over.
+            if c.unread && !c.paused() && !c.in_backlog {
+                c.in_backlog = true;
+                self.backlog.push(slot);
+            }
+        }
+    }
+
+    fn writable(&mut self, slot: usize) {
+        if let Some(c) = self.conns.get_mut(slot).and_then(Option::as_mut) {
+            c.write_blocked = false;
+            Self::mark_dirty(&mut self.dirty, slot, c);
+        }
+    }
+
+    /// Writes every dirty connection's ready replies, one `write` each (more only if the socket
+    /// takes less).
+    fn flush_dirty(&mut self) {
+        for slot in std::mem::take(&mut self.dirty) {
+            let Some(c) = self.conns.get_mut(slot).and_then(Option::as_mut) else { continue };
+            c.dirty = false;
+            if c.out_at == c.out.len() {
+                c.out.clear();
+                c.out_at = 0;
+            }
+            c.queue.take_ready(&mut c.out);
+            while !c.write_blocked && c.out_at < c.out.len() {
+                match c.stream.write(&c.out[c.out_at..]) {
+                    Ok(0) => {
+                        c.closing = true;
+                        self.closing.push((slot, Close::Peer));
+                        break;
+                    }
+                    Ok(n) => c.out_at += n,
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => c.write_blocked = true,
+                    Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                    Err(e) => {
+                        tracing::debug!(peer = %c.peer, error = %e, "tcpstore: write failed");
+                        c.closing = true;
+                        self.closing.push((slot, Close::Peer));
+                        break;
+                    }
+                }
+            }
+            if c.out_at == c.out.len() {
+                c.out.clear();
+                c.out_at = 0;
+                if c.out.capacity() > KEEP_WRITE_BUFFER {
+                    c.out = Vec::new();
+                }
+            }
+            if c.unread && !c.paused() && !c.in_backlog {
+                c.in_backlog = true;
+                self.backlog.push(slot);
+            }
+        }
+    }
+
+    fn close_pending(&mut self, state: &mut StoreState) {
+        for (slot, why) in std::mem::take(&mut self.closing) {
+            let Some(mut c) = self.conns.get_mut(slot).and_then(Option::take) else { continue };
+            match why {
+                // Logged while the socket is still open, so the line is out before the peer sees
+                // the close.
+                Close::Violation(e) => tracing::warn!(peer = %c.peer, error = %e, "tcpstore: closing the connection"),
+                Close::Peer => tracing::trace!(peer = %c.peer, "tcpstore: connection closed"),
+            }
+            state.disconnect(c.id);
+            let _ = self.poll.registry().deregister(&mut c.stream);
+            drop(c);
+            self.free.push(slot);
+            self.shared.n_connections.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 }

@@ -134,3 +134,25 @@ fn torch_client_conformance_against_our_tcpstore() {
     // Both servers ran every case (the one torch's server fails by design is skipped there).
     assert!(String::from_utf8_lossy(&out.stdout).contains(" passed"), "{report}");
 }
+
+/// PyTorch's own store tests (`tests/python/torch_store_tests/`, unmodified files of PyTorch v2.6.0)
+/// through `tests/python/run_torch_store_tests.py`: the 41 tests that exercise a TCPStore server,
+/// first on torch's own servers (the reference for this torch version), then on rsrun's, one fresh
+/// store per store the tests ask for.
+#[test]
+fn torch_own_store_tests_pass_against_our_tcpstore() {
+    let Some(python) = python_with_torch() else {
+        eprintln!("skipped: torch is not importable (run scripts/torch-venv.sh to make a venv with torch)");
+        return;
+    };
+    let runner = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("python/run_torch_store_tests.py");
+    for server in ["torch", "rsrun"] {
+        let mut cmd = std::process::Command::new(&python);
+        cmd.arg(&runner).args(["--server", server]).env("RSRUN_RENDEZVOUS", rsrun_tests::bin("rsrun-rendezvous"));
+        let out = KillOnDrop::spawn(&mut cmd).output_within(RUN_DEADLINE * 5);
+        let report = text(&out);
+        assert_eq!(code(&out.status), 0, "{server}: {report}");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(stdout.lines().any(|l| l == "41 passed, 0 failed"), "{server}: {report}");
+    }
+}

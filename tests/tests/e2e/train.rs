@@ -206,3 +206,75 @@ fn killed_worker_on_one_of_two_nodes_restarts_both_from_the_checkpoint() {
     assert_eq!(summary_field(&restarted, "world"), "4");
     assert_eq!(summary_field(&restarted, "params_sha256"), want, "the restarted two-node run differs from the uninterrupted one");
 }
+
+/// The tiny model of [`MODEL`] for `steps` steps.
+fn model_with_steps(steps: &str) -> Vec<&str> {
+    let mut args: Vec<&str> = MODEL.to_vec();
+    let at = args.iter().position(|a| *a == "--steps").unwrap();
+    args[at + 1] = steps;
+    args
+}
+
+/// Rank 0 of `train` under rsrun draws its bar as carriage-return updates on stderr: rsrun prints
+/// them on a pipe as plain lines with the rank prefix (at most one a second, the final state
+/// always), no `\r` reaches rsrun's output, and the rank's log file keeps every raw update. Alone
+/// on a pipe, `train` prints plain lines on stdout and no `\r` at all.
+#[test]
+fn train_progress_is_carriage_return_updates_under_rsrun_and_plain_lines_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = rsrun(dir.path());
+    cmd.args(["--standalone", "--nproc-per-node", "2"]).arg(bin("train")).args(model_with_steps("300"));
+    let out = KillOnDrop::spawn(&mut cmd).output_within(RUN_DEADLINE);
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains('\r'), "{stderr:?}");
+    let bar: Vec<&str> = stderr.lines().filter(|l| l.contains("] step ")).collect();
+    assert!(bar.iter().all(|l| l.starts_with("[rank 0] [")), "only rank 0 draws, prefixed: {bar:?}");
+    assert!(bar.last().is_some_and(|l| l.starts_with("[rank 0] [####################] step 300/300 loss ")), "{bar:?}");
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("] step "), "no plain progress lines under rsrun: {}", text(&out));
+    // The log file of rank 0 has the raw updates: "\r" + the line, a newline after the last.
+    let logs = dir.path().join(".rsrun/logs");
+    let job = std::fs::read_dir(&logs).unwrap().next().unwrap().unwrap().path();
+    let attempt = std::fs::read_dir(&job).unwrap().next().unwrap().unwrap().path();
+    let raw = std::fs::read_to_string(attempt.join("0/stderr.log")).unwrap();
+    let updates: Vec<&str> = raw.split('\r').filter(|s| s.contains("] step ")).collect();
+    assert!(updates.len() >= 2, "{raw:?}");
+    assert!(updates[0].starts_with("[--------------------] step 1/300 "), "{raw:?}");
+    assert!(updates.last().is_some_and(|u| u.contains("] step 300/300 ") && u.ends_with('\n')), "{raw:?}");
+    assert!(!std::fs::read_to_string(attempt.join("1/stderr.log")).unwrap().contains('\r'), "rank 1 draws nothing");
+
+    // Alone, on a pipe: lines on stdout every 5 % (20 of them for 300 steps), nothing with "\r".
+    let alone = Command::new(bin("train")).current_dir(dir.path()).env_remove("RSRUN_JOB_ID").args(model_with_steps("300")).output().unwrap();
+    assert_eq!(code(&alone.status), 0, "{}", text(&alone));
+    let stdout = String::from_utf8_lossy(&alone.stdout);
+    let lines: Vec<&str> = stdout.lines().filter(|l| l.contains("] step ")).collect();
+    assert_eq!(lines.len(), 20, "{stdout}");
+    assert!(lines[19].starts_with("[####################] step 300/300 loss "), "{stdout}");
+    assert!(!stdout.contains('\r') && !String::from_utf8_lossy(&alone.stderr).contains('\r'), "{}", text(&alone));
+}
+
+/// On a terminal (a pseudo-terminal from `script`, where the tool exists) rsrun draws `train`'s
+/// updates in place, then leaves the final state as an ordinary line.
+#[test]
+fn train_progress_renders_in_place_under_rsrun_on_a_terminal() {
+    if Command::new("script").arg("--version").output().is_err() {
+        eprintln!("skipped: no `script` command to run rsrun on a pseudo-terminal");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let transcript = dir.path().join("typescript");
+    let inner = format!(
+        "{} --standalone --nproc-per-node 1 {} {}",
+        bin("rsrun").display(),
+        bin("train").display(),
+        model_with_steps("300").join(" ")
+    );
+    let mut cmd = Command::new("script");
+    cmd.current_dir(dir.path()).env("TERM", "xterm").args(["-qec", &inner]).arg(&transcript);
+    let out = KillOnDrop::spawn(&mut cmd).output_within(RUN_DEADLINE);
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    let raw = String::from_utf8_lossy(&std::fs::read(&transcript).unwrap()).into_owned();
+    // An update drawn in place (wrapping off), then the final state as a line of its own.
+    assert!(raw.contains("\x1b[?7l[rank 0] [--------------------] step 1/300 loss "), "{raw:?}");
+    assert!(raw.contains("\r\x1b[J[rank 0] [####################] step 300/300 loss "), "{raw:?}");
+}
