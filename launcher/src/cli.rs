@@ -289,6 +289,12 @@ pub struct LaunchArgs {
           help_heading = "Cluster")]
     pub exclude: Option<String>,
 
+    /// Slurm: after a preemption notice (SIGTERM, SIGUSR1 or SIGUSR2) was passed to the workers and
+    /// they exited (or the shutdown grace passed), node rank 0 runs `scontrol requeue <job id>` once.
+    #[arg(long = "requeue-on-preempt", alias = "requeue_on_preempt", env = "RSRUN_REQUEUE_ON_PREEMPT",
+          value_parser = BoolishValueParser::new(), action = clap::ArgAction::SetTrue, help_heading = "Cluster")]
+    pub requeue_on_preempt: bool,
+
     // rsrun: one command for the whole job (ssh)
     /// Command used instead of `ssh`, called like ssh: `CMD [OPTIONS] -- HOST COMMAND` with stdin
     /// connected (a `kubectl exec -i` or `docker exec -i` wrapper, a test shim). Split on spaces.
@@ -330,10 +336,26 @@ pub struct LaunchArgs {
           action = clap::ArgAction::SetTrue, help_heading = "Multi-node (ssh)")]
     pub ssh_local: bool,
 
-    /// Allow several hosts of the list to be this machine (tests, or several nodes per machine).
+    /// Allow several entries of the host list to be one machine (tests, or several nodes per
+    /// machine). Without it, two entries whose agents report the same boot id and network namespace
+    /// are refused before any worker starts.
     #[arg(long = "allow-same-host", alias = "allow_same_host", value_parser = BoolishValueParser::new(),
           action = clap::ArgAction::SetTrue, help_heading = "Multi-node (ssh)")]
     pub allow_same_host: bool,
+
+    /// At most N hosts connecting at once (a sliding window, like pdsh -f): the next host's ssh
+    /// starts when one of them has started its agent or failed.
+    #[arg(long = "ssh-fanout", alias = "ssh_fanout", env = "RSRUN_SSH_FANOUT", default_value_t = 128,
+          value_parser = clap::value_parser!(u32).range(1..=65535), value_name = "N",
+          help_heading = "Multi-node (ssh)")]
+    pub ssh_fanout: u32,
+
+    /// Preflight only: start an agent on every host (ssh, rsrun's version, the cwd, the program, the
+    /// same-machine check), print one line per host, stop them, and exit (0: every host is ready;
+    /// 2: one line per host that is not). No worker starts.
+    #[arg(long, env = "RSRUN_CHECK", value_parser = BoolishValueParser::new(),
+          action = clap::ArgAction::SetTrue, help_heading = "Multi-node (ssh)")]
+    pub check: bool,
 
     /// Path of rsrun on the hosts (default: this rsrun's absolute path).
     #[arg(long = "remote-rsrun", alias = "remote_rsrun", env = "RSRUN_REMOTE_RSRUN", value_name = "PATH",

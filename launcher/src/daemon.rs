@@ -71,6 +71,8 @@ pub struct DaemonRdzv {
     watch: Option<watch::Receiver<Option<proto::JobView>>>,
     keep_alive: Option<KeepAliveHandle>,
     left: bool,
+    /// Cancelled when the service is known to be gone (it lived in a head that died).
+    gone: Option<tokio_util::sync::CancellationToken>,
 }
 
 impl DaemonRdzv {
@@ -179,6 +181,7 @@ impl DaemonRdzv {
             watch: None,
             keep_alive: None,
             left: false,
+            gone: None,
         })
     }
 
@@ -528,6 +531,11 @@ impl DaemonRdzv {
         })
     }
 
+    /// See [`crate::rdzv::Rendezvous::service_gone_on`].
+    pub(crate) fn service_gone_on(&mut self, gone: tokio_util::sync::CancellationToken) {
+        self.gone = Some(gone);
+    }
+
     /// Leaves the job (best effort).
     pub(crate) async fn leave(&mut self, reason: &str) {
         if self.left {
@@ -535,6 +543,10 @@ impl DaemonRdzv {
         }
         self.left = true;
         self.keep_alive = None;
+        if self.gone.as_ref().is_some_and(tokio_util::sync::CancellationToken::is_cancelled) {
+            debug!(job = %self.job, "the rendezvous service is gone with the head: not leaving there");
+            return;
+        }
         match tokio::time::timeout(EXIT_CALL_TIMEOUT, self.client.leave(&self.job, &self.node, reason)).await {
             Ok(Ok(())) => {}
             Ok(Err(err)) => debug!(%err, "leave failed"),

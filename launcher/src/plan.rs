@@ -586,6 +586,8 @@ pub struct LaunchPlan {
     /// The resolved topology values and where each came from (flag, `PET_*`, `SLURM_*`, hostfile
     /// line), in display order.
     pub sources: Vec<Sourced>,
+    /// `--requeue-on-preempt`: the Slurm job node rank 0 requeues after a preemption signal.
+    pub requeue: Option<multinode::slurm::Requeue>,
 }
 
 /// Parses `30`, `2.5`, `500ms`, `30s`, `5m`, `1h`.
@@ -1292,6 +1294,12 @@ impl LaunchPlan {
         };
         let mut sources = topology_sources(args, &cluster, nodes, nproc_per_node, &rdzv, &job_id);
         sources.extend(shutdown_source);
+        let requeue = if args.requeue_on_preempt { Some(multinode::slurm::requeue(&mode, &host.env)?) } else { None };
+        if args.check && !args.is_remote() {
+            return Err(PlanError::Conflict(
+                "--check needs --hosts or --hostfile: it checks every host of a whole-job launch and starts nothing".into(),
+            ));
+        }
 
         Ok(LaunchPlan {
             job_id,
@@ -1321,6 +1329,7 @@ impl LaunchPlan {
             task_ranks: cluster.task_ranks,
             port_probe: cluster.port_probe,
             sources,
+            requeue,
         })
     }
 }
