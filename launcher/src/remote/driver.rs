@@ -558,9 +558,9 @@ async fn host_task(start: HostStart, mut cmds: mpsc::UnboundedReceiver<HostCmd>,
             && ended.failure.as_ref().is_some_and(is_retryable)
         {
             attempt += 1;
-            let jitter = rand::rng().random_range(100..400u64) * u64::from(attempt);
-            info!(attempt, "sshd dropped the connection in the key exchange; retrying");
-            tokio::time::sleep(Duration::from_millis(jitter)).await;
+            let wait = preflight::kex_backoff(attempt, rand::rng().random_range(0.0..1.0));
+            info!(attempt, ?wait, "sshd dropped the connection in the key exchange; retrying");
+            tokio::time::sleep(wait).await;
             continue;
         }
         send(HostEvent::Ended(ended));
