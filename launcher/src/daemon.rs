@@ -37,7 +37,7 @@ use tracing::{debug, info, warn};
 
 use crate::env::RoundAssignment;
 use crate::logs::{ConsoleEvent, ConsoleTx};
-use crate::plan::{Endpoint, HostMode, LaunchPlan, RdzvPlan};
+use crate::plan::{Endpoint, HostMode, LaunchPlan, RdzvPlan, StartError};
 use crate::reach;
 use crate::rdzv::{Decision, RoundEnd, RoundEndFuture, free_port};
 use crate::report::{ExitKind, WorkerFailure};
@@ -123,6 +123,7 @@ impl DaemonRdzv {
                 // The address comes from the cluster (Slurm, Kubernetes): node rank 0's name may not
                 // resolve yet (its pod is not up); wait for it until the join timeout.
                 let target = reach::resolve(&endpoint.host, endpoint.port, plan.timeouts.join, console).await?;
+                reach::refuse_loopback(&endpoint.host, target, &plan.node_list).await?;
                 let addrs = advertised_addrs(plan, target);
                 if *host == HostMode::Always {
                     let (addr, server) = host_for_job(plan, token.as_deref(), target).await?;
@@ -140,6 +141,7 @@ impl DaemonRdzv {
             }
             RdzvPlan::Static { node_rank, master_addr, master_port } => {
                 let target = reach::resolve(master_addr, *master_port, plan.timeouts.join, console).await?;
+                reach::refuse_loopback(master_addr, target, &plan.node_list).await?;
                 let addrs = advertised_addrs(plan, target);
                 let (addr, embedded) = if *node_rank == 0 {
                     if !is_local_ip(target.ip()) {
@@ -253,6 +255,14 @@ impl DaemonRdzv {
             Err(ref err) if job_ended(err, &self.job) == Some(Ended::Completed) => {
                 info!(job = %self.job, node = %self.node, %err, "the job completed while this node waited");
                 return Ok(None);
+            }
+            // Refused (the service serves another job; the token is not accepted): this node cannot
+            // start as configured (exit 2).
+            Err(err @ (RdzvError::PermissionDenied(_) | RdzvError::Unauthenticated(_))) => {
+                return Err(anyhow::Error::new(StartError(format!(
+                    "the rendezvous at {} refuses job '{}': {err}",
+                    self.endpoint, self.job
+                ))));
             }
             Err(err) => return Err(err).context(format!("joining job '{}' at {}", self.job, self.endpoint)),
         };

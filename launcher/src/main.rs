@@ -59,7 +59,8 @@ fn main() -> ExitCode {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
         Err(err) => {
             eprintln!("rsrun: error: {err:#}");
-            ExitCode::from(1)
+            // A configuration problem found at run time is a start failure, like a plan error.
+            ExitCode::from(if rsrun_launcher::plan::StartError::is_in(&err) { 2 } else { 1 })
         }
     }
 }
@@ -314,7 +315,7 @@ fn agent_main() -> ExitCode {
             let msg = format!("rsrun: error on {host}: {err:#}");
             eprintln!("{msg}");
             agent::send(&mut out, Event::Note(msg));
-            1
+            if rsrun_launcher::plan::StartError::is_in(&err) { 2 } else { 1 }
         }
     };
     agent::send(&mut out, Event::Exit(AgentExit { code }));

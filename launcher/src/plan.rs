@@ -60,6 +60,21 @@ pub enum PlanError {
     },
 }
 
+/// A configuration problem that only shows once the node runs: the rendezvous refuses this job (it
+/// serves another job, or the token is not accepted), node rank 0's name resolves to a loopback
+/// address. Like a [`PlanError`], rsrun exits 2 (the job could not start), where infrastructure
+/// failures exit 1.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct StartError(pub String);
+
+impl StartError {
+    /// Whether `err` (or what it wraps) is a [`StartError`].
+    pub fn is_in(err: &anyhow::Error) -> bool {
+        err.chain().any(|e| e.is::<StartError>())
+    }
+}
+
 fn invalid(flag: &'static str, value: &str, expected: impl Into<String>) -> PlanError {
     PlanError::Invalid { flag, value: value.to_owned(), expected: expected.into() }
 }
@@ -583,6 +598,9 @@ pub struct LaunchPlan {
     /// How many ports after the rendezvous port node rank 0 tries when it is taken, and the other
     /// nodes search (Slurm's derived or reserved port: 7; 0 otherwise).
     pub port_probe: u16,
+    /// Slurm: the step's hosts in node order; node rank 0's name resolving to a loopback address
+    /// while another host's does not is refused (the `127.0.1.1` trap, multinode.md §3.2).
+    pub node_list: Vec<String>,
     /// The resolved topology values and where each came from (flag, `PET_*`, `SLURM_*`, hostfile
     /// line), in display order.
     pub sources: Vec<Sourced>,
@@ -1328,6 +1346,7 @@ impl LaunchPlan {
             hosts: cluster.hosts,
             task_ranks: cluster.task_ranks,
             port_probe: cluster.port_probe,
+            node_list: cluster.node_list,
             sources,
             requeue,
         })

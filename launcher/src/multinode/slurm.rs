@@ -247,6 +247,7 @@ pub fn detect(args: &LaunchArgs, host: &HostInfo, table_given: bool, notes: &mut
     c.sources.push(Sourced::new("nnodes", n, Source::Env(n_var.into())));
     c.sources.push(Sourced::new("node rank", node, Source::Env("SLURM_NODEID".into())));
     c.sources.push(Sourced::new("node list", hostlist::compress(&hosts), Source::Env(list_var.into())));
+    c.node_list = hosts.clone();
     c.nodes = Some(NodeRange { min: n, max: n });
 
     let typed = |id: &str| args.origin(id) == Origin::CommandLine;

@@ -396,3 +396,33 @@ fn requeue_on_preempt_sigusr1_after_the_workers_exit() {
     }
     assert_eq!(std::fs::read_to_string(&log).unwrap_or_default(), "0 requeue 4254\n", "node 0 requeues, once");
 }
+
+/// §3.2, the `127.0.1.1` trap: node rank 0's name resolves to a loopback address on node 0 while the
+/// other host of the step resolves to a network address. Node 0 would host where nobody can reach
+/// it: refused at once, exit 2, naming both and the fix. (`192.0.2.7` is a documentation address; it
+/// is only parsed, never contacted.)
+#[test]
+fn node_rank_0_resolving_to_loopback_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut env = srun_env(4255, free_port(), 2, 1, 0);
+    for (k, v) in env.iter_mut() {
+        match k.as_str() {
+            "SLURM_JOB_NODELIST" | "SLURM_STEP_NODELIST" => *v = "localhost,192.0.2.7".into(),
+            "SLURMD_NODENAME" => *v = "localhost".into(),
+            _ => {}
+        }
+    }
+    let started = std::time::Instant::now();
+    let out = task(dir.path(), &env, &DUMP_ENV).output_within(RUN_DEADLINE);
+    assert_eq!(code(&out.status), 2, "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("rsrun: error: node rank 0's host localhost resolves to 127.0.0.1 here, a loopback address")
+            && stderr.contains("while 192.0.2.7 resolves to 192.0.2.7")
+            && stderr.contains("or pass --rdzv-endpoint ADDR:PORT"),
+        "{}",
+        text(&out)
+    );
+    assert!(started.elapsed() < std::time::Duration::from_secs(10), "{:?}", started.elapsed());
+    assert!(dumped_envs(dir.path()).is_empty(), "no worker starts");
+}
