@@ -282,6 +282,56 @@ fn dry_run_prints_each_hosts_argv() {
     assert!(rsh_calls(dir.path()).is_empty(), "a dry run starts nothing");
 }
 
+/// multinode.md §7, acceptance 3: `-i h1:1@h3` keeps slot 1 of h1 and all of h3: 3 workers, the one
+/// on h1 with `CUDA_VISIBLE_DEVICES=1`, ranks contiguous in host order.
+#[test]
+fn include_picks_slots_and_devices() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = "echo \"$FAKE_RSH_HOST $LOCAL_RANK $LOCAL_WORLD_SIZE ${CUDA_VISIBLE_DEVICES-unset}\" > rank.$RANK";
+    let out = rsrun_tests::run(head(dir.path(), "h1:2,h2:2,h3:2").env_remove("CUDA_VISIBLE_DEVICES").args(["-i", "h1:1@h3", "sh", "-c", script]));
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    let read = |r: u32| std::fs::read_to_string(dir.path().join(format!("rank.{r}"))).unwrap_or_else(|_| panic!("rank {r} never ran\n{}", text(&out)));
+    assert_eq!(read(0), "h1 0 1 1\n");
+    assert!(read(1).starts_with("h3 0 2 ") && read(2).starts_with("h3 1 2 "), "{} {}", read(1), read(2));
+    assert!(!dir.path().join("rank.3").exists(), "3 workers only");
+}
+
+/// `scripts/kubectl-rsh` as `--rsh` (each host a pod, `kubectl exec -i POD -- sh -c COMMAND`), with a
+/// stand-in `kubectl` that logs its argv and runs the command here: the argv it gets is exact, and
+/// the job runs.
+#[test]
+fn kubectl_exec_wrapper_as_rsh() {
+    let dir = tempfile::tempdir().unwrap();
+    let kubectl = dir.path().join("kubectl");
+    let log = dir.path().join("kubectl.log");
+    std::fs::write(
+        &kubectl,
+        format!("#!/bin/sh\nprintf '%s|' \"$@\" >> '{}'; echo >> '{}'\nwhile [ \"$1\" != -- ]; do shift; done; shift\nexec \"$@\"\n", log.display(), log.display()),
+    )
+    .unwrap();
+    std::fs::set_permissions(&kubectl, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let wrapper = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().join("scripts/kubectl-rsh");
+    let mut cmd = rsrun(dir.path());
+    cmd.args(["-H", "pod-0:1,pod-1:1", "--rsh"])
+        .arg(&wrapper)
+        .args(["--allow-same-host", "--rdzv-endpoint", "127.0.0.1:0", "--shutdown-timeout", "1"])
+        .env("RSRUN_KUBECTL", &kubectl)
+        .env("RSRUN_KUBE_NAMESPACE", "train")
+        .env_remove("RSRUN_KUBE_CONTAINER")
+        .args(["sh", "-c", "echo $RANK > rank.$RANK"]);
+    let out = rsrun_tests::run(&mut cmd);
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    assert!(dir.path().join("rank.0").exists() && dir.path().join("rank.1").exists(), "{}", text(&out));
+    let rsrun_path = std::fs::canonicalize(bin("rsrun")).unwrap();
+    let mut calls: Vec<String> = std::fs::read_to_string(&log).unwrap().lines().map(str::to_owned).collect();
+    calls.sort();
+    let expected: Vec<String> = ["pod-0", "pod-1"]
+        .iter()
+        .map(|p| format!("exec|-i|-n|train|{p}|--|sh|-c|exec '{}' agent --stdin|", rsrun_path.display()))
+        .collect();
+    assert_eq!(calls, expected);
+}
+
 /// `--check`: every host's agent checks its plan and reports; nothing runs; exit 0.
 #[test]
 fn check_reports_every_host_and_starts_nothing() {
