@@ -685,6 +685,30 @@ mod sshd {
         )
     }
 
+    /// DS#6807 regression over real ssh: two jobs on the same three hosts; Ctrl-C stops one, and the
+    /// other, untouched, runs to completion.
+    #[test]
+    fn sshd_ctrl_c_of_one_job_leaves_the_other_running_to_completion() {
+        let Some(sshd) = Sshd::start() else { return };
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let job_a = KillOnDrop::spawn(head(&sshd, a.path()).args(["sh", "-c", &format!("{RECORD}{SLEEPER}")]));
+        let waiter = "echo $$ >> pids; i=0; while [ ! -f go ] && [ $i -lt 600 ]; do sleep 0.05; i=$((i+1)); done; [ -f go ]";
+        let job_b = KillOnDrop::spawn(head(&sshd, b.path()).args(["sh", "-c", waiter]));
+        let (pa, pb) = (a.path().join("pids"), b.path().join("pids"));
+        assert!(wait_until(Duration::from_secs(30), || read_pids(&pa).len() == 6 && read_pids(&pb).len() == 6), "the jobs did not start");
+        kill(job_a.pid(), libc::SIGINT);
+        let out = job_a.output_within(Duration::from_secs(30));
+        assert_eq!(code(&out.status), 130, "{}", text(&out));
+        let mut a_procs = read_pids(&pa);
+        a_procs.extend(read_pids(&a.path().join("agents")));
+        assert_eq!(all_gone(&a_procs, Duration::from_secs(3)), Ok(()), "job A left processes");
+        let b_workers = read_pids(&pb);
+        assert!(b_workers.iter().all(|&p| alive(p)), "job B lost workers when job A stopped");
+        std::fs::write(b.path().join("go"), "").unwrap();
+        let out = job_b.output_within(Duration::from_secs(30));
+        assert_eq!(code(&out.status), 0, "job B runs to completion:\n{}", text(&out));
+    }
+
     /// multinode.md §7, acceptance 4: 30 hosts `127.0.0.1`-`127.0.0.30` against an sshd with the
     /// default `MaxStartups 10:30:100`, which drops connections past 10 unauthenticated ones in the
     /// key exchange (7 of 30 in the brief's measurement): every host starts, because rsrun retries a
