@@ -332,14 +332,15 @@ pub struct LaunchArgs {
 
     /// Reach local hosts (localhost, 127.x, this host's name) through ssh too, instead of starting
     /// their agent directly.
-    #[arg(long = "ssh-local", alias = "ssh_local", value_parser = BoolishValueParser::new(),
+    #[arg(long = "ssh-local", alias = "ssh_local", env = "RSRUN_SSH_LOCAL", value_parser = BoolishValueParser::new(),
           action = clap::ArgAction::SetTrue, help_heading = "Multi-node (ssh)")]
     pub ssh_local: bool,
 
     /// Allow several entries of the host list to be one machine (tests, or several nodes per
     /// machine). Without it, two entries whose agents report the same boot id and network namespace
     /// are refused before any worker starts.
-    #[arg(long = "allow-same-host", alias = "allow_same_host", value_parser = BoolishValueParser::new(),
+    #[arg(long = "allow-same-host", alias = "allow_same_host", env = "RSRUN_ALLOW_SAME_HOST",
+          value_parser = BoolishValueParser::new(),
           action = clap::ArgAction::SetTrue, help_heading = "Multi-node (ssh)")]
     pub allow_same_host: bool,
 

@@ -140,10 +140,12 @@ pub unsafe fn prepare(launch: &NodeLaunch) -> Result<PreparedAgent, String> {
     let argv = agent_argv(&launch.options, place, &launch.program);
     let mut args = LaunchArgs::try_parse_from(std::iter::once("rsrun".to_owned()).chain(argv))
         .map_err(|e| format!("invalid options on {host}: {}", e.to_string().lines().next().unwrap_or("")))?;
-    // Whatever this host's environment says, this process is an agent, never a head.
+    // Whatever this host's environment says (RSRUN_* variables are forwarded), this process is an
+    // agent, never a head: the head's own options do not apply here.
     args.hosts = None;
     args.hostfile = None;
     args.dry_run = false;
+    args.check = false;
     let info = HostInfo::probe();
     let mut plan = LaunchPlan::resolve(&args, &info).map_err(|e| format!("{e} (on {host})"))?;
     // The head chose the node rank (the host order); saying so on every host is noise.

@@ -336,7 +336,9 @@ fn kubectl_exec_wrapper_as_rsh() {
 #[test]
 fn check_reports_every_host_and_starts_nothing() {
     let dir = tempfile::tempdir().unwrap();
-    let out = rsrun_tests::run(head(dir.path(), "h1:2,h2:2,h3:1").args(["--check", "sh", "-c", SLEEPER]));
+    // RSRUN_CHECK=1 is --check; like every RSRUN_* variable it is also forwarded to the hosts, where
+    // it must not turn the agents into checkers of their own.
+    let out = rsrun_tests::run(head(dir.path(), "h1:2,h2:2,h3:1").env("RSRUN_CHECK", "1").args(["sh", "-c", SLEEPER]));
     assert_eq!(code(&out.status), 0, "{}", text(&out));
     let stdout = String::from_utf8_lossy(&out.stdout);
     let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
