@@ -363,6 +363,11 @@ pub struct LaunchArgs {
           help_heading = "Multi-node (ssh)")]
     pub remote_rsrun: Option<PathBuf>,
 
+    /// Working directory of the agents and workers on every host (an absolute path; default: this
+    /// directory, which every host must have, e.g. on a shared file system).
+    #[arg(long, env = "RSRUN_CHDIR", value_name = "DIR", help_heading = "Multi-node (ssh)")]
+    pub chdir: Option<PathBuf>,
+
     /// Forward a variable to every host: `NAME` (its value here) or `NAME=VALUE`. Repeatable.
     #[arg(short = 'x', long = "export", value_name = "NAME[=VALUE]", help_heading = "Multi-node (ssh)")]
     pub export: Vec<String>,

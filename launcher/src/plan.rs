@@ -1272,8 +1272,9 @@ impl LaunchPlan {
         };
 
         // Multi-node flags without --hosts/--hostfile.
-        if !args.export.is_empty() || !args.env_file.is_empty() || args.export_all || !args.ssh_option.is_empty() {
-            notes.push("-x/--env-file/--export-all/--ssh-option have no effect without --hosts or --hostfile".into());
+        let multinode_flags = !args.export.is_empty() || !args.env_file.is_empty() || args.export_all || !args.ssh_option.is_empty() || args.chdir.is_some();
+        if multinode_flags && !args.is_remote() {
+            notes.push("-x/--env-file/--export-all/--ssh-option/--chdir have no effect without --hosts or --hostfile".into());
         }
 
         // Compatibility flags without an effect.

@@ -106,7 +106,10 @@ pub unsafe fn prepare(launch: &NodeLaunch) -> Result<PreparedAgent, String> {
     let host = &launch.host;
     let cwd = Path::new(&launch.cwd);
     if let Err(e) = std::env::set_current_dir(cwd) {
-        return Err(format!("cwd {} does not exist on {host} ({e}); run from a directory every host has (a shared file system)", cwd.display()));
+        return Err(format!(
+            "cwd {} does not exist on {host} ({e}); run from a directory every host has (a shared file system), or pass --chdir DIR",
+            cwd.display()
+        ));
     }
     for (k, v) in &launch.env {
         if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains(&0) {

@@ -298,6 +298,13 @@ impl RemotePlan {
             user: args.ssh_user.clone(),
             options: args.ssh_option.clone(),
         };
+        let cwd = match &args.chdir {
+            Some(d) if d.is_absolute() => d.clone(),
+            Some(d) => {
+                return Err(PlanError::Invalid { flag: "--chdir", value: d.display().to_string(), expected: "an absolute path (the directory on every host)".into() });
+            }
+            None => host.cwd.clone(),
+        };
         let remote_rsrun = match &args.remote_rsrun {
             Some(p) if p.is_absolute() => p.clone(),
             Some(p) => {
@@ -435,7 +442,7 @@ impl RemotePlan {
             rdzv,
             token,
             env,
-            cwd: host.cwd.clone(),
+            cwd,
             program,
             options,
             remote_rsrun,

@@ -245,6 +245,20 @@ fn auth_failure_exits_2_naming_the_host_within_2_s() {
     assert_eq!(all_gone(&agent_pids(dir.path()), Duration::from_secs(3)), Ok(()));
 }
 
+/// `--chdir DIR`: agents and workers run in DIR on every host, not in the head's directory.
+#[test]
+fn chdir_is_every_hosts_working_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let elsewhere = tempfile::tempdir().unwrap();
+    let there = std::fs::canonicalize(elsewhere.path()).unwrap();
+    let out = rsrun_tests::run(head(dir.path(), "h1:1,h2:1").arg("--chdir").arg(&there).args(["sh", "-c", "pwd > cwd.$RANK"]));
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    for r in 0..2 {
+        assert_eq!(std::fs::read_to_string(there.join(format!("cwd.{r}"))).unwrap().trim_end(), there.to_str().unwrap());
+    }
+    assert!(!dir.path().join("cwd.0").exists());
+}
+
 #[test]
 fn a_missing_cwd_on_one_host_exits_2_naming_the_host() {
     let dir = tempfile::tempdir().unwrap();

@@ -160,3 +160,17 @@ fn fanout_check_and_same_host_in_the_plan_and_dry_run() {
     let e = crate::cli::LaunchArgs::try_parse_with_origins_from(["rsrun", "-H", "w1:1", "--ssh-fanout", "many", "true"]).unwrap_err();
     assert!(e.to_string().contains("invalid value 'many' for '--ssh-fanout <N>'"), "{e}");
 }
+
+#[test]
+fn chdir_sets_every_hosts_directory() {
+    let p = resolve(&["-H", "w1:1", "--chdir", "/shared/run7", "--rdzv-endpoint", "127.0.0.1", "true"]).unwrap();
+    assert_eq!(p.cwd, Path::new("/shared/run7"));
+    assert!(super::super::dry_run::render(&p).contains("cwd          : /shared/run7\n"));
+    assert_eq!(
+        err(&["-H", "w1:1", "--chdir", "run7", "true"]),
+        "invalid value 'run7' for --chdir: expected an absolute path (the directory on every host)"
+    );
+    // The head's own plan carries no "no effect" note for its multi-node flags.
+    let node = LaunchPlan::resolve(&parse(&["-H", "w1:1", "-x", "A=1", "--chdir", "/x", "true"]), &host()).unwrap();
+    assert!(!node.notes.iter().any(|n| n.contains("no effect")), "{:?}", node.notes);
+}
