@@ -63,6 +63,10 @@ pub struct RunContext {
     pub signals: Signals,
     /// The guardian process, when one was started.
     pub guardian: Option<Arc<Guardian>>,
+    /// Cancelled when the rendezvous service is known to be gone (it lived in the head that started
+    /// this agent, and the head is gone): leaving the job there is skipped, so the agent exits as
+    /// soon as its workers are stopped.
+    pub service_gone: Option<CancellationToken>,
 }
 
 /// Runs the job on this node until it ends.
@@ -87,6 +91,9 @@ pub async fn run(plan: LaunchPlan, mut cx: RunContext) -> anyhow::Result<Outcome
             return Ok(Outcome::signalled(sig));
         }
     };
+    if let Some(gone) = &cx.service_gone {
+        rdzv.service_gone_on(gone.clone());
+    }
     let result = agent_loop(&plan, &mut cx, &mut rdzv, &note).await;
     rdzv.close().await;
     result

@@ -289,6 +289,12 @@ pub struct LaunchArgs {
           help_heading = "Cluster")]
     pub exclude: Option<String>,
 
+    /// Slurm: after a preemption notice (SIGTERM, SIGUSR1 or SIGUSR2) was passed to the workers and
+    /// they exited (or the shutdown grace passed), node rank 0 runs `scontrol requeue <job id>` once.
+    #[arg(long = "requeue-on-preempt", alias = "requeue_on_preempt", env = "RSRUN_REQUEUE_ON_PREEMPT",
+          value_parser = BoolishValueParser::new(), action = clap::ArgAction::SetTrue, help_heading = "Cluster")]
+    pub requeue_on_preempt: bool,
+
     // rsrun: one command for the whole job (ssh)
     /// Command used instead of `ssh`, called like ssh: `CMD [OPTIONS] -- HOST COMMAND` with stdin
     /// connected (a `kubectl exec -i` or `docker exec -i` wrapper, a test shim). Split on spaces.
@@ -326,19 +332,41 @@ pub struct LaunchArgs {
 
     /// Reach local hosts (localhost, 127.x, this host's name) through ssh too, instead of starting
     /// their agent directly.
-    #[arg(long = "ssh-local", alias = "ssh_local", value_parser = BoolishValueParser::new(),
+    #[arg(long = "ssh-local", alias = "ssh_local", env = "RSRUN_SSH_LOCAL", value_parser = BoolishValueParser::new(),
           action = clap::ArgAction::SetTrue, help_heading = "Multi-node (ssh)")]
     pub ssh_local: bool,
 
-    /// Allow several hosts of the list to be this machine (tests, or several nodes per machine).
-    #[arg(long = "allow-same-host", alias = "allow_same_host", value_parser = BoolishValueParser::new(),
+    /// Allow several entries of the host list to be one machine (tests, or several nodes per
+    /// machine). Without it, two entries whose agents report the same boot id and network namespace
+    /// are refused before any worker starts.
+    #[arg(long = "allow-same-host", alias = "allow_same_host", env = "RSRUN_ALLOW_SAME_HOST",
+          value_parser = BoolishValueParser::new(),
           action = clap::ArgAction::SetTrue, help_heading = "Multi-node (ssh)")]
     pub allow_same_host: bool,
+
+    /// At most N hosts connecting at once (a sliding window, like pdsh -f): the next host's ssh
+    /// starts when one of them has started its agent or failed.
+    #[arg(long = "ssh-fanout", alias = "ssh_fanout", env = "RSRUN_SSH_FANOUT", default_value_t = 128,
+          value_parser = clap::value_parser!(u32).range(1..=65535), value_name = "N",
+          help_heading = "Multi-node (ssh)")]
+    pub ssh_fanout: u32,
+
+    /// Preflight only: start an agent on every host (ssh, rsrun's version, the cwd, the program, the
+    /// same-machine check), print one line per host, stop them, and exit (0: every host is ready;
+    /// 2: one line per host that is not). No worker starts.
+    #[arg(long, env = "RSRUN_CHECK", value_parser = BoolishValueParser::new(),
+          action = clap::ArgAction::SetTrue, help_heading = "Multi-node (ssh)")]
+    pub check: bool,
 
     /// Path of rsrun on the hosts (default: this rsrun's absolute path).
     #[arg(long = "remote-rsrun", alias = "remote_rsrun", env = "RSRUN_REMOTE_RSRUN", value_name = "PATH",
           help_heading = "Multi-node (ssh)")]
     pub remote_rsrun: Option<PathBuf>,
+
+    /// Working directory of the agents and workers on every host (an absolute path; default: this
+    /// directory, which every host must have, e.g. on a shared file system).
+    #[arg(long, env = "RSRUN_CHDIR", value_name = "DIR", help_heading = "Multi-node (ssh)")]
+    pub chdir: Option<PathBuf>,
 
     /// Forward a variable to every host: `NAME` (its value here) or `NAME=VALUE`. Repeatable.
     #[arg(short = 'x', long = "export", value_name = "NAME[=VALUE]", help_heading = "Multi-node (ssh)")]

@@ -37,7 +37,7 @@ use tracing::{debug, info, warn};
 
 use crate::env::RoundAssignment;
 use crate::logs::{ConsoleEvent, ConsoleTx};
-use crate::plan::{Endpoint, HostMode, LaunchPlan, RdzvPlan};
+use crate::plan::{Endpoint, HostMode, LaunchPlan, RdzvPlan, StartError};
 use crate::reach;
 use crate::rdzv::{Decision, RoundEnd, RoundEndFuture, free_port};
 use crate::report::{ExitKind, WorkerFailure};
@@ -71,6 +71,8 @@ pub struct DaemonRdzv {
     watch: Option<watch::Receiver<Option<proto::JobView>>>,
     keep_alive: Option<KeepAliveHandle>,
     left: bool,
+    /// Cancelled when the service is known to be gone (it lived in a head that died).
+    gone: Option<tokio_util::sync::CancellationToken>,
 }
 
 impl DaemonRdzv {
@@ -121,6 +123,7 @@ impl DaemonRdzv {
                 // The address comes from the cluster (Slurm, Kubernetes): node rank 0's name may not
                 // resolve yet (its pod is not up); wait for it until the join timeout.
                 let target = reach::resolve(&endpoint.host, endpoint.port, plan.timeouts.join, console).await?;
+                reach::refuse_loopback(&endpoint.host, target, &plan.node_list).await?;
                 let addrs = advertised_addrs(plan, target);
                 if *host == HostMode::Always {
                     let (addr, server) = host_for_job(plan, token.as_deref(), target).await?;
@@ -154,6 +157,7 @@ impl DaemonRdzv {
             }
             RdzvPlan::Static { node_rank, master_addr, master_port } => {
                 let target = reach::resolve(master_addr, *master_port, plan.timeouts.join, console).await?;
+                reach::refuse_loopback(master_addr, target, &plan.node_list).await?;
                 let addrs = advertised_addrs(plan, target);
                 let (addr, embedded) = if *node_rank == 0 {
                     if !is_local_ip(target.ip()) {
@@ -195,6 +199,7 @@ impl DaemonRdzv {
             watch: None,
             keep_alive: None,
             left: false,
+            gone: None,
         })
     }
 
@@ -266,6 +271,14 @@ impl DaemonRdzv {
             Err(ref err) if job_ended(err, &self.job) == Some(Ended::Completed) => {
                 info!(job = %self.job, node = %self.node, %err, "the job completed while this node waited");
                 return Ok(None);
+            }
+            // Refused (the service serves another job; the token is not accepted): this node cannot
+            // start as configured (exit 2).
+            Err(err @ (RdzvError::PermissionDenied(_) | RdzvError::Unauthenticated(_))) => {
+                return Err(anyhow::Error::new(StartError(format!(
+                    "the rendezvous at {} refuses job '{}': {err}",
+                    self.endpoint, self.job
+                ))));
             }
             Err(err) => return Err(err).context(format!("joining job '{}' at {}", self.job, self.endpoint)),
         };
@@ -544,6 +557,11 @@ impl DaemonRdzv {
         })
     }
 
+    /// See [`crate::rdzv::Rendezvous::service_gone_on`].
+    pub(crate) fn service_gone_on(&mut self, gone: tokio_util::sync::CancellationToken) {
+        self.gone = Some(gone);
+    }
+
     /// Leaves the job (best effort).
     pub(crate) async fn leave(&mut self, reason: &str) {
         if self.left {
@@ -551,6 +569,10 @@ impl DaemonRdzv {
         }
         self.left = true;
         self.keep_alive = None;
+        if self.gone.as_ref().is_some_and(tokio_util::sync::CancellationToken::is_cancelled) {
+            debug!(job = %self.job, "the rendezvous service is gone with the head: not leaving there");
+            return;
+        }
         match tokio::time::timeout(EXIT_CALL_TIMEOUT, self.client.leave(&self.job, &self.node, reason)).await {
             Ok(Ok(())) => {}
             Ok(Err(err)) => debug!(%err, "leave failed"),

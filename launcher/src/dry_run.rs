@@ -110,6 +110,15 @@ pub fn render(plan: &LaunchPlan) -> String {
         t.lease
     );
     let _ = writeln!(s, "signals      : {}", plan.signals);
+    if let Some(r) = &plan.requeue {
+        let _ = writeln!(
+            s,
+            "requeue      : after a preemption signal ({}), once the workers exit or the shutdown grace passes, node rank 0 runs `{}` once ({})",
+            crate::requeue::watched(&plan.signals).iter().map(|s| s.as_str().trim_start_matches("SIG")).collect::<Vec<_>>().join(", "),
+            r.argv().join(" "),
+            if r.runner { "this node" } else { "not this node" }
+        );
+    }
     match &plan.logs.dir {
         Some(d) => {
             let _ = writeln!(

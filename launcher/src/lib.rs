@@ -33,6 +33,7 @@ pub mod reach;
 pub mod rdzv;
 pub mod remote;
 pub mod report;
+pub mod requeue;
 pub mod signals;
 pub mod supervisor;
 pub mod worker;

@@ -59,7 +59,8 @@ fn main() -> ExitCode {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
         Err(err) => {
             eprintln!("rsrun: error: {err:#}");
-            ExitCode::from(1)
+            // A configuration problem found at run time is a start failure, like a plan error.
+            ExitCode::from(if rsrun_launcher::plan::StartError::is_in(&err) { 2 } else { 1 })
         }
     }
 }
@@ -97,8 +98,18 @@ fn launch(plan: LaunchPlan) -> anyhow::Result<i32> {
     let policy = plan.signals.clone();
     let outcome = with_console(move |tx, console_modes| async move {
         let signals = Signals::install(&policy).context("cannot install signal handlers")?;
-        let cx = RunContext { console: tx, console_modes, shutdown: CancellationToken::new(), signals, guardian };
-        rsrun_launcher::run(plan, cx).await
+        // --requeue-on-preempt: node rank 0 watches for the preemption notice.
+        let requeuer = match &plan.requeue {
+            Some(r) => rsrun_launcher::requeue::Requeuer::start(r, &policy, plan.timeouts.shutdown, tx.clone())
+                .context("cannot install signal handlers")?,
+            None => None,
+        };
+        let cx = RunContext { console: tx, console_modes, shutdown: CancellationToken::new(), signals, guardian, service_gone: None };
+        let outcome = rsrun_launcher::run(plan, cx).await;
+        if let Some(r) = requeuer {
+            r.finish().await;
+        }
+        outcome
     })?;
     if let Some(report) = &outcome.report {
         let mut err = std::io::stderr().lock();
@@ -171,6 +182,11 @@ fn head_main(args: &LaunchArgs) -> ExitCode {
             let signals = Signals::install(&policy).context("cannot install signal handlers")?;
             rsrun_launcher::remote::run_head(plan, HeadContext { console: tx, signals }).await
         })?;
+        let mut out = std::io::stdout().lock();
+        for line in &outcome.report {
+            let _ = writeln!(out, "{line}");
+        }
+        let _ = out.flush();
         let mut err = std::io::stderr().lock();
         for line in &outcome.summary {
             let _ = writeln!(err, "{line}");
@@ -210,10 +226,11 @@ fn agent_main() -> ExitCode {
         Ok(p) => p,
         Err(msg) => return fail(&mut out, msg),
     };
-    let agent::PreparedAgent { plan, host, node_id, private_dir } = prepared;
+    let agent::PreparedAgent { plan, host, node_id, private_dir, gpus, rdzv_in_head } = prepared;
     for note in &plan.notes {
         agent::send(&mut out, Event::Note(format!("rsrun: {note}")));
     }
+    let identity = rsrun_launcher::remote::identity::HostIdentity::probe();
     agent::send(
         &mut out,
         Event::Ready(AgentReady {
@@ -221,8 +238,23 @@ fn agent_main() -> ExitCode {
             hostname: plan.hostname.clone(),
             pid: std::process::id(),
             rsrun_version: env!("CARGO_PKG_VERSION").to_owned(),
+            boot_id: identity.boot_id,
+            netns_inode: identity.netns_inode,
+            workers: plan.nproc_per_node,
+            gpus,
+            program: plan.program.exe.display().to_string(),
         }),
     );
+    // Still single-threaded: nothing starts before the head has seen every host (same-machine check,
+    // --check).
+    if agent::wait_for_start(&mut std::io::stdin().lock()) == agent::Go::Stop {
+        drop(private_dir);
+        agent::send(&mut out, Event::Exit(AgentExit { code: 0 }));
+        return ExitCode::SUCCESS;
+    }
+    // The rendezvous lives in the head: when the head is gone, so is the service (no leave there).
+    let head_gone = CancellationToken::new();
+    let service_gone = if rdzv_in_head { Some(head_gone.clone()) } else { None };
     let run = move || -> anyhow::Result<rsrun_launcher::Outcome> {
         // SAFETY: still no other thread.
         let guardian = match unsafe { Guardian::start() } {
@@ -249,7 +281,7 @@ fn agent_main() -> ExitCode {
             // blocks in read(2) and ends with the process.
             std::thread::Builder::new()
                 .name("control".into())
-                .spawn(move || agent::control_loop(&mut std::io::stdin().lock(), &injector))
+                .spawn(move || agent::control_loop(&mut std::io::stdin().lock(), &injector, &head_gone))
                 .context("cannot start the control thread")?;
             // The agent's console is a pipe to the head: progress comes as ordinary lines.
             let cx = RunContext {
@@ -258,6 +290,7 @@ fn agent_main() -> ExitCode {
                 shutdown: CancellationToken::new(),
                 signals,
                 guardian,
+                service_gone,
             };
             rsrun_launcher::run(plan, cx).await
         });
@@ -282,7 +315,7 @@ fn agent_main() -> ExitCode {
             let msg = format!("rsrun: error on {host}: {err:#}");
             eprintln!("{msg}");
             agent::send(&mut out, Event::Note(msg));
-            1
+            if rsrun_launcher::plan::StartError::is_in(&err) { 2 } else { 1 }
         }
     };
     agent::send(&mut out, Event::Exit(AgentExit { code }));

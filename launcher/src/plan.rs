@@ -60,6 +60,21 @@ pub enum PlanError {
     },
 }
 
+/// A configuration problem that only shows once the node runs: the rendezvous refuses this job (it
+/// serves another job, or the token is not accepted), node rank 0's name resolves to a loopback
+/// address. Like a [`PlanError`], rsrun exits 2 (the job could not start), where infrastructure
+/// failures exit 1.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct StartError(pub String);
+
+impl StartError {
+    /// Whether `err` (or what it wraps) is a [`StartError`].
+    pub fn is_in(err: &anyhow::Error) -> bool {
+        err.chain().any(|e| e.is::<StartError>())
+    }
+}
+
 fn invalid(flag: &'static str, value: &str, expected: impl Into<String>) -> PlanError {
     PlanError::Invalid { flag, value: value.to_owned(), expected: expected.into() }
 }
@@ -595,9 +610,14 @@ pub struct LaunchPlan {
     /// How many ports after the rendezvous port node rank 0 tries when it is taken, and the other
     /// nodes search (Slurm's derived or reserved port: 7; 0 otherwise).
     pub port_probe: u16,
+    /// Slurm: the step's hosts in node order; node rank 0's name resolving to a loopback address
+    /// while another host's does not is refused (the `127.0.1.1` trap, multinode.md §3.2).
+    pub node_list: Vec<String>,
     /// The resolved topology values and where each came from (flag, `PET_*`, `SLURM_*`, hostfile
     /// line), in display order.
     pub sources: Vec<Sourced>,
+    /// `--requeue-on-preempt`: the Slurm job node rank 0 requeues after a preemption signal.
+    pub requeue: Option<multinode::slurm::Requeue>,
 }
 
 /// Parses `30`, `2.5`, `500ms`, `30s`, `5m`, `1h`.
@@ -1306,8 +1326,9 @@ impl LaunchPlan {
         };
 
         // Multi-node flags without --hosts/--hostfile.
-        if !args.export.is_empty() || !args.env_file.is_empty() || args.export_all || !args.ssh_option.is_empty() {
-            notes.push("-x/--env-file/--export-all/--ssh-option have no effect without --hosts or --hostfile".into());
+        let multinode_flags = !args.export.is_empty() || !args.env_file.is_empty() || args.export_all || !args.ssh_option.is_empty() || args.chdir.is_some();
+        if multinode_flags && !args.is_remote() {
+            notes.push("-x/--env-file/--export-all/--ssh-option/--chdir have no effect without --hosts or --hostfile".into());
         }
 
         // Compatibility flags without an effect.
@@ -1346,6 +1367,12 @@ impl LaunchPlan {
         };
         let mut sources = topology_sources(args, &cluster, nodes, nproc_per_node, &rdzv, &job_id);
         sources.extend(shutdown_source);
+        let requeue = if args.requeue_on_preempt { Some(multinode::slurm::requeue(&mode, &host.env)?) } else { None };
+        if args.check && !args.is_remote() {
+            return Err(PlanError::Conflict(
+                "--check needs --hosts or --hostfile: it checks every host of a whole-job launch and starts nothing".into(),
+            ));
+        }
 
         Ok(LaunchPlan {
             job_id,
@@ -1374,7 +1401,9 @@ impl LaunchPlan {
             hosts: cluster.hosts,
             task_ranks: cluster.task_ranks,
             port_probe: cluster.port_probe,
+            node_list: cluster.node_list,
             sources,
+            requeue,
         })
     }
 }

@@ -97,6 +97,11 @@ impl Rendezvous {
         self.0.after_round_end(a).await
     }
 
+    /// Once `gone` is cancelled the service is known to be gone: [`Rendezvous::leave`] does not try.
+    pub fn service_gone_on(&mut self, gone: tokio_util::sync::CancellationToken) {
+        self.0.service_gone_on(gone);
+    }
+
     /// Leaves the job (best effort, short deadline).
     pub async fn leave(&mut self, reason: &str) {
         self.0.leave(reason).await;

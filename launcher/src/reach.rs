@@ -132,6 +132,58 @@ where
     }
 }
 
+/// How many other hosts of the node list are resolved, at most, to tell a loopback address of node
+/// rank 0 from an all-loopback test list.
+const LOOPBACK_CHECK_HOSTS: usize = 16;
+/// Deadline of each of those lookups.
+const LOOPBACK_LOOKUP_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The `127.0.1.1` trap (multinode.md §3.2): node rank 0's name `first` resolved to `addr`. When that
+/// is a loopback address while another host of the list resolves to a non-loopback one, the other
+/// nodes cannot reach node rank 0 there: the error says so. A list whose hosts all resolve to
+/// loopback is a one-machine test, and passes. `others` are the other hosts with what they resolved to.
+pub fn loopback_conflict(first: &str, addr: std::net::IpAddr, others: &[(String, Vec<std::net::IpAddr>)]) -> Option<String> {
+    if !addr.is_loopback() {
+        return None;
+    }
+    let (other, ip) = others.iter().find_map(|(h, ips)| ips.iter().find(|ip| !ip.is_loopback()).map(|ip| (h, ip)))?;
+    let debian = if addr == std::net::IpAddr::from([127, 0, 1, 1]) {
+        format!(" (the `127.0.1.1 {first}` line of Debian's /etc/hosts)")
+    } else {
+        String::new()
+    };
+    Some(format!(
+        "node rank 0's host {first} resolves to {addr} here, a loopback address{debian}, while {other} resolves to {ip}: the other nodes cannot reach node rank 0's rendezvous there; map {first} to its network address in /etc/hosts, or pass --rdzv-endpoint ADDR:PORT"
+    ))
+}
+
+/// [`loopback_conflict`] with the other hosts of `list` resolved (up to 16 of them, 2 s each, until
+/// one resolves to a non-loopback address).
+///
+/// # Errors
+/// The conflict, as a [`crate::plan::StartError`].
+pub async fn refuse_loopback(first: &str, addr: SocketAddr, list: &[String]) -> Result<(), crate::plan::StartError> {
+    if !addr.ip().is_loopback() {
+        return Ok(());
+    }
+    let mut others = Vec::new();
+    for h in list.iter().filter(|h| h.as_str() != first).take(LOOPBACK_CHECK_HOSTS) {
+        let ips: Vec<std::net::IpAddr> = match tokio::time::timeout(LOOPBACK_LOOKUP_TIMEOUT, tokio::net::lookup_host((h.as_str(), addr.port()))).await {
+            Ok(Ok(a)) => a.map(|a| a.ip()).collect(),
+            _ => Vec::new(),
+        };
+        let done = ips.iter().any(|ip| !ip.is_loopback());
+        others.push((h.clone(), ips));
+        if done {
+            break;
+        }
+    }
+    match loopback_conflict(first, addr.ip(), &others) {
+        Some(msg) => Err(crate::plan::StartError(msg)),
+        None => Ok(()),
+    }
+}
+
 /// What answers at one address, for a job.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Found {

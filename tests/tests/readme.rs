@@ -101,6 +101,7 @@ const K8S_DRY_RUN: &str = "PET_NNODES=2 PET_NODE_RANK=1 PET_MASTER_ADDR=127.0.0.
 
 const SSH_RUN: &str = "rsrun -H node1:8,node2:8 --rdzv-endpoint node1 train --steps 1000";
 const SSH_DRY_RUN: &str = "rsrun -H node1:8,node2:8 --dry-run train --steps 1000";
+const SSH_CHECK: &str = "rsrun -H node1:8,node2:8 --check train --steps 1000";
 const FAKE_RSH_RUN: &str = "./target/release/rsrun -H h1:2,h2:2 --rsh tests/fake-rsh --allow-same-host --rdzv-endpoint 127.0.0.1:0 ./target/release/hello --steps 3";
 
 const ETCD_MEMBER: &str = "etcd --name e1 --data-dir /var/lib/etcd --listen-client-urls http://e1:2379 --advertise-client-urls http://e1:2379 --listen-peer-urls http://e1:2380 --initial-advertise-peer-urls http://e1:2380 --initial-cluster e1=http://e1:2380,e2=http://e2:2380,e3=http://e3:2380 --auto-compaction-retention 1h";
@@ -135,6 +136,7 @@ const COVERED: &[&str] = &[
     K8S_DRY_RUN,
     SSH_RUN,
     SSH_DRY_RUN,
+    SSH_CHECK,
     FAKE_RSH_RUN,
     ETCD_MEMBER,
     HA_DAEMON,
@@ -362,6 +364,19 @@ fn one_command_for_the_whole_job() {
     ok(&outs);
     let s = stdout_of(&outs);
     assert!(s.contains("node1") && s.contains("node2") && s.contains("agent --stdin"), "{s}");
+
+    // --check through the fake rsh: one line per host, no worker.
+    let check = readme(SSH_CHECK)
+        .replacen("rsrun ", &format!("rsrun --rsh {} --allow-same-host ", rsh.display()), 1)
+        .replace("node1:8,node2:8", "node1:1,node2:1");
+    let outs = run_all(vec![shell(dir.path(), &check)], RUN_DEADLINE);
+    ok(&outs);
+    let s = stdout_of(&outs);
+    for h in ["node1", "node2"] {
+        let line = s.lines().find(|l| l.starts_with(&format!("{h}: ready (ssh): hostname "))).unwrap_or_else(|| panic!("{h}:\n{s}"));
+        assert!(line.contains(", 1 worker, ") && line.contains(" GPU") && line.ends_with("/train"), "{line}");
+    }
+    assert!(text(&outs[0]).contains("all 2 hosts are ready; no worker was started"), "{}", text(&outs[0]));
 }
 
 /// `pip install .` from the clone (maturin from PyPI builds the launcher and the rendezvous service),

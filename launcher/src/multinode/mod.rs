@@ -165,6 +165,9 @@ pub struct Cluster {
     pub task_ranks: Option<TaskRanks>,
     /// Next ports node rank 0 tries when the rendezvous port is taken (and the others search).
     pub port_probe: u16,
+    /// Slurm: the step's hosts in node order (node rank 0's name must not resolve to loopback when
+    /// the others do not).
+    pub node_list: Vec<String>,
     /// Resolved values and their sources, in display order.
     pub sources: Vec<Sourced>,
     /// Notes for the console.
@@ -181,6 +184,7 @@ impl Cluster {
             rdzv: None,
             task_ranks: None,
             port_probe: 0,
+            node_list: Vec::new(),
             sources: Vec::new(),
             notes: Vec::new(),
         }

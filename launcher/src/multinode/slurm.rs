@@ -114,6 +114,54 @@ pub fn run_id(env: &HashMap<String, String>) -> String {
     format!("slurm-{job}.{step}.r{restarts}")
 }
 
+/// `--requeue-on-preempt` (multinode.md §3.5): the job to requeue and whether this process is the
+/// one that runs `scontrol requeue` (node rank 0: `SLURM_NODEID=0` in mode A, the task with
+/// `SLURM_PROCID=0` in mode B, the only node of a one-node allocation).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Requeue {
+    /// `SLURM_JOB_ID`, or `<SLURM_ARRAY_JOB_ID>_<SLURM_ARRAY_TASK_ID>` for an array task.
+    pub job: String,
+    /// This process runs it (the others only forward the signal).
+    pub runner: bool,
+}
+
+impl Requeue {
+    /// The command node rank 0 runs.
+    pub fn argv(&self) -> [String; 3] {
+        ["scontrol".to_owned(), "requeue".to_owned(), self.job.clone()]
+    }
+}
+
+/// What `--requeue-on-preempt` means in launch mode `mode`.
+///
+/// # Errors
+/// Not under Slurm (no job to requeue), or the ssh launcher (start the job under srun instead).
+pub fn requeue(mode: &LaunchMode, env: &HashMap<String, String>) -> Result<Requeue, PlanError> {
+    let e = Env(env);
+    let job = match (e.get("SLURM_ARRAY_JOB_ID"), e.get("SLURM_ARRAY_TASK_ID")) {
+        (Some(a), Some(t)) => format!("{a}_{t}"),
+        _ => match e.get("SLURM_JOB_ID") {
+            Some(j) => j.to_owned(),
+            None => {
+                return Err(PlanError::Conflict(
+                    "--requeue-on-preempt needs a Slurm job (SLURM_JOB_ID is not set): it runs `scontrol requeue <job id>`".into(),
+                ));
+            }
+        },
+    };
+    let runner = match mode {
+        LaunchMode::SlurmA => e.num("SLURM_NODEID")? == Some(0),
+        LaunchMode::SlurmB => e.num("SLURM_PROCID")? == Some(0),
+        LaunchMode::SlurmLocal | LaunchMode::SlurmC { .. } => true,
+        other => {
+            return Err(PlanError::Conflict(format!(
+                "--requeue-on-preempt works under Slurm (srun, or a batch script), not in launch mode \"{other}\""
+            )));
+        }
+    };
+    Ok(Requeue { job, runner })
+}
+
 /// Options whose presence means "the user configured this node by hand".
 const MANUAL: &[&str] =
     &["rdzv_endpoint", "rdzv_backend", "master_addr", "master_port", "node_rank", "nnodes", "standalone"];
@@ -199,6 +247,7 @@ pub fn detect(args: &LaunchArgs, host: &HostInfo, table_given: bool, notes: &mut
     c.sources.push(Sourced::new("nnodes", n, Source::Env(n_var.into())));
     c.sources.push(Sourced::new("node rank", node, Source::Env("SLURM_NODEID".into())));
     c.sources.push(Sourced::new("node list", hostlist::compress(&hosts), Source::Env(list_var.into())));
+    c.node_list = hosts.clone();
     c.nodes = Some(NodeRange { min: n, max: n });
 
     let typed = |id: &str| args.origin(id) == Origin::CommandLine;

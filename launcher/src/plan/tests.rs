@@ -310,3 +310,65 @@ fn keep_alive_timeout_and_tls_ca() {
     let e = err(&["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-id", "j", "--rdzv-tls-ca", "/nonexistent/ca.pem", "true"]);
     assert!(e.contains("--rdzv-tls-ca") && e.contains("readable"), "{e}");
 }
+
+#[test]
+fn check_needs_a_host_list() {
+    assert_eq!(
+        err(&["--check", "true"]),
+        "--check needs --hosts or --hostfile: it checks every host of a whole-job launch and starts nothing"
+    );
+}
+
+#[test]
+fn requeue_on_preempt_needs_slurm_and_names_node_rank_0() {
+    assert_eq!(
+        err(&["--requeue-on-preempt", "true"]),
+        "--requeue-on-preempt needs a Slurm job (SLURM_JOB_ID is not set): it runs `scontrol requeue <job id>`"
+    );
+    let step = |node: &str| {
+        vec![
+            ("SLURM_JOB_ID", "4242"),
+            ("SLURM_STEP_ID", "0"),
+            ("SLURM_STEP_NODELIST", "127.0.0.[1-2]"),
+            ("SLURM_STEP_NUM_NODES", "2"),
+            ("SLURM_STEP_NUM_TASKS", "2"),
+            ("SLURM_STEP_TASKS_PER_NODE", "1(x2)"),
+            ("SLURM_NODEID", if node == "0" { "0" } else { "1" }),
+        ]
+    };
+    for (node, runner) in [("0", true), ("1", false)] {
+        let (a, h) = parse_env(&["--requeue-on-preempt", "true"], &step(node));
+        let p = LaunchPlan::resolve(&a, &h).unwrap();
+        let r = p.requeue.clone().unwrap();
+        assert_eq!((r.job.as_str(), r.runner), ("4242", runner), "node {node}");
+        assert_eq!(r.argv(), ["scontrol", "requeue", "4242"]);
+        let text = crate::dry_run::render(&p);
+        let who = if runner { "this node" } else { "not this node" };
+        assert!(
+            text.contains(&format!("requeue      : after a preemption signal (TERM, USR1, USR2), once the workers exit or the shutdown grace passes, node rank 0 runs `scontrol requeue 4242` once ({who})")),
+            "{text}"
+        );
+    }
+    // An array task requeues ARRAY_JOB_ID_TASK_ID.
+    let mut env = step("0");
+    env.extend([("SLURM_ARRAY_JOB_ID", "900"), ("SLURM_ARRAY_TASK_ID", "3")]);
+    let (a, h) = parse_env(&["--requeue-on-preempt", "true"], &env);
+    assert_eq!(LaunchPlan::resolve(&a, &h).unwrap().requeue.unwrap().job, "900_3");
+    // Mode B: the task with SLURM_PROCID=0.
+    let mode_b = [
+        ("SLURM_JOB_ID", "4343"),
+        ("SLURM_STEP_ID", "0"),
+        ("SLURM_STEP_NODELIST", "127.0.0.[1-2]"),
+        ("SLURM_STEP_NUM_NODES", "2"),
+        ("SLURM_STEP_NUM_TASKS", "4"),
+        ("SLURM_STEP_TASKS_PER_NODE", "2(x2)"),
+        ("SLURM_NODEID", "0"),
+        ("SLURM_PROCID", "1"),
+        ("SLURM_LOCALID", "1"),
+    ];
+    let (a, h) = parse_env(&["--requeue-on-preempt", "true"], &mode_b);
+    assert!(!LaunchPlan::resolve(&a, &h).unwrap().requeue.unwrap().runner, "rank 1 of node 0 is not the runner");
+    // Not with the ssh launcher.
+    let e = err(&["-H", "w1:1", "--requeue-on-preempt", "--rdzv-endpoint", "127.0.0.1", "true"]);
+    assert!(e.starts_with("--requeue-on-preempt needs a Slurm job"), "{e}");
+}

@@ -148,3 +148,31 @@ async fn a_single_job_service_refuses_a_join_of_another_job() {
     let err = client.join(spec).await.unwrap_err().to_string();
     assert!(err.contains("serves only job \"slurm-1.0.r0\"") && err.contains("job \"slurm-2.0.r0\" cannot use it"), "{err}");
 }
+
+#[test]
+fn node_rank_0_on_loopback_is_refused_unless_every_host_is() {
+    let lo: std::net::IpAddr = "127.0.1.1".parse().unwrap();
+    let net: std::net::IpAddr = "10.1.0.2".parse().unwrap();
+    let others = vec![("node2".to_owned(), vec![net])];
+    let msg = loopback_conflict("node1", lo, &others).unwrap();
+    assert_eq!(
+        msg,
+        "node rank 0's host node1 resolves to 127.0.1.1 here, a loopback address (the `127.0.1.1 node1` line of Debian's /etc/hosts), while node2 resolves to 10.1.0.2: the other nodes cannot reach node rank 0's rendezvous there; map node1 to its network address in /etc/hosts, or pass --rdzv-endpoint ADDR:PORT"
+    );
+    // An all-loopback list is a one-machine test.
+    let all_lo = vec![("127.0.0.2".to_owned(), vec!["127.0.0.2".parse().unwrap()])];
+    assert_eq!(loopback_conflict("127.0.0.1", "127.0.0.1".parse().unwrap(), &all_lo), None);
+    // A network address for node rank 0 is always fine; unresolved others do not count.
+    assert_eq!(loopback_conflict("node1", net, &others), None);
+    assert_eq!(loopback_conflict("node1", lo, &[("node2".to_owned(), Vec::new())]), None);
+}
+
+#[tokio::test]
+async fn refuse_loopback_resolves_the_other_hosts() {
+    let at = |ip: &str| std::net::SocketAddr::new(ip.parse().unwrap(), 29500);
+    let list = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let e = refuse_loopback("localhost", at("127.0.0.1"), &list(&["localhost", "192.0.2.7"])).await.unwrap_err();
+    assert!(e.0.contains("while 192.0.2.7 resolves to 192.0.2.7"), "{e}");
+    assert!(refuse_loopback("127.0.0.1", at("127.0.0.1"), &list(&["127.0.0.1", "127.0.0.2"])).await.is_ok());
+    assert!(refuse_loopback("n", at("192.0.2.1"), &list(&["n", "192.0.2.7"])).await.is_ok());
+}

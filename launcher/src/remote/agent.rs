@@ -5,7 +5,10 @@
 //! 2. [`prepare`]: enter the cwd, set the forwarded environment, write the token to a private file,
 //!    and resolve this node's [`LaunchPlan`] with rsrun's own parser and validation. A failure is
 //!    one line for the head (`cwd /x does not exist on w2`), and exit 2;
-//! 3. then it runs the ordinary agent ([`crate::agent::run`], daemon-backed rendezvous) with its
+//! 3. it says `AgentReady` (with its host identity) and waits for the head's word ([`wait_for_start`]):
+//!    `Control{START}` once every host is ready and the identities were checked; STOP (a refusal, or
+//!    `--check`) or EOF ends it with exit 0 before anything started;
+//! 4. then it runs the ordinary agent ([`crate::agent::run`], daemon-backed rendezvous) with its
 //!    console going to stdout as `AgentEvent` frames ([`console_loop`]), and a reader of the rest of
 //!    stdin ([`control_loop`]) that turns `Control{STOP}`, `Control{FORCE}` and EOF into stop signals.
 //!    EOF means the head is gone (`kill -9` included): the workers get the stop signal, the shutdown
@@ -85,6 +88,10 @@ pub struct PreparedAgent {
     pub node_id: String,
     /// Holds the token file for the agent's lifetime.
     pub private_dir: Option<PrivateDir>,
+    /// GPUs this host shows the agent.
+    pub gpus: u32,
+    /// The rendezvous service lives in the head (it is gone when stdin reaches EOF).
+    pub rdzv_in_head: bool,
 }
 
 /// Applies `launch` to this process and resolves the node's plan (see the module docs).
@@ -99,7 +106,10 @@ pub unsafe fn prepare(launch: &NodeLaunch) -> Result<PreparedAgent, String> {
     let host = &launch.host;
     let cwd = Path::new(&launch.cwd);
     if let Err(e) = std::env::set_current_dir(cwd) {
-        return Err(format!("cwd {} does not exist on {host} ({e}); run from a directory every host has (a shared file system)", cwd.display()));
+        return Err(format!(
+            "cwd {} does not exist on {host} ({e}); run from a directory every host has (a shared file system), or pass --chdir DIR",
+            cwd.display()
+        ));
     }
     for (k, v) in &launch.env {
         if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains(&0) {
@@ -133,15 +143,49 @@ pub unsafe fn prepare(launch: &NodeLaunch) -> Result<PreparedAgent, String> {
     let argv = agent_argv(&launch.options, place, &launch.program);
     let mut args = LaunchArgs::try_parse_from(std::iter::once("rsrun".to_owned()).chain(argv))
         .map_err(|e| format!("invalid options on {host}: {}", e.to_string().lines().next().unwrap_or("")))?;
-    // Whatever this host's environment says, this process is an agent, never a head.
+    // Whatever this host's environment says (RSRUN_* variables are forwarded), this process is an
+    // agent, never a head: the head's own options do not apply here.
     args.hosts = None;
     args.hostfile = None;
     args.dry_run = false;
-    let mut plan = LaunchPlan::resolve(&args, &HostInfo::probe()).map_err(|e| format!("{e} (on {host})"))?;
+    args.check = false;
+    let info = HostInfo::probe();
+    let mut plan = LaunchPlan::resolve(&args, &info).map_err(|e| format!("{e} (on {host})"))?;
     // The head chose the node rank (the host order); saying so on every host is noise.
     plan.notes.retain(|n| !n.starts_with("--node-rank "));
     let node_id = crate::plan::node_id(&plan.hostname, std::process::id());
-    Ok(PreparedAgent { plan, host: host.clone(), node_id, private_dir })
+    Ok(PreparedAgent { plan, host: host.clone(), node_id, private_dir, gpus: info.gpus, rdzv_in_head: launch.rdzv_in_head })
+}
+
+/// The head's word after `AgentReady`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Go {
+    /// Join the rendezvous and start the workers.
+    Start,
+    /// Stop without starting anything: `--check`, a refused host list, or the head is gone (EOF).
+    Stop,
+}
+
+/// Waits (blocking) for `Control{START}` after `AgentReady`. STOP, FORCE, EOF, a read error or a
+/// message that is not a `Control` mean [`Go::Stop`].
+pub fn wait_for_start(stdin: &mut impl Read) -> Go {
+    match read_frame(stdin) {
+        Ok(Some(frame)) => match Control::decode(frame.as_slice()) {
+            Ok(c) if c.action() == control::Action::Start => Go::Start,
+            Ok(c) => {
+                tracing::info!(action = ?c.action(), "the head says stop before the start");
+                Go::Stop
+            }
+            Err(err) => {
+                tracing::warn!(%err, "not a Control message after the launch plan; stopping");
+                Go::Stop
+            }
+        },
+        Ok(None) | Err(_) => {
+            tracing::info!("stdin closed before the start: the head is gone");
+            Go::Stop
+        }
+    }
 }
 
 /// Writes one event frame; errors (the head is gone) are ignored: EOF on stdin follows.
@@ -192,15 +236,17 @@ pub fn console_loop(mut rx: mpsc::Receiver<ConsoleEvent>, mut out: impl Write) {
     }
 }
 
-/// Reads `Control` frames after the `NodeLaunch` until EOF, turning them into stop signals: STOP is
-/// one stop signal (the head's, SIGTERM by default), FORCE is two (the second kills at once), and
-/// EOF — the head is gone — is one SIGTERM stop. Returns at EOF or when the injector's stream is gone.
-pub fn control_loop(stdin: &mut impl Read, injector: &SignalInjector) {
+/// Reads `Control` frames after `START` until EOF, turning them into stop signals: STOP is one stop
+/// signal (the head's, SIGTERM by default), FORCE is two (the second kills at once), and EOF — the
+/// head is gone — is one SIGTERM stop, after cancelling `head_gone`. Returns at EOF or when the
+/// injector's stream is gone.
+pub fn control_loop(stdin: &mut impl Read, injector: &SignalInjector, head_gone: &tokio_util::sync::CancellationToken) {
     loop {
         let frame = match read_frame(stdin) {
             Ok(Some(f)) => f,
             Ok(None) | Err(_) => {
                 tracing::info!("stdin closed: the head is gone; stopping the workers");
+                head_gone.cancel();
                 injector.inject(Signal::SIGTERM, SignalAction::Stop);
                 return;
             }
@@ -219,7 +265,7 @@ pub fn control_loop(stdin: &mut impl Read, injector: &SignalInjector) {
                 tracing::info!("the head asks to kill the workers now");
                 injector.inject(sig, SignalAction::Stop) && injector.inject(sig, SignalAction::Stop)
             }
-            control::Action::Unspecified => true,
+            control::Action::Start | control::Action::Unspecified => true,
         };
         if !ok {
             return;
@@ -238,7 +284,9 @@ mod tests {
         let injector = signals.injector();
         let mut bytes = super::super::wire::encode(&Control { action: control::Action::Stop as i32, signal: 2 });
         bytes.extend(super::super::wire::encode(&Control { action: control::Action::Force as i32, signal: 0 }));
-        control_loop(&mut std::io::Cursor::new(bytes), &injector);
+        let gone = tokio_util::sync::CancellationToken::new();
+        control_loop(&mut std::io::Cursor::new(bytes), &injector, &gone);
+        assert!(gone.is_cancelled(), "EOF: the head is gone");
         let got: Vec<(Signal, SignalAction)> = vec![signals.recv().await, signals.recv().await, signals.recv().await, signals.recv().await];
         assert_eq!(
             got,
@@ -249,6 +297,16 @@ mod tests {
                 (Signal::SIGTERM, SignalAction::Stop), // EOF
             ]
         );
+    }
+
+    #[test]
+    fn only_start_starts() {
+        let frame = |a: control::Action| super::super::wire::encode(&Control { action: a as i32, signal: 0 });
+        assert_eq!(wait_for_start(&mut std::io::Cursor::new(frame(control::Action::Start))), Go::Start);
+        assert_eq!(wait_for_start(&mut std::io::Cursor::new(frame(control::Action::Stop))), Go::Stop);
+        assert_eq!(wait_for_start(&mut std::io::Cursor::new(frame(control::Action::Force))), Go::Stop);
+        assert_eq!(wait_for_start(&mut std::io::Cursor::new(Vec::new())), Go::Stop, "EOF");
+        assert_eq!(wait_for_start(&mut std::io::Cursor::new(vec![2, 0xff, 0xff])), Go::Stop, "garbage");
     }
 
     #[test]

@@ -57,8 +57,9 @@ pub fn remote_command(rsrun: &Path) -> String {
     format!("exec '{}' {}", path.replace('\'', "'\\''"), AGENT_ARGS.join(" "))
 }
 
-/// The full argv that starts `host`'s agent over ssh (or `--rsh`).
-pub fn ssh_argv(ssh: &SshConfig, host: &str, rsrun: &Path) -> Vec<OsString> {
+/// The full argv that starts `host`'s agent over ssh (or `--rsh`): the host's own `user=`/`port=`
+/// override `--ssh-user`/`--ssh-port`, and ssh connects to its `addr=` when it has one.
+pub fn ssh_argv(ssh: &SshConfig, host: &super::RemoteHost, rsrun: &Path) -> Vec<OsString> {
     let mut v: Vec<OsString> = ssh.program.iter().map(OsString::from).collect();
     let mut push = |s: &str| v.push(OsString::from(s));
     push("-T");
@@ -74,7 +75,7 @@ pub fn ssh_argv(ssh: &SshConfig, host: &str, rsrun: &Path) -> Vec<OsString> {
         v.push("-F".into());
         v.push(cfg.clone().into_os_string());
     }
-    if let Some(port) = ssh.port {
+    if let Some(port) = host.port.or(ssh.port) {
         v.push("-p".into());
         v.push(port.to_string().into());
     }
@@ -82,7 +83,7 @@ pub fn ssh_argv(ssh: &SshConfig, host: &str, rsrun: &Path) -> Vec<OsString> {
         v.push("-i".into());
         v.push(id.clone().into_os_string());
     }
-    if let Some(user) = &ssh.user {
+    if let Some(user) = host.user.as_ref().or(ssh.user.as_ref()) {
         v.push("-l".into());
         v.push(user.into());
     }
@@ -91,7 +92,7 @@ pub fn ssh_argv(ssh: &SshConfig, host: &str, rsrun: &Path) -> Vec<OsString> {
         v.push(o.into());
     }
     v.push("--".into());
-    v.push(host.into());
+    v.push(host.target().into());
     v.push(remote_command(rsrun).into());
     v
 }
@@ -132,8 +133,9 @@ mod tests {
             user: Some("me".into()),
             options: vec!["StrictHostKeyChecking=accept-new".into()],
         };
+        let w2 = super::super::RemoteHost::named("w2", 1);
         let argv: Vec<String> =
-            ssh_argv(&ssh, "w2", Path::new("/opt/it's/rsrun")).into_iter().map(|s| s.into_string().unwrap()).collect();
+            ssh_argv(&ssh, &w2, Path::new("/opt/it's/rsrun")).into_iter().map(|s| s.into_string().unwrap()).collect();
         assert_eq!(
             argv,
             [
@@ -142,6 +144,26 @@ mod tests {
                 "StrictHostKeyChecking=accept-new", "--", "w2", "exec '/opt/it'\\''s/rsrun' agent --stdin",
             ]
         );
+    }
+
+    #[test]
+    fn per_host_user_port_and_addr_override_the_flags() {
+        let ssh = SshConfig {
+            program: vec!["ssh".into()],
+            connect_timeout: Duration::from_secs(10),
+            config: None,
+            port: Some(2222),
+            identity: None,
+            user: Some("me".into()),
+            options: Vec::new(),
+        };
+        let mut h = super::super::RemoteHost::named("w3", 1);
+        h.user = Some("alice".into());
+        h.port = Some(2200);
+        h.addr = Some("10.1.2.3".into());
+        let argv: Vec<String> = ssh_argv(&ssh, &h, Path::new("/r")).into_iter().map(|s| s.into_string().unwrap()).collect();
+        let tail = &argv[10..];
+        assert_eq!(tail, ["-p", "2200", "-l", "alice", "--", "10.1.2.3", "exec '/r' agent --stdin"]);
     }
 
     #[test]

@@ -3,11 +3,15 @@
 //!
 //! ```text
 //! resolve plan ─▶ rendezvous (embedded, token per job) ─▶ one task per host:
+//!   wait for a place in the fan-out window (--ssh-fanout hosts connecting at once)
 //!   spawn `ssh … HOST 'exec rsrun agent --stdin'` (or the local agent), own process group
-//!   stdin  ◀─ NodeLaunch, then Control{STOP|FORCE}; closing it is the last word (EOF)
-//!   stdout ─▶ AgentEvent frames: Ready, worker lines, notes, StartFailed, Exit
+//!   stdin  ◀─ NodeLaunch, then Control{START|STOP|FORCE}; closing it is the last word (EOF)
+//!   stdout ─▶ AgentEvent frames: Ready (checked, waiting), worker lines, notes, StartFailed, Exit
 //!   stderr ─▶ ssh's and the agent's own diagnostics (kept until Ready, for the start-failure line)
+//!   Ready (or failure) frees the place in the window; no Ready within the start timeout fails it
 //!   a start that sshd dropped in the key exchange is retried
+//! every host Ready: compare the host identities the agents reported (two entries on one machine →
+//!   STOP to all, exit 2); --check → STOP to all, one line per host, exit 0; else START to all
 //! event loop: console lines prefixed with the host; start failures → stop everyone, exit 2;
 //!   first stop signal → Control STOP(sig) to all, wait --shutdown-timeout + 5 s;
 //!   second signal / that deadline → Control FORCE and EOF, 2 s, SIGKILL the ssh clients;
@@ -28,7 +32,7 @@ use rsrun_rendezvous::proto::{self, AgentReady, Control, DeviceList, NodeLaunch,
 use rsrun_rendezvous::server::{EmbeddedServer, ServerConfig, spawn_with};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::process::Command;
-use tokio::sync::mpsc;
+use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tracing::{Instrument, debug, info, info_span, warn};
@@ -36,6 +40,7 @@ use tracing::{Instrument, debug, info, info_span, warn};
 use crate::logs::{ConsoleEvent, ConsoleTx};
 use crate::signals::{SignalAction, Signals};
 
+use super::identity::{HostIdentity, same_machine, same_machine_error};
 use super::plan::{RemoteNode, RemotePlan, RemoteRdzv};
 use super::preflight::{self, StartFailure, classify, describe, is_retryable};
 use super::wire::{self, NODE_LAUNCH_PROTOCOL, RSRUN_VERSION, decode_event, read_frame_async};
@@ -70,6 +75,8 @@ pub struct HeadOutcome {
     pub summary: Vec<String>,
     /// When every agent said it started (for benchmarks), from the start of [`run_head`].
     pub all_ready_after: Option<Duration>,
+    /// Lines for stdout (`--check`: one line per host that is ready).
+    pub report: Vec<String>,
 }
 
 /// A command from the event loop to one host's task.
@@ -109,6 +116,8 @@ enum HostEvent {
 #[derive(Debug, Default)]
 struct HostState {
     ready: bool,
+    /// What the agent reported when it became ready.
+    info: Option<AgentReady>,
     node_id: Option<String>,
     ended: Option<Ended>,
     failure: Option<StartFailure>,
@@ -183,6 +192,7 @@ fn node_launch(plan: &RemotePlan, node: &RemoteNode, endpoint: &str) -> NodeLaun
         env: plan.env.vars.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
         program: plan.program.clone(),
         options: plan.options.clone(),
+        rdzv_in_head: matches!(plan.rdzv, RemoteRdzv::Embedded { .. }),
     }
 }
 
@@ -197,12 +207,16 @@ pub async fn run_head(plan: RemotePlan, mut cx: HeadContext) -> anyhow::Result<H
     let (ev_tx, mut ev_rx) = mpsc::unbounded_channel::<(usize, HostEvent)>();
     let mut tasks = JoinSet::new();
     let mut cmds = Vec::with_capacity(plan.nodes.len());
+    // The fan-out window: a host holds a place from its ssh's start until its agent is ready (or
+    // failed), so at most `fanout` connections are being set up at once.
+    let window = std::sync::Arc::new(Semaphore::new(plan.fanout.max(1)));
     for (idx, node) in plan.nodes.iter().enumerate() {
         let frame = wire::encode(&node_launch(&plan, node, &rdzv.endpoint));
         let (tx, rx) = mpsc::unbounded_channel();
         cmds.push(tx);
         let span = info_span!("agent", job = %plan.job_id, node = node.node_rank, host = %node.host.host);
-        tasks.spawn(host_task(idx, node.clone(), frame, rx, ev_tx.clone()).instrument(span));
+        let start = HostStart { idx, node: node.clone(), frame, timeout: plan.start_timeout, window: window.clone() };
+        tasks.spawn(host_task(start, rx, ev_tx.clone()).instrument(span));
     }
     drop(ev_tx);
 
@@ -214,8 +228,10 @@ pub async fn run_head(plan: RemotePlan, mut cx: HeadContext) -> anyhow::Result<H
     let mut force_at: Option<Instant> = None;
     let mut kill_at: Option<Instant> = None;
     let mut follow_at: Option<Instant> = None;
-    let start_deadline = started + plan.start_timeout;
     let mut all_ready_after = None;
+    // Every agent was told to START (or, --check / a same-machine refusal, to stop).
+    let mut released = false;
+    let mut refused: Option<String> = None;
     let far = || Instant::now() + Duration::from_secs(86_400 * 365);
 
     let send_all = |cmds: &[mpsc::UnboundedSender<HostCmd>], hosts: &[HostState], make: &dyn Fn() -> Vec<HostCmd>| {
@@ -229,9 +245,37 @@ pub async fn run_head(plan: RemotePlan, mut cx: HeadContext) -> anyhow::Result<H
     };
     let stop = |sig: Signal| move || vec![HostCmd::Control(Control { action: control::Action::Stop as i32, signal: sig as i32 })];
     let force = || vec![HostCmd::Control(Control { action: control::Action::Force as i32, signal: 0 }), HostCmd::Close];
+    let start = || vec![HostCmd::Control(Control { action: control::Action::Start as i32, signal: 0 })];
 
     while hosts.iter().any(|h| h.ended.is_none()) {
-        let all_ready = hosts.iter().all(|h| h.ready || h.ended.is_some());
+        if !released && !stopping && hosts.iter().all(|h| h.ready && h.ended.is_none()) {
+            // Every host checked its plan and waits: compare their identities, then go (or not).
+            released = true;
+            let ids: Vec<(&str, HostIdentity)> = plan
+                .nodes
+                .iter()
+                .zip(&hosts)
+                .map(|(node, h)| {
+                    let r = h.info.as_ref();
+                    let id = HostIdentity {
+                        boot_id: r.map(|r| r.boot_id.clone()).unwrap_or_default(),
+                        netns_inode: r.map_or(0, |r| r.netns_inode),
+                    };
+                    (node.host.host.as_str(), id)
+                })
+                .collect();
+            if let Some((a, b)) = same_machine(&ids).filter(|_| !plan.allow_same_host) {
+                refused = Some(same_machine_error(a, b, "same boot id and network namespace"));
+            }
+            if refused.is_some() || plan.check {
+                stopping = true;
+                force_at = Some(Instant::now() + plan.shutdown + STOP_SLACK);
+                send_all(&cmds, &hosts, &stop(Signal::SIGTERM));
+            } else {
+                info!(hosts = n, "every host is ready: starting the job");
+                send_all(&cmds, &hosts, &start);
+            }
+        }
         tokio::select! {
             ev = ev_rx.recv() => {
                 let Some((idx, ev)) = ev else { break };
@@ -240,7 +284,8 @@ pub async fn run_head(plan: RemotePlan, mut cx: HeadContext) -> anyhow::Result<H
                     HostEvent::Ready(r) => {
                         debug!(host, node_id = %r.node_id, pid = r.pid, "agent ready");
                         hosts[idx].ready = true;
-                        hosts[idx].node_id = Some(r.node_id);
+                        hosts[idx].node_id = Some(r.node_id.clone());
+                        hosts[idx].info = Some(r);
                         if all_ready_after.is_none() && hosts.iter().all(|h| h.ready) {
                             all_ready_after = Some(started.elapsed());
                             info!(hosts = n, after = ?started.elapsed(), "every agent started");
@@ -314,17 +359,6 @@ pub async fn run_head(plan: RemotePlan, mut cx: HeadContext) -> anyhow::Result<H
                     send_all(&cmds, &hosts, &force);
                 }
             }
-            _ = tokio::time::sleep_until(start_deadline), if !all_ready && !stopping => {
-                for (i, h) in hosts.iter_mut().enumerate() {
-                    if !h.ready && h.ended.is_none() {
-                        h.failure = Some(StartFailure::Timeout(plan.start_timeout));
-                        let _ = cmds[i].send(HostCmd::Kill);
-                    }
-                }
-                stopping = true;
-                force_at = Some(Instant::now() + plan.shutdown + STOP_SLACK);
-                send_all(&cmds, &hosts, &stop(Signal::SIGTERM));
-            }
             _ = tokio::time::sleep_until(follow_at.unwrap_or_else(far)), if follow_at.is_some() && !stopping => {
                 warn!("agents still running after another host's agent failed: stopping them");
                 stopping = true;
@@ -344,7 +378,15 @@ pub async fn run_head(plan: RemotePlan, mut cx: HeadContext) -> anyhow::Result<H
     }
     drop(cmds);
     while tasks.join_next().await.is_some() {}
-    let mut outcome = decide(&plan, &hosts, signalled, rdzv.client.as_ref()).await;
+    let mut outcome = match refused {
+        Some(msg) => HeadOutcome {
+            exit_code: 2,
+            summary: vec![format!("rsrun: error: {msg}"), "rsrun: nothing ran".to_owned()],
+            all_ready_after: None,
+            report: Vec::new(),
+        },
+        None => decide(&plan, &hosts, signalled, rdzv.client.as_ref()).await,
+    };
     outcome.all_ready_after = all_ready_after;
     Ok(outcome)
 }
@@ -373,13 +415,18 @@ async fn decide(plan: &RemotePlan, hosts: &[HostState], signalled: Option<Signal
         .zip(hosts)
         .filter_map(|(node, h)| h.failure.as_ref().map(|f| describe(&node.host.host, f, &rsrun, plan.ssh.connect_timeout)))
         .collect();
+    let report = if plan.check { check_report(plan, hosts) } else { Vec::new() };
     if !failed.is_empty() {
         let mut summary: Vec<String> = failed.iter().map(|l| format!("rsrun: error: {l}")).collect();
         summary.push(format!("rsrun: {} of {} hosts did not start; nothing ran", failed.len(), plan.nodes.len()));
-        return HeadOutcome { exit_code: 2, summary, all_ready_after: None };
+        return HeadOutcome { exit_code: 2, summary, all_ready_after: None, report };
+    }
+    if plan.check && signalled.is_none() {
+        let summary = vec![format!("rsrun: --check: all {} hosts are ready; no worker was started", plan.nodes.len())];
+        return HeadOutcome { exit_code: 0, summary, all_ready_after: None, report };
     }
     if let Some(sig) = signalled {
-        return HeadOutcome { exit_code: 128 + sig as i32, summary: Vec::new(), all_ready_after: None };
+        return HeadOutcome { exit_code: 128 + sig as i32, summary: Vec::new(), all_ready_after: None, report: Vec::new() };
     }
     // The job's root cause, as the rendezvous recorded it.
     let view = match client {
@@ -426,7 +473,7 @@ async fn decide(plan: &RemotePlan, hosts: &[HostState], signalled: Option<Signal
             None => "unknown".to_owned(),
         };
         summary.push(format!("rsrun: job {} failed: root cause {who}: {what} -> rsrun exits {code} ({})", plan.job_id, v.reason));
-        return HeadOutcome { exit_code: code, summary, all_ready_after: None };
+        return HeadOutcome { exit_code: code, summary, all_ready_after: None, report: Vec::new() };
     }
     // No failure recorded: the agents' own codes, the first failure in host order.
     let codes: Vec<(usize, i32)> = hosts
@@ -437,35 +484,83 @@ async fn decide(plan: &RemotePlan, hosts: &[HostState], signalled: Option<Signal
     match codes.iter().find(|(_, c)| *c != 0) {
         Some((i, c)) => {
             summary.push(format!("rsrun: the agent on {} exited with code {c}", plan.nodes[*i].host.host));
-            HeadOutcome { exit_code: *c, summary, all_ready_after: None }
+            HeadOutcome { exit_code: *c, summary, all_ready_after: None, report: Vec::new() }
         }
-        None => HeadOutcome { exit_code: 0, summary, all_ready_after: None },
+        None => HeadOutcome { exit_code: 0, summary, all_ready_after: None, report: Vec::new() },
     }
 }
 
-/// One host: start its agent (retrying a dropped key exchange), feed its stdin, relay its output.
-async fn host_task(
+/// `--check`: one line per host whose agent was ready, in host order.
+fn check_report(plan: &RemotePlan, hosts: &[HostState]) -> Vec<String> {
+    plan.nodes
+        .iter()
+        .zip(hosts)
+        .filter_map(|(node, h)| {
+            let r = h.info.as_ref()?;
+            let how = if node.local { "local, no ssh" } else { "ssh" };
+            Some(format!(
+                "{}: ready ({how}): hostname {}, rsrun {}, {} worker{}, {} GPU{}, program {}",
+                node.host.host,
+                r.hostname,
+                r.rsrun_version,
+                r.workers,
+                if r.workers == 1 { "" } else { "s" },
+                r.gpus,
+                if r.gpus == 1 { "" } else { "s" },
+                r.program
+            ))
+        })
+        .collect()
+}
+
+/// What one host's task starts.
+struct HostStart {
     idx: usize,
     node: RemoteNode,
+    /// The encoded `NodeLaunch`.
     frame: Vec<u8>,
-    mut cmds: mpsc::UnboundedReceiver<HostCmd>,
-    events: mpsc::UnboundedSender<(usize, HostEvent)>,
-) {
+    /// How long the agent may take to become ready once its command started.
+    timeout: Duration,
+    /// The fan-out window.
+    window: std::sync::Arc<Semaphore>,
+}
+
+/// One host: wait for a place in the fan-out window, start its agent (retrying a dropped key
+/// exchange), feed its stdin, relay its output. A stop that comes while the host still waits for its
+/// place ends it without starting anything.
+async fn host_task(start: HostStart, mut cmds: mpsc::UnboundedReceiver<HostCmd>, events: mpsc::UnboundedSender<(usize, HostEvent)>) {
+    let HostStart { idx, node, frame, timeout, window } = start;
     let send = |ev: HostEvent| {
         let _ = events.send((idx, ev));
     };
+    let not_started = || Ended { status: None, exit_frame: None, ready: false, failure: None, tail: Vec::new(), stopped: true };
     let mut attempt = 0;
     loop {
-        let ended = run_attempt(&node, &frame, &mut cmds, &send).await;
+        let permit = tokio::select! {
+            p = window.clone().acquire_owned() => match p {
+                Ok(p) => p,
+                Err(_) => {
+                    send(HostEvent::Ended(not_started()));
+                    return;
+                }
+            },
+            c = cmds.recv() => {
+                // Anything the head says before this host started means "do not start".
+                debug!(cmd = ?c, "stopped before starting");
+                send(HostEvent::Ended(not_started()));
+                return;
+            }
+        };
+        let ended = run_attempt(&node, &frame, timeout, permit, &mut cmds, &send).await;
         if !ended.ready
             && !ended.stopped
             && attempt < preflight::KEX_RETRIES
             && ended.failure.as_ref().is_some_and(is_retryable)
         {
             attempt += 1;
-            let jitter = rand::rng().random_range(100..400u64) * u64::from(attempt);
-            info!(attempt, "sshd dropped the connection in the key exchange; retrying");
-            tokio::time::sleep(Duration::from_millis(jitter)).await;
+            let wait = preflight::kex_backoff(attempt, rand::rng().random_range(0.0..1.0));
+            info!(attempt, ?wait, "sshd dropped the connection in the key exchange; retrying");
+            tokio::time::sleep(wait).await;
             continue;
         }
         send(HostEvent::Ended(ended));
@@ -473,13 +568,17 @@ async fn host_task(
     }
 }
 
-/// One start of a host's agent, until the process ended and its pipes drained.
+/// One start of a host's agent, until the process ended and its pipes drained. `permit` (the host's
+/// place in the fan-out window) is given back when the agent is ready or the attempt ended.
 async fn run_attempt(
     node: &RemoteNode,
     frame: &[u8],
+    timeout: Duration,
+    permit: tokio::sync::OwnedSemaphorePermit,
     cmds: &mut mpsc::UnboundedReceiver<HostCmd>,
     send: &impl Fn(HostEvent),
 ) -> Ended {
+    let mut permit = Some(permit);
     let mut cmd = Command::new(&node.argv[0]);
     cmd.args(&node.argv[1..])
         .stdin(Stdio::piped())
@@ -540,6 +639,8 @@ async fn run_attempt(
         debug!(%err, "cannot write the launch plan (the agent will say why)");
     }
 
+    let ready_by = Instant::now() + timeout;
+    let mut timed_out = false;
     let mut ready = false;
     let mut exit_frame = None;
     let mut start_failed: Option<String> = None;
@@ -578,6 +679,7 @@ async fn run_attempt(
             ev = out_rx.recv(), if out_open => match ev {
                 Some(Some(agent_event::Event::Ready(r))) => {
                     ready = true;
+                    permit = None;
                     for l in held.drain(..) {
                         send(HostEvent::Stderr(l));
                     }
@@ -608,12 +710,20 @@ async fn run_attempt(
                 // Something (a grandchild) holds the pipes open: stop waiting for them.
                 break;
             }
+            _ = tokio::time::sleep_until(ready_by), if !ready && !timed_out && !stop_asked && status.is_none() => {
+                warn!(?timeout, "the agent did not start in time");
+                timed_out = true;
+                let _ = child.start_kill();
+            }
         }
     }
+    drop(permit);
     readers.abort_all();
     let tail: Vec<String> = tail.into();
     let failure = if ready {
         None
+    } else if timed_out {
+        Some(StartFailure::Timeout(timeout))
     } else if let Some(m) = start_failed {
         Some(StartFailure::Agent(m))
     } else {

@@ -26,16 +26,42 @@ pub fn render(plan: &RemotePlan) -> String {
             Some(d) => format!(", devices {}", d.iter().map(u32::to_string).collect::<Vec<_>>().join(",")),
             None => String::new(),
         };
+        let mut how = if n.local { "local, no ssh".to_owned() } else { "ssh".to_owned() };
+        if !n.local {
+            if let Some(u) = &n.host.user {
+                how.push_str(&format!(", user {u}"));
+            }
+            if let Some(p) = n.host.port {
+                how.push_str(&format!(", port {p}"));
+            }
+            if let Some(a) = &n.host.addr {
+                how.push_str(&format!(", to {a}"));
+            }
+        }
         let _ = writeln!(
             s,
-            "  node {:<3} {:<20} slots {:<3} ranks {}-{}{devices} ({})",
-            n.node_rank,
-            n.host.host,
-            n.host.slots,
-            n.rank_offset,
-            last,
-            if n.local { "local, no ssh" } else { "ssh" }
+            "  node {:<3} {:<20} slots {:<3} ranks {}-{}{devices} ({how})",
+            n.node_rank, n.host.host, n.host.slots, n.rank_offset, last,
         );
+    }
+    let ssh_hosts = plan.nodes.iter().filter(|n| !n.local).count();
+    let _ = writeln!(
+        s,
+        "fan-out      : at most {} of {ssh_hosts} ssh host{} connecting at once (--ssh-fanout)",
+        plan.fanout,
+        if ssh_hosts == 1 { "" } else { "s" }
+    );
+    let _ = writeln!(
+        s,
+        "same machine : {}",
+        if plan.allow_same_host {
+            "allowed (--allow-same-host)"
+        } else {
+            "refused before any worker starts (boot id and network namespace the agents report)"
+        }
+    );
+    if plan.check {
+        let _ = writeln!(s, "check        : preflight only (--check): every agent checks its host and stops; no worker starts");
     }
     let _ = writeln!(s, "cwd          : {}", plan.cwd.display());
     let _ = writeln!(s, "program      : {}", plan.program.iter().map(|a| shell_quote(a)).collect::<Vec<_>>().join(" "));

@@ -23,7 +23,8 @@
 //! - [`driver`]: the head's event loop: start, relay, stop, kill, exit code.
 //! - [`agent`]: the host side, run by the binary's `agent --stdin` mode.
 //! - [`preflight`]: one line per host that did not start, classified from ssh's stderr.
-//! - [`hosts`]: a TEMPORARY `HOST:N` / `HOST slots=N` parser, replaced by `multinode::hostfile`.
+//! - [`identity`]: the same-machine check over the identities the agents report (boot id, network
+//!   namespace), and its error.
 //! - [`dry_run`]: the plan as text, with every host's exact argv.
 //!
 //! Invariants:
@@ -38,6 +39,7 @@ pub mod command;
 pub mod driver;
 pub mod dry_run;
 pub mod env;
+pub mod identity;
 pub mod plan;
 pub mod preflight;
 pub mod wire;
@@ -54,4 +56,22 @@ pub struct RemoteHost {
     pub slots: u32,
     /// Devices of this host (CUDA_VISIBLE_DEVICES); `None`: inherited.
     pub devices: Option<Vec<u32>>,
+    /// ssh user of this host (`user@host`, `user=`): overrides `--ssh-user`.
+    pub user: Option<String>,
+    /// ssh port of this host (`port=`): overrides `--ssh-port`.
+    pub port: Option<u16>,
+    /// The address ssh connects to (`addr=`); the name stays the host's label.
+    pub addr: Option<String>,
+}
+
+impl RemoteHost {
+    /// A host reached by its name, with the shared ssh settings.
+    pub fn named(host: impl Into<String>, slots: u32) -> Self {
+        RemoteHost { host: host.into(), slots, devices: None, user: None, port: None, addr: None }
+    }
+
+    /// What ssh connects to: `addr=`, else the name.
+    pub fn target(&self) -> &str {
+        self.addr.as_deref().unwrap_or(&self.host)
+    }
 }

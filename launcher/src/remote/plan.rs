@@ -83,6 +83,12 @@ pub struct RemotePlan {
     pub notes: Vec<String>,
     /// Print the plan and exit.
     pub dry_run: bool,
+    /// At most this many hosts connecting (not yet started) at once (`--ssh-fanout`).
+    pub fanout: usize,
+    /// Preflight only (`--check`): every agent checks its host and stops; no worker starts.
+    pub check: bool,
+    /// Several entries may be one machine (`--allow-same-host`).
+    pub allow_same_host: bool,
 }
 
 /// Beyond ssh's ConnectTimeout, how long an agent may take to read its plan and say it started.
@@ -216,13 +222,7 @@ impl RemotePlan {
                     )));
                 }
             };
-            if e.user.is_some() || e.port.is_some() || e.addr.is_some() {
-                return Err(conflict(format!(
-                    "host '{}' ({}): per-host user=/port=/addr= are not supported by the ssh launcher yet; use --ssh-user/--ssh-port or an ssh config (--ssh-config)",
-                    e.host, e.source
-                )));
-            }
-            list.push(RemoteHost { host: e.host, slots, devices: e.devices });
+            list.push(RemoteHost { host: e.host, slots, devices: e.devices, user: e.user, port: e.port, addr: e.addr });
         }
         Self::resolve_hosts(args, host, exe, list)
     }
@@ -248,19 +248,21 @@ impl RemotePlan {
         }
         // --nnodes and --nproc-per-node were applied to the host table (multinode::hostfile).
 
-        // Same machine twice.
+        // Same machine twice, as far as the names tell (the agents' identities tell the rest, before
+        // any worker starts: see `identity`).
         let mut seen: HashMap<String, &str> = HashMap::new();
         for h in &list {
-            let key = if is_local_host(&h.host, &host.hostname) { "this machine".to_owned() } else { h.host.to_ascii_lowercase() };
-            if let Some(prev) = seen.insert(key.clone(), &h.host)
+            let local = is_local_host(h.target(), &host.hostname);
+            let key = if local { "this machine".to_owned() } else { h.target().to_ascii_lowercase() };
+            if let Some(prev) = seen.insert(key, &h.host)
                 && !args.allow_same_host
             {
-                return Err(conflict(format!(
-                    "hosts '{prev}' and '{}' are {}; pass --allow-same-host to run several nodes on one machine",
-                    h.host,
-                    if key == "this machine" { "both this machine".to_owned() } else { "the same host".to_owned() }
-                )));
+                let why = if local { "both name this machine".to_owned() } else { format!("both reach {}", h.target()) };
+                return Err(conflict(super::identity::same_machine_error(prev, &h.host, &why)));
             }
+        }
+        if args.check && args.dry_run {
+            notes.push("--check with --dry-run: the plan is printed and nothing is started".into());
         }
 
         // ssh.
@@ -296,6 +298,13 @@ impl RemotePlan {
             user: args.ssh_user.clone(),
             options: args.ssh_option.clone(),
         };
+        let cwd = match &args.chdir {
+            Some(d) if d.is_absolute() => d.clone(),
+            Some(d) => {
+                return Err(PlanError::Invalid { flag: "--chdir", value: d.display().to_string(), expected: "an absolute path (the directory on every host)".into() });
+            }
+            None => host.cwd.clone(),
+        };
         let remote_rsrun = match &args.remote_rsrun {
             Some(p) if p.is_absolute() => p.clone(),
             Some(p) => {
@@ -313,8 +322,8 @@ impl RemotePlan {
             {
                 notes.push(format!("{}: {} slots but {} devices listed", h.host, h.slots, d.len()));
             }
-            let local = is_local_host(&h.host, &host.hostname) && !args.ssh_local;
-            let argv = if local { local_argv(exe) } else { ssh_argv(&ssh, &h.host, &remote_rsrun) };
+            let local = is_local_host(h.target(), &host.hostname) && !args.ssh_local;
+            let argv = if local { local_argv(exe) } else { ssh_argv(&ssh, &h, &remote_rsrun) };
             let slots = h.slots;
             nodes.push(RemoteNode { host: h, node_rank: i as u32, rank_offset: offset, local, argv });
             offset = offset
@@ -346,11 +355,11 @@ impl RemotePlan {
             }
             ("static" | "", ep) => {
                 let (bind, advertise) = if ep.is_empty() {
-                    let all_local = nodes.iter().all(|n| is_local_host(&n.host.host, &host.hostname));
+                    let all_local = nodes.iter().all(|n| is_local_host(n.host.target(), &host.hostname));
                     if all_local {
                         (SocketAddr::from(([127, 0, 0, 1], 0)), "127.0.0.1".to_owned())
                     } else {
-                        let first = nodes.iter().find(|n| !is_local_host(&n.host.host, &host.hostname)).map(|n| n.host.host.clone());
+                        let first = nodes.iter().find(|n| !is_local_host(n.host.target(), &host.hostname)).map(|n| n.host.target().to_owned());
                         let ip = first
                             .as_deref()
                             .and_then(route_to)
@@ -433,7 +442,7 @@ impl RemotePlan {
             rdzv,
             token,
             env,
-            cwd: host.cwd.clone(),
+            cwd,
             program,
             options,
             remote_rsrun,
@@ -443,6 +452,9 @@ impl RemotePlan {
             signals,
             notes,
             dry_run: args.dry_run,
+            fanout: args.ssh_fanout.max(1) as usize,
+            check: args.check,
+            allow_same_host: args.allow_same_host,
         })
     }
 

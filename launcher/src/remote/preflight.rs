@@ -12,7 +12,15 @@
 //! | anything else | ssh error, with the last stderr line verbatim |
 
 /// Retries of a connection that sshd dropped during the key exchange (MaxStartups).
-pub const KEX_RETRIES: u32 = 3;
+pub const KEX_RETRIES: u32 = 4;
+
+/// The wait before retry `attempt` (1-based) of a dropped key exchange, from a uniform draw `u` in
+/// [0, 1): exponential with jitter, `250 ms · 2^(attempt-1) · (1 + u)` (250-500 ms, 0.5-1 s, 1-2 s,
+/// 2-4 s). Retries spread out, so they do not meet sshd's throttle again all at once.
+pub fn kex_backoff(attempt: u32, u: f64) -> std::time::Duration {
+    let base = 0.25 * f64::from(1u32 << attempt.clamp(1, 8).saturating_sub(1));
+    std::time::Duration::from_secs_f64(base * (1.0 + u.clamp(0.0, 1.0)))
+}
 
 /// How a start failed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -138,5 +146,14 @@ mod tests {
         assert!(is_retryable(&kex), "{kex:?}");
         assert!(c(Some(127), "sh: 1: exec: /opt/rsrun: not found").contains("rsrun not found at /opt/rsrun on h2"));
         assert_eq!(c(Some(255), "weird\nlast words\n"), "h2: the agent exited with code 255 before starting (last words)");
+    }
+
+    #[test]
+    fn kex_retries_back_off_exponentially_with_jitter() {
+        let ms = |a, u| kex_backoff(a, u).as_millis();
+        assert_eq!((ms(1, 0.0), ms(1, 0.999_999)), (250, 499));
+        assert_eq!((ms(2, 0.0), ms(3, 0.0), ms(4, 0.5)), (500, 1000, 3000));
+        let total: u128 = (1..=KEX_RETRIES).map(|a| ms(a, 1.0)).sum();
+        assert!(total <= 7500, "at most {total} ms of waiting in all");
     }
 }

@@ -8,7 +8,7 @@ use rsrun_rendezvous::proto::{AgentEvent, NodeLaunch};
 use tokio::io::{AsyncRead, AsyncReadExt};
 
 /// The protocol this rsrun speaks; an agent refuses a `NodeLaunch` with another one.
-pub const NODE_LAUNCH_PROTOCOL: u32 = 1;
+pub const NODE_LAUNCH_PROTOCOL: u32 = 2;
 /// This rsrun's version.
 pub const RSRUN_VERSION: &str = env!("CARGO_PKG_VERSION");
 /// Largest frame accepted (a plan with a large forwarded environment is well below).

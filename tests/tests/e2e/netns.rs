@@ -7,6 +7,9 @@
 //!   address, workers get `MASTER_ADDR` = host 1's address; taking host 3's link down mid-run ends
 //!   the round on hosts 1 and 2 within the lease, host 3's launcher stops its workers and exits
 //!   naming the rendezvous endpoint, and no worker survives.
+//! - One command over three hosts (`--rsh` into each namespace; same boot id, distinct network
+//!   namespaces): three hosts without `--allow-same-host`; a host listed twice, under its name and
+//!   its address, is refused with the same-machine error before any worker starts.
 //!
 //! Needs root and iproute2; skipped with a message otherwise. Only these namespaces' own addresses
 //! are ever contacted. Namespaces and links are removed on drop, a failed assertion included.
@@ -433,4 +436,65 @@ fn three_hosts_a_partitioned_host_ends_the_round_and_leaves_no_worker() {
         listed.lines().filter_map(|l| l.split_whitespace().next()).filter(|n| names.iter().any(|m| m == n)).collect();
     left.extend(links.iter().map(String::as_str).filter(|l| ip(&["link", "show", "dev", l])));
     assert!(left.is_empty(), "left behind: {left:?}");
+}
+
+/// An rsh (`--rsh`) for the namespace hosts: called like ssh, `[OPTIONS] [--] HOST COMMAND`, it runs
+/// COMMAND in the network namespace of HOST, which may be named by any of its names.
+fn netns_rsh(dir: &Path, net: &Netns, names: &[(&str, usize)]) -> PathBuf {
+    let cases: String = names.iter().map(|(name, h)| format!("  {name}) ns={};;\n", net.hosts[*h])).collect();
+    let script = format!(
+        "#!/bin/sh\n\
+         while [ $# -gt 0 ]; do case \"$1\" in -o|-p|-i|-l|-F) shift 2;; --) shift; break;; -*) shift;; *) break;; esac; done\n\
+         host=$1; shift\n\
+         case \"$host\" in\n{cases}  *) echo \"ssh: Could not resolve hostname $host: Name or service not known\" >&2; exit 255;;\nesac\n\
+         exec ip netns exec \"$ns\" sh -c \"$*\"\n"
+    );
+    let path = dir.join("netns-rsh");
+    std::fs::write(&path, script).unwrap();
+    std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    path
+}
+
+/// Issue 9, acceptance test 5: one command over three namespace hosts (`--rsh` into each namespace,
+/// the head in host 1's). The three share the kernel's boot id but not the network namespace: they
+/// run as three hosts, without `--allow-same-host`. The same host listed twice, under its name and
+/// its address, is refused with the same-machine error before any worker starts.
+#[test]
+fn one_command_over_three_namespaces_refuses_a_host_listed_twice() {
+    let Some(net) = Netns::create(3) else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let (a1, a2) = (net.addr(1), net.addr(2));
+    let rsh = netns_rsh(dir.path(), &net, &[("node1", 0), ("node2", 1), (&a1, 1), ("node3", 2), (&a2, 2)]);
+    let head = |hosts: &str| {
+        let mut cmd = net.exec(0, &bin("rsrun"));
+        cmd.current_dir(dir.path())
+            .args(["-H", hosts, "--rsh"])
+            .arg(&rsh)
+            .args(["--rdzv-endpoint", &format!("{}:0", net.addr(0)), "--shutdown-timeout", "1"])
+            .args(["sh", "-c", "readlink /proc/self/ns/net > ns.$RANK"]);
+        KillOnDrop::spawn(&mut cmd).output_within(RUN_DEADLINE)
+    };
+
+    // Three namespaces: three hosts.
+    let out = head("node1:1,node2:1,node3:1");
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    let ns: Vec<String> = (0..3).map(|r| std::fs::read_to_string(dir.path().join(format!("ns.{r}"))).unwrap()).collect();
+    assert!(ns[0] != ns[1] && ns[1] != ns[2] && ns[0] != ns[2], "each rank in its host's namespace: {ns:?}");
+    for r in 0..3 {
+        std::fs::remove_file(dir.path().join(format!("ns.{r}"))).unwrap();
+    }
+
+    // node2 and its address are one machine.
+    let out = head(&format!("node1:1,node2:1,{a1}:1"));
+    assert_eq!(code(&out.status), 2, "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!(
+            "rsrun: error: hosts \"node2\" and \"{a1}\" are the same machine (same boot id and network namespace); list it once, or pass --allow-same-host"
+        )),
+        "{}",
+        text(&out)
+    );
+    let started: Vec<_> = std::fs::read_dir(dir.path()).unwrap().filter_map(Result::ok).filter(|e| e.file_name().to_string_lossy().starts_with("ns.")).collect();
+    assert!(started.is_empty(), "no worker started");
 }

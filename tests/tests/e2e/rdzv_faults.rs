@@ -1,6 +1,7 @@
 //! The launcher against a rendezvous daemon that goes away, refuses, or speaks TLS: stop signals
 //! during the exit barrier and during a failure report are honoured at once; a daemon gone for good
-//! ends the node with an error naming it; `--rdzv-tls-ca` reaches a TLS daemon.
+//! ends the node with an error naming it; `--rdzv-tls-ca` reaches a TLS daemon; a launcher-hosted
+//! service refuses another job (exit 2).
 
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -112,4 +113,31 @@ fn rdzv_tls_ca_reaches_a_tls_daemon() {
         .output_within(RUN_DEADLINE);
     assert_eq!(code(&out.status), 1, "{}", text(&out));
     assert!(String::from_utf8_lossy(&out.stderr).contains(&daemon.addr), "{}", text(&out));
+}
+
+/// A launcher that hosts the rendezvous at its endpoint serves its own job only: a launcher of
+/// another job given the same endpoint is refused at once, naming both jobs, and exits 2 (it could
+/// not start as configured), while the first job is untouched.
+#[test]
+fn another_jobs_embedded_service_refuses_this_job_with_exit_2() {
+    let dir = tempfile::tempdir().unwrap();
+    let endpoint = format!("127.0.0.1:{}", rsrun_tests::free_port());
+    // Job A: its first node hosts the service and waits for a second node.
+    let a = node(dir.path(), &endpoint, "job-a", "2", "", &[], "true");
+    let port: u16 = endpoint.rsplit(':').next().unwrap().parse().unwrap();
+    assert!(wait_until(Duration::from_secs(30), || std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()), "job A never hosted");
+    let start = Instant::now();
+    let out = node(dir.path(), &endpoint, "job-b", "2", "", &[], "true").output_within(RUN_DEADLINE);
+    assert_eq!(code(&out.status), 2, "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!("rsrun: error: the rendezvous at {endpoint} refuses job 'job-b'"))
+            && stderr.contains("serves only job \"job-a\""),
+        "{stderr}"
+    );
+    assert!(start.elapsed() < Duration::from_secs(10), "refused at once, not at the join timeout: {:?}", start.elapsed());
+    // Job A still waits for its second node.
+    assert!(alive(a.pid()), "job A's launcher is gone");
+    kill(a.pid(), libc::SIGTERM);
+    assert_eq!(code(&a.output_within(RUN_DEADLINE).status), 143);
 }

@@ -16,14 +16,37 @@ fn fake_rsh() -> PathBuf {
 
 /// `rsrun -H HOSTS --rsh fake-rsh --allow-same-host --rdzv-endpoint 127.0.0.1:0 --shutdown-timeout 1`.
 fn head(dir: &Path, hosts: &str) -> Command {
+    let mut cmd = fake_rsh_head(dir);
+    cmd.args(["-H", hosts, "--allow-same-host"]);
+    cmd
+}
+
+/// `rsrun --rsh fake-rsh --rdzv-endpoint 127.0.0.1:0 --shutdown-timeout 1` (no hosts yet).
+fn fake_rsh_head(dir: &Path) -> Command {
     let mut cmd = rsrun(dir);
-    cmd.args(["-H", hosts, "--rsh"])
+    cmd.arg("--rsh")
         .arg(fake_rsh())
-        .args(["--allow-same-host", "--rdzv-endpoint", "127.0.0.1:0", "--shutdown-timeout", "1"])
+        .args(["--rdzv-endpoint", "127.0.0.1:0", "--shutdown-timeout", "1"])
         .env("FAKE_RSH_LOG", dir.join("rsh.log"))
         .env_remove("FAKE_RSH_FAIL")
-        .env_remove("FAKE_RSH_HIDE");
+        .env_remove("FAKE_RSH_HIDE")
+        .env_remove("FAKE_RSH_DELAY")
+        .env_remove("FAKE_RSH_STAMPS");
     cmd
+}
+
+/// The fake rsh's stamps: (host, start, end of its delay) per call, in start order.
+fn rsh_stamps(dir: &Path) -> Vec<(String, f64, f64)> {
+    let mut v: Vec<(String, f64, f64)> = std::fs::read_to_string(dir.join("stamps"))
+        .unwrap_or_default()
+        .lines()
+        .map(|l| {
+            let f: Vec<&str> = l.split(' ').collect();
+            (f[0].to_owned(), f[1].parse().unwrap(), f[2].parse().unwrap())
+        })
+        .collect();
+    v.sort_by(|a, b| a.1.total_cmp(&b.1));
+    v
 }
 
 /// The fake rsh's log: (pid, argv after the rsh program) per call.
@@ -222,6 +245,20 @@ fn auth_failure_exits_2_naming_the_host_within_2_s() {
     assert_eq!(all_gone(&agent_pids(dir.path()), Duration::from_secs(3)), Ok(()));
 }
 
+/// `--chdir DIR`: agents and workers run in DIR on every host, not in the head's directory.
+#[test]
+fn chdir_is_every_hosts_working_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let elsewhere = tempfile::tempdir().unwrap();
+    let there = std::fs::canonicalize(elsewhere.path()).unwrap();
+    let out = rsrun_tests::run(head(dir.path(), "h1:1,h2:1").arg("--chdir").arg(&there).args(["sh", "-c", "pwd > cwd.$RANK"]));
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    for r in 0..2 {
+        assert_eq!(std::fs::read_to_string(there.join(format!("cwd.{r}"))).unwrap().trim_end(), there.to_str().unwrap());
+    }
+    assert!(!dir.path().join("cwd.0").exists());
+}
+
 #[test]
 fn a_missing_cwd_on_one_host_exits_2_naming_the_host() {
     let dir = tempfile::tempdir().unwrap();
@@ -257,6 +294,150 @@ fn dry_run_prints_each_hosts_argv() {
     assert!(stdout.contains("node 1   h2                   slots 2   ranks 2-3 (ssh)"), "{stdout}");
     assert!(stdout.contains("SECRET") && !stdout.contains("hunter2"), "{stdout}");
     assert!(rsh_calls(dir.path()).is_empty(), "a dry run starts nothing");
+}
+
+/// multinode.md §7, acceptance 3: `-i h1:1@h3` keeps slot 1 of h1 and all of h3: 3 workers, the one
+/// on h1 with `CUDA_VISIBLE_DEVICES=1`, ranks contiguous in host order.
+#[test]
+fn include_picks_slots_and_devices() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = "echo \"$FAKE_RSH_HOST $LOCAL_RANK $LOCAL_WORLD_SIZE ${CUDA_VISIBLE_DEVICES-unset}\" > rank.$RANK";
+    let out = rsrun_tests::run(head(dir.path(), "h1:2,h2:2,h3:2").env_remove("CUDA_VISIBLE_DEVICES").args(["-i", "h1:1@h3", "sh", "-c", script]));
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    let read = |r: u32| std::fs::read_to_string(dir.path().join(format!("rank.{r}"))).unwrap_or_else(|_| panic!("rank {r} never ran\n{}", text(&out)));
+    assert_eq!(read(0), "h1 0 1 1\n");
+    assert!(read(1).starts_with("h3 0 2 ") && read(2).starts_with("h3 1 2 "), "{} {}", read(1), read(2));
+    assert!(!dir.path().join("rank.3").exists(), "3 workers only");
+}
+
+/// `scripts/kubectl-rsh` as `--rsh` (each host a pod, `kubectl exec -i POD -- sh -c COMMAND`), with a
+/// stand-in `kubectl` that logs its argv and runs the command here: the argv it gets is exact, and
+/// the job runs.
+#[test]
+fn kubectl_exec_wrapper_as_rsh() {
+    let dir = tempfile::tempdir().unwrap();
+    let kubectl = dir.path().join("kubectl");
+    let log = dir.path().join("kubectl.log");
+    std::fs::write(
+        &kubectl,
+        format!("#!/bin/sh\nprintf '%s|' \"$@\" >> '{}'; echo >> '{}'\nwhile [ \"$1\" != -- ]; do shift; done; shift\nexec \"$@\"\n", log.display(), log.display()),
+    )
+    .unwrap();
+    std::fs::set_permissions(&kubectl, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let wrapper = Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().join("scripts/kubectl-rsh");
+    let mut cmd = rsrun(dir.path());
+    cmd.args(["-H", "pod-0:1,pod-1:1", "--rsh"])
+        .arg(&wrapper)
+        .args(["--allow-same-host", "--rdzv-endpoint", "127.0.0.1:0", "--shutdown-timeout", "1"])
+        .env("RSRUN_KUBECTL", &kubectl)
+        .env("RSRUN_KUBE_NAMESPACE", "train")
+        .env_remove("RSRUN_KUBE_CONTAINER")
+        .args(["sh", "-c", "echo $RANK > rank.$RANK"]);
+    let out = rsrun_tests::run(&mut cmd);
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    assert!(dir.path().join("rank.0").exists() && dir.path().join("rank.1").exists(), "{}", text(&out));
+    let rsrun_path = std::fs::canonicalize(bin("rsrun")).unwrap();
+    let mut calls: Vec<String> = std::fs::read_to_string(&log).unwrap().lines().map(str::to_owned).collect();
+    calls.sort();
+    let expected: Vec<String> = ["pod-0", "pod-1"]
+        .iter()
+        .map(|p| format!("exec|-i|-n|train|{p}|--|sh|-c|exec '{}' agent --stdin|", rsrun_path.display()))
+        .collect();
+    assert_eq!(calls, expected);
+}
+
+/// `--check`: every host's agent checks its plan and reports; nothing runs; exit 0.
+#[test]
+fn check_reports_every_host_and_starts_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    // RSRUN_CHECK=1 is --check; like every RSRUN_* variable it is also forwarded to the hosts, where
+    // it must not turn the agents into checkers of their own.
+    let out = rsrun_tests::run(head(dir.path(), "h1:2,h2:2,h3:1").env("RSRUN_CHECK", "1").args(["sh", "-c", SLEEPER]));
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let hostname = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap();
+    for (h, workers) in [("h1", "2 workers"), ("h2", "2 workers"), ("h3", "1 worker,")] {
+        let line = stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("{h}: ready (ssh): hostname {}, rsrun ", hostname.trim())))
+            .unwrap_or_else(|| panic!("no line for {h}:\n{stdout}"));
+        assert!(line.contains(workers) && line.contains(" GPU") && line.ends_with("/sh"), "{line}");
+    }
+    assert!(String::from_utf8_lossy(&out.stderr).contains("rsrun: --check: all 3 hosts are ready; no worker was started"), "{}", text(&out));
+    assert!(read_pids(&dir.path().join("pids")).is_empty(), "no worker started");
+    assert_eq!(all_gone(&agent_pids(dir.path()), Duration::from_secs(3)), Ok(()), "the agents stopped");
+}
+
+/// `--check` with one host failing: exit 2, one line for it, the others reported ready.
+#[test]
+fn check_names_the_host_that_is_not_ready() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = rsrun_tests::run(head(dir.path(), "h1:1,h2:1,h3:1").env("FAKE_RSH_FAIL", "h2").args(["--check", "true"]));
+    assert_eq!(code(&out.status), 2, "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("rsrun: error: h2: ssh authentication failed (Permission denied (publickey))\n"), "{stderr}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(!stdout.contains("h2: ready"), "{stdout}");
+    assert_eq!(all_gone(&agent_pids(dir.path()), Duration::from_secs(3)), Ok(()));
+}
+
+/// Without `--allow-same-host`, two names of one machine are refused by the identity their agents
+/// report (same boot id and network namespace), before any worker starts.
+#[test]
+fn two_names_of_one_machine_are_refused_by_identity() {
+    let dir = tempfile::tempdir().unwrap();
+    let start = Instant::now();
+    let out = rsrun_tests::run(fake_rsh_head(dir.path()).args(["-H", "h1:1,h2:1,h3:1", "sh", "-c", SLEEPER]));
+    assert_eq!(code(&out.status), 2, "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("rsrun: error: hosts \"h1\" and \"h2\" are the same machine (same boot id and network namespace); list it once, or pass --allow-same-host to run several nodes on one machine\n"),
+        "{stderr}"
+    );
+    assert!(read_pids(&dir.path().join("pids")).is_empty(), "no worker started");
+    assert_eq!(all_gone(&agent_pids(dir.path()), Duration::from_secs(3)), Ok(()), "the agents stopped");
+    assert!(start.elapsed() < Duration::from_secs(10), "took {:?}", start.elapsed());
+}
+
+/// `--ssh-fanout 1`: one host connects at a time (the next one starts once the previous agent is
+/// ready); the default window starts all three at once.
+#[test]
+fn ssh_fanout_is_a_sliding_window() {
+    for (fanout, serial) in [(Some("1"), true), (None, false)] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cmd = head(dir.path(), "h1:1,h2:1,h3:1");
+        cmd.env("FAKE_RSH_DELAY", "0.5").env("FAKE_RSH_STAMPS", dir.path().join("stamps"));
+        if let Some(f) = fanout {
+            cmd.args(["--ssh-fanout", f]);
+        }
+        let out = rsrun_tests::run(cmd.arg("true"));
+        assert_eq!(code(&out.status), 0, "{}", text(&out));
+        let stamps = rsh_stamps(dir.path());
+        assert_eq!(stamps.len(), 3, "{stamps:?}");
+        if serial {
+            for w in stamps.windows(2) {
+                assert!(w[1].1 >= w[0].2, "--ssh-fanout 1: {} started before {} had connected: {stamps:?}", w[1].0, w[0].0);
+            }
+        } else {
+            assert!(stamps[2].1 < stamps[0].2, "the default window starts every host at once: {stamps:?}");
+        }
+    }
+}
+
+/// Hostfile `user=`, `port=` and `addr=`: each host's own ssh user, port and address, on its argv.
+#[test]
+fn hostfile_user_port_and_addr_are_on_the_ssh_argv() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("hosts"), "h1 slots=1\nh2 slots=1 user=alice port=2200 addr=192.0.2.7\n").unwrap();
+    let out = rsrun_tests::run(
+        fake_rsh_head(dir.path()).args(["--hostfile", "hosts", "--allow-same-host", "sh", "-c", "echo $FAKE_RSH_HOST > host.$RANK"]),
+    );
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    let calls: Vec<Vec<String>> = rsh_calls(dir.path()).into_iter().map(|(_, a)| a).collect();
+    let h2 = calls.iter().find(|a| a.contains(&"192.0.2.7".to_owned())).unwrap_or_else(|| panic!("{calls:?}"));
+    let tail: Vec<&str> = h2[h2.len() - 7..h2.len() - 1].iter().map(String::as_str).collect();
+    assert_eq!(tail, ["-p", "2200", "-l", "alice", "--", "192.0.2.7"]);
+    assert_eq!(std::fs::read_to_string(dir.path().join("host.1")).unwrap().trim(), "192.0.2.7", "rank 1 ran on h2's address");
 }
 
 #[test]
@@ -304,8 +485,20 @@ mod sshd {
             self.dir.path().join("ssh_config")
         }
 
-        /// Starts sshd, or `None` (with a printed reason) when it cannot run here.
+        /// Starts sshd on 127.0.0.1-3, or `None` (with a printed reason) when it cannot run here.
         pub(super) fn start() -> Option<Sshd> {
+            Self::start_with(3, Some("200:30:400"))
+        }
+
+        /// Starts sshd reachable at 127.0.0.1 to 127.0.0.`n`, with `MaxStartups` set (or sshd's
+        /// default, `10:30:100`, when `None`). The ssh config names the first three `h1`-`h3` and
+        /// knows every `127.0.0.*` address.
+        ///
+        /// sshd listens on at most 16 addresses (`MAX_LISTEN_SOCKS`): beyond that it listens on the
+        /// wildcard address, as multinode.md §7 prescribes (`0.0.0.0`), and accepts logins from
+        /// loopback clients only (`AllowUsers USER@127.0.0.0/8`); the port is random, the only
+        /// authorized key is this test's, and only 127.0.0.x addresses are ever connected to.
+        pub(super) fn start_with(n: u32, max_startups: Option<&str>) -> Option<Sshd> {
             if !Path::new(SSHD).is_file() || Command::new("ssh").arg("-V").stderr(Stdio::null()).status().is_err() {
                 eprintln!("skipped: {SSHD} or ssh is not installed (apt-get install openssh-server openssh-client)");
                 return None;
@@ -331,25 +524,31 @@ mod sshd {
             let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
             let host_pub = std::fs::read_to_string(d.join("host_ed25519.pub")).unwrap();
             let key: Vec<&str> = host_pub.split_whitespace().take(2).collect();
-            let known: String = (1..=3).map(|i| format!("[127.0.0.{i}]:{port} {}\n", key.join(" "))).collect();
+            let known: String = (1..=n).map(|i| format!("[127.0.0.{i}]:{port} {}\n", key.join(" "))).collect();
             std::fs::write(d.join("known_hosts"), known).unwrap();
             let dp = d.display();
+            let user = std::env::var("USER").unwrap_or_else(|_| "root".into());
+            let listen: String = if n <= 16 {
+                (1..=n).map(|i| format!("ListenAddress 127.0.0.{i}\n")).collect()
+            } else {
+                format!("ListenAddress 0.0.0.0\nAllowUsers {user}@127.0.0.0/8\n")
+            };
+            let max_startups = max_startups.map(|m| format!("MaxStartups {m}\n")).unwrap_or_default();
             std::fs::write(
                 d.join("sshd_config"),
                 format!(
-                    "Port {port}\nListenAddress 127.0.0.1\nListenAddress 127.0.0.2\nListenAddress 127.0.0.3\n\
+                    "Port {port}\n{listen}\
                      HostKey {dp}/host_ed25519\nPidFile {dp}/sshd.pid\nAuthorizedKeysFile {dp}/authorized_keys\n\
                      PubkeyAuthentication yes\nPasswordAuthentication no\nKbdInteractiveAuthentication no\n\
-                     PermitRootLogin prohibit-password\nUsePAM no\nStrictModes no\nMaxStartups 200:30:400\n\
+                     PermitRootLogin prohibit-password\nUsePAM no\nStrictModes no\n{max_startups}\
                      MaxSessions 200\nLogLevel VERBOSE\n"
                 ),
             )
             .unwrap();
-            let user = std::env::var("USER").unwrap_or_else(|_| "root".into());
             std::fs::write(
                 d.join("ssh_config"),
                 format!(
-                    "Host h1 h2 h3\n  User {user}\n  Port {port}\n  IdentityFile {dp}/id_ed25519\n  IdentitiesOnly yes\n\
+                    "Host h1 h2 h3 127.0.0.*\n  User {user}\n  Port {port}\n  IdentityFile {dp}/id_ed25519\n  IdentitiesOnly yes\n\
                      \x20 UserKnownHostsFile {dp}/known_hosts\n  StrictHostKeyChecking yes\n  BatchMode yes\n  ConnectTimeout 5\n\
                      Host h1\n  HostName 127.0.0.1\nHost h2\n  HostName 127.0.0.2\nHost h3\n  HostName 127.0.0.3\n"
                 ),
@@ -365,12 +564,24 @@ mod sshd {
                     .spawn()
                     .expect("spawn sshd"),
             );
-            let up = wait_until(Duration::from_secs(10), || (1..=3).all(|i| TcpStream::connect(format!("127.0.0.{i}:{port}")).is_ok()));
+            // One bare connection per listening socket (the wildcard one serves every address): bare
+            // connections count against MaxStartups too.
+            let sockets = if n <= 16 { n } else { 1 };
+            let up = wait_until(Duration::from_secs(10), || (1..=sockets).all(|i| TcpStream::connect(format!("127.0.0.{i}:{port}")).is_ok()));
             if !up {
                 eprintln!("skipped: sshd did not listen: {}", std::fs::read_to_string(d.join("sshd.log")).unwrap_or_default());
                 return None;
             }
-            let probe = Command::new("ssh").arg("-F").arg(d.join("ssh_config")).args(["h2", "true"]).output().unwrap();
+            let login = || Command::new("ssh").arg("-F").arg(d.join("ssh_config")).args(["h2", "true"]).output().unwrap();
+            let mut probe = login();
+            for _ in 0..5 {
+                // sshd may still be throttling after the readiness connections (default MaxStartups).
+                if probe.status.success() || !String::from_utf8_lossy(&probe.stderr).contains("kex_exchange_identification") {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(300));
+                probe = login();
+            }
             if !probe.status.success() {
                 eprintln!("skipped: cannot log in through the test sshd: {}", String::from_utf8_lossy(&probe.stderr));
                 return None;
@@ -434,24 +645,128 @@ mod sshd {
         assert_eq!(all_gone(&pids, Duration::from_secs(3)), Ok(()), "processes left after SIGINT");
     }
 
+    /// Runs of the `kill -9` test (multinode.md §7, acceptance 4: 20 of 20).
+    const KILL_9_RUNS: usize = 20;
+
+    /// `kill -9` of the head, 20 times: every time, the 6 workers on the 3 "hosts" are gone within
+    /// 2 s (the ssh clients die with their stdin, sshd closes the session's stdin, each agent sees EOF
+    /// and stops its workers), and the agents follow. Prints the distribution of both times.
     #[test]
     fn sshd_kill_9_of_the_head_leaves_no_worker() {
         let Some(sshd) = Sshd::start() else { return };
-        for attempt in 0..3 {
+        let (mut workers_gone, mut agents_gone) = (Vec::new(), Vec::new());
+        for attempt in 0..KILL_9_RUNS {
             let dir = tempfile::tempdir().unwrap();
             let mut child = KillOnDrop::spawn(head(&sshd, dir.path()).args(["sh", "-c", &format!("{RECORD}{SLEEPER}")]));
             let pids_file = dir.path().join("pids");
-            assert!(wait_until(Duration::from_secs(30), || read_pids(&pids_file).len() == 6), "workers did not start");
+            assert!(wait_until(Duration::from_secs(30), || read_pids(&pids_file).len() == 6), "attempt {attempt}: workers did not start");
             let workers = read_pids(&pids_file);
             let agents = read_pids(&dir.path().join("agents"));
             assert!(workers.iter().chain(&agents).all(|&p| alive(p)));
+            let killed = Instant::now();
             kill(child.pid(), libc::SIGKILL);
             let _ = child.0.wait();
-            // The ssh clients lose their stdin (and die with it), sshd closes the session's stdin, the
-            // agents see EOF: --shutdown-timeout 1 + 2 s.
-            assert_eq!(all_gone(&workers, Duration::from_secs(3)), Ok(()), "attempt {attempt}: workers left after kill -9");
-            assert_eq!(all_gone(&agents, Duration::from_secs(10)), Ok(()), "attempt {attempt}: agents left");
+            assert_eq!(all_gone_polled(&workers, Duration::from_secs(2)), Ok(()), "attempt {attempt}: workers left 2 s after kill -9");
+            workers_gone.push(killed.elapsed());
+            assert_eq!(all_gone_polled(&agents, Duration::from_secs(10)), Ok(()), "attempt {attempt}: agents left");
+            agents_gone.push(killed.elapsed());
         }
+        eprintln!("kill -9 of the head, {KILL_9_RUNS} runs: workers gone after {}", distribution(&mut workers_gone));
+        eprintln!("kill -9 of the head, {KILL_9_RUNS} runs: agents gone after {}", distribution(&mut agents_gone));
+    }
+
+    /// Like [`super::all_gone`], polling every 5 ms (the times are reported).
+    fn all_gone_polled(pids: &[i32], deadline: Duration) -> Result<(), Vec<i32>> {
+        let start = Instant::now();
+        while start.elapsed() < deadline {
+            if pids.iter().all(|&p| !alive(p)) {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        all_gone(pids, Duration::ZERO)
+    }
+
+    /// `min / median / p90 / max` in milliseconds.
+    fn distribution(times: &mut [Duration]) -> String {
+        times.sort();
+        let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+        let at = |q: f64| times[((times.len() - 1) as f64 * q).round() as usize];
+        format!(
+            "min {:.0} ms, median {:.0} ms, p90 {:.0} ms, max {:.0} ms",
+            ms(times[0]),
+            ms(at(0.5)),
+            ms(at(0.9)),
+            ms(times[times.len() - 1])
+        )
+    }
+
+    /// DS#6807 regression over real ssh: two jobs on the same three hosts; Ctrl-C stops one, and the
+    /// other, untouched, runs to completion.
+    #[test]
+    fn sshd_ctrl_c_of_one_job_leaves_the_other_running_to_completion() {
+        let Some(sshd) = Sshd::start() else { return };
+        let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let job_a = KillOnDrop::spawn(head(&sshd, a.path()).args(["sh", "-c", &format!("{RECORD}{SLEEPER}")]));
+        let waiter = "echo $$ >> pids; i=0; while [ ! -f go ] && [ $i -lt 600 ]; do sleep 0.05; i=$((i+1)); done; [ -f go ]";
+        let job_b = KillOnDrop::spawn(head(&sshd, b.path()).args(["sh", "-c", waiter]));
+        let (pa, pb) = (a.path().join("pids"), b.path().join("pids"));
+        assert!(wait_until(Duration::from_secs(30), || read_pids(&pa).len() == 6 && read_pids(&pb).len() == 6), "the jobs did not start");
+        kill(job_a.pid(), libc::SIGINT);
+        let out = job_a.output_within(Duration::from_secs(30));
+        assert_eq!(code(&out.status), 130, "{}", text(&out));
+        let mut a_procs = read_pids(&pa);
+        a_procs.extend(read_pids(&a.path().join("agents")));
+        assert_eq!(all_gone(&a_procs, Duration::from_secs(3)), Ok(()), "job A left processes");
+        let b_workers = read_pids(&pb);
+        assert!(b_workers.iter().all(|&p| alive(p)), "job B lost workers when job A stopped");
+        std::fs::write(b.path().join("go"), "").unwrap();
+        let out = job_b.output_within(Duration::from_secs(30));
+        assert_eq!(code(&out.status), 0, "job B runs to completion:\n{}", text(&out));
+    }
+
+    /// multinode.md §7, acceptance 4: 30 hosts `127.0.0.1`-`127.0.0.30` against an sshd with the
+    /// default `MaxStartups 10:30:100`, which drops connections past 10 unauthenticated ones in the
+    /// key exchange (7 of 30 in the brief's measurement): every host starts, because rsrun retries a
+    /// dropped key exchange. The sshd listens on those 30 loopback addresses (not on 0.0.0.0: only
+    /// loopback is ever a target). `--ssh-local` sends even these local addresses through ssh. Prints
+    /// how many connections sshd dropped and rsrun retried, and the time to the end of the job.
+    #[test]
+    fn sshd_thirty_hosts_start_past_default_max_startups() {
+        let Some(sshd) = Sshd::start_with(30, None) else { return };
+        let dir = tempfile::tempdir().unwrap();
+        let mut cmd = rsrun(dir.path());
+        cmd.args(["-H", "127.0.0.[1-30]:1", "--ssh-local", "--allow-same-host", "--ssh-config"])
+            .arg(sshd.config())
+            .args(["--rdzv-endpoint", "127.0.0.1:0", "--shutdown-timeout", "1"])
+            .env("RSRUN_LOG", "warn,rsrun_launcher::remote::driver=info")
+            .args(["sh", "-c", "set -- $SSH_CONNECTION; echo \"$3\" > rank.$RANK"]);
+        // Only the job's connections count (the readiness check above opened 30 bare ones).
+        let log_before = std::fs::read_to_string(sshd.dir.path().join("sshd.log")).unwrap_or_default().len();
+        let start = Instant::now();
+        let out = KillOnDrop::spawn(&mut cmd).output_within(Duration::from_secs(180));
+        let took = start.elapsed();
+        assert_eq!(code(&out.status), 0, "{}", text(&out));
+        for rank in 0..30u32 {
+            let addr = std::fs::read_to_string(dir.path().join(format!("rank.{rank}"))).unwrap_or_else(|_| panic!("rank {rank} never ran"));
+            assert_eq!(addr.trim(), format!("127.0.0.{}", rank + 1), "rank {rank} ran through the sshd on its own address");
+        }
+        let sshd_log = std::fs::read_to_string(sshd.dir.path().join("sshd.log")).unwrap_or_default();
+        let sshd_log = sshd_log.get(log_before..).unwrap_or("");
+        let dropped = sshd_log.lines().filter(|l| l.contains("past MaxStartups")).count();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let retries: Vec<&str> = stderr.lines().filter(|l| l.contains("key exchange; retrying")).collect();
+        let retried = retries.len();
+        let most = retries
+            .iter()
+            .filter_map(|l| l.split("attempt=").nth(1)?.split_whitespace().next()?.parse::<u32>().ok())
+            .max()
+            .unwrap_or(0);
+        eprintln!(
+            "30 hosts, default MaxStartups: sshd dropped {dropped} connections, rsrun retried {retried} starts (at most {most} retries for one host); job done in {took:.2?}"
+        );
+        let drops: Vec<&str> = sshd_log.lines().filter(|l| l.contains("MaxStartups")).collect();
+        assert_eq!(retried, dropped, "every connection sshd dropped was retried\n{drops:#?}\n{}", text(&out));
     }
 
     #[test]

@@ -265,6 +265,11 @@ fn steps_that_chose_the_same_port_never_join_each_other() {
 
 /// Mode A on 2 nodes × 1 worker running `script`, each node in its own directory.
 fn two_nodes_running(dir: &Path, job: u32, script: &str) -> (Vec<std::path::PathBuf>, Vec<KillOnDrop>) {
+    two_nodes_running_with(dir, job, script, &[])
+}
+
+/// [`two_nodes_running`] with more variables for both tasks (srun gives every task the same).
+fn two_nodes_running_with(dir: &Path, job: u32, script: &str, extra: &[(String, String)]) -> (Vec<std::path::PathBuf>, Vec<KillOnDrop>) {
     let port = free_port();
     let mut dirs = Vec::new();
     let mut nodes = Vec::new();
@@ -273,6 +278,7 @@ fn two_nodes_running(dir: &Path, job: u32, script: &str) -> (Vec<std::path::Path
         std::fs::create_dir(&d).unwrap();
         let mut env = srun_env(job, port, 2, 1, n);
         env.retain(|(k, _)| k != "SLURM_GPUS_ON_NODE");
+        env.extend(extra.iter().cloned());
         nodes.push(task(&d, &env, &["sh", "-c", script]));
         dirs.push(d);
     }
@@ -327,4 +333,96 @@ fn sigterm_stops_the_workers_and_exits_143() {
         assert_eq!(code(&o.status), 143, "{}", text(o));
         assert!(dirs[n].join(format!("term.{n}")).exists(), "worker {n} got no SIGTERM\n{}", text(o));
     }
+}
+
+/// A fake `scontrol` first on PATH that logs `SLURM_NODEID ARGS` per call (multinode.md §5.6), and the
+/// variables that give both tasks `--requeue-on-preempt` (as srun would, with
+/// `RSRUN_REQUEUE_ON_PREEMPT=1` exported).
+fn fake_scontrol(dir: &Path) -> (std::path::PathBuf, Vec<(String, String)>) {
+    let bin = dir.join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    let log = dir.join("scontrol.log");
+    let script = bin.join("scontrol");
+    std::fs::write(&script, format!("#!/bin/sh\nprintf '%s %s\\n' \"$SLURM_NODEID\" \"$*\" >> '{}'\n", log.display())).unwrap();
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let path = format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default());
+    (log, vec![("PATH".to_owned(), path), ("RSRUN_REQUEUE_ON_PREEMPT".to_owned(), "1".to_owned())])
+}
+
+/// §3.5 `--requeue-on-preempt`: SIGTERM (preemption) to both agents; the workers save and exit,
+/// both exit 143, and exactly one `scontrol requeue 4253` is logged, by node 0.
+#[test]
+fn requeue_on_preempt_sigterm_runs_scontrol_once_on_node_0() {
+    let dir = tempfile::tempdir().unwrap();
+    let (log, env) = fake_scontrol(dir.path());
+    let script = "trap 'echo saved > saved.$RANK; exit 0' TERM; touch ready.$RANK; \
+                  i=0; while [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done";
+    let (dirs, nodes) = two_nodes_running_with(dir.path(), 4253, script, &env);
+    for n in &nodes {
+        signal(n, libc::SIGTERM);
+    }
+    let outs = all(nodes);
+    for (n, o) in outs.iter().enumerate() {
+        assert_eq!(code(&o.status), 143, "{}", text(o));
+        assert!(dirs[n].join(format!("saved.{n}")).exists(), "worker {n} got no SIGTERM\n{}", text(o));
+    }
+    assert_eq!(std::fs::read_to_string(&log).unwrap_or_default(), "0 requeue 4253\n", "node 0 requeues, once");
+    assert!(
+        String::from_utf8_lossy(&outs[0].stderr).contains("rsrun: preempted (SIGTERM): requeued Slurm job 4253 (`scontrol requeue 4253`)"),
+        "{}",
+        text(&outs[0])
+    );
+    assert!(!String::from_utf8_lossy(&outs[1].stderr).contains("requeue"), "{}", text(&outs[1]));
+}
+
+/// The same with SIGUSR1 (`--signal=USR1@120`): forwarded, the workers checkpoint and exit 0, the job
+/// completes, node 0 requeues once; two signals still mean one requeue.
+#[test]
+fn requeue_on_preempt_sigusr1_after_the_workers_exit() {
+    let dir = tempfile::tempdir().unwrap();
+    let (log, env) = fake_scontrol(dir.path());
+    let script = "trap 'echo usr1 > usr1.$RANK' USR1; touch ready.$RANK; i=0; \
+                  while [ ! -f usr1.$RANK ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done; exit 0";
+    let (_dirs, nodes) = two_nodes_running_with(dir.path(), 4254, script, &env);
+    for _ in 0..2 {
+        for n in &nodes {
+            signal(n, libc::SIGUSR1);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let outs = all(nodes);
+    for o in &outs {
+        assert_eq!(code(&o.status), 0, "{}", text(o));
+    }
+    assert_eq!(std::fs::read_to_string(&log).unwrap_or_default(), "0 requeue 4254\n", "node 0 requeues, once");
+}
+
+/// §3.2, the `127.0.1.1` trap: node rank 0's name resolves to a loopback address on node 0 while the
+/// other host of the step resolves to a network address. Node 0 would host where nobody can reach
+/// it: refused at once, exit 2, naming both and the fix. (`192.0.2.7` is a documentation address; it
+/// is only parsed, never contacted.)
+#[test]
+fn node_rank_0_resolving_to_loopback_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut env = srun_env(4255, free_port(), 2, 1, 0);
+    for (k, v) in env.iter_mut() {
+        match k.as_str() {
+            "SLURM_JOB_NODELIST" | "SLURM_STEP_NODELIST" => *v = "localhost,192.0.2.7".into(),
+            "SLURMD_NODENAME" => *v = "localhost".into(),
+            _ => {}
+        }
+    }
+    let started = std::time::Instant::now();
+    let out = task(dir.path(), &env, &DUMP_ENV).output_within(RUN_DEADLINE);
+    assert_eq!(code(&out.status), 2, "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("rsrun: error: node rank 0's host localhost resolves to 127.0.0.1 here, a loopback address")
+            && stderr.contains("while 192.0.2.7 resolves to 192.0.2.7")
+            && stderr.contains("or pass --rdzv-endpoint ADDR:PORT"),
+        "{}",
+        text(&out)
+    );
+    assert!(started.elapsed() < std::time::Duration::from_secs(10), "{:?}", started.elapsed());
+    assert!(dumped_envs(dir.path()).is_empty(), "no worker starts");
 }

@@ -61,7 +61,10 @@ fn ssh_flags_and_rsh() {
 #[test]
 fn user_errors_name_the_value() {
     assert!(err(&["-H", "w1:0", "true"]).contains("slots=0 on host \"w1\""));
-    assert!(err(&["-H", "localhost:1,127.0.0.1:1", "true"]).contains("are both this machine; pass --allow-same-host"));
+    assert_eq!(
+        err(&["-H", "localhost:1,127.0.0.1:1", "true"]),
+        "hosts \"localhost\" and \"127.0.0.1\" are the same machine (both name this machine); list it once, or pass --allow-same-host to run several nodes on one machine"
+    );
     assert!(err(&["-H", "w1:1,w1:1", "true"]).contains("duplicate host \"w1\""));
     assert!(err(&["-H", "w1:1,w2:1", "--nnodes", "3", "true"]).contains("--nnodes 3 but -H lists 2 hosts"));
     assert!(err(&["-H", "w1:1", "--node-rank", "1", "true"]).contains("--node-rank cannot be used"));
@@ -111,4 +114,63 @@ fn dry_run_lists_hosts_env_names_and_argv() {
     assert!(text.contains("  SECRET                           -x"), "{text}");
     assert!(!text.contains("hunter2"), "values are not shown: {text}");
     assert!(text.contains("  w2: ssh -T -o BatchMode=yes -o ConnectTimeout=10 -o ServerAliveInterval=15 -o ServerAliveCountMax=4 -- w2 'exec '\\''/opt/rsrun/bin/rsrun'\\'' agent --stdin'"), "{text}");
+}
+
+#[test]
+fn hostfile_user_port_and_addr_reach_the_ssh_argv() {
+    let dir = tempfile::tempdir().unwrap();
+    let hosts = dir.path().join("hosts");
+    std::fs::write(&hosts, "w1 slots=1\nw2 slots=2 user=alice port=2200 addr=10.9.9.9\nbob@w3 slots=1\n").unwrap();
+    let args = parse(&["--hostfile", hosts.to_str().unwrap(), "--ssh-user", "me", "--ssh-port", "22", "--rdzv-endpoint", "127.0.0.1", "--dry-run", "true"]);
+    let p = RemotePlan::resolve(&args, &host(), Path::new(EXE)).unwrap();
+    let tail = |i: usize| argv(&p.nodes[i])[10..].to_vec();
+    assert_eq!(tail(0), ["-p", "22", "-l", "me", "--", "w1", "exec '/opt/rsrun/bin/rsrun' agent --stdin"]);
+    assert_eq!(tail(1), ["-p", "2200", "-l", "alice", "--", "10.9.9.9", "exec '/opt/rsrun/bin/rsrun' agent --stdin"]);
+    assert_eq!(tail(2), ["-p", "22", "-l", "bob", "--", "w3", "exec '/opt/rsrun/bin/rsrun' agent --stdin"]);
+    assert_eq!(p.nodes[1].host.host, "w2", "the name stays the host's label");
+    let text = super::super::dry_run::render(&p);
+    assert!(text.contains("node 1   w2                   slots 2   ranks 1-2 (ssh, user alice, port 2200, to 10.9.9.9)"), "{text}");
+    // Two names that reach one address are one machine.
+    std::fs::write(&hosts, "w1 slots=1 addr=10.9.9.9\nw2 slots=1 addr=10.9.9.9\n").unwrap();
+    let e = RemotePlan::resolve(&parse(&["--hostfile", hosts.to_str().unwrap(), "true"]), &host(), Path::new(EXE)).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "hosts \"w1\" and \"w2\" are the same machine (both reach 10.9.9.9); list it once, or pass --allow-same-host to run several nodes on one machine"
+    );
+    // An addr= that is this machine starts a local agent.
+    std::fs::write(&hosts, "w1 slots=1 addr=127.0.0.1\n").unwrap();
+    let p = RemotePlan::resolve(&parse(&["--hostfile", hosts.to_str().unwrap(), "true"]), &host(), Path::new(EXE)).unwrap();
+    assert!(p.nodes[0].local);
+}
+
+#[test]
+fn fanout_check_and_same_host_in_the_plan_and_dry_run() {
+    let p = resolve(&["-H", "w1:1,w2:1,w3:1", "--ssh-fanout", "2", "--check", "--rdzv-endpoint", "127.0.0.1", "true"]).unwrap();
+    assert_eq!((p.fanout, p.check, p.allow_same_host), (2, true, false));
+    let text = super::super::dry_run::render(&p);
+    assert!(text.contains("fan-out      : at most 2 of 3 ssh hosts connecting at once (--ssh-fanout)"), "{text}");
+    assert!(text.contains("same machine : refused before any worker starts"), "{text}");
+    assert!(text.contains("check        : preflight only (--check)"), "{text}");
+    let p = resolve(&["-H", "w1:1", "--allow-same-host", "--rdzv-endpoint", "127.0.0.1", "true"]).unwrap();
+    assert_eq!((p.fanout, p.check, p.allow_same_host), (128, false, true), "default fan-out 128");
+    // clap refuses a zero window, naming the value.
+    let e = crate::cli::LaunchArgs::try_parse_with_origins_from(["rsrun", "-H", "w1:1", "--ssh-fanout", "0", "true"]).unwrap_err();
+    assert_eq!(e.exit_code(), 2);
+    assert!(e.to_string().contains("invalid value '0' for '--ssh-fanout <N>'"), "{e}");
+    let e = crate::cli::LaunchArgs::try_parse_with_origins_from(["rsrun", "-H", "w1:1", "--ssh-fanout", "many", "true"]).unwrap_err();
+    assert!(e.to_string().contains("invalid value 'many' for '--ssh-fanout <N>'"), "{e}");
+}
+
+#[test]
+fn chdir_sets_every_hosts_directory() {
+    let p = resolve(&["-H", "w1:1", "--chdir", "/shared/run7", "--rdzv-endpoint", "127.0.0.1", "true"]).unwrap();
+    assert_eq!(p.cwd, Path::new("/shared/run7"));
+    assert!(super::super::dry_run::render(&p).contains("cwd          : /shared/run7\n"));
+    assert_eq!(
+        err(&["-H", "w1:1", "--chdir", "run7", "true"]),
+        "invalid value 'run7' for --chdir: expected an absolute path (the directory on every host)"
+    );
+    // The head's own plan carries no "no effect" note for its multi-node flags.
+    let node = LaunchPlan::resolve(&parse(&["-H", "w1:1", "-x", "A=1", "--chdir", "/x", "true"]), &host()).unwrap();
+    assert!(!node.notes.iter().any(|n| n.contains("no effect")), "{:?}", node.notes);
 }
