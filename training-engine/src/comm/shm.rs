@@ -11,10 +11,13 @@
 //! rewritten after every rank has passed the next synchronization point: each chunk needs one
 //! (single-slot ops) or two (reduce-scatter + all-gather) synchronizations and no barrier.
 //!
-//! Reductions: rank r folds sub-slice r of the chunk from every rank's buffer in rank order
-//! 0..N-1 (so both cores reduce in parallel, and results are deterministic), then every rank
-//! copies all reduced sub-slices out. Messages up to `shm_small_bytes` take a one-sync path
-//! where each rank folds the whole buffer itself.
+//! Reductions: rank r folds sub-slice r of the chunk in rank order 0..N-1 (so both cores reduce
+//! in parallel, and results are deterministic), reading its own contribution straight from its
+//! input and the others' from their buffers (a rank publishes only the sub-slices others
+//! fold), then every rank copies the others' reduced sub-slices out. Every rank so reads its
+//! input once and writes its output once, and the buffers stay in cache. Large outputs that
+//! are not in cache (all-gather, broadcast) are written with streaming stores. Messages up to
+//! `shm_small_bytes` take a one-sync path where each rank folds the whole buffer itself.
 //!
 //! Failure detection: every wait has the op deadline; a peer that exits is seen through a
 //! pidfd; a rank that fails publishes an abort record that every waiting peer checks.
@@ -573,21 +576,30 @@ impl ShmBackend {
         }
     }
 
-    /// Copies bytes from rank `j`'s data buffer `b` at `off` into `dst`.
-    fn get(&self, j: usize, b: usize, off: usize, dst: &mut [u8]) {
+    /// Copies bytes from rank `j`'s data buffer `b` at `off` into `dst`, with streaming stores
+    /// when `stream` (see [`copy_out`]).
+    fn get(&self, j: usize, b: usize, off: usize, dst: &mut [u8], stream: bool) {
         debug_assert!(off + dst.len() <= self.slot);
         // SAFETY: rank j finished writing this region before arriving at the epoch we waited
-        // for, and will not rewrite it until we arrive at a later one; bounds as in `put`.
+        // for, and will not rewrite it until we arrive at a later one; bounds as in `put`; `dst`
+        // is a distinct user buffer.
         unsafe {
-            std::ptr::copy_nonoverlapping(self.data(j, b).add(off), dst.as_mut_ptr(), dst.len())
+            copy_out(
+                dst.as_mut_ptr(),
+                self.data(j, b).add(off),
+                dst.len(),
+                stream,
+            )
         }
     }
 
-    /// Folds `len` bytes at `off` of every rank's buffer `b` (rank order) into `out`.
+    /// Folds `len` bytes at `off` of every rank's buffer `b` (rank order) into `out`; our own
+    /// contribution is read from `own` instead of our buffer when given.
     ///
     /// # Safety
     /// `out` must be valid for `len` writes and either disjoint from the shared buffers or
-    /// exactly our own buffer at `off`.
+    /// exactly our own buffer at `off`; `own`, when given, valid for `len` reads and not
+    /// partially overlapping `out`.
     unsafe fn fold_from_all(
         &self,
         h: &OpHeader,
@@ -595,10 +607,14 @@ impl ShmBackend {
         b: usize,
         off: usize,
         len: usize,
+        own: Option<*const u8>,
         out: *mut u8,
     ) -> Result<()> {
         let srcs: Vec<*const u8> = (0..self.ctx.world)
-            .map(|j| self.data(j, b).wrapping_add(off) as *const u8)
+            .map(|j| match own {
+                Some(p) if j == self.ctx.rank => p,
+                _ => self.data(j, b).wrapping_add(off) as *const u8,
+            })
             .collect();
         let avg = (op == ReduceOp::Avg).then_some(self.ctx.world);
         // SAFETY: every source region was published before the epoch we waited for and stays
@@ -606,8 +622,14 @@ impl ShmBackend {
         unsafe { fold_bytes_raw(h.dtype, op, out, &srcs, len, avg) }
     }
 
-    /// The reduce-scatter + all-gather chunk loop shared by all_reduce and reduce.
+    /// The chunk loop shared by all_reduce and reduce (reduce-scatter + all-gather per chunk).
     /// `gather_to`: None = every rank copies the result out; Some(root) = only root does.
+    ///
+    /// Per chunk, rank r owns block r: it publishes only the other ranks' blocks of its input,
+    /// folds block r from its own input and the peers' buffers (rank order) into its buffer and
+    /// its output, and after the second synchronization copies the peers' reduced blocks out.
+    /// Each rank thus reads its input once and writes its output once; the shared buffers stay
+    /// in cache.
     fn chunked_reduce(
         &mut self,
         h: &OpHeader,
@@ -626,6 +648,8 @@ impl ShmBackend {
                 self.slot
             )));
         }
+        // No streaming stores here: every output line was read moments ago (publishing or
+        // folding), so it is in cache and a plain store costs no read-for-ownership.
         let count = buf.len() / esz;
         let mut off = 0;
         let mut first = true;
@@ -633,7 +657,11 @@ impl ShmBackend {
             let c = per.min(count - off);
             let chunk = off * esz..(off + c) * esz;
             let b = self.next_buf();
-            self.put(b, 0, &buf[chunk.clone()]);
+            for j in (0..n).filter(|j| *j != r) {
+                let sub = block_range(c, n, j);
+                let (s, l) = (sub.start * esz, sub.len() * esz);
+                self.put(b, s, &buf[chunk.start + s..chunk.start + s + l]);
+            }
             if first {
                 self.first_sync(h, deadline)?;
                 first = false;
@@ -642,15 +670,42 @@ impl ShmBackend {
             }
             let mine = block_range(c, n, r);
             let (ms, ml) = (mine.start * esz, mine.len() * esz);
-            // SAFETY: out is exactly our own buffer at the same offset.
-            unsafe { self.fold_from_all(h, op, b, ms, ml, self.data(r, b).wrapping_add(ms))? };
-            self.sync(h.kind.name(), deadline)?;
+            let own = buf[chunk.start + ms..].as_ptr();
+            // SAFETY: `out` is our own buffer at `ms` (the region we did not publish), disjoint
+            // from `own`, which is the user buffer.
+            unsafe {
+                self.fold_from_all(
+                    h,
+                    op,
+                    b,
+                    ms,
+                    ml,
+                    Some(own),
+                    self.data(r, b).wrapping_add(ms),
+                )?
+            };
             let clen = c * esz;
             if gather_to.is_none() || gather_to == Some(r) {
-                for j in 0..n {
+                self.get(
+                    r,
+                    b,
+                    ms,
+                    &mut buf[chunk.start + ms..chunk.start + ms + ml],
+                    false,
+                );
+            }
+            self.sync(h.kind.name(), deadline)?;
+            if gather_to.is_none() || gather_to == Some(r) {
+                for j in (0..n).filter(|j| *j != r) {
                     let sub = block_range(c, n, j);
                     let (s, l) = (sub.start * esz, sub.len() * esz);
-                    self.get(j, b, s, &mut buf[chunk.start + s..chunk.start + s + l]);
+                    self.get(
+                        j,
+                        b,
+                        s,
+                        &mut buf[chunk.start + s..chunk.start + s + l],
+                        false,
+                    );
                 }
                 t.recv += (clen - ml + (n - 1) * ml) as u64;
             } else {
@@ -665,6 +720,50 @@ impl ShmBackend {
         }
         Ok(())
     }
+}
+
+/// Outputs at least this large are written with streaming (non-temporal) stores: they cannot
+/// stay in cache anyway, and a streaming store skips the read-for-ownership of each line, which
+/// otherwise doubles the memory traffic of the copy-out.
+const STREAM_MIN: usize = 8 << 20;
+
+/// Copies `len` bytes from `src` to `dst`, with streaming stores when `stream` (x86-64; a plain
+/// copy elsewhere). Ends with a store fence, so the bytes are ordered before a later release.
+///
+/// # Safety
+/// `dst` valid for `len` writes, `src` for `len` reads, not overlapping.
+unsafe fn copy_out(dst: *mut u8, src: *const u8, len: usize, stream: bool) {
+    #[cfg(target_arch = "x86_64")]
+    if stream && len >= 256 {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+        let head = dst.align_offset(16).min(len);
+        // SAFETY: the caller's bounds; `dst + head` is 16-aligned, so every `_mm_stream_si128`
+        // target is aligned; SSE2 is part of the x86-64 baseline.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src, dst, head);
+            let (mut d, mut s) = (dst.add(head), src.add(head));
+            let mut left = len - head;
+            while left >= 64 {
+                let a = _mm_loadu_si128(s as *const __m128i);
+                let b = _mm_loadu_si128(s.add(16) as *const __m128i);
+                let c = _mm_loadu_si128(s.add(32) as *const __m128i);
+                let e = _mm_loadu_si128(s.add(48) as *const __m128i);
+                _mm_stream_si128(d as *mut __m128i, a);
+                _mm_stream_si128(d.add(16) as *mut __m128i, b);
+                _mm_stream_si128(d.add(32) as *mut __m128i, c);
+                _mm_stream_si128(d.add(48) as *mut __m128i, e);
+                d = d.add(64);
+                s = s.add(64);
+                left -= 64;
+            }
+            std::ptr::copy_nonoverlapping(s, d, left);
+            _mm_sfence();
+        }
+        return;
+    }
+    let _ = stream;
+    // SAFETY: the caller's bounds.
+    unsafe { std::ptr::copy_nonoverlapping(src, dst, len) }
 }
 
 impl Backend for ShmBackend {
@@ -687,7 +786,7 @@ impl Backend for ShmBackend {
             self.put(b, 0, buf);
             self.first_sync(h, deadline)?;
             // SAFETY: `buf` is an exclusively borrowed user buffer, disjoint from the segment.
-            unsafe { self.fold_from_all(h, op, b, 0, len, buf.as_mut_ptr())? };
+            unsafe { self.fold_from_all(h, op, b, 0, len, None, buf.as_mut_ptr())? };
             t.sent += ((n - 1) * len) as u64;
             t.recv += ((n - 1) * len) as u64;
             return Ok(());
@@ -712,7 +811,7 @@ impl Backend for ShmBackend {
             self.first_sync(h, deadline)?;
             if r == root {
                 // SAFETY: as in all_reduce.
-                unsafe { self.fold_from_all(h, op, b, 0, len, buf.as_mut_ptr())? };
+                unsafe { self.fold_from_all(h, op, b, 0, len, None, buf.as_mut_ptr())? };
                 t.recv += ((n - 1) * len) as u64;
             } else {
                 t.sent += len as u64;
@@ -740,6 +839,7 @@ impl Backend for ShmBackend {
     ) -> Result<()> {
         let deadline = self.deadline();
         let (r, n) = (self.ctx.rank, self.ctx.world);
+        let stream = buf.len() >= STREAM_MIN;
         let mut off = 0;
         let mut first = true;
         while off < buf.len() || first {
@@ -757,7 +857,7 @@ impl Backend for ShmBackend {
             if r == root {
                 t.sent += ((n - 1) * c) as u64;
             } else {
-                self.get(root, b, 0, &mut buf[off..off + c]);
+                self.get(root, b, 0, &mut buf[off..off + c], stream);
                 t.recv += c as u64;
             }
             off += c;
@@ -775,6 +875,7 @@ impl Backend for ShmBackend {
         let deadline = self.deadline();
         let n = self.ctx.world;
         let s = input.len();
+        let stream = out.len() >= STREAM_MIN;
         let mut off = 0;
         let mut first = true;
         while off < s || first {
@@ -788,7 +889,14 @@ impl Backend for ShmBackend {
                 self.sync("all_gather", deadline)?;
             }
             for j in 0..n {
-                self.get(j, b, 0, &mut out[j * s + off..j * s + off + c]);
+                let dst = &mut out[j * s + off..j * s + off + c];
+                if j == self.ctx.rank {
+                    // Our own block comes straight from the input, not back through our buffer.
+                    // SAFETY: `input` and `out` are distinct user buffers of at least these bounds.
+                    unsafe { copy_out(dst.as_mut_ptr(), input[off..].as_ptr(), c, stream) };
+                } else {
+                    self.get(j, b, 0, dst, stream);
+                }
             }
             t.sent += ((n - 1) * c) as u64;
             t.recv += ((n - 1) * c) as u64;
@@ -821,7 +929,8 @@ impl Backend for ShmBackend {
         while off < cs || first {
             let c = per.min(cs - off);
             let b = self.next_buf();
-            for j in 0..n {
+            // Our own block is folded straight from the input.
+            for j in (0..n).filter(|j| *j != r) {
                 let src = (j * cs + off) * esz..(j * cs + off + c) * esz;
                 self.put(b, j * c * esz, &input[src]);
             }
@@ -832,8 +941,12 @@ impl Backend for ShmBackend {
                 self.sync("reduce_scatter", deadline)?;
             }
             let dst = &mut out[off * esz..(off + c) * esz];
-            // SAFETY: `out` is an exclusively borrowed user buffer, disjoint from the segment.
-            unsafe { self.fold_from_all(h, op, b, r * c * esz, c * esz, dst.as_mut_ptr())? };
+            let own = input[(r * cs + off) * esz..].as_ptr();
+            // SAFETY: `out` and `input` are exclusively borrowed user buffers, disjoint from the
+            // segment and from each other.
+            unsafe {
+                self.fold_from_all(h, op, b, r * c * esz, c * esz, Some(own), dst.as_mut_ptr())?
+            };
             t.sent += ((n - 1) * c * esz) as u64;
             t.recv += ((n - 1) * c * esz) as u64;
             off += c;
@@ -903,7 +1016,10 @@ mod spin_tests {
         }
         // Chunk handoffs of ~8 µs: spin about twice that.
         let s = b.spin_for(WaitKind::Step, cap);
-        assert!(s >= Duration::from_micros(14) && s <= Duration::from_micros(17), "{s:?}");
+        assert!(
+            s >= Duration::from_micros(14) && s <= Duration::from_micros(17),
+            "{s:?}"
+        );
         // A peer milliseconds away: sleep at once.
         assert_eq!(b.spin_for(WaitKind::Arrival, cap), Duration::from_micros(1));
         // Never past the cap.

@@ -111,3 +111,35 @@ fn large_64mib() {
         }
     }
 }
+
+/// Outputs past the streaming-store threshold (8 MiB) at offsets that are not 16-byte aligned:
+/// all_gather of an odd bf16 shard on 3 ranks and broadcast of an odd u8 buffer, over shm.
+#[test]
+fn large_unaligned_streaming_outputs() {
+    let res = run_threads(
+        3,
+        |r| opts_for(BackendKind::Shm, r),
+        |pg| {
+            let (r, n) = (pg.rank(), pg.world_size());
+            let per = (3 << 20) + 3;
+            let mine = input::<bf16>(r, per);
+            let mut all = vec![bf16::ZERO; per * n];
+            pg.all_gather(&mine, &mut all)?;
+            assert!(
+                all == (0..n).flat_map(|j| input::<bf16>(j, per)).collect::<Vec<_>>(),
+                "all_gather {per} bf16 per rank"
+            );
+            let len = (9 << 20) + 5;
+            let mut buf = if r == 1 { input::<u8>(1, len) } else { vec![0u8; len] };
+            pg.broadcast(&mut buf[1..], 1)?;
+            let mut want = input::<u8>(1, len);
+            want[0] = if r == 1 { want[0] } else { 0 };
+            want[1..].copy_from_slice(&input::<u8>(1, len)[1..]);
+            assert!(buf == want, "broadcast {len} bytes at offset 1");
+            Ok(())
+        },
+    );
+    for r in res {
+        r.unwrap();
+    }
+}
