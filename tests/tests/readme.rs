@@ -113,6 +113,10 @@ const ETCD_USER: &str = r#"etcdctl user add rsrun --new-user-password "$(cat /et
 const ETCD_ROLE: &str = "etcdctl role add rsrun && etcdctl role grant-permission rsrun --prefix=true readwrite /rsrun/ && etcdctl user grant-role rsrun rsrun";
 const HA_DAEMON_AUTH: &str = "rsrun-rendezvous serve --listen 0.0.0.0:29400 --advertise h1:29400 --etcd-endpoints e1:2379,e2:2379,e3:2379 --etcd-user rsrun --etcd-password-file /etc/rsrun/etcd-password";
 
+const BENCH: &str = "scripts/bench-vs-torch.sh 30";
+const GPU_BUILD: &str = "cargo build --release -p rsrun-examples --features nccl --bin gpu-smoke";
+const GPU_RUN: &str = "./target/release/rsrun --standalone --nproc-per-node 1 ./target/release/gpu-smoke";
+
 const PIP_VENV: &str = "python3 -m venv .venv";
 const PIP_INSTALL: &str = ".venv/bin/pip install .";
 const PIP_VERSIONS: &str = ".venv/bin/rsrun --version && .venv/bin/rsrun-rendezvous --version";
@@ -146,6 +150,9 @@ const COVERED: &[&str] = &[
     ETCD_USER,
     ETCD_ROLE,
     HA_DAEMON_AUTH,
+    BENCH,
+    GPU_BUILD,
+    GPU_RUN,
     PIP_VENV,
     PIP_INSTALL,
     PIP_VERSIONS,
@@ -524,4 +531,55 @@ fn ha_etcd_auth_recipe() {
     let keys = String::from_utf8_lossy(&keys.stdout).into_owned();
     assert!(keys.lines().filter(|l| !l.is_empty()).all(|k| k.starts_with("/rsrun/") || k == "/rsrun-test/ready"), "{keys}");
     drop(daemon);
+}
+
+#[test]
+fn performance_against_pytorch() {
+    let _turn = serial();
+    let Some(py) = rsrun_tests::python_with_torch() else {
+        eprintln!("performance_against_pytorch: no python with torch (set RSRUN_TEST_PYTHON); skipped");
+        return;
+    };
+    // As printed, with 6 steps instead of 30 (torch's script drops 3 warm-up steps), and the
+    // test's torch instead of the script's own venv.
+    let cmd = readme(BENCH).replace(" 30", " 6");
+    let mut c = shell(&workspace(), &cmd);
+    c.env("RSRUN_BENCH_PYTHON", &py);
+    let out = run_all(vec![c], Duration::from_secs(1800)).remove(0);
+    let all = text(&out);
+    assert_eq!(code(&out.status), 0, "{all}");
+    let number = |line: &str, key: &str| -> f64 {
+        let v = line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix(&format!("{key}=")))
+            .unwrap_or_else(|| panic!("no {key}= in {line}"));
+        v.parse().unwrap_or_else(|_| panic!("{key}={v} is not a number in {line}"))
+    };
+    let engine = all.lines().find(|l| l.starts_with("summary: single_tok_ratio_vs_torch=")).unwrap_or_else(|| panic!("{all}"));
+    for key in ["single_tok_ratio_vs_torch", "ddp_tok_ratio_vs_torch", "ddp_speedup", "mfu"] {
+        assert!(number(engine, key) > 0.0, "{engine}");
+    }
+    assert!(engine.contains(" cpu=") && engine.contains(" isa="), "{engine}");
+    let coll = all.lines().find(|l| l.starts_with("summary: allreduce_frac_of_bound=")).unwrap_or_else(|| panic!("{all}"));
+    for key in ["allreduce_frac_of_bound", "reduce_scatter_frac", "all_gather_frac", "tcp_frac_of_loopback"] {
+        assert!(number(coll, key) > 0.0, "{coll}");
+    }
+}
+
+#[test]
+fn gpu_smoke_build_and_run() {
+    let _turn = serial();
+    release_build();
+    let outs = run_all(vec![shell(&workspace(), &readme(GPU_BUILD))], Duration::from_secs(3600));
+    ok(&outs);
+    let out = run_all(vec![shell(&workspace(), &readme(GPU_RUN))], RUN_DEADLINE).remove(0);
+    let all = text(&out);
+    if std::path::Path::new("/dev/nvidiactl").exists() {
+        assert_eq!(code(&out.status), 0, "{all}");
+        assert!(all.contains("summary: gpu_smoke=pass") && all.contains("unique_id=rendezvous"), "{all}");
+    } else {
+        // No GPU here: exit 77 (skipped), the reason named, through rsrun's exit code.
+        assert_eq!(code(&out.status), 77, "{all}");
+        assert!(all.contains("gpu-smoke: skipped:"), "{all}");
+    }
 }
