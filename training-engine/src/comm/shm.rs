@@ -728,7 +728,8 @@ impl ShmBackend {
 const STREAM_MIN: usize = 8 << 20;
 
 /// Copies `len` bytes from `src` to `dst`, with streaming stores when `stream` (x86-64; a plain
-/// copy elsewhere). Ends with a store fence, so the bytes are ordered before a later release.
+/// copy elsewhere). A streaming copy ends with a store fence, so its bytes are ordered before a
+/// later release (plain stores need none).
 ///
 /// # Safety
 /// `dst` valid for `len` writes, `src` for `len` reads, not overlapping.
