@@ -12,7 +12,8 @@
 #   how an AVX2-only CPU fares.
 # Environment: RSRUN_BENCH_CPUS=0,1 pins every process to those CPUs (taskset), for a big machine;
 # RSRUN_BENCH_BIN=DIR uses prebuilt binaries from DIR (no cargo), RSRUN_BENCH_PYTHON=PY a python
-# with torch, RSRUN_BENCH_REF=DIR the folder holding reference_gpt.py and gloo_collectives.py.
+# with torch, RSRUN_BENCH_REF=DIR the folder holding reference_gpt.py and gloo_collectives.py
+# (default: ../shared/bench when present, else the copies in scripts/torch-ref).
 # Ends with two lines:
 #   summary: single_tok_ratio_vs_torch=... ddp_tok_ratio_vs_torch=... ddp_speedup=... mfu=... cpu=...
 #   summary: allreduce_frac_of_bound=... reduce_scatter_frac=... all_gather_frac=... tcp_frac_of_loopback=...
@@ -26,8 +27,17 @@ fi
 steps=${1:-30}
 PY=${RSRUN_BENCH_PYTHON:-$(scripts/torch-venv.sh)}
 TORCHRUN=("$PY" -m torch.distributed.run)
-REF=${RSRUN_BENCH_REF:-../shared/bench}/reference_gpt.py
-GLOO=${RSRUN_BENCH_REF:-../shared/bench}/gloo_collectives.py
+# The anchors: RSRUN_BENCH_REF, else ../shared/bench beside the checkout, else our copies of them.
+if [[ -n ${RSRUN_BENCH_REF:-} ]]; then
+  refdir=$RSRUN_BENCH_REF
+elif [[ -f ../shared/bench/reference_gpt.py ]]; then
+  refdir=../shared/bench
+else
+  refdir=scripts/torch-ref
+fi
+REF=$refdir/reference_gpt.py
+GLOO=$refdir/gloo_collectives.py
+[[ -f $REF && -f $GLOO ]] || { echo "bench-vs-torch: $refdir lacks reference_gpt.py or gloo_collectives.py" >&2; exit 2; }
 BIN=${RSRUN_BENCH_BIN:-target/release}
 if [[ -z ${RSRUN_BENCH_BIN:-} ]]; then
   cargo build --release -q -p rsrun-launcher -p rsrun-examples --bin rsrun --bin engine-bench --bin collectives-bench
