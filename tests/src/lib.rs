@@ -201,6 +201,11 @@ pub fn text(out: &Output) -> String {
 }
 
 /// The exit code (panics when killed by a signal).
+/// The value of `key=` among the whitespace-separated words of `line` (a `summary:` line).
+pub fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    line.split_whitespace().find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
+}
+
 pub fn code(status: &ExitStatus) -> i32 {
     status.code().unwrap_or_else(|| panic!("no exit code: {status:?}"))
 }

@@ -549,10 +549,7 @@ fn performance_against_pytorch() {
     let all = text(&out);
     assert_eq!(code(&out.status), 0, "{all}");
     let number = |line: &str, key: &str| -> f64 {
-        let v = line
-            .split_whitespace()
-            .find_map(|w| w.strip_prefix(&format!("{key}=")))
-            .unwrap_or_else(|| panic!("no {key}= in {line}"));
+        let v = rsrun_tests::field(line, key).unwrap_or_else(|| panic!("no {key}= in {line}"));
         v.parse().unwrap_or_else(|_| panic!("{key}={v} is not a number in {line}"))
     };
     let engine = all.lines().find(|l| l.starts_with("summary: single_tok_ratio_vs_torch=")).unwrap_or_else(|| panic!("{all}"));

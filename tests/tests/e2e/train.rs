@@ -37,10 +37,7 @@ fn two_nodes(dir: &Path, daemon: &Daemon, job: &str, launcher: &[&str], extra: &
 
 fn summary_field(out: &str, key: &str) -> String {
     let line = out.lines().find(|l| l.contains("summary: ")).unwrap_or_else(|| panic!("no summary line in:\n{out}"));
-    line.split_whitespace()
-        .find_map(|kv| kv.strip_prefix(&format!("{key}=")))
-        .unwrap_or_else(|| panic!("no {key} in {line}"))
-        .to_string()
+    rsrun_tests::field(line, key).unwrap_or_else(|| panic!("no {key} in {line}")).to_string()
 }
 
 fn json_losses(out: &str) -> Vec<f64> {
