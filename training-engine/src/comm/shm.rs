@@ -600,6 +600,7 @@ impl ShmBackend {
     /// `out` must be valid for `len` writes and either disjoint from the shared buffers or
     /// exactly our own buffer at `off`; `own`, when given, valid for `len` reads and not
     /// partially overlapping `out`.
+    #[allow(clippy::too_many_arguments)]
     unsafe fn fold_from_all(
         &self,
         h: &OpHeader,
