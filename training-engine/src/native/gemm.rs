@@ -53,6 +53,50 @@ pub(crate) enum Shape {
     UpperLhs,
 }
 
+/// What a fresh product starts from instead of zero: `dst[i][j] = bias[j] + res[i][j] +
+/// (lhs·rhs)[i][j]`, either part absent when null. The kernels add it to a tile while the tile
+/// is still in registers, so a linear layer's bias and residual cost no pass of their own over
+/// the output (and no read of a cold destination).
+#[derive(Clone, Copy)]
+pub(crate) struct Init {
+    /// `n` floats, one per column; or null.
+    bias: *const f32,
+    /// An `m×n` matrix with row stride `res_rs`; or null.
+    res: *const f32,
+    res_rs: usize,
+}
+
+impl Init {
+    /// Start from zero.
+    const NONE: Init = Init {
+        bias: std::ptr::null(),
+        res: std::ptr::null(),
+        res_rs: 0,
+    };
+
+    /// The same start for the tile whose first element is `[row][col]`.
+    fn at(self, row: usize, col: usize) -> Init {
+        Init {
+            bias: if self.bias.is_null() { self.bias } else { self.bias.wrapping_add(col) },
+            res: if self.res.is_null() { self.res } else { self.res.wrapping_add(row * self.res_rs + col) },
+            res_rs: self.res_rs,
+        }
+    }
+
+    /// The start of element `[i][j]` of a tile ([`Init::at`] its corner).
+    ///
+    /// # Safety
+    /// The element is inside the product.
+    unsafe fn get(self, i: usize, j: usize) -> f32 {
+        // SAFETY: inside bias / res by the caller's contract.
+        unsafe {
+            let b = if self.bias.is_null() { 0.0 } else { *self.bias.add(j) };
+            let r = if self.res.is_null() { 0.0 } else { *self.res.add(i * self.res_rs + j) };
+            b + r
+        }
+    }
+}
+
 /// Cache blocking of one SIMD level (the tile shape `MR×NR` is a const parameter of the
 /// instantiation, see [`gemm_at`]).
 #[derive(Clone, Copy)]
@@ -131,7 +175,23 @@ pub(crate) unsafe fn gemm_at(
         }
         return;
     }
-    let args = (m, n, k, dst, dst_rs, acc, lhs, rhs, shape);
+    // SAFETY: forwarded.
+    unsafe { dispatch(level, (m, n, k, dst, dst_rs, acc, lhs, rhs, shape, Init::NONE)) };
+    // An upper-triangular left operand with more rows than columns: rows i ≥ k have no
+    // contributing slab, and a fresh product must still define them.
+    if !acc && shape == Shape::UpperLhs {
+        for i in k.min(m)..m {
+            // SAFETY: row i of dst is inside dst.
+            unsafe { std::ptr::write_bytes(dst.add(i * dst_rs), 0, n) };
+        }
+    }
+}
+
+/// Runs the loop nest of `level`.
+///
+/// # Safety
+/// As [`gemm_at`]; `args` has `m, n, k > 0`.
+unsafe fn dispatch(level: Isa, args: Args) {
     // SAFETY (each arm): forwarded; the caller guarantees the level.
     unsafe {
         match level {
@@ -140,14 +200,6 @@ pub(crate) unsafe fn gemm_at(
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => run_avx2(args),
             _ => blocked::<4, 8>(Blocking { kc: 256, mc: 64, nc: 512 }, kernel_scalar, args),
-        }
-    }
-    // An upper-triangular left operand with more rows than columns: rows i ≥ k have no
-    // contributing slab, and a fresh product must still define them.
-    if !acc && shape == Shape::UpperLhs {
-        for i in k.min(m)..m {
-            // SAFETY: row i of dst is inside dst.
-            unsafe { std::ptr::write_bytes(dst.add(i * dst_rs), 0, n) };
         }
     }
 }
@@ -177,8 +229,9 @@ unsafe fn run_avx2(args: Args) {
 /// `c (MR×NR, row stride rs) = [c +] A·B` over `k`, with `A[r][p]` at `a + r·ar + p·ap`
 /// (packed: `ar = 1, ap = MR`; a row-major left operand read in place: `ar = rs, ap = 1`) and
 /// `B` a packed `NR`-column micro-panel.
-type Kernel = unsafe fn(usize, *const f32, usize, usize, *const f32, *mut f32, usize, bool);
-type Args = (usize, usize, usize, *mut f32, usize, bool, Mat, Mat, Shape);
+/// A kernel that does not load `c` adds the tile's [`Init`] instead.
+type Kernel = unsafe fn(usize, *const f32, usize, usize, *const f32, *mut f32, usize, bool, Init);
+type Args = (usize, usize, usize, *mut f32, usize, bool, Mat, Mat, Shape, Init);
 
 /// The BLIS loop nest for an `MR×NR` kernel. A row-major left operand (unit column stride) is
 /// read in place, full row panels at a time (its rows are contiguous in k, which is what the
@@ -188,7 +241,7 @@ type Args = (usize, usize, usize, *mut f32, usize, bool, Mat, Mat, Shape);
 /// As [`gemm_at`]; `kernel` runs on this CPU and computes `MR×NR` tiles.
 #[inline(always)]
 unsafe fn blocked<const MR: usize, const NR: usize>(bl: Blocking, kernel: Kernel, args: Args) {
-    let (m, n, k, dst, dst_rs, acc, lhs, rhs, shape) = args;
+    let (m, n, k, dst, dst_rs, acc, lhs, rhs, shape, init) = args;
     // Equal slabs of at most `kc` (no short last slab).
     let bl = Blocking {
         kc: k.div_ceil(k.div_ceil(bl.kc)),
@@ -262,14 +315,15 @@ unsafe fn blocked<const MR: usize, const NR: usize>(bl: Blocking, kernel: Kernel
                         unsafe {
                             let c = dst.add(row0 * dst_rs + col0);
                             if mr == MR && nr == NR {
-                                kernel(kc, a, ar, ap, b, c, dst_rs, load);
+                                kernel(kc, a, ar, ap, b, c, dst_rs, load, init.at(row0, col0));
                             } else {
-                                kernel(kc, a, ar, ap, b, tile.as_mut_ptr(), NR, false);
+                                kernel(kc, a, ar, ap, b, tile.as_mut_ptr(), NR, false, Init::NONE);
+                                let start = init.at(row0, col0);
                                 for i in 0..mr {
                                     let crow = c.add(i * dst_rs);
                                     for j in 0..nr {
                                         let v = tile[i * NR + j];
-                                        *crow.add(j) = if load { *crow.add(j) + v } else { v };
+                                        *crow.add(j) = if load { *crow.add(j) + v } else { v + start.get(i, j) };
                                     }
                                 }
                             }
@@ -486,6 +540,7 @@ unsafe fn kernel_avx512(
     c: *mut f32,
     rs: usize,
     load: bool,
+    init: Init,
 ) {
     use std::arch::asm;
     use std::arch::x86_64::*;
@@ -498,6 +553,12 @@ unsafe fn kernel_avx512(
             for r in 0..6 {
                 for q in 0..4 {
                     _mm_prefetch::<_MM_HINT_T0>(c.add(r * rs + 16 * q).cast());
+                }
+            }
+        } else if !init.res.is_null() {
+            for r in 0..6 {
+                for q in 0..4 {
+                    _mm_prefetch::<_MM_HINT_T0>(init.res.add(r * init.res_rs + 16 * q).cast());
                 }
             }
         }
@@ -581,6 +642,13 @@ unsafe fn kernel_avx512(
                 let mut v = *v;
                 if load {
                     v = _mm512_add_ps(v, _mm512_loadu_ps(cr.add(16 * q)));
+                } else {
+                    if !init.bias.is_null() {
+                        v = _mm512_add_ps(v, _mm512_loadu_ps(init.bias.add(16 * q)));
+                    }
+                    if !init.res.is_null() {
+                        v = _mm512_add_ps(v, _mm512_loadu_ps(init.res.add(r * init.res_rs + 16 * q)));
+                    }
                 }
                 _mm512_storeu_ps(cr.add(16 * q), v);
             }
@@ -606,6 +674,7 @@ unsafe fn kernel_avx2(
     c: *mut f32,
     rs: usize,
     load: bool,
+    init: Init,
 ) {
     use std::arch::asm;
     use std::arch::x86_64::*;
@@ -615,6 +684,10 @@ unsafe fn kernel_avx2(
         if load {
             for r in 0..6 {
                 _mm_prefetch::<_MM_HINT_T0>(c.add(r * rs).cast());
+            }
+        } else if !init.res.is_null() {
+            for r in 0..6 {
+                _mm_prefetch::<_MM_HINT_T0>(init.res.add(r * init.res_rs).cast());
             }
         }
         asm!(
@@ -673,6 +746,16 @@ unsafe fn kernel_avx2(
             if load {
                 v0 = _mm256_add_ps(v0, _mm256_loadu_ps(cr));
                 v1 = _mm256_add_ps(v1, _mm256_loadu_ps(cr.add(8)));
+            } else {
+                if !init.bias.is_null() {
+                    v0 = _mm256_add_ps(v0, _mm256_loadu_ps(init.bias));
+                    v1 = _mm256_add_ps(v1, _mm256_loadu_ps(init.bias.add(8)));
+                }
+                if !init.res.is_null() {
+                    let rr = init.res.add(r * init.res_rs);
+                    v0 = _mm256_add_ps(v0, _mm256_loadu_ps(rr));
+                    v1 = _mm256_add_ps(v1, _mm256_loadu_ps(rr.add(8)));
+                }
             }
             _mm256_storeu_ps(cr, v0);
             _mm256_storeu_ps(cr.add(8), v1);
@@ -695,6 +778,7 @@ unsafe fn kernel_scalar(
     c: *mut f32,
     rs: usize,
     load: bool,
+    init: Init,
 ) {
     let mut acc = [[0f32; 8]; 4];
     // SAFETY: in bounds by the contract.
@@ -711,7 +795,7 @@ unsafe fn kernel_scalar(
         for (r, row) in acc.iter().enumerate() {
             let cr = c.add(r * rs);
             for (j, v) in row.iter().enumerate() {
-                *cr.add(j) = if load { *cr.add(j) + v } else { *v };
+                *cr.add(j) = if load { *cr.add(j) + v } else { *v + init.get(r, j) };
             }
         }
     }
@@ -737,6 +821,61 @@ pub(crate) fn x_wt(n: usize, k: usize, o: usize, x: &[f32], w: &[f32], out: &mut
             Mat { ptr: x.as_ptr(), rs: k, cs: 1 },
             Mat { ptr: w.as_ptr(), rs: 1, cs: k },
             Shape::Full,
+        );
+    }
+}
+
+/// `out (n×o) = x (n×k) · wᵀ + bias [+ res]`: a linear layer's output, with its residual input
+/// `res` (`n×o`) when given, added to each tile as it leaves the registers.
+#[allow(clippy::too_many_arguments)] // a linear layer's operands
+pub(crate) fn x_wt_bias(n: usize, k: usize, o: usize, x: &[f32], w: &[f32], bias: &[f32], res: Option<&[f32]>, out: &mut [f32]) {
+    x_wt_bias_at(isa(), (n, k, o), x, w, bias, res, out);
+}
+
+/// [`x_wt_bias`] at a given SIMD level (at most [`Isa::detected`]).
+fn x_wt_bias_at(level: Isa, (n, k, o): (usize, usize, usize), x: &[f32], w: &[f32], bias: &[f32], res: Option<&[f32]>, out: &mut [f32]) {
+    // Shapes are validated where units start; these guard the unsafe calls below.
+    assert!(level <= Isa::detected(), "{level:?} is not supported by this CPU");
+    check("x", x.len(), n * k);
+    check("w", w.len(), o * k);
+    check("bias", bias.len(), o);
+    check("out", out.len(), n * o);
+    if let Some(r) = res {
+        check("res", r.len(), n * o);
+    }
+    let init = Init {
+        bias: bias.as_ptr(),
+        res: res.map_or(std::ptr::null(), <[f32]>::as_ptr),
+        res_rs: o,
+    };
+    if n == 0 || o == 0 {
+        return;
+    }
+    if k == 0 {
+        for (i, row) in out.chunks_exact_mut(o).take(n).enumerate() {
+            for (j, v) in row.iter_mut().enumerate() {
+                // SAFETY: [i][j] is inside bias and res (checked above).
+                *v = unsafe { init.get(i, j) };
+            }
+        }
+        return;
+    }
+    // SAFETY: lengths checked above; `out` is a distinct &mut; the level runs on this CPU.
+    unsafe {
+        dispatch(
+            level,
+            (
+                n,
+                o,
+                k,
+                out.as_mut_ptr(),
+                o,
+                false,
+                Mat { ptr: x.as_ptr(), rs: k, cs: 1 },
+                Mat { ptr: w.as_ptr(), rs: 1, cs: k },
+                Shape::Full,
+                init,
+            ),
         );
     }
 }
@@ -839,6 +978,33 @@ mod tests {
                                 let tol = 1e-4 * (k as f64).sqrt() * (1.0 + w.abs());
                                 assert!((got - w).abs() < tol, "{level:?} {m}x{n}x{k} ta={ta} tb={tb} acc={acc} [{i},{j}]: {got} vs {w}");
                             }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_linear_layer_adds_its_bias_and_residual_at_every_level() {
+        let mut rng = SplitMix::new(5);
+        // Full tiles, partial rows and columns, several k-slabs, and k = 0.
+        for &(n, k, o) in &[(1, 1, 1), (13, 33, 7), (25, 300, 17), (12, 256, 64), (37, 513, 70), (6, 0, 16)] {
+            let x: Vec<f32> = (0..n * k).map(|_| rng.normal()).collect();
+            let w: Vec<f32> = (0..o * k).map(|_| rng.normal()).collect();
+            let bias: Vec<f32> = (0..o).map(|_| rng.normal()).collect();
+            let res: Vec<f32> = (0..n * o).map(|_| rng.normal()).collect();
+            let prod = naive(n, o, k, &x, (k, 1), &w, (1, k));
+            for level in levels() {
+                for with_res in [false, true] {
+                    let mut out = vec![f32::NAN; n * o];
+                    x_wt_bias_at(level, (n, k, o), &x, &w, &bias, with_res.then_some(&res[..]), &mut out);
+                    for i in 0..n {
+                        for j in 0..o {
+                            let want = prod[i * o + j] + f64::from(bias[j]) + if with_res { f64::from(res[i * o + j]) } else { 0.0 };
+                            let got = f64::from(out[i * o + j]);
+                            let tol = 1e-4 * ((k + 1) as f64).sqrt() * (1.0 + want.abs());
+                            assert!((got - want).abs() < tol, "{level:?} {n}x{k}x{o} res={with_res} [{i},{j}]: {got} vs {want}");
                         }
                     }
                 }
