@@ -163,35 +163,32 @@ pub(crate) unsafe fn gemm_at(
     rhs: Mat,
     shape: Shape,
 ) {
+    // SAFETY: forwarded.
+    unsafe { gemm_from(level, (m, n, k, dst, dst_rs, acc, lhs, rhs, shape, Init::NONE)) }
+}
+
+/// [`gemm_at`] where a fresh product (`acc` false) starts from `init` instead of zero.
+///
+/// # Safety
+/// As [`gemm_at`]; `init` addresses `n` bias floats and an `m×n` residual where present, and is
+/// [`Init::NONE`] unless the shape is [`Shape::Full`].
+unsafe fn gemm_from(level: Isa, args: Args) {
+    let (m, n, k, dst, dst_rs, acc, _, _, shape, init) = args;
+    debug_assert!(shape == Shape::Full || (init.bias.is_null() && init.res.is_null()));
     if m == 0 || n == 0 {
         return;
     }
     if k == 0 {
         if !acc {
             for i in 0..m {
-                // SAFETY: row i of dst (n elements) is inside dst.
-                unsafe { std::ptr::write_bytes(dst.add(i * dst_rs), 0, n) };
+                for j in 0..n {
+                    // SAFETY: [i][j] is inside dst, bias and res.
+                    unsafe { *dst.add(i * dst_rs + j) = init.get(i, j) };
+                }
             }
         }
         return;
     }
-    // SAFETY: forwarded.
-    unsafe { dispatch(level, (m, n, k, dst, dst_rs, acc, lhs, rhs, shape, Init::NONE)) };
-    // An upper-triangular left operand with more rows than columns: rows i ≥ k have no
-    // contributing slab, and a fresh product must still define them.
-    if !acc && shape == Shape::UpperLhs {
-        for i in k.min(m)..m {
-            // SAFETY: row i of dst is inside dst.
-            unsafe { std::ptr::write_bytes(dst.add(i * dst_rs), 0, n) };
-        }
-    }
-}
-
-/// Runs the loop nest of `level`.
-///
-/// # Safety
-/// As [`gemm_at`]; `args` has `m, n, k > 0`.
-unsafe fn dispatch(level: Isa, args: Args) {
     // SAFETY (each arm): forwarded; the caller guarantees the level.
     unsafe {
         match level {
@@ -200,6 +197,14 @@ unsafe fn dispatch(level: Isa, args: Args) {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => run_avx2(args),
             _ => blocked::<4, 8>(Blocking { kc: 256, mc: 64, nc: 512 }, kernel_scalar, args),
+        }
+    }
+    // An upper-triangular left operand with more rows than columns: rows i ≥ k have no
+    // contributing slab, and a fresh product must still define them.
+    if !acc && shape == Shape::UpperLhs {
+        for i in k.min(m)..m {
+            // SAFETY: row i of dst is inside dst.
+            unsafe { std::ptr::write_bytes(dst.add(i * dst_rs), 0, n) };
         }
     }
 }
@@ -806,63 +811,33 @@ fn check(what: &str, len: usize, want: usize) {
     assert!(len >= want, "{what}: {len} elements, need {want}");
 }
 
-/// `out (n×o) = [out +] x (n×k) · wᵀ`.
-pub(crate) fn x_wt(n: usize, k: usize, o: usize, x: &[f32], w: &[f32], out: &mut [f32], acc: bool) {
-    check("x", x.len(), n * k);
-    check("w", w.len(), o * k);
-    check("out", out.len(), n * o);
-    // SAFETY: lengths checked above; `out` is a distinct &mut.
-    unsafe {
-        gemm(
-            (n, o, k),
-            out.as_mut_ptr(),
-            o,
-            acc,
-            Mat { ptr: x.as_ptr(), rs: k, cs: 1 },
-            Mat { ptr: w.as_ptr(), rs: 1, cs: k },
-            Shape::Full,
-        );
-    }
-}
-
-/// `out (n×o) = x (n×k) · wᵀ + bias [+ res]`: a linear layer's output, with its residual input
-/// `res` (`n×o`) when given, added to each tile as it leaves the registers.
+/// `out (n×o) = x (n×k) · wᵀ [+ bias] [+ res]`: a linear layer's output, with its bias and its
+/// residual input `res` (`n×o`) when given, added to each tile as it leaves the registers.
 #[allow(clippy::too_many_arguments)] // a linear layer's operands
-pub(crate) fn x_wt_bias(n: usize, k: usize, o: usize, x: &[f32], w: &[f32], bias: &[f32], res: Option<&[f32]>, out: &mut [f32]) {
-    x_wt_bias_at(isa(), (n, k, o), x, w, bias, res, out);
+pub(crate) fn linear(n: usize, k: usize, o: usize, x: &[f32], w: &[f32], bias: Option<&[f32]>, res: Option<&[f32]>, out: &mut [f32]) {
+    linear_at(isa(), (n, k, o), x, w, bias, res, out);
 }
 
-/// [`x_wt_bias`] at a given SIMD level (at most [`Isa::detected`]).
-fn x_wt_bias_at(level: Isa, (n, k, o): (usize, usize, usize), x: &[f32], w: &[f32], bias: &[f32], res: Option<&[f32]>, out: &mut [f32]) {
-    // Shapes are validated where units start; these guard the unsafe calls below.
+/// [`linear`] at a given SIMD level (at most [`Isa::detected`]).
+fn linear_at(level: Isa, (n, k, o): (usize, usize, usize), x: &[f32], w: &[f32], bias: Option<&[f32]>, res: Option<&[f32]>, out: &mut [f32]) {
     assert!(level <= Isa::detected(), "{level:?} is not supported by this CPU");
     check("x", x.len(), n * k);
     check("w", w.len(), o * k);
-    check("bias", bias.len(), o);
     check("out", out.len(), n * o);
+    if let Some(b) = bias {
+        check("bias", b.len(), o);
+    }
     if let Some(r) = res {
         check("res", r.len(), n * o);
     }
     let init = Init {
-        bias: bias.as_ptr(),
+        bias: bias.map_or(std::ptr::null(), <[f32]>::as_ptr),
         res: res.map_or(std::ptr::null(), <[f32]>::as_ptr),
         res_rs: o,
     };
-    if n == 0 || o == 0 {
-        return;
-    }
-    if k == 0 {
-        for (i, row) in out.chunks_exact_mut(o).take(n).enumerate() {
-            for (j, v) in row.iter_mut().enumerate() {
-                // SAFETY: [i][j] is inside bias and res (checked above).
-                *v = unsafe { init.get(i, j) };
-            }
-        }
-        return;
-    }
     // SAFETY: lengths checked above; `out` is a distinct &mut; the level runs on this CPU.
     unsafe {
-        dispatch(
+        gemm_from(
             level,
             (
                 n,
@@ -996,15 +971,16 @@ mod tests {
             let res: Vec<f32> = (0..n * o).map(|_| rng.normal()).collect();
             let prod = naive(n, o, k, &x, (k, 1), &w, (1, k));
             for level in levels() {
-                for with_res in [false, true] {
+                for (with_bias, with_res) in [(false, false), (true, false), (false, true), (true, true)] {
                     let mut out = vec![f32::NAN; n * o];
-                    x_wt_bias_at(level, (n, k, o), &x, &w, &bias, with_res.then_some(&res[..]), &mut out);
+                    linear_at(level, (n, k, o), &x, &w, with_bias.then_some(&bias[..]), with_res.then_some(&res[..]), &mut out);
                     for i in 0..n {
                         for j in 0..o {
-                            let want = prod[i * o + j] + f64::from(bias[j]) + if with_res { f64::from(res[i * o + j]) } else { 0.0 };
+                            let b = if with_bias { f64::from(bias[j]) } else { 0.0 };
+                            let want = prod[i * o + j] + b + if with_res { f64::from(res[i * o + j]) } else { 0.0 };
                             let got = f64::from(out[i * o + j]);
                             let tol = 1e-4 * ((k + 1) as f64).sqrt() * (1.0 + want.abs());
-                            assert!((got - want).abs() < tol, "{level:?} {n}x{k}x{o} res={with_res} [{i},{j}]: {got} vs {want}");
+                            assert!((got - want).abs() < tol, "{level:?} {n}x{k}x{o} bias={with_bias} res={with_res} [{i},{j}]: {got} vs {want}");
                         }
                     }
                 }

@@ -132,7 +132,7 @@ impl NativeUnits for Gpt {
             let (hf, mean, rstd) = (sized(hf, n * d), sized(mean, n), sized(rstd, n));
             ops::layer_norm_fwd(x, params[0], params[1], EPS, hf, mean, rstd);
             let probs = sized(probs, n * v);
-            gemm::x_wt(n, d, v, hf, params[2], probs, false);
+            gemm::linear(n, d, v, hf, params[2], None, None, probs);
             let mut total = 0f64;
             ops::softmax_xent(probs, v, &batch.targets, &mut total);
             let out = sized(&mut cache.out, 1);
@@ -148,21 +148,21 @@ impl NativeUnits for Gpt {
         let (mean1, rstd1, h1) = (sized(mean1, n), sized(rstd1, n), sized(h1, n * d));
         ops::layer_norm_fwd(x, p[0], p[1], EPS, h1, mean1, rstd1);
         let qkv = sized(qkv, n * 3 * d);
-        gemm::x_wt_bias(n, d, 3 * d, h1, p[2], p[3], None, qkv);
+        gemm::linear(n, d, 3 * d, h1, p[2], Some(p[3]), None, qkv);
         let probs = sized(probs, batch.b * h * t * t);
         let att = sized(att, n * d);
         attention_fwd(batch.b, t, h, d, 1.0 / (hd as f32).sqrt(), qkv, probs, att);
         let x2 = sized(x2, n * d);
-        gemm::x_wt_bias(n, d, d, att, p[4], p[5], Some(x), x2);
+        gemm::linear(n, d, d, att, p[4], Some(p[5]), Some(x), x2);
         let (mean2, rstd2, h2) = (sized(mean2, n), sized(rstd2, n), sized(h2, n * d));
         ops::layer_norm_fwd(x2, p[6], p[7], EPS, h2, mean2, rstd2);
         let u = sized(u, n * f);
-        gemm::x_wt_bias(n, d, f, h2, p[8], p[9], None, u);
+        gemm::linear(n, d, f, h2, p[8], Some(p[9]), None, u);
         let g = sized(g, n * f);
         // `u` becomes gelu'(u), all the backward needs of it.
         ops::gelu_fwd(u, g);
         let out = sized(&mut cache.out, n * d);
-        gemm::x_wt_bias(n, f, d, g, p[10], p[11], Some(x2), out);
+        gemm::linear(n, f, d, g, p[10], Some(p[11]), Some(x2), out);
         Ok(())
     }
 
