@@ -20,9 +20,14 @@
 //! The memory-traffic bound of an op is the time each rank needs just to read its input once
 //! and write its output once at the measured memcpy bandwidth (all_reduce `2B`, reduce_scatter
 //! `B + B/N`, all_gather `B/N + B` bytes of traffic per rank for `B` bytes); `frac` is that time
-//! over the measured one. Ends with
+//! over the measured one. On the shm backend all_reduce and all_gather run twice: on buffers
+//! registered with the group (`ProcessGroup::alloc_shared`, the zero-copy path DDP's gradients
+//! use; `buffers=registered`) and on plain vectors (`buffers=plain`, staged through the
+//! segment). The headline fractions use registered buffers where an op has them, and the plain
+//! ones follow as `*_plain_frac`. Ends with
 //! `summary: allreduce_frac_of_bound=... reduce_scatter_frac=... all_gather_frac=...
-//! tcp_frac_of_loopback=... memcpy_gbps=... loopback_tcp_gbps=... ...` (the 64 MiB figures;
+//! tcp_frac_of_loopback=... allreduce_plain_frac=... reduce_scatter_plain_frac=...
+//! all_gather_plain_frac=... memcpy_gbps=... loopback_tcp_gbps=... ...` (the 64 MiB figures;
 //! `tcp_frac_of_loopback` is the TCP backend's all_reduce busbw over one loopback stream).
 
 use std::collections::BTreeMap;
@@ -165,14 +170,27 @@ fn busbw_factor(op: &str, n: usize) -> f64 {
     }
 }
 
+/// A benchmark buffer: a plain vector, or one registered with the group
+/// (`ProcessGroup::alloc_shared`, the zero-copy path on shm).
+fn bench_buf(pg: &ProcessGroup, len: usize, fill: f32, registered: bool) -> Result<Box<dyn std::ops::DerefMut<Target = [f32]>>> {
+    Ok(if registered {
+        let mut b = pg.alloc_shared::<f32>(len)?;
+        b.fill(fill);
+        Box::new(b)
+    } else {
+        Box::new(vec![fill; len])
+    })
+}
+
 /// Times `iters` calls of `op` at `bytes` bytes; returns the slowest rank's mean seconds.
-fn time_op(pg: &ProcessGroup, op: &str, bytes: usize) -> Result<f64> {
+/// `registered`: the all_reduce buffer and the all_gather output come from `alloc_shared`.
+fn time_op(pg: &ProcessGroup, op: &str, bytes: usize, registered: bool) -> Result<f64> {
     let n = pg.world_size();
     let elems = (bytes / 4).max(1);
     let per = (elems / n).max(1);
-    let mut buf = vec![1.0f32; elems];
+    let mut buf = bench_buf(pg, elems, 1.0, registered && op == "all_reduce")?;
     let mut shard = vec![1.0f32; per];
-    let mut full = vec![0.0f32; per * n];
+    let mut full = bench_buf(pg, per * n, 0.0, registered && op == "all_gather")?;
     let mut run = |pg: &ProcessGroup| -> Result<()> {
         match op {
             "all_reduce" => pg.all_reduce(&mut buf, ReduceOp::Sum)?,
@@ -278,19 +296,30 @@ fn main() -> Result<()> {
         )?;
         let name = pg.backend();
         for op in &args.ops {
+            // Registered buffers only make a difference where the group has windows (shm), and
+            // only for the ops with a zero-copy path (reduce_scatter stages either way).
+            let modes: &[bool] = if name == "shm" && matches!(op.as_str(), "all_reduce" | "all_gather") {
+                &[true, false]
+            } else {
+                &[false]
+            };
             for &bytes in &args.sizes {
-                let t = time_op(&pg, op, bytes)?;
-                let algbw = bytes as f64 / t / 1e9;
-                let busbw = algbw * busbw_factor(op, world);
-                if rank == 0 {
-                    writeln!(
-                        out,
-                        "op={op} backend={name} world={world} bytes={bytes} time_us={:.1} algbw_GBps={algbw:.3} busbw_GBps={busbw:.3}",
-                        t * 1e6
-                    )?;
-                    out.flush()?;
+                for &registered in modes {
+                    let t = time_op(&pg, op, bytes, registered)?;
+                    let algbw = bytes as f64 / t / 1e9;
+                    let busbw = algbw * busbw_factor(op, world);
+                    let buffers = if registered { "registered" } else { "plain" };
+                    if rank == 0 {
+                        writeln!(
+                            out,
+                            "op={op} backend={name} buffers={buffers} world={world} bytes={bytes} time_us={:.1} algbw_GBps={algbw:.3} busbw_GBps={busbw:.3}",
+                            t * 1e6
+                        )?;
+                        out.flush()?;
+                    }
+                    let key = if registered { format!("{backend}:registered") } else { backend.clone() };
+                    results.insert((key, op.clone(), bytes), (t, busbw));
                 }
-                results.insert((backend.clone(), op.clone(), bytes), (t, busbw));
             }
         }
         pg.barrier()?;
@@ -314,23 +343,33 @@ fn main() -> Result<()> {
             .find(|b| b.as_str() != "tcp")
             .cloned()
             .unwrap_or_else(|| "auto".into());
-        let frac = |op: &str| {
-            results.get(&(main.clone(), op.to_string(), big)).map_or("n/a".to_string(), |(t, _)| {
+        // The headline figures use registered buffers where the backend has them (what the
+        // engine's DDP gradients use); the plain-buffer (staged) fractions are printed too.
+        let reg = format!("{main}:registered");
+        let headline = |op: &str| {
+            if results.contains_key(&(reg.clone(), op.to_string(), big)) { reg.clone() } else { main.clone() }
+        };
+        let frac_of = |b: &str, op: &str| {
+            results.get(&(b.to_string(), op.to_string(), big)).map_or("n/a".to_string(), |(t, _)| {
                 let bound = traffic_bytes(op, big, world) / (memcpy_for(op) * 1e9);
                 format!("{:.2}", bound / t)
             })
         };
+        let frac = |op: &str| frac_of(&headline(op), op);
         for op in ["all_reduce", "reduce_scatter", "all_gather"] {
-            if let Some((t, _)) = results.get(&(main.clone(), op.to_string(), big)) {
-                let bound = traffic_bytes(op, big, world) / (memcpy_for(op) * 1e9);
-                writeln!(
-                    out,
-                    "bound: op={op} bytes={big} traffic_per_rank={:.0} bound_us={:.1} measured_us={:.1} frac={:.2}",
-                    traffic_bytes(op, big, world),
-                    bound * 1e6,
-                    t * 1e6,
-                    bound / t
-                )?;
+            for b in [reg.as_str(), main.as_str()] {
+                if let Some((t, _)) = results.get(&(b.to_string(), op.to_string(), big)) {
+                    let bound = traffic_bytes(op, big, world) / (memcpy_for(op) * 1e9);
+                    writeln!(
+                        out,
+                        "bound: op={op} buffers={} bytes={big} traffic_per_rank={:.0} bound_us={:.1} measured_us={:.1} frac={:.2}",
+                        if b == reg { "registered" } else { "plain" },
+                        traffic_bytes(op, big, world),
+                        bound * 1e6,
+                        t * 1e6,
+                        bound / t
+                    )?;
+                }
             }
         }
         let tcp_frac = results
@@ -338,15 +377,18 @@ fn main() -> Result<()> {
             .map_or("n/a".to_string(), |(_, bw)| format!("{:.2}", bw / loopback));
         writeln!(
             out,
-            "summary: allreduce_frac_of_bound={} reduce_scatter_frac={} all_gather_frac={} tcp_frac_of_loopback={tcp_frac} memcpy_gbps={:.2} loopback_tcp_gbps={loopback:.2} world={world} allreduce_64MiB_busbw_GBps={} allreduce_1KiB_us={} reduce_scatter_64MiB_busbw_GBps={} all_gather_64MiB_busbw_GBps={} tcp_allreduce_64MiB_busbw_GBps={}",
+            "summary: allreduce_frac_of_bound={} reduce_scatter_frac={} all_gather_frac={} tcp_frac_of_loopback={tcp_frac} allreduce_plain_frac={} reduce_scatter_plain_frac={} all_gather_plain_frac={} memcpy_gbps={:.2} loopback_tcp_gbps={loopback:.2} world={world} allreduce_64MiB_busbw_GBps={} allreduce_1KiB_us={} reduce_scatter_64MiB_busbw_GBps={} all_gather_64MiB_busbw_GBps={} tcp_allreduce_64MiB_busbw_GBps={}",
             frac("all_reduce"),
             frac("reduce_scatter"),
             frac("all_gather"),
+            frac_of(&main, "all_reduce"),
+            frac_of(&main, "reduce_scatter"),
+            frac_of(&main, "all_gather"),
             memcpy[0],
-            get(&main, "all_reduce", big, false),
+            get(&headline("all_reduce"), "all_reduce", big, false),
             get(&main, "all_reduce", 1 << 10, true),
-            get(&main, "reduce_scatter", big, false),
-            get(&main, "all_gather", big, false),
+            get(&headline("reduce_scatter"), "reduce_scatter", big, false),
+            get(&headline("all_gather"), "all_gather", big, false),
             get("tcp", "all_reduce", big, false),
         )?;
         if let Some(dir) = &temp_dir {

@@ -68,6 +68,7 @@ mod op;
 mod shm;
 mod store;
 mod tcp;
+mod window;
 
 use std::net::IpAddr;
 use std::ops::Range;
@@ -79,6 +80,7 @@ pub use dtype::{DType, Element, ReduceOp};
 pub use error::{CommError, Result};
 pub use op::{CommStats, OpKind, OpStats};
 pub use store::{FileStore, LocalStore, Store};
+pub use window::{CommBuffer, SharedBuf};
 
 use op::{OpHeader, Traffic};
 
@@ -240,6 +242,11 @@ pub(crate) trait Backend: Send {
     fn recv(&mut self, h: &OpHeader, buf: &mut [u8], src: usize, t: &mut Traffic) -> Result<()>;
     /// Tells peers this rank gives up (best effort), so that they fail fast.
     fn abort(&mut self, err: &CommError);
+    /// Allocates a registered window of `bytes` per rank (collective); `None`: this backend
+    /// has none, callers use heap buffers.
+    fn alloc_window(&mut self, _bytes: usize) -> Result<Option<Arc<window::WindowMap>>> {
+        Ok(None)
+    }
 }
 
 /// The single-rank backend.
@@ -545,6 +552,38 @@ impl ProcessGroup {
         }
     }
 
+    /// Allocates a zeroed buffer of `len` elements registered with this group: on the shm
+    /// backend every rank maps every rank's buffer, so all_reduce and all_gather (output) on
+    /// these buffers read and write the peers' memory directly, with no staging copies (NCCL's
+    /// `ncclMemAlloc`). (reduce_scatter stages as before: it already reads each input once and
+    /// writes each output once.) Other backends give a heap buffer. Collective:
+    /// every rank calls it in the same order with the same `len`. The zero-copy path is taken
+    /// when every rank passes its buffer of the same allocation at the same offset; anything
+    /// else (including plain `Vec`s) runs the staged algorithm with the same result.
+    ///
+    /// # Errors
+    /// Store or mapping failures (the group is then unusable), a failed group, or a length that
+    /// overflows.
+    pub fn alloc_shared<T: Element>(&self, len: usize) -> Result<SharedBuf<T>> {
+        self.wait_idle();
+        let bytes = len.checked_mul(std::mem::size_of::<T>()).ok_or_else(|| {
+            CommError::InvalidArgument(format!("shared buffer of {len} elements overflows"))
+        })?;
+        let mut st = lock(&self.inner.state);
+        if let Some(e) = &st.failed {
+            return Err(e.clone());
+        }
+        match st.backend.alloc_window(bytes) {
+            Ok(Some(w)) => Ok(SharedBuf::window(w, len)),
+            Ok(None) => Ok(SharedBuf::heap(len)),
+            Err(e) => {
+                st.backend.abort(&e);
+                st.failed = Some(e.clone());
+                Err(e)
+            }
+        }
+    }
+
     /// Reduces `buf` across ranks in place; every rank gets the result.
     ///
     /// # Errors
@@ -682,54 +721,55 @@ impl ProcessGroup {
         Work { slot }
     }
 
-    /// Async [`ProcessGroup::all_reduce`]: the buffer is returned by [`Work::wait`].
-    pub fn all_reduce_async<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
+    /// Async [`ProcessGroup::all_reduce`]: the buffer is returned by [`Work::wait`]
+    /// (`Vec<T>` or [`SharedBuf<T>`]).
+    pub fn all_reduce_async<B: CommBuffer>(&self, mut buf: B, op: ReduceOp) -> Work<B> {
         self.submit(move |inner| {
             inner
-                .all_reduce(T::DTYPE, bytemuck::cast_slice_mut(&mut buf), op)
+                .all_reduce(B::Elem::DTYPE, bytemuck::cast_slice_mut(buf.elems_mut()), op)
                 .map(|_| buf)
         })
     }
 
     /// Async [`ProcessGroup::broadcast`].
-    pub fn broadcast_async<T: Element>(&self, mut buf: Vec<T>, root: usize) -> Work<Vec<T>> {
+    pub fn broadcast_async<B: CommBuffer>(&self, mut buf: B, root: usize) -> Work<B> {
         self.submit(move |inner| {
             inner
-                .broadcast(T::DTYPE, bytemuck::cast_slice_mut(&mut buf), root)
+                .broadcast(B::Elem::DTYPE, bytemuck::cast_slice_mut(buf.elems_mut()), root)
                 .map(|_| buf)
         })
     }
 
     /// Async [`ProcessGroup::all_gather`]: returns `(input, output)`.
-    pub fn all_gather_async<T: Element>(
+    pub fn all_gather_async<I: CommBuffer, O: CommBuffer<Elem = I::Elem>>(
         &self,
-        input: Vec<T>,
-        mut output: Vec<T>,
-    ) -> Work<(Vec<T>, Vec<T>)> {
+        input: I,
+        mut output: O,
+    ) -> Work<(I, O)> {
         self.submit(move |inner| {
             inner
                 .all_gather(
-                    T::DTYPE,
-                    bytemuck::cast_slice(&input),
-                    bytemuck::cast_slice_mut(&mut output),
+                    I::Elem::DTYPE,
+                    bytemuck::cast_slice(input.elems()),
+                    bytemuck::cast_slice_mut(output.elems_mut()),
                 )
                 .map(|_| (input, output))
         })
     }
 
     /// Async [`ProcessGroup::reduce_scatter`]: returns `(input, output)`.
-    pub fn reduce_scatter_async<T: Element>(
+    pub fn reduce_scatter_async<I: CommBuffer, O: CommBuffer<Elem = I::Elem>>(
         &self,
-        input: Vec<T>,
-        mut output: Vec<T>,
+        input: I,
+        mut output: O,
         op: ReduceOp,
-    ) -> Work<(Vec<T>, Vec<T>)> {
+    ) -> Work<(I, O)> {
         self.submit(move |inner| {
             inner
                 .reduce_scatter(
-                    T::DTYPE,
-                    bytemuck::cast_slice(&input),
-                    bytemuck::cast_slice_mut(&mut output),
+                    I::Elem::DTYPE,
+                    bytemuck::cast_slice(input.elems()),
+                    bytemuck::cast_slice_mut(output.elems_mut()),
                     op,
                 )
                 .map(|_| (input, output))

@@ -172,6 +172,9 @@ pub struct OpStats {
     pub bytes_sent: u64,
     /// Payload bytes this rank received (TCP) or read from peers' shared memory.
     pub bytes_recv: u64,
+    /// Calls that ran zero-copy on registered buffers
+    /// ([`ProcessGroup::alloc_shared`](super::ProcessGroup::alloc_shared)).
+    pub zero_copy: u64,
 }
 
 /// Per-op traffic counters of a process group.
@@ -193,6 +196,7 @@ impl CommStats {
             t.calls += o.calls;
             t.bytes_sent += o.bytes_sent;
             t.bytes_recv += o.bytes_recv;
+            t.zero_copy += o.zero_copy;
         }
         t
     }
@@ -202,6 +206,7 @@ impl CommStats {
         o.calls += 1;
         o.bytes_sent += traffic.sent;
         o.bytes_recv += traffic.recv;
+        o.zero_copy += u64::from(traffic.zero_copy);
     }
 }
 
@@ -210,6 +215,8 @@ impl CommStats {
 pub(crate) struct Traffic {
     pub(crate) sent: u64,
     pub(crate) recv: u64,
+    /// The op ran zero-copy on registered buffers.
+    pub(crate) zero_copy: bool,
 }
 
 /// Splits `n` elements into `parts` contiguous blocks; block `i` is `[n*i/parts, n*(i+1)/parts)`.

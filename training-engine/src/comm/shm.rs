@@ -27,12 +27,14 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use super::dtype::{ReduceOp, fold_bytes_raw};
 use super::error::{CommError, Result};
 use super::op::{OpHeader, Traffic, block_range};
 use super::tcp::TcpBackend;
+use super::window::WindowMap;
 use super::{Backend, Ctx};
 
 const MAGIC: u64 = 0x7273_7275_6e73_686d; // "rsrunshm"
@@ -46,15 +48,18 @@ const ABORT_OFF: usize = 128;
 const ORIGIN_OFF: usize = 132;
 const KIND_OFF: usize = 136;
 const PID_OFF: usize = 140;
+/// Two parity slots of `(window id, offset)`: where this rank's buffer of the current op lies
+/// (id 0: not in a window).
+const WIN_OFF: usize = 160;
 
 const ABORT_DIED: u32 = 1;
 const ABORT_TIMEOUT: u32 = 2;
 const ABORT_MISMATCH: u32 = 3;
 const ABORT_OTHER: u32 = 4;
 
-struct Mapping {
-    base: *mut u8,
-    len: usize,
+pub(crate) struct Mapping {
+    pub(crate) base: *mut u8,
+    pub(crate) len: usize,
 }
 
 // SAFETY: the mapping is plain shared memory; all cross-rank access goes through atomics or
@@ -70,7 +75,7 @@ impl Drop for Mapping {
     }
 }
 
-fn map_file(file: &std::fs::File, len: usize) -> Result<Mapping> {
+pub(crate) fn map_file(file: &std::fs::File, len: usize) -> Result<Mapping> {
     // SAFETY: mapping a regular file we opened read-write, MAP_SHARED, with its full length.
     let p = unsafe {
         libc::mmap(
@@ -92,6 +97,48 @@ fn map_file(file: &std::fs::File, len: usize) -> Result<Mapping> {
         base: p.cast(),
         len,
     })
+}
+
+/// Creates a fresh file of `len` bytes for a segment in `/dev/shm` (the temp dir where there is
+/// none), mode 0600. With `reserve`, its pages are allocated now (`posix_fallocate`), so a full
+/// tmpfs is an error here rather than a `SIGBUS` at first touch.
+fn create_segment_file(tag: &str, len: usize, reserve: bool) -> Result<(std::fs::File, PathBuf)> {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let dir = if std::path::Path::new("/dev/shm").is_dir() {
+        PathBuf::from("/dev/shm")
+    } else {
+        std::env::temp_dir()
+    };
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    let path = dir.join(format!(
+        "rsrun-{tag}-{}-{nanos:x}-{}",
+        std::process::id(),
+        COUNTER.fetch_add(1, Ordering::Relaxed)
+    ));
+    let file = OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&path)
+        .map_err(|e| CommError::io(format!("creating {}", path.display()), e))?;
+    let sized = if reserve {
+        // SAFETY: a valid descriptor we own; the call only allocates file space.
+        match unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) } {
+            0 => Ok(()),
+            e => Err(std::io::Error::from_raw_os_error(e)),
+        }
+    } else {
+        file.set_len(len as u64)
+    };
+    if let Err(e) = sized {
+        let _ = std::fs::remove_file(&path);
+        return Err(CommError::io(format!("sizing {} to {len} bytes", path.display()), e));
+    }
+    Ok((file, path))
 }
 
 fn futex_wait(word: &AtomicU32, val: u32, timeout: Duration) {
@@ -162,6 +209,11 @@ pub(crate) struct ShmBackend {
     spin: Duration,
     /// Recent waits, per kind: how long to spin before sleeping (see [`SpinBudget`]).
     budget: std::cell::Cell<SpinBudget>,
+    /// Windows allocated so far (the same count on every rank: allocation is collective). While
+    /// 0, ops skip the registration check.
+    windows_made: u64,
+    /// Live windows, for finding the one an op's buffer lies in.
+    windows: Vec<Weak<WindowMap>>,
 }
 
 /// Which synchronization a wait is: the first of an op, where peers may still be computing
@@ -230,30 +282,7 @@ impl ShmBackend {
         let deadline = Instant::now() + ctx.opts.timeout;
         let name_key = format!("{}/shm/name", ctx.prefix);
         let (map, path) = if rank == 0 {
-            static COUNTER: AtomicU64 = AtomicU64::new(0);
-            let dir = if std::path::Path::new("/dev/shm").is_dir() {
-                PathBuf::from("/dev/shm")
-            } else {
-                std::env::temp_dir()
-            };
-            let nanos = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos())
-                .unwrap_or(0);
-            let path = dir.join(format!(
-                "rsrun-comm-{}-{nanos:x}-{}",
-                std::process::id(),
-                COUNTER.fetch_add(1, Ordering::Relaxed)
-            ));
-            let file = OpenOptions::new()
-                .read(true)
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .open(&path)
-                .map_err(|e| CommError::io(format!("creating {}", path.display()), e))?;
-            file.set_len(len as u64)
-                .map_err(|e| CommError::io(format!("sizing {}", path.display()), e))?;
+            let (file, path) = create_segment_file("comm", len, false)?;
             let map = map_file(&file, len)?;
             // SAFETY: offset 0..24 is inside the mapping, 8-aligned; nobody else has it yet.
             unsafe {
@@ -311,6 +340,8 @@ impl ShmBackend {
             p2p: None,
             spin: ctx.opts.spin,
             budget: std::cell::Cell::new(SpinBudget::new()),
+            windows_made: 0,
+            windows: Vec::new(),
         };
         let pid = std::process::id();
         me.u32_at(me.ctrl(rank) + PID_OFF)
@@ -562,6 +593,223 @@ impl ShmBackend {
         Instant::now() + self.ctx.opts.timeout
     }
 
+    /// Allocates a registered window of `bytes` per rank (collective, in the same order on every
+    /// rank). `None` when rank 0 could not create it (e.g. `/dev/shm` is full): every rank then
+    /// falls back to a heap buffer.
+    fn make_window(&mut self, bytes: usize) -> Result<Option<Arc<WindowMap>>> {
+        let (rank, world) = (self.ctx.rank, self.ctx.world);
+        self.windows_made += 1;
+        self.windows.retain(|w| w.strong_count() > 0);
+        let id = self.windows_made;
+        let slot = bytes.max(1).next_multiple_of(4096);
+        let len = slot.checked_mul(world).ok_or_else(|| {
+            CommError::InvalidArgument(format!("shared buffer of {bytes} bytes × {world} ranks overflows"))
+        })?;
+        let key = format!("{}/shm/win/{id}", self.ctx.prefix);
+        let deadline = Instant::now() + self.ctx.opts.timeout;
+        let left = || deadline.saturating_duration_since(Instant::now());
+        let map = if rank == 0 {
+            match create_segment_file("win", len, true).and_then(|(file, path)| {
+                match map_file(&file, len) {
+                    Ok(m) => Ok((m, path)),
+                    Err(e) => {
+                        let _ = std::fs::remove_file(&path);
+                        Err(e)
+                    }
+                }
+            }) {
+                Ok((map, path)) => {
+                    let published = self
+                        .ctx
+                        .store
+                        .set(&key, format!("{}\n{len}", path.display()).as_bytes());
+                    let mut acked = published.map(|_| ());
+                    for j in 1..world {
+                        if acked.is_err() {
+                            break;
+                        }
+                        acked = self
+                            .ctx
+                            .store
+                            .get(&format!("{key}/attached/{j}"), left())
+                            .map(|_| ());
+                    }
+                    // Every rank has mapped it (or one failed): the name is no longer needed.
+                    let _ = std::fs::remove_file(&path);
+                    acked?;
+                    Some(map)
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, bytes, "no room for a registered buffer; using heap buffers (staged collectives)");
+                    self.ctx.store.set(&key, b"none")?;
+                    None
+                }
+            }
+        } else {
+            let v = self.ctx.store.get(&key, left())?;
+            let v = String::from_utf8_lossy(&v).to_string();
+            if v == "none" {
+                None
+            } else {
+                let bad = || CommError::Bootstrap {
+                    prefix: self.ctx.prefix.clone(),
+                    reason: format!("bad window record {v:?} (expected PATH\\nLENGTH of {len})"),
+                };
+                let (p, l) = v.split_once('\n').ok_or_else(bad)?;
+                if l.parse::<usize>().ok() != Some(len) {
+                    return Err(bad());
+                }
+                let file = OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .open(p)
+                    .map_err(|e| CommError::io(format!("opening window {p}"), e))?;
+                let map = map_file(&file, len)?;
+                self.ctx
+                    .store
+                    .set(&format!("{key}/attached/{rank}"), b"1")?;
+                Some(map)
+            }
+        };
+        Ok(map.map(|map| {
+            let w = Arc::new(WindowMap {
+                id,
+                map,
+                slot,
+                rank,
+            });
+            self.windows.push(Arc::downgrade(&w));
+            w
+        }))
+    }
+
+    /// `(window id, offset)` of our buffer `[p, p + len)` when it lies in a live window.
+    fn locate(&self, p: *const u8, len: usize) -> Option<(u64, usize, Arc<WindowMap>)> {
+        self.windows.iter().find_map(|w| {
+            let w = w.upgrade()?;
+            let (id, off) = w.locate(p, len)?;
+            Some((id, off, w))
+        })
+    }
+
+    /// The first synchronization of an op that can run zero-copy: publishes where our buffer
+    /// lies next to the header and returns the window when every rank's buffer is at the same
+    /// offset of the same one (then each rank may access every rank's buffer in the op).
+    fn first_sync_win(
+        &mut self,
+        h: &OpHeader,
+        p: *const u8,
+        len: usize,
+        deadline: Instant,
+    ) -> Result<Option<(Arc<WindowMap>, usize)>> {
+        let mine = self.locate(p, len);
+        let (id, off) = mine.as_ref().map_or((0, 0), |(i, o, _)| (*i, *o as u64));
+        let parity = ((self.epoch + 1) % 2) as usize;
+        let at = |j: usize| CTRL_BASE + j * CTRL_STRIDE + WIN_OFF + parity * 16;
+        self.u64_at(at(self.ctx.rank)).store(id, Ordering::Relaxed);
+        self.u64_at(at(self.ctx.rank) + 8)
+            .store(off, Ordering::Relaxed);
+        self.first_sync(h, deadline)?;
+        // Published before every rank's arrival, which `first_sync` acquired.
+        let same = (0..self.ctx.world).all(|j| {
+            self.u64_at(at(j)).load(Ordering::Relaxed) == id
+                && self.u64_at(at(j) + 8).load(Ordering::Relaxed) == off
+        });
+        Ok(match mine {
+            Some((_, o, w)) if same && id != 0 => Some((w, o)),
+            _ => None,
+        })
+    }
+
+    /// Zero-copy all_gather into a window (after [`Self::first_sync_win`] on the output): rank r
+    /// writes its input into block r of every rank's output, then one synchronization.
+    fn all_gather_window(
+        &mut self,
+        h: &OpHeader,
+        input: &[u8],
+        out: &mut [u8],
+        w: &WindowMap,
+        off: usize,
+        t: &mut Traffic,
+    ) -> Result<()> {
+        let (r, n) = (self.ctx.rank, self.ctx.world);
+        let s = input.len();
+        let dsts: Vec<*mut u8> = (0..n)
+            .map(|j| {
+                if j == r {
+                    out[r * s..].as_mut_ptr()
+                } else {
+                    w.slot_ptr(j).wrapping_add(off + r * s)
+                }
+            })
+            .collect();
+        let piece = 4 * WINDOW_PIECE;
+        let mut c = 0;
+        while c < s {
+            let l = piece.min(s - c);
+            for d in &dsts {
+                // SAFETY: every rank is inside this op with its output at `off` of window `w`
+                // (n × s bytes), so block r of each is valid and written only by us until the
+                // next synchronization; `input` is a distinct user buffer.
+                unsafe { std::ptr::copy_nonoverlapping(input.as_ptr().add(c), d.add(c), l) };
+            }
+            c += l;
+        }
+        self.sync(h.kind.name(), self.deadline())?;
+        t.sent += ((n - 1) * s) as u64;
+        t.recv += ((n - 1) * s) as u64;
+        t.zero_copy = true;
+        Ok(())
+    }
+
+    /// Zero-copy all_reduce on a window (after [`Self::first_sync_win`]): rank r folds block r
+    /// of every rank's buffer in rank order, a cache-sized piece at a time, into its own buffer
+    /// and copies each piece into the peers' block r while it is hot; one more synchronization
+    /// and every buffer holds the whole result.
+    fn all_reduce_window(
+        &mut self,
+        h: &OpHeader,
+        buf: &mut [u8],
+        op: ReduceOp,
+        w: &WindowMap,
+        off: usize,
+        t: &mut Traffic,
+    ) -> Result<()> {
+        let (r, n) = (self.ctx.rank, self.ctx.world);
+        let esz = h.dtype.size();
+        let mine = block_range(buf.len() / esz, n, r);
+        let (ms, ml) = (mine.start * esz, mine.len() * esz);
+        let own = buf[ms..].as_mut_ptr();
+        let bufs: Vec<*mut u8> = (0..n)
+            .map(|j| if j == r { own } else { w.slot_ptr(j).wrapping_add(off + ms) })
+            .collect();
+        let avg = (op == ReduceOp::Avg).then_some(n);
+        let piece = (WINDOW_PIECE / esz).max(1) * esz;
+        let mut c = 0;
+        while c < ml {
+            let l = piece.min(ml - c);
+            let srcs: Vec<*const u8> = bufs.iter().map(|p| p.wrapping_add(c) as *const u8).collect();
+            // SAFETY: every rank is inside this op (first_sync_win) with its buffer at `off` of
+            // window `w`, `buf.len()` bytes long, so block r of each is valid and only we touch
+            // it until the next synchronization; `own` aliases exactly source r.
+            unsafe {
+                fold_bytes_raw(h.dtype, op, own.add(c), &srcs, l, avg)?;
+                for (j, p) in bufs.iter().enumerate() {
+                    if j != r {
+                        std::ptr::copy_nonoverlapping(own.add(c), p.add(c), l);
+                    }
+                }
+            }
+            c += l;
+        }
+        self.sync(h.kind.name(), self.deadline())?;
+        let len = buf.len();
+        t.sent += ((n - 1) * ml) as u64 + (len - ml) as u64;
+        t.recv += ((n - 1) * ml) as u64 + (len - ml) as u64;
+        t.zero_copy = true;
+        Ok(())
+    }
+
     /// Copies `len` bytes from `src` into our own data buffer `b` at `off`.
     fn put(&self, b: usize, off: usize, src: &[u8]) {
         debug_assert!(off + src.len() <= self.slot);
@@ -637,6 +885,7 @@ impl ShmBackend {
         buf: &mut [u8],
         op: ReduceOp,
         gather_to: Option<usize>,
+        synced: bool,
         t: &mut Traffic,
     ) -> Result<()> {
         let deadline = self.deadline();
@@ -653,7 +902,8 @@ impl ShmBackend {
         // folding), so it is in cache and a plain store costs no read-for-ownership.
         let count = buf.len() / esz;
         let mut off = 0;
-        let mut first = true;
+        // `synced`: the op's first synchronization (with the header check) already happened.
+        let mut first = !synced;
         while off < count || first {
             let c = per.min(count - off);
             let chunk = off * esz..(off + c) * esz;
@@ -723,6 +973,9 @@ impl ShmBackend {
     }
 }
 
+/// Piece of a zero-copy reduction: folded, then copied to the peers while still in L1.
+const WINDOW_PIECE: usize = 16 << 10;
+
 /// Outputs at least this large are written with streaming (non-temporal) stores: they cannot
 /// stay in cache anyway, and a streaming store skips the read-for-ownership of each line, which
 /// otherwise doubles the memory traffic of the copy-out.
@@ -773,6 +1026,10 @@ impl Backend for ShmBackend {
         "shm"
     }
 
+    fn alloc_window(&mut self, bytes: usize) -> Result<Option<Arc<WindowMap>>> {
+        self.make_window(bytes)
+    }
+
     fn all_reduce(
         &mut self,
         h: &OpHeader,
@@ -793,7 +1050,14 @@ impl Backend for ShmBackend {
             t.recv += ((n - 1) * len) as u64;
             return Ok(());
         }
-        self.chunked_reduce(h, buf, op, None, t)
+        if self.windows_made > 0 {
+            let deadline = self.deadline();
+            return match self.first_sync_win(h, buf.as_ptr(), len, deadline)? {
+                Some((w, off)) => self.all_reduce_window(h, buf, op, &w, off, t),
+                None => self.chunked_reduce(h, buf, op, None, true, t),
+            };
+        }
+        self.chunked_reduce(h, buf, op, None, false, t)
     }
 
     fn reduce(
@@ -822,13 +1086,13 @@ impl Backend for ShmBackend {
         }
         // Work on a copy so non-root buffers stay unchanged.
         if r == root {
-            self.chunked_reduce(h, buf, op, Some(root), t)
+            self.chunked_reduce(h, buf, op, Some(root), false, t)
         } else {
             // Vec<u8> may be unaligned for the element type: use an aligned copy.
             let mut aligned = super::dtype::AlignedBuf::new();
             let a = aligned.get(len);
             a.copy_from_slice(buf);
-            self.chunked_reduce(h, a, op, Some(root), t)
+            self.chunked_reduce(h, a, op, Some(root), false, t)
         }
     }
 
@@ -878,8 +1142,15 @@ impl Backend for ShmBackend {
         let n = self.ctx.world;
         let s = input.len();
         let stream = out.len() >= STREAM_MIN;
+        let mut synced = false;
+        if self.windows_made > 0 {
+            match self.first_sync_win(h, out.as_ptr(), out.len(), deadline)? {
+                Some((w, woff)) => return self.all_gather_window(h, input, out, &w, woff, t),
+                None => synced = true,
+            }
+        }
         let mut off = 0;
-        let mut first = true;
+        let mut first = !synced;
         while off < s || first {
             let c = self.slot.min(s - off);
             let b = self.next_buf();

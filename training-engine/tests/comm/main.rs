@@ -5,4 +5,5 @@ mod failures;
 mod features;
 mod matrix;
 mod multiprocess;
+mod shared;
 mod support;

@@ -69,6 +69,28 @@ fn child_entry() {
             let e = pg.all_reduce(&mut v, ReduceOp::Sum).unwrap_err();
             assert!(matches!(e, CommError::Mismatch { .. }), "rank {rank}: {e}");
         }
+        "shared" => {
+            // Registered buffers across real processes: the zero-copy paths, against the
+            // reference, and the checked fallback for plain buffers next to them.
+            let (r, n, len) = (rank, world, 300_001);
+            let mut v = pg.alloc_shared::<f32>(len).unwrap();
+            assert!(v.is_registered());
+            for (i, x) in v.iter_mut().enumerate() {
+                *x = crate::support::val(r, i) as f32;
+            }
+            pg.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+            let want = crate::support::expected_reduce::<f32>(n, len, ReduceOp::Sum, |i| i);
+            assert!(*v == want[..], "rank {rank}: zero-copy all_reduce differs");
+            let mut out = pg.alloc_shared::<f32>(len * n).unwrap();
+            let inp = crate::support::input::<f32>(r, len);
+            pg.all_gather(&inp, &mut out).unwrap();
+            let gathered: Vec<f32> = (0..n).flat_map(|j| crate::support::input::<f32>(j, len)).collect();
+            assert!(*out == gathered[..], "rank {rank}: zero-copy all_gather differs");
+            let mut shard = vec![0f32; len / n];
+            pg.reduce_scatter(&out[..len / n * n], &mut shard, ReduceOp::Max).unwrap();
+            assert_eq!(pg.stats().total().zero_copy, 2, "rank {rank}");
+            check_all_dtypes(&pg, &[0, 13, 5003]).unwrap();
+        }
         other => panic!("unknown scenario {other}"),
     }
 }
@@ -148,4 +170,10 @@ fn multiprocess_peer_death_fails_survivors() {
 fn multiprocess_mismatch() {
     assert_all_ok("mismatch", "shm", 2);
     assert_all_ok("mismatch", "tcp", 2);
+}
+
+#[test]
+fn multiprocess_registered_buffers() {
+    assert_all_ok("shared", "shm", 2);
+    assert_all_ok("shared", "shm", 3);
 }
