@@ -337,6 +337,11 @@ impl<M: UnitModel> Engine<M> {
         let shard_rank = shard_pg.as_ref().map_or(0, |g| g.rank());
         let layout = FlatLayout::new(shard_world, &model.specs())?;
         let slots = cfg.optimizer.as_tile().state_slots();
+        // DDP's fp32 gradients are all-reduced whole over `pg`: on one host, register them.
+        let ddp_shared = strategy.zero_stage() == 0
+            && world > 1
+            && pg.backend() == "shm"
+            && cfg.grad_dtype() == flat::FlatDtype::F32;
         let mut units = Vec::with_capacity(layout.units.len());
         for (ui, ul) in layout.units.iter().enumerate() {
             let mut full = model.init_unit(ui, cfg.seed);
@@ -371,7 +376,14 @@ impl<M: UnitModel> Engine<M> {
                 vars,
                 master,
                 shard16: flat::FlatBuf::default(),
-                grad: flat::FlatBuf::zeros(cfg.grad_dtype(), grad_len),
+                grad: if ddp_shared {
+                    // DDP on one host: gradients live in buffers registered with the group, so
+                    // their all-reduce runs zero-copy (collective: every rank builds the same
+                    // units in the same order).
+                    flat::FlatBuf::SharedF32(pg.alloc_shared::<f32>(grad_len)?)
+                } else {
+                    flat::FlatBuf::zeros(cfg.grad_dtype(), grad_len)
+                },
                 state: (0..slots).map(|_| vec![0f32; owned]).collect(),
                 gathered: Vec::new(),
             });
@@ -590,8 +602,8 @@ impl<M: UnitModel> Engine<M> {
         let half = !z1 && self.cfg.grad_dtype() != flat::FlatDtype::F32;
         // Average over micro-batches exactly as a reduction's average would (x / k).
         if k > 1 && !half {
-            let bufs: Vec<&mut Vec<f32>> = if z1 {
-                z1_shards.iter_mut().collect()
+            let bufs: Vec<&mut [f32]> = if z1 {
+                z1_shards.iter_mut().map(|v| v.as_mut_slice()).collect()
             } else {
                 self.units.iter_mut().filter_map(|u| u.grad.as_f32_mut()).collect()
             };
@@ -617,7 +629,7 @@ impl<M: UnitModel> Engine<M> {
                 } else if half {
                     sum_sq(&self.step_grad(ui, k, inv))
                 } else {
-                    sum_sq(self.units[ui].grad.as_f32().map_or(&[][..], |v| v.as_slice()))
+                    sum_sq(self.units[ui].grad.as_f32().unwrap_or(&[]))
                 };
             }
             if let Some(g) = &self.shard_pg {
@@ -639,19 +651,24 @@ impl<M: UnitModel> Engine<M> {
         };
         let opt = self.cfg.optimizer;
         for ui in 0..self.units.len() {
+            if !z1 && !half {
+                // fp32 gradients are read in place (a registered buffer stays registered).
+                let g = std::mem::take(&mut self.units[ui].grad);
+                let r = match g.as_f32() {
+                    Some(s) => self.update_unit(ui, opt.as_tile(), &sp, s),
+                    None => Err(EngineError::Config("fp32 gradient buffer expected".into())),
+                };
+                self.units[ui].grad = g;
+                r?;
+                continue;
+            }
             let g = if z1 {
                 std::mem::take(&mut z1_shards[ui])
-            } else if half {
+            } else {
                 // The upcast to fp32 (the master update's gradient).
                 self.step_grad(ui, k, inv)
-            } else {
-                std::mem::take(&mut self.units[ui].grad).into_f32()
             };
-            let r = self.update_unit(ui, opt.as_tile(), &sp, &g);
-            if !z1 && !half {
-                self.units[ui].grad = flat::FlatBuf::F32(g);
-            }
-            r?;
+            self.update_unit(ui, opt.as_tile(), &sp, &g)?;
         }
         if matches!(self.cfg.strategy.zero_stage(), 1 | 2) {
             for ui in 0..self.units.len() {

@@ -4,7 +4,7 @@
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
-use crate::comm::{ProcessGroup, ReduceOp, Result as CommResult, Work};
+use crate::comm::{ProcessGroup, ReduceOp, Result as CommResult, SharedBuf, Work};
 
 /// Element type of a [`FlatBuf`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -15,11 +15,26 @@ pub(super) enum FlatDtype {
 }
 
 /// A flat buffer of fp32, bf16 or f16 elements.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(super) enum FlatBuf {
     F32(Vec<f32>),
     Bf16(Vec<bf16>),
     F16(Vec<f16>),
+    /// fp32 registered with the data-parallel group (`ProcessGroup::alloc_shared`): DDP's
+    /// gradients, all-reduced zero-copy on one host. Anything that would resize it, or a clone,
+    /// turns it into a plain `F32`.
+    SharedF32(SharedBuf<f32>),
+}
+
+impl Clone for FlatBuf {
+    fn clone(&self) -> Self {
+        match self {
+            FlatBuf::F32(v) => FlatBuf::F32(v.clone()),
+            FlatBuf::Bf16(v) => FlatBuf::Bf16(v.clone()),
+            FlatBuf::F16(v) => FlatBuf::F16(v.clone()),
+            FlatBuf::SharedF32(v) => FlatBuf::F32(v.to_vec()),
+        }
+    }
 }
 
 impl Default for FlatBuf {
@@ -34,6 +49,7 @@ macro_rules! each {
             FlatBuf::F32($v) => $e,
             FlatBuf::Bf16($v) => $e,
             FlatBuf::F16($v) => $e,
+            FlatBuf::SharedF32($v) => $e,
         }
     };
 }
@@ -66,7 +82,7 @@ impl FlatBuf {
 
     pub(super) fn dtype(&self) -> FlatDtype {
         match self {
-            FlatBuf::F32(_) => FlatDtype::F32,
+            FlatBuf::F32(_) | FlatBuf::SharedF32(_) => FlatDtype::F32,
             FlatBuf::Bf16(_) => FlatDtype::Bf16,
             FlatBuf::F16(_) => FlatDtype::F16,
         }
@@ -82,7 +98,7 @@ impl FlatBuf {
 
     pub(super) fn elem_bytes(&self) -> usize {
         match self {
-            FlatBuf::F32(_) => 4,
+            FlatBuf::F32(_) | FlatBuf::SharedF32(_) => 4,
             FlatBuf::Bf16(_) | FlatBuf::F16(_) => 2,
         }
     }
@@ -91,30 +107,45 @@ impl FlatBuf {
         self.len() * self.elem_bytes()
     }
 
-    pub(super) fn as_f32_mut(&mut self) -> Option<&mut Vec<f32>> {
+    pub(super) fn as_f32_mut(&mut self) -> Option<&mut [f32]> {
         match self {
             FlatBuf::F32(v) => Some(v),
+            FlatBuf::SharedF32(v) => Some(v),
             _ => None,
         }
     }
 
-    pub(super) fn as_f32(&self) -> Option<&Vec<f32>> {
+    pub(super) fn as_f32(&self) -> Option<&[f32]> {
         match self {
             FlatBuf::F32(v) => Some(v),
+            FlatBuf::SharedF32(v) => Some(v),
             _ => None,
+        }
+    }
+
+    /// A buffer that can be resized or moved into a plain collective: `SharedF32` becomes `F32`.
+    fn plain(self) -> Self {
+        match self {
+            FlatBuf::SharedF32(v) => FlatBuf::F32(v.to_vec()),
+            other => other,
         }
     }
 
     pub(super) fn fill_zero(&mut self) {
         match self {
             FlatBuf::F32(v) => v.fill(0.0),
+            FlatBuf::SharedF32(v) => v.fill(0.0),
             FlatBuf::Bf16(v) => v.fill(bf16::ZERO),
             FlatBuf::F16(v) => v.fill(f16::ZERO),
         }
     }
 
     pub(super) fn resize(&mut self, n: usize) {
+        if matches!(self, FlatBuf::SharedF32(_)) {
+            *self = std::mem::take(self).plain();
+        }
         match self {
+            FlatBuf::SharedF32(_) => unreachable!("made plain above"),
             FlatBuf::F32(v) => v.resize(n, 0.0),
             FlatBuf::Bf16(v) => v.resize(n, bf16::ZERO),
             FlatBuf::F16(v) => v.resize(n, f16::ZERO),
@@ -122,13 +153,26 @@ impl FlatBuf {
     }
 
     pub(super) fn truncate(&mut self, n: usize) {
-        each!(self, v => v.truncate(n))
+        if matches!(self, FlatBuf::SharedF32(_)) {
+            *self = std::mem::take(self).plain();
+        }
+        match self {
+            FlatBuf::F32(v) => v.truncate(n),
+            FlatBuf::Bf16(v) => v.truncate(n),
+            FlatBuf::F16(v) => v.truncate(n),
+            FlatBuf::SharedF32(_) => unreachable!("made plain above"),
+        }
     }
 
     /// `self[at..] += src`, rounded to the buffer's dtype after every addition.
     pub(super) fn add_f32(&mut self, at: usize, src: &[f32]) {
         match self {
             FlatBuf::F32(v) => {
+                for (d, x) in v[at..].iter_mut().zip(src) {
+                    *d += *x;
+                }
+            }
+            FlatBuf::SharedF32(v) => {
                 for (d, x) in v[at..].iter_mut().zip(src) {
                     *d += *x;
                 }
@@ -150,6 +194,7 @@ impl FlatBuf {
     pub(super) fn add(&mut self, other: &FlatBuf) {
         match other {
             FlatBuf::F32(o) => self.add_f32(0, o),
+            FlatBuf::SharedF32(o) => self.add_f32(0, o),
             _ => self.add_f32(0, &other.to_f32()),
         }
     }
@@ -158,6 +203,7 @@ impl FlatBuf {
     pub(super) fn to_f32(&self) -> Vec<f32> {
         match self {
             FlatBuf::F32(v) => v.clone(),
+            FlatBuf::SharedF32(v) => v.to_vec(),
             FlatBuf::Bf16(v) => v.to_f32_vec(),
             FlatBuf::F16(v) => v.to_f32_vec(),
         }
@@ -180,6 +226,7 @@ impl FlatBuf {
     ) -> CommResult<()> {
         match (self, out) {
             (FlatBuf::F32(i), FlatBuf::F32(o)) => g.reduce_scatter(i, o, op),
+            (FlatBuf::SharedF32(i), FlatBuf::F32(o)) => g.reduce_scatter(i, o, op),
             (FlatBuf::Bf16(i), FlatBuf::Bf16(o)) => g.reduce_scatter(i, o, op),
             (FlatBuf::F16(i), FlatBuf::F16(o)) => g.reduce_scatter(i, o, op),
             _ => unreachable!("reduce-scatter between different dtypes"),
@@ -196,12 +243,13 @@ impl FlatBuf {
             FlatBuf::F32(v) => FlatWork::F32(g.all_reduce_async(v, op)),
             FlatBuf::Bf16(v) => FlatWork::Bf16(g.all_reduce_async(v, op)),
             FlatBuf::F16(v) => FlatWork::F16(g.all_reduce_async(v, op)),
+            FlatBuf::SharedF32(v) => FlatWork::SharedF32(g.all_reduce_async(v, op)),
         }
     }
 
     /// Async all-gather of `self` into `output` (same dtype).
     pub(super) fn all_gather_async(self, g: &ProcessGroup, output: FlatBuf) -> FlatWork2 {
-        match (self, output) {
+        match (self.plain(), output.plain()) {
             (FlatBuf::F32(i), FlatBuf::F32(o)) => FlatWork2::F32(g.all_gather_async(i, o)),
             (FlatBuf::Bf16(i), FlatBuf::Bf16(o)) => FlatWork2::Bf16(g.all_gather_async(i, o)),
             (FlatBuf::F16(i), FlatBuf::F16(o)) => FlatWork2::F16(g.all_gather_async(i, o)),
@@ -211,7 +259,7 @@ impl FlatBuf {
 
     /// Async reduce-scatter of `self` into `output` (same dtype).
     pub(super) fn reduce_scatter_async(self, g: &ProcessGroup, output: FlatBuf, op: ReduceOp) -> FlatWork2 {
-        match (self, output) {
+        match (self.plain(), output.plain()) {
             (FlatBuf::F32(i), FlatBuf::F32(o)) => FlatWork2::F32(g.reduce_scatter_async(i, o, op)),
             (FlatBuf::Bf16(i), FlatBuf::Bf16(o)) => FlatWork2::Bf16(g.reduce_scatter_async(i, o, op)),
             (FlatBuf::F16(i), FlatBuf::F16(o)) => FlatWork2::F16(g.reduce_scatter_async(i, o, op)),
@@ -225,6 +273,7 @@ pub(super) enum FlatWork {
     F32(Work<Vec<f32>>),
     Bf16(Work<Vec<bf16>>),
     F16(Work<Vec<f16>>),
+    SharedF32(Work<SharedBuf<f32>>),
 }
 
 impl FlatWork {
@@ -233,6 +282,7 @@ impl FlatWork {
             FlatWork::F32(w) => FlatBuf::F32(w.wait()?),
             FlatWork::Bf16(w) => FlatBuf::Bf16(w.wait()?),
             FlatWork::F16(w) => FlatBuf::F16(w.wait()?),
+            FlatWork::SharedF32(w) => FlatBuf::SharedF32(w.wait()?),
         })
     }
 }

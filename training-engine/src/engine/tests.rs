@@ -84,7 +84,17 @@ fn run(
                     ..CommOptions::default()
                 };
                 let pg = ProcessGroup::new(rank, world, store, &prefix, opts).unwrap();
+                let registered = strategy.zero_stage() == 0
+                    && world > 1
+                    && pg.backend() == "shm"
+                    && c.grad_dtype() == flat::FlatDtype::F32;
                 let mut e = Engine::new(Gpt::new(tiny()), c, pg).unwrap();
+                // DDP on one host keeps its gradients in registered (zero-copy) buffers.
+                assert_eq!(
+                    e.units.iter().all(|u| matches!(&u.grad, flat::FlatBuf::SharedF32(b) if b.is_registered())),
+                    registered,
+                    "{strategy} world {world}: gradient buffers registered"
+                );
                 e.reset_traffic();
                 for step in 0..steps {
                     let rows = global_batch(3, step, GLOBAL_B, tiny().seq, 256);
@@ -93,6 +103,10 @@ fn run(
                         .map(|m| Batch::from_rows(&rank_rows(&mine, m, micro)).unwrap())
                         .collect();
                     e.train_step(&batches).unwrap();
+                }
+                if registered {
+                    // Still registered after steps (the optimizer reads them in place).
+                    assert!(e.units.iter().all(|u| matches!(&u.grad, flat::FlatBuf::SharedF32(_))));
                 }
                 let stats = (e.memory(), e.bytes_sent());
                 if std::env::var("ENGINE_TEST_DEBUG").is_ok() {

@@ -602,8 +602,8 @@ impl<M: UnitModel> Engine<M> {
                 finite &= self.step_grad(ui, k, Some(inv)).iter().all(|x| x.is_finite());
             }
         } else {
-            let bufs: Vec<&mut Vec<f32>> = if self.cfg.strategy.zero_stage() == 1 {
-                z1_shards.iter_mut().collect()
+            let bufs: Vec<&mut [f32]> = if self.cfg.strategy.zero_stage() == 1 {
+                z1_shards.iter_mut().map(|v| v.as_mut_slice()).collect()
             } else {
                 self.units.iter_mut().filter_map(|u| u.grad.as_f32_mut()).collect()
             };
