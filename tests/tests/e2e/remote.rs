@@ -320,7 +320,8 @@ fn kubectl_exec_wrapper_as_rsh() {
     let log = dir.path().join("kubectl.log");
     std::fs::write(
         &kubectl,
-        format!("#!/bin/sh\nprintf '%s|' \"$@\" >> '{}'; echo >> '{}'\nwhile [ \"$1\" != -- ]; do shift; done; shift\nexec \"$@\"\n", log.display(), log.display()),
+        // One write per call (the two pods' calls run at once: separate writes interleave).
+        format!("#!/bin/sh\nline=$(printf '%s|' \"$@\")\nprintf '%s\\n' \"$line\" >> '{}'\nwhile [ \"$1\" != -- ]; do shift; done; shift\nexec \"$@\"\n", log.display()),
     )
     .unwrap();
     std::fs::set_permissions(&kubectl, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
