@@ -357,18 +357,32 @@ unsafe fn pack<const W: usize>(m: Mat, i0: usize, p0: usize, rows: usize, kc: us
     } else {
         W
     };
-    for (pi, ib) in (0..rows).step_by(W).enumerate() {
+    // A column-major block (each k a run of `rows` contiguous floats, e.g. `dyᵀ`): one sweep
+    // over k fills every full panel, so each source line is read once, in order (panel by panel,
+    // each k would read W floats of a line and come back to it for the next panel, and with a
+    // 4 KiB row stride those lines share an L1 set).
+    let mut first = 0;
+    if m.rs == 1 && rows >= W {
+        let full = rows / W;
+        // SAFETY: inside the block / the panels by the caller's contract.
+        unsafe {
+            let base = m.ptr.add(i0 + p0 * m.cs);
+            for p in 0..kc {
+                let src = base.add(p * m.cs);
+                for pi in 0..full {
+                    std::ptr::copy_nonoverlapping(src.add(pi * W), out.add(pi * W * kc + p * W), W);
+                }
+            }
+        }
+        first = full * W;
+    }
+    for (pi, ib) in (first..rows).step_by(W).enumerate().map(|(i, ib)| (i + first / W, ib)) {
         let valid = W.min(rows - ib);
         let panel = out.wrapping_add(pi * W * kc);
         // SAFETY (all accesses): inside the block / the panel by the caller's contract.
         unsafe {
             let base = m.ptr.add((i0 + ib) * m.rs + p0 * m.cs);
-            if m.rs == 1 && valid == W {
-                // Column-major block: each k is W contiguous floats.
-                for p in 0..kc {
-                    std::ptr::copy_nonoverlapping(base.add(p * m.cs), panel.add(p * W), W);
-                }
-            } else if m.cs == 1 && valid == W {
+            if m.cs == 1 && valid == W {
                 // Row-major block: transposed in SIMD registers, a chunk of rows at a time.
                 for c in (0..W).step_by(chunk) {
                     transpose_into(base.add(c * m.rs), m.rs, chunk, kc, panel.add(c), W);
