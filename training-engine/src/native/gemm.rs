@@ -308,12 +308,21 @@ unsafe fn blocked<const MR: usize, const NR: usize>(bl: Blocking, kernel: Kernel
                             _ => pc == 0,
                         };
                         let load = acc || !first_slab;
+                        // Triangular left operands: only the part of the slab the tile's rows
+                        // reach (row i sums p ≤ i, resp. p ≥ i), so the tile does not multiply
+                        // the zeros past its last (before its first) row.
+                        let (k0, k1) = match shape {
+                            Shape::LowerLhs => (0, kc.min(r_hi + 1 - pc)),
+                            Shape::UpperLhs => (r_lo.saturating_sub(pc), kc),
+                            _ => (0, kc),
+                        };
                         let (a, ar, ap) = if a_direct && mr == MR {
                             (lhs.ptr.wrapping_add(row0 * lhs.rs + pc), lhs.rs, 1)
                         } else {
                             (apack.wrapping_add(ir * kc) as *const f32, 1, MR)
                         };
-                        let b = bpack.wrapping_add(jr * kc);
+                        let (a, b) = (a.wrapping_add(k0 * ap), bpack.wrapping_add(jr * kc + k0 * NR));
+                        let kc = k1 - k0;
                         // SAFETY: the left panel is MR×kc inside lhs or the pack, the right one
                         // NR·kc floats inside the pack; the destination tile is inside dst
                         // (full tile) or `tile`.
