@@ -556,11 +556,15 @@ impl<M: UnitModel> Engine<M> {
         if micro.is_empty() {
             return Err(EngineError::Config("train_step needs at least one micro-batch".into()));
         }
-        for u in &mut self.units {
-            u.grad.fill_zero();
+        let native = self.native_enabled();
+        // The native backward overwrites a unit's full gradient on the first micro-batch
+        // (ZeRO-2/3 accumulate reduced shards into theirs, and the candle path adds).
+        if !native || self.cfg.strategy.zero_stage() >= 2 {
+            for u in &mut self.units {
+                u.grad.fill_zero();
+            }
         }
         let mut loss_sum = 0f32;
-        let native = self.native_enabled();
         for (k, b) in micro.iter().enumerate() {
             let sync = k + 1 == micro.len();
             loss_sum += if native {

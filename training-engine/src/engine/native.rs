@@ -128,9 +128,10 @@ impl<M: UnitModel> Engine<M> {
             let vars = self.units[ui].vars.clone();
             // The gathered parameters move out while the unit's gradient buffer is written.
             let gathered = std::mem::take(&mut self.units[ui].gathered);
+            // Every buffer below is overwritten (`acc` false): no zeroing first.
             let mut run = |grads: &mut [f32]| {
                 unit_params(&vars, &gathered, ul, |p| {
-                    native.backward(ui, p, x, &nb, cache, &st.dy, grads, &mut st.dx, &mut st.scratch)
+                    native.backward(ui, p, x, &nb, cache, &st.dy, grads, false, &mut st.dx, &mut st.scratch)
                 })?
             };
             let mut flat = flat::FlatBuf::default();
@@ -152,7 +153,6 @@ impl<M: UnitModel> Engine<M> {
                 r?;
             } else {
                 let mut fresh = std::mem::take(&mut st.fresh);
-                fresh.clear();
                 fresh.resize(ul.numel, 0.0);
                 let r = run(&mut fresh);
                 self.units[ui].grad.add_f32(0, &fresh);

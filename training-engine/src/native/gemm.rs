@@ -878,8 +878,8 @@ fn linear_at(level: Isa, (n, k, o): (usize, usize, usize), x: &[f32], w: &[f32],
     }
 }
 
-/// `dw (o×k) += dyᵀ · x` (`dy` is `n×o`).
-pub(crate) fn dyt_x(n: usize, k: usize, o: usize, dy: &[f32], x: &[f32], dw: &mut [f32]) {
+/// `dw (o×k) = [dw +] dyᵀ · x` (`dy` is `n×o`).
+pub(crate) fn dyt_x(n: usize, k: usize, o: usize, dy: &[f32], x: &[f32], dw: &mut [f32], acc: bool) {
     check("dy", dy.len(), n * o);
     check("x", x.len(), n * k);
     check("dw", dw.len(), o * k);
@@ -889,7 +889,7 @@ pub(crate) fn dyt_x(n: usize, k: usize, o: usize, dy: &[f32], x: &[f32], dw: &mu
             (o, k, n),
             dw.as_mut_ptr(),
             k,
-            true,
+            acc,
             Mat { ptr: dy.as_ptr(), rs: 1, cs: o },
             Mat { ptr: x.as_ptr(), rs: k, cs: 1 },
             Shape::Full,

@@ -175,6 +175,7 @@ impl NativeUnits for Gpt {
         cache: &mut UnitCache,
         dy: &[f32],
         grads: &mut [f32],
+        acc: bool,
         dx: &mut Vec<f32>,
         scratch: &mut Scratch,
     ) -> EngineResult<()> {
@@ -200,6 +201,10 @@ impl NativeUnits for Gpt {
             let [g_tok, g_pos] = &mut g[..] else {
                 unreachable!("two parameters")
             };
+            if !acc {
+                g_tok.fill(0.0);
+                g_pos.fill(0.0);
+            }
             for (i, (row, &id)) in dy.chunks_exact(d).zip(&batch.inputs).enumerate() {
                 for (a, b) in g_tok[id as usize * d..][..d].iter_mut().zip(row) {
                     *a += b;
@@ -235,7 +240,11 @@ impl NativeUnits for Gpt {
                     *e *= s;
                 }
             }
-            gemm::dyt_x(n, d, v, dlog, hf, g_head);
+            if !acc {
+                g_lnw.fill(0.0);
+                g_lnb.fill(0.0);
+            }
+            gemm::dyt_x(n, d, v, dlog, hf, g_head, acc);
             let dh = sized(s_dh, n * d);
             gemm::dy_w(n, d, v, dlog, params[2], dh, false);
             let dx = sized(dx, n * d);
@@ -258,26 +267,33 @@ impl NativeUnits for Gpt {
         let [s_dg, s_dh, s_dx2, s_datt, s_dqkv, s_dp] = &mut scratch.bufs[..] else {
             unreachable!("resized to SCRATCH above")
         };
+        if !acc {
+            // The weight gradients are overwritten by their products; the small ones the
+            // element-wise kernels accumulate into start from zero.
+            for b in [&mut *g_ln1w, g_ln1b, g_bqkv, g_bproj, g_ln2w, g_ln2b, g_bfc, g_bout] {
+                b.fill(0.0);
+            }
+        }
         // MLP.
-        gemm::dyt_x(n, f, d, dy, gl, g_wout);
+        gemm::dyt_x(n, f, d, dy, gl, g_wout, acc);
         ops::colsum(dy, g_bout);
         let dg = sized(s_dg, n * f);
         gemm::dy_w(n, f, d, dy, p[10], dg, false);
         ops::gelu_bwd_colsum(dg, u, g_bfc);
-        gemm::dyt_x(n, d, f, dg, h2, g_wfc);
+        gemm::dyt_x(n, d, f, dg, h2, g_wfc, acc);
         let dh = sized(s_dh, n * d);
         gemm::dy_w(n, d, f, dg, p[8], dh, false);
         let dx2 = sized(s_dx2, n * d);
         ops::layer_norm_bwd(dh, x2, p[6], mean2, rstd2, dy, dx2, g_ln2w, g_ln2b);
         // Attention.
-        gemm::dyt_x(n, d, d, dx2, att, g_wproj);
+        gemm::dyt_x(n, d, d, dx2, att, g_wproj, acc);
         ops::colsum(dx2, g_bproj);
         let datt = sized(s_datt, n * d);
         gemm::dy_w(n, d, d, dx2, p[4], datt, false);
         let dqkv = sized(s_dqkv, n * 3 * d);
         let dp = sized(s_dp, t * t);
         attention_bwd(batch.b, t, h, d, 1.0 / (hd as f32).sqrt(), qkv, probs, datt, dqkv, dp);
-        gemm::dyt_x(n, d, 3 * d, dqkv, h1, g_wqkv);
+        gemm::dyt_x(n, d, 3 * d, dqkv, h1, g_wqkv, acc);
         ops::colsum(dqkv, g_bqkv);
         gemm::dy_w(n, d, 3 * d, dqkv, p[2], dh, false);
         let dx = sized(dx, n * d);

@@ -93,10 +93,10 @@ pub trait NativeUnits: Send + Sync {
     ) -> EngineResult<()>;
 
     /// Backward of unit `unit` after its forward: `dy` is the gradient of its output (for the
-    /// last unit, one element: the gradient of the loss, i.e. the loss scale). **Adds** the
-    /// parameter gradients into `grads` (the unit's flat gradient in layout order; pass a zeroed
-    /// buffer to get them alone) and writes the gradient of `x` into `dx` (left empty for unit
-    /// 0).
+    /// last unit, one element: the gradient of the loss, i.e. the loss scale). Writes the
+    /// parameter gradients into `grads` (the unit's flat gradient in layout order), adding them
+    /// to its contents when `acc` and overwriting them otherwise (so a fresh buffer needs no
+    /// zeroing), and writes the gradient of `x` into `dx` (left empty for unit 0).
     ///
     /// # Errors
     /// Shape mismatches.
@@ -110,6 +110,7 @@ pub trait NativeUnits: Send + Sync {
         cache: &mut UnitCache,
         dy: &[f32],
         grads: &mut [f32],
+        acc: bool,
         dx: &mut Vec<f32>,
         scratch: &mut Scratch,
     ) -> EngineResult<()>;

@@ -73,7 +73,17 @@ fn native_case(m: &Gpt, unit: usize, flat: &[f32], x: &[f32], batch: &Batch, dy:
     let mut grads = vec![0f32; flat.len()];
     let mut dx = Vec::new();
     let mut scratch = Scratch::default();
-    n.backward(unit, &params, x, &nb, &mut cache, dy, &mut grads, &mut dx, &mut scratch).unwrap();
+    n.backward(unit, &params, x, &nb, &mut cache, dy, &mut grads, true, &mut dx, &mut scratch).unwrap();
+    // Overwriting (`acc` false) a buffer of garbage gives the same gradients bit for bit, and
+    // accumulating onto them doubles them (up to the order of the additions).
+    let mut over = vec![f32::NAN; flat.len()];
+    n.backward(unit, &params, x, &nb, &mut cache, dy, &mut over, false, &mut dx, &mut scratch).unwrap();
+    assert!(over.iter().zip(&grads).all(|(a, b)| a.to_bits() == b.to_bits()), "unit {unit}: overwrite differs from add-to-zero");
+    n.backward(unit, &params, x, &nb, &mut cache, dy, &mut over, true, &mut dx, &mut scratch).unwrap();
+    let scale = grads.iter().fold(0f32, |m, g| m.max(g.abs()));
+    for (i, (a, b)) in over.iter().zip(&grads).enumerate() {
+        assert!((a - 2.0 * b).abs() <= 1e-5 * scale, "unit {unit} [{i}]: accumulated {a}, expected {}", 2.0 * b);
+    }
     Case { out, grads, dx }
 }
 
