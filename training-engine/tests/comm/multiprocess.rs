@@ -27,7 +27,7 @@ fn child_entry() {
     let (rank, world): (usize, usize) = (rank.parse().unwrap(), world.parse().unwrap());
     let store = Arc::new(FileStore::new(dir).unwrap());
     let mut opts = opts_for(kind, rank);
-    if scenario == "death" {
+    if scenario.starts_with("death") {
         opts.timeout = Duration::from_secs(10);
     }
     let pg = ProcessGroup::new(rank, world, store, "mp", opts).unwrap();
@@ -49,15 +49,22 @@ fn child_entry() {
                 );
             }
         }
-        "death" => {
-            let mut v = vec![1.0f32; 100_000];
-            pg.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+        "death" | "death_shared" => {
+            // `death_shared`: the same on a registered buffer (the zero-copy path).
+            let mut plain = vec![1.0f32; 100_000];
+            let mut shared = (scenario == "death_shared").then(|| pg.alloc_shared::<f32>(100_000).unwrap());
+            let v: &mut [f32] = match &mut shared {
+                Some(s) => s,
+                None => &mut plain,
+            };
+            v.fill(1.0);
+            pg.all_reduce(v, ReduceOp::Sum).unwrap();
             if rank == world - 1 {
                 // Die abruptly in the middle of the job (no cleanup, no goodbye).
                 std::process::abort();
             }
             let t0 = Instant::now();
-            let e = pg.all_reduce(&mut v, ReduceOp::Sum).unwrap_err();
+            let e = pg.all_reduce(v, ReduceOp::Sum).unwrap_err();
             let took = t0.elapsed();
             assert_eq!(e.peer(), Some(world - 1), "rank {rank}: {e}");
             assert!(took < Duration::from_secs(10), "rank {rank} took {took:?}");
@@ -152,16 +159,16 @@ fn multiprocess_matrix_each_backend() {
 
 #[test]
 fn multiprocess_peer_death_fails_survivors() {
-    for backend in ["shm", "tcp", "hierarchical"] {
-        let res = spawn("death", backend, 3);
+    for (scenario, backend) in [("death", "shm"), ("death", "tcp"), ("death", "hierarchical"), ("death_shared", "shm")] {
+        let res = spawn(scenario, backend, 3);
         let (dead_ok, _) = &res[2];
         assert!(!dead_ok, "the dying rank should have aborted");
         for (rank, (ok, err)) in res.iter().enumerate().take(2) {
             assert!(
                 ok,
-                "{backend} survivor rank {rank} did not report the dead peer:\n{err}"
+                "{scenario} {backend} survivor rank {rank} did not report the dead peer:\n{err}"
             );
-            eprintln!("{backend}: {}", err.trim());
+            eprintln!("{scenario} {backend}: {}", err.trim());
         }
     }
 }
