@@ -15,10 +15,10 @@
 //! Zero-copy all_reduce: rank r folds block r of every rank's buffer (rank order, as the staged
 //! path) and writes the result into every rank's block r; each rank reads `B` and writes `B`,
 //! the memory-traffic bound, with no staging copies (the staged path also copies each half
-//! through the segment: 2.2–2.5× slower at 64 MiB on 2 ranks in `collectives-bench`). Zero-copy all_gather: rank r writes
-//! its input into block r of every rank's output. reduce_scatter keeps the staged path, which
-//! already reads each input once and writes each output once (and measured faster at 64 MiB
-//! than reading peers' inputs in place).
+//! through the segment: 2.2–2.5× slower at 64 MiB on 2 ranks in `collectives-bench`).
+//! Zero-copy all_gather: rank r writes its input into block r of every rank's output.
+//! reduce_scatter keeps the staged path, which already reads each input once and writes each
+//! output once (and measured faster at 64 MiB than reading peers' inputs in place).
 //!
 //! [`ProcessGroup::alloc_shared`]: super::ProcessGroup::alloc_shared
 
