@@ -550,11 +550,12 @@ mod simd {
 
 /// 6×64 tile in 24 zmm accumulators: per k, four vector loads of the right panel and six
 /// broadcasts of the left one feed 24 fused multiply-adds. The k loop is written in assembly
-/// (LLVM's version of the same loop recomputes row addresses and ran ~6 % slower); rows 0–2 are
-/// addressed from `a`, rows 3–5 from `a + 3·ar`, both advanced by `ap` each step.
+/// ([`kloop_avx512`]; LLVM's version of the same loop recomputes row addresses and ran ~6 %
+/// slower).
 ///
 /// # Safety
-/// AVX-512F+FMA; `A[r][p]` at `a + r·ar + p·ap` is readable for r < 6, p < k; `b` holds
+/// AVX-512F+FMA; `A[r][p]` at `a + r·ar + p·ap` is readable for r < 6, p < k, with `ap` 1 (a
+/// row-major operand read in place) or 6 (a packed panel), any other `ap` panics; `b` holds
 /// 64·k floats; `c` is a 6×64 tile with row stride `rs`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")]
@@ -570,7 +571,6 @@ unsafe fn kernel_avx512(
     load: bool,
     init: Init,
 ) {
-    use std::arch::asm;
     use std::arch::x86_64::*;
     let mut acc = [_mm512_setzero_ps(); 24];
     // SAFETY: the loop reads A and B inside the bounds of the contract and writes only `acc`;
@@ -590,19 +590,266 @@ unsafe fn kernel_avx512(
                 }
             }
         }
+        // The blocked loop passes a left operand read in place (k stride 1) or a packed panel
+        // (k stride MR = 6); the unrolled loop takes the stride as a compile-time displacement.
+        match ap {
+            1 => kloop_avx512::<1>(k, a, ar, b, acc.as_mut_ptr().cast()),
+            6 => kloop_avx512::<6>(k, a, ar, b, acc.as_mut_ptr().cast()),
+            _ => panic!("k stride {ap}: the kernels take 1 (in place) or 6 (packed)"),
+        }
+        for (r, row) in acc.chunks_exact(4).enumerate() {
+            let cr = c.add(r * rs);
+            for (q, v) in row.iter().enumerate() {
+                let mut v = *v;
+                if load {
+                    v = _mm512_add_ps(v, _mm512_loadu_ps(cr.add(16 * q)));
+                } else {
+                    if !init.bias.is_null() {
+                        v = _mm512_add_ps(v, _mm512_loadu_ps(init.bias.add(16 * q)));
+                    }
+                    if !init.res.is_null() {
+                        v = _mm512_add_ps(v, _mm512_loadu_ps(init.res.add(r * init.res_rs + 16 * q)));
+                    }
+                }
+                _mm512_storeu_ps(cr.add(16 * q), v);
+            }
+        }
+    }
+}
+
+/// 6×16 tile in 12 ymm accumulators (BLIS's Haswell shape); the k loop in assembly
+/// ([`kloop_avx2`]).
+///
+/// # Safety
+/// AVX2+FMA; `A` as for [`kernel_avx512`]; `b` holds 16·k floats; `c` is a 6×16 tile with row
+/// stride `rs`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[allow(clippy::too_many_arguments)] // the kernel ABI: operands, strides, flags
+unsafe fn kernel_avx2(
+    k: usize,
+    a: *const f32,
+    ar: usize,
+    ap: usize,
+    b: *const f32,
+    c: *mut f32,
+    rs: usize,
+    load: bool,
+    init: Init,
+) {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm256_setzero_ps(); 12];
+    // SAFETY: as in `kernel_avx512`.
+    unsafe {
+        if load {
+            for r in 0..6 {
+                _mm_prefetch::<_MM_HINT_T0>(c.add(r * rs).cast());
+            }
+        } else if !init.res.is_null() {
+            for r in 0..6 {
+                _mm_prefetch::<_MM_HINT_T0>(init.res.add(r * init.res_rs).cast());
+            }
+        }
+        // The blocked loop passes a left operand read in place (k stride 1) or a packed panel
+        // (k stride MR = 6); the unrolled loop takes the stride as a compile-time displacement.
+        match ap {
+            1 => kloop_avx2::<1>(k, a, ar, b, acc.as_mut_ptr().cast()),
+            6 => kloop_avx2::<6>(k, a, ar, b, acc.as_mut_ptr().cast()),
+            _ => panic!("k stride {ap}: the kernels take 1 (in place) or 6 (packed)"),
+        }
+        for (r, row) in acc.chunks_exact(2).enumerate() {
+            let cr = c.add(r * rs);
+            let (mut v0, mut v1) = (row[0], row[1]);
+            if load {
+                v0 = _mm256_add_ps(v0, _mm256_loadu_ps(cr));
+                v1 = _mm256_add_ps(v1, _mm256_loadu_ps(cr.add(8)));
+            } else {
+                if !init.bias.is_null() {
+                    v0 = _mm256_add_ps(v0, _mm256_loadu_ps(init.bias));
+                    v1 = _mm256_add_ps(v1, _mm256_loadu_ps(init.bias.add(8)));
+                }
+                if !init.res.is_null() {
+                    let rr = init.res.add(r * init.res_rs);
+                    v0 = _mm256_add_ps(v0, _mm256_loadu_ps(rr));
+                    v1 = _mm256_add_ps(v1, _mm256_loadu_ps(rr.add(8)));
+                }
+            }
+            _mm256_storeu_ps(cr, v0);
+            _mm256_storeu_ps(cr.add(8), v1);
+        }
+    }
+}
+
+/// The k loop of [`kernel_avx2`], unrolled by two: the left operand's k stride is the
+/// compile-time `AP` floats (1: a row-major operand read in place; 6: a packed panel), so both
+/// steps address it with immediate displacements and the pointers advance once per two k. Rows
+/// 0–2 are addressed from `a`, rows 3–5 from `a + 3·ar`. Against one k per iteration this took
+/// 5–6 % off the whole training step at AVX2 (alternating A/B runs); by four gained nothing more.
+///
+/// # Safety
+/// AVX2+FMA; `A[r][p]` at `a + r·ar + p·AP` readable for r < 6, p < k; `b` holds 16·k floats;
+/// `acc` is writable for 12 ymm (the accumulators come back there).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn kloop_avx2<const AP: usize>(k: usize, a: *const f32, ar: usize, b: *const f32, acc: *mut f32) {
+    use std::arch::asm;
+    // SAFETY: as in `kernel_avx2`.
+    unsafe {
         asm!(
-            "vxorps xmm0, xmm0, xmm0", "vxorps xmm1, xmm1, xmm1", "vxorps xmm2, xmm2, xmm2",
-            "vxorps xmm3, xmm3, xmm3", "vxorps xmm4, xmm4, xmm4", "vxorps xmm5, xmm5, xmm5",
-            "vxorps xmm6, xmm6, xmm6", "vxorps xmm7, xmm7, xmm7", "vxorps xmm8, xmm8, xmm8",
-            "vxorps xmm9, xmm9, xmm9", "vxorps xmm10, xmm10, xmm10", "vxorps xmm11, xmm11, xmm11",
-            "vpxord zmm12, zmm12, zmm12", "vpxord zmm13, zmm13, zmm13", "vpxord zmm14, zmm14, zmm14",
-            "vpxord zmm15, zmm15, zmm15", "vpxord zmm16, zmm16, zmm16", "vpxord zmm17, zmm17, zmm17",
-            "vpxord zmm18, zmm18, zmm18", "vpxord zmm19, zmm19, zmm19", "vpxord zmm20, zmm20, zmm20",
-            "vpxord zmm21, zmm21, zmm21", "vpxord zmm22, zmm22, zmm22", "vpxord zmm23, zmm23, zmm23",
-            "test {k}, {k}",
-            "jz 3f",
+            "vxorps ymm0, ymm0, ymm0",
+            "vxorps ymm1, ymm1, ymm1",
+            "vxorps ymm2, ymm2, ymm2",
+            "vxorps ymm3, ymm3, ymm3",
+            "vxorps ymm4, ymm4, ymm4",
+            "vxorps ymm5, ymm5, ymm5",
+            "vxorps ymm6, ymm6, ymm6",
+            "vxorps ymm7, ymm7, ymm7",
+            "vxorps ymm8, ymm8, ymm8",
+            "vxorps ymm9, ymm9, ymm9",
+            "vxorps ymm10, ymm10, ymm10",
+            "vxorps ymm11, ymm11, ymm11",
+            "shr {k}, 1",
+            "jz 4f",
             "2:",
-            "vmovups zmm24, [{b}]",
+            "vmovups ymm12, [{b} + 0]",
+            "vmovups ymm13, [{b} + 32]",
+            "vbroadcastss ymm14, [{a0}]",
+            "vfmadd231ps ymm0, ymm14, ymm12",
+            "vfmadd231ps ymm1, ymm14, ymm13",
+            "vbroadcastss ymm15, [{a0} + {ar}*4]",
+            "vfmadd231ps ymm2, ymm15, ymm12",
+            "vfmadd231ps ymm3, ymm15, ymm13",
+            "vbroadcastss ymm14, [{a0} + {ar}*8]",
+            "vfmadd231ps ymm4, ymm14, ymm12",
+            "vfmadd231ps ymm5, ymm14, ymm13",
+            "vbroadcastss ymm15, [{a3}]",
+            "vfmadd231ps ymm6, ymm15, ymm12",
+            "vfmadd231ps ymm7, ymm15, ymm13",
+            "vbroadcastss ymm14, [{a3} + {ar}*4]",
+            "vfmadd231ps ymm8, ymm14, ymm12",
+            "vfmadd231ps ymm9, ymm14, ymm13",
+            "vbroadcastss ymm15, [{a3} + {ar}*8]",
+            "vfmadd231ps ymm10, ymm15, ymm12",
+            "vfmadd231ps ymm11, ymm15, ymm13",
+            "vmovups ymm12, [{b} + 64]",
+            "vmovups ymm13, [{b} + 96]",
+            "vbroadcastss ymm14, [{a0} + {d}]",
+            "vfmadd231ps ymm0, ymm14, ymm12",
+            "vfmadd231ps ymm1, ymm14, ymm13",
+            "vbroadcastss ymm15, [{a0} + {ar}*4 + {d}]",
+            "vfmadd231ps ymm2, ymm15, ymm12",
+            "vfmadd231ps ymm3, ymm15, ymm13",
+            "vbroadcastss ymm14, [{a0} + {ar}*8 + {d}]",
+            "vfmadd231ps ymm4, ymm14, ymm12",
+            "vfmadd231ps ymm5, ymm14, ymm13",
+            "vbroadcastss ymm15, [{a3} + {d}]",
+            "vfmadd231ps ymm6, ymm15, ymm12",
+            "vfmadd231ps ymm7, ymm15, ymm13",
+            "vbroadcastss ymm14, [{a3} + {ar}*4 + {d}]",
+            "vfmadd231ps ymm8, ymm14, ymm12",
+            "vfmadd231ps ymm9, ymm14, ymm13",
+            "vbroadcastss ymm15, [{a3} + {ar}*8 + {d}]",
+            "vfmadd231ps ymm10, ymm15, ymm12",
+            "vfmadd231ps ymm11, ymm15, ymm13",
+            "add {a0}, {d2}",
+            "add {a3}, {d2}",
+            "add {b}, 128",
+            "dec {k}",
+            "jnz 2b",
+            "4:",
+            "test {odd}, 1",
+            "jz 3f",
+            "vmovups ymm12, [{b} + 0]",
+            "vmovups ymm13, [{b} + 32]",
+            "vbroadcastss ymm14, [{a0}]",
+            "vfmadd231ps ymm0, ymm14, ymm12",
+            "vfmadd231ps ymm1, ymm14, ymm13",
+            "vbroadcastss ymm15, [{a0} + {ar}*4]",
+            "vfmadd231ps ymm2, ymm15, ymm12",
+            "vfmadd231ps ymm3, ymm15, ymm13",
+            "vbroadcastss ymm14, [{a0} + {ar}*8]",
+            "vfmadd231ps ymm4, ymm14, ymm12",
+            "vfmadd231ps ymm5, ymm14, ymm13",
+            "vbroadcastss ymm15, [{a3}]",
+            "vfmadd231ps ymm6, ymm15, ymm12",
+            "vfmadd231ps ymm7, ymm15, ymm13",
+            "vbroadcastss ymm14, [{a3} + {ar}*4]",
+            "vfmadd231ps ymm8, ymm14, ymm12",
+            "vfmadd231ps ymm9, ymm14, ymm13",
+            "vbroadcastss ymm15, [{a3} + {ar}*8]",
+            "vfmadd231ps ymm10, ymm15, ymm12",
+            "vfmadd231ps ymm11, ymm15, ymm13",
+            "3:",
+            "vmovups [{acc} + 0], ymm0",
+            "vmovups [{acc} + 32], ymm1",
+            "vmovups [{acc} + 64], ymm2",
+            "vmovups [{acc} + 96], ymm3",
+            "vmovups [{acc} + 128], ymm4",
+            "vmovups [{acc} + 160], ymm5",
+            "vmovups [{acc} + 192], ymm6",
+            "vmovups [{acc} + 224], ymm7",
+            "vmovups [{acc} + 256], ymm8",
+            "vmovups [{acc} + 288], ymm9",
+            "vmovups [{acc} + 320], ymm10",
+            "vmovups [{acc} + 352], ymm11",
+            a0 = inout(reg) a => _,
+            a3 = inout(reg) a.wrapping_add(3 * ar) => _,
+            ar = in(reg) ar,
+            b = inout(reg) b => _,
+            k = inout(reg) k => _,
+            odd = in(reg) k,
+            acc = in(reg) acc,
+            d = const AP * 4,
+            d2 = const AP * 8,
+            out("ymm0") _, out("ymm1") _, out("ymm2") _, out("ymm3") _, out("ymm4") _, out("ymm5") _,
+            out("ymm6") _, out("ymm7") _, out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _,
+            out("ymm12") _, out("ymm13") _, out("ymm14") _, out("ymm15") _,
+            options(nostack),
+        );
+    }
+}
+
+/// The k loop of [`kernel_avx512`], unrolled by two as [`kloop_avx2`] (6–7 % off the step at
+/// AVX-512 against one k per iteration).
+///
+/// # Safety
+/// AVX-512F+FMA; `A[r][p]` at `a + r·ar + p·AP` readable for r < 6, p < k; `b` holds 64·k
+/// floats; `acc` is writable for 24 zmm (the accumulators come back there).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")]
+unsafe fn kloop_avx512<const AP: usize>(k: usize, a: *const f32, ar: usize, b: *const f32, acc: *mut f32) {
+    use std::arch::asm;
+    // SAFETY: as in `kernel_avx512`.
+    unsafe {
+        asm!(
+            "vpxord zmm0, zmm0, zmm0",
+            "vpxord zmm1, zmm1, zmm1",
+            "vpxord zmm2, zmm2, zmm2",
+            "vpxord zmm3, zmm3, zmm3",
+            "vpxord zmm4, zmm4, zmm4",
+            "vpxord zmm5, zmm5, zmm5",
+            "vpxord zmm6, zmm6, zmm6",
+            "vpxord zmm7, zmm7, zmm7",
+            "vpxord zmm8, zmm8, zmm8",
+            "vpxord zmm9, zmm9, zmm9",
+            "vpxord zmm10, zmm10, zmm10",
+            "vpxord zmm11, zmm11, zmm11",
+            "vpxord zmm12, zmm12, zmm12",
+            "vpxord zmm13, zmm13, zmm13",
+            "vpxord zmm14, zmm14, zmm14",
+            "vpxord zmm15, zmm15, zmm15",
+            "vpxord zmm16, zmm16, zmm16",
+            "vpxord zmm17, zmm17, zmm17",
+            "vpxord zmm18, zmm18, zmm18",
+            "vpxord zmm19, zmm19, zmm19",
+            "vpxord zmm20, zmm20, zmm20",
+            "vpxord zmm21, zmm21, zmm21",
+            "vpxord zmm22, zmm22, zmm22",
+            "vpxord zmm23, zmm23, zmm23",
+            "shr {k}, 1",
+            "jz 4f",
+            "2:",
+            "vmovups zmm24, [{b} + 0]",
             "vmovups zmm25, [{b} + 64]",
             "vmovups zmm26, [{b} + 128]",
             "vmovups zmm27, [{b} + 192]",
@@ -636,27 +883,116 @@ unsafe fn kernel_avx512(
             "vfmadd231ps zmm21, zmm29, zmm25",
             "vfmadd231ps zmm22, zmm29, zmm26",
             "vfmadd231ps zmm23, zmm29, zmm27",
-            "add {a0}, {apb}",
-            "add {a3}, {apb}",
-            "add {b}, 256",
+            "vmovups zmm24, [{b} + 256]",
+            "vmovups zmm25, [{b} + 320]",
+            "vmovups zmm26, [{b} + 384]",
+            "vmovups zmm27, [{b} + 448]",
+            "vbroadcastss zmm28, [{a0} + {d}]",
+            "vfmadd231ps zmm0, zmm28, zmm24",
+            "vfmadd231ps zmm1, zmm28, zmm25",
+            "vfmadd231ps zmm2, zmm28, zmm26",
+            "vfmadd231ps zmm3, zmm28, zmm27",
+            "vbroadcastss zmm29, [{a0} + {ar}*4 + {d}]",
+            "vfmadd231ps zmm4, zmm29, zmm24",
+            "vfmadd231ps zmm5, zmm29, zmm25",
+            "vfmadd231ps zmm6, zmm29, zmm26",
+            "vfmadd231ps zmm7, zmm29, zmm27",
+            "vbroadcastss zmm28, [{a0} + {ar}*8 + {d}]",
+            "vfmadd231ps zmm8, zmm28, zmm24",
+            "vfmadd231ps zmm9, zmm28, zmm25",
+            "vfmadd231ps zmm10, zmm28, zmm26",
+            "vfmadd231ps zmm11, zmm28, zmm27",
+            "vbroadcastss zmm29, [{a3} + {d}]",
+            "vfmadd231ps zmm12, zmm29, zmm24",
+            "vfmadd231ps zmm13, zmm29, zmm25",
+            "vfmadd231ps zmm14, zmm29, zmm26",
+            "vfmadd231ps zmm15, zmm29, zmm27",
+            "vbroadcastss zmm28, [{a3} + {ar}*4 + {d}]",
+            "vfmadd231ps zmm16, zmm28, zmm24",
+            "vfmadd231ps zmm17, zmm28, zmm25",
+            "vfmadd231ps zmm18, zmm28, zmm26",
+            "vfmadd231ps zmm19, zmm28, zmm27",
+            "vbroadcastss zmm29, [{a3} + {ar}*8 + {d}]",
+            "vfmadd231ps zmm20, zmm29, zmm24",
+            "vfmadd231ps zmm21, zmm29, zmm25",
+            "vfmadd231ps zmm22, zmm29, zmm26",
+            "vfmadd231ps zmm23, zmm29, zmm27",
+            "add {a0}, {d2}",
+            "add {a3}, {d2}",
+            "add {b}, 512",
             "dec {k}",
             "jnz 2b",
+            "4:",
+            "test {odd}, 1",
+            "jz 3f",
+            "vmovups zmm24, [{b} + 0]",
+            "vmovups zmm25, [{b} + 64]",
+            "vmovups zmm26, [{b} + 128]",
+            "vmovups zmm27, [{b} + 192]",
+            "vbroadcastss zmm28, [{a0}]",
+            "vfmadd231ps zmm0, zmm28, zmm24",
+            "vfmadd231ps zmm1, zmm28, zmm25",
+            "vfmadd231ps zmm2, zmm28, zmm26",
+            "vfmadd231ps zmm3, zmm28, zmm27",
+            "vbroadcastss zmm29, [{a0} + {ar}*4]",
+            "vfmadd231ps zmm4, zmm29, zmm24",
+            "vfmadd231ps zmm5, zmm29, zmm25",
+            "vfmadd231ps zmm6, zmm29, zmm26",
+            "vfmadd231ps zmm7, zmm29, zmm27",
+            "vbroadcastss zmm28, [{a0} + {ar}*8]",
+            "vfmadd231ps zmm8, zmm28, zmm24",
+            "vfmadd231ps zmm9, zmm28, zmm25",
+            "vfmadd231ps zmm10, zmm28, zmm26",
+            "vfmadd231ps zmm11, zmm28, zmm27",
+            "vbroadcastss zmm29, [{a3}]",
+            "vfmadd231ps zmm12, zmm29, zmm24",
+            "vfmadd231ps zmm13, zmm29, zmm25",
+            "vfmadd231ps zmm14, zmm29, zmm26",
+            "vfmadd231ps zmm15, zmm29, zmm27",
+            "vbroadcastss zmm28, [{a3} + {ar}*4]",
+            "vfmadd231ps zmm16, zmm28, zmm24",
+            "vfmadd231ps zmm17, zmm28, zmm25",
+            "vfmadd231ps zmm18, zmm28, zmm26",
+            "vfmadd231ps zmm19, zmm28, zmm27",
+            "vbroadcastss zmm29, [{a3} + {ar}*8]",
+            "vfmadd231ps zmm20, zmm29, zmm24",
+            "vfmadd231ps zmm21, zmm29, zmm25",
+            "vfmadd231ps zmm22, zmm29, zmm26",
+            "vfmadd231ps zmm23, zmm29, zmm27",
             "3:",
-            "vmovups [{acc}], zmm0", "vmovups [{acc} + 64], zmm1", "vmovups [{acc} + 128], zmm2",
-            "vmovups [{acc} + 192], zmm3", "vmovups [{acc} + 256], zmm4", "vmovups [{acc} + 320], zmm5",
-            "vmovups [{acc} + 384], zmm6", "vmovups [{acc} + 448], zmm7", "vmovups [{acc} + 512], zmm8",
-            "vmovups [{acc} + 576], zmm9", "vmovups [{acc} + 640], zmm10", "vmovups [{acc} + 704], zmm11",
-            "vmovups [{acc} + 768], zmm12", "vmovups [{acc} + 832], zmm13", "vmovups [{acc} + 896], zmm14",
-            "vmovups [{acc} + 960], zmm15", "vmovups [{acc} + 1024], zmm16", "vmovups [{acc} + 1088], zmm17",
-            "vmovups [{acc} + 1152], zmm18", "vmovups [{acc} + 1216], zmm19", "vmovups [{acc} + 1280], zmm20",
-            "vmovups [{acc} + 1344], zmm21", "vmovups [{acc} + 1408], zmm22", "vmovups [{acc} + 1472], zmm23",
+            "vmovups [{acc} + 0], zmm0",
+            "vmovups [{acc} + 64], zmm1",
+            "vmovups [{acc} + 128], zmm2",
+            "vmovups [{acc} + 192], zmm3",
+            "vmovups [{acc} + 256], zmm4",
+            "vmovups [{acc} + 320], zmm5",
+            "vmovups [{acc} + 384], zmm6",
+            "vmovups [{acc} + 448], zmm7",
+            "vmovups [{acc} + 512], zmm8",
+            "vmovups [{acc} + 576], zmm9",
+            "vmovups [{acc} + 640], zmm10",
+            "vmovups [{acc} + 704], zmm11",
+            "vmovups [{acc} + 768], zmm12",
+            "vmovups [{acc} + 832], zmm13",
+            "vmovups [{acc} + 896], zmm14",
+            "vmovups [{acc} + 960], zmm15",
+            "vmovups [{acc} + 1024], zmm16",
+            "vmovups [{acc} + 1088], zmm17",
+            "vmovups [{acc} + 1152], zmm18",
+            "vmovups [{acc} + 1216], zmm19",
+            "vmovups [{acc} + 1280], zmm20",
+            "vmovups [{acc} + 1344], zmm21",
+            "vmovups [{acc} + 1408], zmm22",
+            "vmovups [{acc} + 1472], zmm23",
             a0 = inout(reg) a => _,
             a3 = inout(reg) a.wrapping_add(3 * ar) => _,
             ar = in(reg) ar,
-            apb = in(reg) ap * 4,
             b = inout(reg) b => _,
             k = inout(reg) k => _,
-            acc = in(reg) acc.as_mut_ptr(),
+            odd = in(reg) k,
+            acc = in(reg) acc,
+            d = const AP * 4,
+            d2 = const AP * 8,
             out("zmm0") _, out("zmm1") _, out("zmm2") _, out("zmm3") _, out("zmm4") _, out("zmm5") _,
             out("zmm6") _, out("zmm7") _, out("zmm8") _, out("zmm9") _, out("zmm10") _, out("zmm11") _,
             out("zmm12") _, out("zmm13") _, out("zmm14") _, out("zmm15") _, out("zmm16") _, out("zmm17") _,
@@ -664,130 +1000,6 @@ unsafe fn kernel_avx512(
             out("zmm24") _, out("zmm25") _, out("zmm26") _, out("zmm27") _, out("zmm28") _, out("zmm29") _,
             options(nostack),
         );
-        for (r, row) in acc.chunks_exact(4).enumerate() {
-            let cr = c.add(r * rs);
-            for (q, v) in row.iter().enumerate() {
-                let mut v = *v;
-                if load {
-                    v = _mm512_add_ps(v, _mm512_loadu_ps(cr.add(16 * q)));
-                } else {
-                    if !init.bias.is_null() {
-                        v = _mm512_add_ps(v, _mm512_loadu_ps(init.bias.add(16 * q)));
-                    }
-                    if !init.res.is_null() {
-                        v = _mm512_add_ps(v, _mm512_loadu_ps(init.res.add(r * init.res_rs + 16 * q)));
-                    }
-                }
-                _mm512_storeu_ps(cr.add(16 * q), v);
-            }
-        }
-    }
-}
-
-/// 6×16 tile in 12 ymm accumulators (BLIS's Haswell shape); the k loop in assembly as in
-/// [`kernel_avx512`].
-///
-/// # Safety
-/// AVX2+FMA; `A` as for [`kernel_avx512`]; `b` holds 16·k floats; `c` is a 6×16 tile with row
-/// stride `rs`.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-#[allow(clippy::too_many_arguments)] // the kernel ABI: operands, strides, flags
-unsafe fn kernel_avx2(
-    k: usize,
-    a: *const f32,
-    ar: usize,
-    ap: usize,
-    b: *const f32,
-    c: *mut f32,
-    rs: usize,
-    load: bool,
-    init: Init,
-) {
-    use std::arch::asm;
-    use std::arch::x86_64::*;
-    let mut acc = [_mm256_setzero_ps(); 12];
-    // SAFETY: as in `kernel_avx512`.
-    unsafe {
-        if load {
-            for r in 0..6 {
-                _mm_prefetch::<_MM_HINT_T0>(c.add(r * rs).cast());
-            }
-        } else if !init.res.is_null() {
-            for r in 0..6 {
-                _mm_prefetch::<_MM_HINT_T0>(init.res.add(r * init.res_rs).cast());
-            }
-        }
-        asm!(
-            "vxorps ymm0, ymm0, ymm0", "vxorps ymm1, ymm1, ymm1", "vxorps ymm2, ymm2, ymm2",
-            "vxorps ymm3, ymm3, ymm3", "vxorps ymm4, ymm4, ymm4", "vxorps ymm5, ymm5, ymm5",
-            "vxorps ymm6, ymm6, ymm6", "vxorps ymm7, ymm7, ymm7", "vxorps ymm8, ymm8, ymm8",
-            "vxorps ymm9, ymm9, ymm9", "vxorps ymm10, ymm10, ymm10", "vxorps ymm11, ymm11, ymm11",
-            "test {k}, {k}",
-            "jz 3f",
-            "2:",
-            "vmovups ymm12, [{b}]",
-            "vmovups ymm13, [{b} + 32]",
-            "vbroadcastss ymm14, [{a0}]",
-            "vfmadd231ps ymm0, ymm14, ymm12",
-            "vfmadd231ps ymm1, ymm14, ymm13",
-            "vbroadcastss ymm15, [{a0} + {ar}*4]",
-            "vfmadd231ps ymm2, ymm15, ymm12",
-            "vfmadd231ps ymm3, ymm15, ymm13",
-            "vbroadcastss ymm14, [{a0} + {ar}*8]",
-            "vfmadd231ps ymm4, ymm14, ymm12",
-            "vfmadd231ps ymm5, ymm14, ymm13",
-            "vbroadcastss ymm15, [{a3}]",
-            "vfmadd231ps ymm6, ymm15, ymm12",
-            "vfmadd231ps ymm7, ymm15, ymm13",
-            "vbroadcastss ymm14, [{a3} + {ar}*4]",
-            "vfmadd231ps ymm8, ymm14, ymm12",
-            "vfmadd231ps ymm9, ymm14, ymm13",
-            "vbroadcastss ymm15, [{a3} + {ar}*8]",
-            "vfmadd231ps ymm10, ymm15, ymm12",
-            "vfmadd231ps ymm11, ymm15, ymm13",
-            "add {a0}, {apb}",
-            "add {a3}, {apb}",
-            "add {b}, 64",
-            "dec {k}",
-            "jnz 2b",
-            "3:",
-            "vmovups [{acc}], ymm0", "vmovups [{acc} + 32], ymm1", "vmovups [{acc} + 64], ymm2",
-            "vmovups [{acc} + 96], ymm3", "vmovups [{acc} + 128], ymm4", "vmovups [{acc} + 160], ymm5",
-            "vmovups [{acc} + 192], ymm6", "vmovups [{acc} + 224], ymm7", "vmovups [{acc} + 256], ymm8",
-            "vmovups [{acc} + 288], ymm9", "vmovups [{acc} + 320], ymm10", "vmovups [{acc} + 352], ymm11",
-            a0 = inout(reg) a => _,
-            a3 = inout(reg) a.wrapping_add(3 * ar) => _,
-            ar = in(reg) ar,
-            apb = in(reg) ap * 4,
-            b = inout(reg) b => _,
-            k = inout(reg) k => _,
-            acc = in(reg) acc.as_mut_ptr(),
-            out("ymm0") _, out("ymm1") _, out("ymm2") _, out("ymm3") _, out("ymm4") _, out("ymm5") _,
-            out("ymm6") _, out("ymm7") _, out("ymm8") _, out("ymm9") _, out("ymm10") _, out("ymm11") _,
-            out("ymm12") _, out("ymm13") _, out("ymm14") _, out("ymm15") _,
-            options(nostack),
-        );
-        for (r, row) in acc.chunks_exact(2).enumerate() {
-            let cr = c.add(r * rs);
-            let (mut v0, mut v1) = (row[0], row[1]);
-            if load {
-                v0 = _mm256_add_ps(v0, _mm256_loadu_ps(cr));
-                v1 = _mm256_add_ps(v1, _mm256_loadu_ps(cr.add(8)));
-            } else {
-                if !init.bias.is_null() {
-                    v0 = _mm256_add_ps(v0, _mm256_loadu_ps(init.bias));
-                    v1 = _mm256_add_ps(v1, _mm256_loadu_ps(init.bias.add(8)));
-                }
-                if !init.res.is_null() {
-                    let rr = init.res.add(r * init.res_rs);
-                    v0 = _mm256_add_ps(v0, _mm256_loadu_ps(rr));
-                    v1 = _mm256_add_ps(v1, _mm256_loadu_ps(rr.add(8)));
-                }
-            }
-            _mm256_storeu_ps(cr, v0);
-            _mm256_storeu_ps(cr.add(8), v1);
-        }
     }
 }
 
