@@ -705,15 +705,15 @@ impl ShmBackend {
         let mine = self.locate(p, len);
         let (id, off) = mine.as_ref().map_or((0, 0), |(i, o, _)| (*i, *o as u64));
         let parity = ((self.epoch + 1) % 2) as usize;
-        let at = |j: usize| CTRL_BASE + j * CTRL_STRIDE + WIN_OFF + parity * 16;
-        self.u64_at(at(self.ctx.rank)).store(id, Ordering::Relaxed);
-        self.u64_at(at(self.ctx.rank) + 8)
+        let at = |me: &Self, j: usize| me.ctrl(j) + WIN_OFF + parity * 16;
+        self.u64_at(at(self, self.ctx.rank)).store(id, Ordering::Relaxed);
+        self.u64_at(at(self, self.ctx.rank) + 8)
             .store(off, Ordering::Relaxed);
         self.first_sync(h, deadline)?;
         // Published before every rank's arrival, which `first_sync` acquired.
         let same = (0..self.ctx.world).all(|j| {
-            self.u64_at(at(j)).load(Ordering::Relaxed) == id
-                && self.u64_at(at(j) + 8).load(Ordering::Relaxed) == off
+            self.u64_at(at(self, j)).load(Ordering::Relaxed) == id
+                && self.u64_at(at(self, j) + 8).load(Ordering::Relaxed) == off
         });
         Ok(match mine {
             Some((_, o, w)) if same && id != 0 => Some((w, o)),
