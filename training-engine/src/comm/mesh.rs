@@ -9,11 +9,19 @@ use std::time::{Duration, Instant};
 use super::Ctx;
 use super::error::{CommError, Result};
 use super::op::Traffic;
+use super::shm::{SpinBudget, WaitKind};
 use super::store::try_get;
 
 const MAGIC: u32 = 0x5253_524e; // "RSRN"
 /// Socket buffer size requested (the kernel caps it at net.core.{r,w}mem_max).
 const SOCK_BUF: libc::c_int = 4 << 20;
+/// Most bytes handed to one `write(2)` while a rank both sends and receives. Each such pass of
+/// [`Mesh::run`] (and every pass of [`Mesh::duplex`]) makes at most one write and one read per
+/// transfer, so the rank alternates the two in small steps: its peer's data is drained (and the
+/// peer's window reopened) while the peer is still busy, instead of one side parking in `poll`
+/// while the other finishes a long burst. Measured on 2 ranks over loopback, the two-phase ring
+/// all_reduce of 64 MiB took 38–40 ms this way against 47–55 ms with unbounded bursts.
+const SEND_BURST: usize = 256 << 10;
 
 /// One outgoing transfer.
 pub(crate) struct SendOp<'a> {
@@ -34,6 +42,14 @@ impl<'a> SendOp<'a> {
 
 enum Target<'a> {
     Slice(&'a mut [u8]),
+    /// `total` bytes received through one reusable `slot`: byte `i` lands at
+    /// `slot[i % slot.len()]`, and the segment callback sees every full slot (and the last,
+    /// partial one) before it is overwritten. The slot stays in cache, so the kernel's copy and
+    /// the callback's read of it do not go to memory.
+    Ring {
+        slot: &'a mut [u8],
+        total: usize,
+    },
     /// A message prefixed by its length (u64 little endian); the body is allocated on arrival.
     Framed {
         len: [u8; 8],
@@ -60,6 +76,17 @@ impl<'a> RecvOp<'a> {
         }
     }
 
+    /// Receives `total` bytes through `slot` (non-empty unless `total` is 0), one `slot.len()`
+    /// segment at a time; see [`Target::Ring`]. Only [`Mesh::run`]'s segment callback sees the data.
+    pub(crate) fn ring(peer: usize, slot: &'a mut [u8], total: usize) -> Self {
+        RecvOp {
+            peer,
+            target: Target::Ring { slot, total },
+            done: 0,
+            notified: 0,
+        }
+    }
+
     pub(crate) fn framed(peer: usize) -> RecvOp<'static> {
         RecvOp {
             peer,
@@ -77,13 +104,14 @@ impl<'a> RecvOp<'a> {
     pub(crate) fn into_body(self) -> Vec<u8> {
         match self.target {
             Target::Framed { body, .. } => body.unwrap_or_default(),
-            Target::Slice(_) => Vec::new(),
+            Target::Slice(_) | Target::Ring { .. } => Vec::new(),
         }
     }
 
     fn total(&self) -> Option<usize> {
         match &self.target {
             Target::Slice(b) => Some(b.len()),
+            Target::Ring { total, .. } => Some(*total),
             Target::Framed { body, .. } => body.as_ref().map(|b| b.len()),
         }
     }
@@ -104,11 +132,34 @@ pub(crate) fn frame(body: &[u8]) -> Vec<u8> {
 /// Segment callback: `(recv index, byte range completed, the bytes)`.
 pub(crate) type OnSegment<'f> = dyn FnMut(usize, std::ops::Range<usize>, &[u8]) -> Result<()> + 'f;
 
+/// A two-way byte stream with one peer whose outgoing bytes may depend on incoming ones, driven
+/// by [`Mesh::duplex`]: it asks for the next bytes to send and where the next received bytes go,
+/// and reports how many moved.
+pub(crate) trait Duplex {
+    /// The unsent rest of the current outgoing piece; `None` or empty when nothing can be sent
+    /// now (it waits on incoming data) or everything has been sent.
+    fn outgoing(&self) -> Option<&[u8]>;
+    /// `n` bytes of [`Duplex::outgoing`] went out.
+    fn sent(&mut self, n: usize);
+    /// Where the next incoming bytes go (at most the rest of the current piece); `None` or
+    /// empty when everything has arrived.
+    fn incoming(&mut self) -> Option<&mut [u8]>;
+    /// `n` bytes arrived at the front of the last [`Duplex::incoming`].
+    ///
+    /// # Errors
+    /// Whatever processing the data can fail with.
+    fn received(&mut self, n: usize) -> Result<()>;
+    /// Everything has been sent and received.
+    fn finished(&self) -> bool;
+}
+
 /// Full mesh of TCP connections between the ranks of one group.
 pub(crate) struct Mesh {
     ctx: Ctx,
     socks: Vec<Option<TcpStream>>,
     aborted: bool,
+    /// Recent stalls inside [`Mesh::duplex`]: how long to spin before sleeping in `poll`.
+    budget: SpinBudget,
 }
 
 fn set_sock_opts(s: &TcpStream) -> Result<()> {
@@ -185,6 +236,7 @@ impl Mesh {
                 ctx: ctx.clone(),
                 socks,
                 aborted: false,
+                budget: SpinBudget::new(),
             });
         }
         let boot_err = |reason: String| CommError::Bootstrap {
@@ -315,6 +367,7 @@ impl Mesh {
             ctx: ctx.clone(),
             socks,
             aborted: false,
+            budget: SpinBudget::new(),
         })
     }
 
@@ -417,6 +470,11 @@ impl Mesh {
         loop {
             let mut progressed = false;
             let mut all_done = true;
+            // Both directions busy: alternate in small steps (see `SEND_BURST`); one
+            // direction alone moves as much as the kernel takes per call.
+            let two_way =
+                sends.iter().any(|s| s.done < s.data.len()) && recvs.iter().any(|r| !r.complete());
+            let burst = if two_way { SEND_BURST } else { usize::MAX };
             let mut pending_send_peers: Vec<usize> = Vec::new();
             for s in sends.iter_mut() {
                 if s.done == s.data.len() {
@@ -429,7 +487,8 @@ impl Mesh {
                 pending_send_peers.push(s.peer);
                 let sock = self.sock(s.peer)?;
                 loop {
-                    match (&*sock).write(&s.data[s.done..]) {
+                    let end = s.data.len().min(s.done.saturating_add(burst));
+                    match (&*sock).write(&s.data[s.done..end]) {
                         Ok(0) => {
                             return Err(self.peer_error(s.peer, op, "connection closed".into()));
                         }
@@ -437,7 +496,7 @@ impl Mesh {
                             s.done += n;
                             traffic.sent += n as u64;
                             progressed = true;
-                            if s.done == s.data.len() {
+                            if two_way || s.done == s.data.len() {
                                 break;
                             }
                         }
@@ -498,20 +557,33 @@ impl Mesh {
                             Err(e) => return Err(self.peer_error(r.peer, op, e.to_string())),
                         }
                     }
-                    let (buf, is_slice): (&mut [u8], bool) = match &mut r.target {
-                        Target::Slice(b) => (&mut b[..], true),
-                        Target::Framed { body: Some(b), .. } => (&mut b[..], false),
+                    let slice = matches!(r.target, Target::Slice(_));
+                    let ring = matches!(r.target, Target::Ring { .. });
+                    // The next read lands in `dst[lo..hi]`, which holds stream bytes
+                    // `base + lo..base + hi`.
+                    let (dst, base, hi): (&mut [u8], usize, usize) = match &mut r.target {
+                        Target::Slice(b) => {
+                            let end =
+                                ((r.done / seg).saturating_add(1).saturating_mul(seg)).min(b.len());
+                            (&mut b[..], 0, end)
+                        }
+                        Target::Ring { slot, total } => {
+                            let l = slot.len().max(1);
+                            let start = r.done / l * l;
+                            let end = (*total - start).min(slot.len());
+                            (&mut slot[..], start, end)
+                        }
+                        Target::Framed { body: Some(b), .. } => {
+                            let end = b.len();
+                            (&mut b[..], 0, end)
+                        }
                         Target::Framed { body: None, .. } => break,
                     };
-                    if r.done == buf.len() {
+                    let lo = r.done - base;
+                    if lo >= hi {
                         break;
                     }
-                    let end = if is_slice {
-                        ((r.done / seg).saturating_add(1).saturating_mul(seg)).min(buf.len())
-                    } else {
-                        buf.len()
-                    };
-                    match (&*sock).read(&mut buf[r.done..end]) {
+                    match (&*sock).read(&mut dst[lo..hi]) {
                         Ok(0) => {
                             return Err(self.peer_error(
                                 r.peer,
@@ -523,19 +595,26 @@ impl Mesh {
                             progressed = true;
                             r.done += n;
                             traffic.recv += n as u64;
-                            if is_slice {
-                                let boundary = if r.done == buf.len() {
-                                    r.done
-                                } else {
-                                    r.done / seg * seg
-                                };
-                                if boundary > r.notified {
-                                    let range = r.notified..boundary;
-                                    on_seg(idx, range.clone(), &buf[range])?;
-                                    r.notified = boundary;
-                                }
+                            // Hand completed segments to the callback.
+                            let done_to = if slice && r.done == dst.len() {
+                                r.done
+                            } else if slice {
+                                r.done / seg * seg
+                            } else if ring && r.done == base + hi {
+                                r.done
+                            } else {
+                                r.notified
+                            };
+                            if done_to > r.notified {
+                                let range = r.notified..done_to;
+                                on_seg(
+                                    idx,
+                                    range.clone(),
+                                    &dst[range.start - base..range.end - base],
+                                )?;
+                                r.notified = done_to;
                             }
-                            if r.done == buf.len() {
+                            if two_way {
                                 break;
                             }
                         }
@@ -559,19 +638,7 @@ impl Mesh {
                     .map(|r| r.peer)
                     .or_else(|| sends.iter().find(|s| s.done < s.data.len()).map(|s| s.peer))
                     .unwrap_or(self.ctx.rank);
-                // If that peer gave up first (it blames someone else), report the root cause.
-                let timeout = CommError::Timeout {
-                    peer: self.ctx.names[peer],
-                    op: op.to_string(),
-                    waited_ms: self.ctx.opts.timeout.as_millis() as u64,
-                };
-                // (Staged algorithms time out one stage after another: allow up to 1 s.)
-                return Err(
-                    match self.peer_error_within(peer, op, String::new(), Duration::from_secs(1)) {
-                        e @ CommError::Aborted { .. } => e,
-                        _ => timeout,
-                    },
-                );
+                return Err(self.timed_out(peer, op));
             }
             let mut fds: Vec<libc::pollfd> = Vec::new();
             let mut add = |fd: i32, ev: libc::c_short| {
@@ -592,6 +659,147 @@ impl Mesh {
                 add(self.sock(*p)?.as_raw_fd(), libc::POLLIN);
             }
             poll_fds(&mut fds, (deadline - now).min(Duration::from_millis(100)));
+        }
+    }
+
+    /// Runs one two-way byte stream with `peer` whose contents are decided as it goes (see
+    /// [`Duplex`]): each pass makes at most one write (of at most [`SEND_BURST`] bytes) and one
+    /// read, and waits in `poll` only when neither side can move.
+    ///
+    /// # Errors
+    /// A peer failure, `deadline` passing, or an error from `io`.
+    pub(crate) fn duplex(
+        &mut self,
+        peer: usize,
+        io: &mut dyn Duplex,
+        deadline: Instant,
+        op: &str,
+        traffic: &mut Traffic,
+    ) -> Result<()> {
+        if self.aborted {
+            return Err(CommError::PeerFailed {
+                peer: self.ctx.names[self.ctx.rank],
+                op: op.into(),
+                detail: "group already aborted".into(),
+            });
+        }
+        // Borrowed from the field (not through `sock`) so that the spin budget below can be
+        // updated meanwhile; `sock` gives the error for a rank without a connection.
+        let Some(Some(sock)) = self.socks.get(peer) else {
+            return Err(self.sock(peer).err().unwrap_or_else(|| {
+                CommError::InvalidArgument(format!("no socket for rank {peer}"))
+            }));
+        };
+        // When the current stall began (neither direction could move).
+        let mut stalled: Option<Instant> = None;
+        loop {
+            let mut progressed = false;
+            let want_out = match io.outgoing() {
+                Some(data) if !data.is_empty() => {
+                    let data = &data[..data.len().min(SEND_BURST)];
+                    let n = self.moved((&*sock).write(data), peer, op, "connection closed")?;
+                    if n > 0 {
+                        traffic.sent += n as u64;
+                        progressed = true;
+                        io.sent(n);
+                    }
+                    true
+                }
+                // Nothing ready to send yet (it waits on data still to arrive) or all sent.
+                _ => false,
+            };
+            let want_in = match io.incoming() {
+                Some(dst) if !dst.is_empty() => {
+                    let closed = "connection closed (peer exited or aborted)";
+                    let n = self.moved((&*sock).read(dst), peer, op, closed)?;
+                    if n > 0 {
+                        traffic.recv += n as u64;
+                        progressed = true;
+                        io.received(n)?;
+                    }
+                    true
+                }
+                _ => false,
+            };
+            if io.finished() {
+                return Ok(());
+            }
+            if progressed {
+                if let Some(t0) = stalled.take() {
+                    self.budget.record(WaitKind::Step, t0.elapsed());
+                }
+                continue;
+            }
+            // Stalls inside the exchange last about one segment's transfer: spin for a budget
+            // proportional to the recent ones before sleeping in `poll` (whose wake-up costs
+            // tens of microseconds per segment otherwise).
+            let t0 = *stalled.get_or_insert_with(Instant::now);
+            if t0.elapsed() < self.budget.spin_for(WaitKind::Step, self.ctx.opts.spin) {
+                std::hint::spin_loop();
+                continue;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(self.timed_out(peer, op));
+            }
+            let mut events: libc::c_short = 0;
+            if want_out {
+                events |= libc::POLLOUT;
+            }
+            if want_in {
+                events |= libc::POLLIN;
+            }
+            if events == 0 {
+                // Unfinished, yet nothing to send and nothing to receive: a bug in `io`.
+                return Err(CommError::InvalidArgument(format!(
+                    "{op}: the exchange with rank {peer} stalled with nothing left to send or receive"
+                )));
+            }
+            let mut fds = [libc::pollfd {
+                fd: sock.as_raw_fd(),
+                events,
+                revents: 0,
+            }];
+            poll_fds(&mut fds, (deadline - now).min(Duration::from_millis(100)));
+        }
+    }
+
+    /// The error for an op whose deadline passed while waiting on `peer`: that peer's abort if
+    /// it gave up first (it blames someone else: the root cause), else a timeout naming it.
+    fn timed_out(&self, peer: usize, op: &str) -> CommError {
+        let timeout = CommError::Timeout {
+            peer: self.ctx.names[peer],
+            op: op.to_string(),
+            waited_ms: self.ctx.opts.timeout.as_millis() as u64,
+        };
+        // (Staged algorithms time out one stage after another: allow up to 1 s.)
+        match self.peer_error_within(peer, op, String::new(), Duration::from_secs(1)) {
+            e @ CommError::Aborted { .. } => e,
+            _ => timeout,
+        }
+    }
+
+    /// Bytes moved by one non-blocking `read`/`write` with `peer`: 0 when it would block or was
+    /// interrupted; a zero-byte result (the peer closed) is the error `closed`.
+    fn moved(
+        &self,
+        res: std::io::Result<usize>,
+        peer: usize,
+        op: &str,
+        closed: &str,
+    ) -> Result<usize> {
+        match res {
+            Ok(0) => Err(self.peer_error(peer, op, closed.into())),
+            Ok(n) => Ok(n),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+                ) =>
+            {
+                Ok(0)
+            }
+            Err(e) => Err(self.peer_error(peer, op, e.to_string())),
         }
     }
 

@@ -32,8 +32,9 @@
 //! With [`CommOptions::deterministic`], every reduction folds contributions in rank order
 //! 0..N−1 (`((x0 ⊕ x1) ⊕ x2) ⊕ …`), in `f32` for bf16/f16 with one final rounding, so results
 //! can be reproduced bit for bit by a single process folding shards in the same order. The
-//! shm backend and the small-message TCP path always fold this way; the TCP ring is also
-//! bitwise rank-order for 2 ranks (addition is commutative); otherwise deterministic mode
+//! shm backend and the small-message TCP path always fold this way; the TCP ring and the
+//! two-rank TCP all_reduce are also bitwise rank-order for 2 ranks (the ops are commutative),
+//! and otherwise deterministic mode
 //! replaces the ring reduce-scatter with a direct one and hierarchical all_reduce with flat TCP.
 //!
 //! # Example

@@ -236,7 +236,7 @@ pub(crate) struct SpinBudget {
 }
 
 impl SpinBudget {
-    fn new() -> Self {
+    pub(crate) fn new() -> Self {
         SpinBudget {
             arrival_ns: 0.0,
             step_ns: 0.0,

@@ -1,14 +1,152 @@
-//! TCP backend: segmented, pipelined ring for large messages, Bruck all-gather + rank-order
-//! fold for small ones, direct (all-to-all) reduce-scatter in deterministic mode.
+//! TCP backend: segmented, pipelined ring for large messages (between two ranks, all_reduce as
+//! one pipelined exchange: [`PairAllReduce`]), Bruck all-gather + rank-order fold for small
+//! ones, direct (all-to-all) reduce-scatter in deterministic mode.
 
 use std::ops::Range;
 use std::time::Instant;
 
-use super::dtype::{AlignedBuf, ReduceOp, divide, fold_bytes_raw, fold_into, fold_many};
+use super::dtype::{AlignedBuf, DType, ReduceOp, divide, fold_bytes_raw, fold_into, fold_many};
 use super::error::{CommError, Result};
-use super::mesh::{Mesh, RecvOp, SendOp};
+use super::mesh::{Duplex, Mesh, RecvOp, SendOp};
 use super::op::{HEADER_BYTES, OpHeader, OpKind, Traffic, block_range};
 use super::{Backend, Ctx};
+
+/// How many reduce-scatter segments a rank sends ahead of its first all-gather segment in
+/// [`PairAllReduce`]. Any lead ≥ 1 cannot deadlock; a longer one lets a folded segment go cold
+/// before it is sent back, a shorter one stalls the sender when the peer's data is late.
+const PAIR_LEAD: usize = 4;
+
+/// One piece of a [`PairAllReduce`] stream: segment `j` of the reduce-scatter (the receiver's
+/// block, to be folded there) or of the all-gather (the sender's folded block).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Piece {
+    Rs(usize),
+    Ag(usize),
+}
+
+/// The order of the pieces a rank sends: `rs` reduce-scatter segments and `ag` all-gather
+/// segments, all-gather segment `j` only after reduce-scatter segment `min(j + lead, rs) - 1`.
+/// The peer receives exactly this order, so both sides agree on the stream without headers.
+/// All-gather segment `j` waits on the peer's reduce-scatter segment `j`, which the peer sends
+/// before its own all-gather segment `j + 1 - lead`; with `lead ≥ 1` the waits never form a cycle.
+fn pair_schedule(rs: usize, ag: usize, lead: usize) -> Vec<Piece> {
+    let (mut i, mut j) = (0, 0);
+    let mut out = Vec::with_capacity(rs + ag);
+    loop {
+        if i < rs && (i < j + lead || j == ag) {
+            out.push(Piece::Rs(i));
+            i += 1;
+        } else if j < ag {
+            out.push(Piece::Ag(j));
+            j += 1;
+        } else {
+            return out;
+        }
+    }
+}
+
+/// Two-rank all_reduce as one pipelined exchange. Rank r owns block r (`own`) and its peer the
+/// other (`other`). Each rank streams its copy of the other block to the peer (reduce-scatter),
+/// folds the peer's copy of its own block in segment by segment as it arrives (through a slot
+/// that stays in cache), and sends each folded segment straight back (all-gather) while it is
+/// still in cache, instead of re-reading the whole block from memory after a phase barrier.
+/// The received all-gather segments land in `other` in place: a peer only sends all-gather
+/// segment `j` after it has received all of our reduce-scatter segment `j`, so those bytes have
+/// left `other` by then. Results are bit-identical to the two-phase ring (`a ⊕ b` folded once,
+/// on the block's owner).
+struct PairAllReduce<'a> {
+    buf: &'a mut [u8],
+    own: Range<usize>,
+    other: Range<usize>,
+    seg: usize,
+    dt: DType,
+    op: ReduceOp,
+    avg: bool,
+    slot: &'a mut [u8],
+    out: Vec<Piece>,
+    inn: Vec<Piece>,
+    out_i: usize,
+    out_done: usize,
+    in_i: usize,
+    in_done: usize,
+    /// Segments of `own` folded (they are folded in order).
+    folded: usize,
+}
+
+impl PairAllReduce<'_> {
+    fn seg_of(&self, block: &Range<usize>, j: usize) -> Range<usize> {
+        let start = block.start + j * self.seg;
+        start..(start + self.seg).min(block.end)
+    }
+
+    /// The bytes of `buf` a piece travelling in the given direction covers.
+    fn range(&self, p: Piece, outgoing: bool) -> Range<usize> {
+        match (p, outgoing) {
+            // We send our copy of the other block, and the peer's folded other block comes back.
+            (Piece::Rs(j), true) | (Piece::Ag(j), false) => self.seg_of(&self.other, j),
+            // We send our folded block, and the peer's copy of it arrives (into the slot).
+            (Piece::Ag(j), true) | (Piece::Rs(j), false) => self.seg_of(&self.own, j),
+        }
+    }
+}
+
+impl Duplex for PairAllReduce<'_> {
+    fn outgoing(&self) -> Option<&[u8]> {
+        let p = *self.out.get(self.out_i)?;
+        if let Piece::Ag(j) = p
+            && j >= self.folded
+        {
+            return None;
+        }
+        let r = self.range(p, true);
+        Some(&self.buf[r.start + self.out_done..r.end])
+    }
+
+    fn sent(&mut self, n: usize) {
+        self.out_done += n;
+        if let Some(&p) = self.out.get(self.out_i)
+            && self.out_done >= self.range(p, true).len()
+        {
+            self.out_i += 1;
+            self.out_done = 0;
+        }
+    }
+
+    fn incoming(&mut self) -> Option<&mut [u8]> {
+        let p = *self.inn.get(self.in_i)?;
+        let r = self.range(p, false);
+        Some(match p {
+            Piece::Rs(_) => &mut self.slot[self.in_done..r.len()],
+            Piece::Ag(_) => &mut self.buf[r.start + self.in_done..r.end],
+        })
+    }
+
+    fn received(&mut self, n: usize) -> Result<()> {
+        self.in_done += n;
+        let Some(&p) = self.inn.get(self.in_i) else {
+            return Ok(());
+        };
+        let r = self.range(p, false);
+        if self.in_done < r.len() {
+            return Ok(());
+        }
+        if let Piece::Rs(_) = p {
+            let acc = &mut self.buf[r.clone()];
+            fold_into(self.dt, self.op, acc, &self.slot[..r.len()])?;
+            if self.avg {
+                divide(self.dt, acc, 2)?;
+            }
+            self.folded += 1;
+        }
+        self.in_i += 1;
+        self.in_done = 0;
+        Ok(())
+    }
+
+    fn finished(&self) -> bool {
+        self.out_i == self.out.len() && self.in_i == self.inn.len()
+    }
+}
 
 pub(crate) struct TcpBackend {
     mesh: Mesh,
@@ -43,6 +181,12 @@ impl TcpBackend {
 
     fn ctx(&self) -> &Ctx {
         self.mesh.ctx()
+    }
+
+    /// The pipelining segment for `dt`: `tcp_segment_bytes` rounded down to whole elements (at
+    /// least one), so that each segment folds on its own.
+    fn segment_bytes(&self, dt: DType) -> usize {
+        (self.ctx().opts.tcp_segment_bytes / dt.size()).max(1) * dt.size()
     }
 
     fn deadline(&self) -> Instant {
@@ -87,15 +231,18 @@ impl TcpBackend {
     ) -> Result<()> {
         let (r, n) = (self.mesh.rank(), self.mesh.world());
         let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
-        let seg = self.ctx().opts.tcp_segment_bytes;
         let dt = h.dtype;
+        let seg = self.segment_bytes(dt);
         for s in 0..n - 1 {
             let sb = blocks((r + 2 * n - s - 1) % n);
             let rb = blocks((r + 2 * n - s - 2) % n);
             let (send, acc) = split_pair(buf, sb, rb.clone());
-            let scratch = self.scratch.get(rb.len());
+            // The peer's block arrives one segment at a time through a cache-resident slot
+            // and is folded into `acc` as each segment completes.
+            let total = rb.len();
+            let slot = self.scratch.get(seg.min(total));
             let mut sends = [SendOp::new(next, send)];
-            let mut recvs = [RecvOp::new(prev, scratch)];
+            let mut recvs = [RecvOp::ring(prev, slot, total)];
             self.mesh.run(
                 &mut sends,
                 &mut recvs,
@@ -107,6 +254,48 @@ impl TcpBackend {
             )?;
         }
         Ok(())
+    }
+
+    /// Two-rank all_reduce through [`PairAllReduce`]; rank r owns block r of `buf` (halves as
+    /// `block_range` splits the elements).
+    fn pair_all_reduce(
+        &mut self,
+        h: &OpHeader,
+        buf: &mut [u8],
+        op: ReduceOp,
+        deadline: Instant,
+        t: &mut Traffic,
+    ) -> Result<()> {
+        let r = self.mesh.rank();
+        let peer = 1 - r;
+        let seg = self.segment_bytes(h.dtype);
+        let (esz, count) = (h.dtype.size(), buf.len() / h.dtype.size());
+        let (own, other) = (
+            bytes(block_range(count, 2, r), esz),
+            bytes(block_range(count, 2, peer), esz),
+        );
+        let (m_own, m_other) = (own.len().div_ceil(seg), other.len().div_ceil(seg));
+        let slot = self.scratch.get(seg.min(own.len()));
+        let mut x = PairAllReduce {
+            buf,
+            own,
+            other,
+            seg,
+            dt: h.dtype,
+            op,
+            avg: op == ReduceOp::Avg,
+            slot,
+            // We send reduce-scatter segments of the other block and all-gather segments of
+            // ours; the peer the reverse, and that is the order we receive in.
+            out: pair_schedule(m_other, m_own, PAIR_LEAD),
+            inn: pair_schedule(m_own, m_other, PAIR_LEAD),
+            out_i: 0,
+            out_done: 0,
+            in_i: 0,
+            in_done: 0,
+            folded: 0,
+        };
+        self.mesh.duplex(peer, &mut x, deadline, h.kind.name(), t)
     }
 
     /// Ring all-gather: rank r holds block r of `buf`; afterwards every block is filled.
@@ -233,7 +422,12 @@ impl Backend for TcpBackend {
         self.exchange_headers(h, deadline)?;
         let r = self.mesh.rank();
         let blocks = move |j: usize| bytes(block_range(count, n, j), esz);
-        if self.ctx().opts.deterministic && n > 2 {
+        if n == 2 {
+            // Each block is folded once, on its owner, as a ⊕ b or b ⊕ a: the same bits as a
+            // rank-order fold (the ops are commutative), so deterministic mode takes it too.
+            return self.pair_all_reduce(h, buf, op, deadline, t);
+        }
+        if self.ctx().opts.deterministic {
             // Fold each block in rank order on its owner, then all-gather.
             let mine = blocks(r);
             let mut own = AlignedBuf::new();
@@ -241,7 +435,6 @@ impl Backend for TcpBackend {
             self.direct_reduce_scatter(h, buf, own_buf, &blocks, op, deadline, t)?;
             buf[mine].copy_from_slice(own.as_slice());
         } else {
-            // With two ranks the ring folds a+b on one rank and b+a on the other: identical bits.
             self.ring_reduce_scatter(h, buf, &blocks, op, deadline, t)?;
             if op == ReduceOp::Avg {
                 divide(h.dtype, &mut buf[blocks(r)], n)?;
@@ -441,5 +634,109 @@ impl Backend for TcpBackend {
 
     fn abort(&mut self, err: &CommError) {
         self.mesh.abort(err);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Piece, pair_schedule};
+
+    /// Plays two ranks' [`pair_schedule`] streams against each other with unbounded buffering
+    /// (a rank's reads never wait on anything, so buffering only delays): a rank may send
+    /// all-gather segment `j` once it has folded segment `j` of its block, which needs the peer's
+    /// reduce-scatter segment `j`. Returns whether both streams ran to the end.
+    fn completes(blocks: [usize; 2], lead: usize) -> bool {
+        // Rank r sends reduce-scatter segments of the peer's block and all-gather ones of its own.
+        let out = [
+            pair_schedule(blocks[1], blocks[0], lead),
+            pair_schedule(blocks[0], blocks[1], lead),
+        ];
+        let mut sent = [0usize; 2];
+        let mut folded = [0usize; 2];
+        loop {
+            let mut moved = false;
+            for r in 0..2 {
+                if let Some(&p) = out[r].get(sent[r]) {
+                    let ready = match p {
+                        Piece::Rs(_) => true,
+                        Piece::Ag(j) => j < folded[r],
+                    };
+                    if ready {
+                        if let Piece::Rs(j) = p {
+                            // The peer folds its segment j on arrival, in order.
+                            assert_eq!(j, folded[1 - r], "reduce-scatter out of order");
+                            folded[1 - r] += 1;
+                        }
+                        sent[r] += 1;
+                        moved = true;
+                    }
+                }
+            }
+            if !moved {
+                return sent[0] == out[0].len() && sent[1] == out[1].len();
+            }
+        }
+    }
+
+    #[test]
+    fn schedule_holds_every_segment_once_in_order() {
+        for rs in 0..7 {
+            for ag in 0..7 {
+                for lead in 1..5 {
+                    let s = pair_schedule(rs, ag, lead);
+                    let r: Vec<_> = s
+                        .iter()
+                        .filter_map(|p| match p {
+                            Piece::Rs(j) => Some(*j),
+                            Piece::Ag(_) => None,
+                        })
+                        .collect();
+                    let a: Vec<_> = s
+                        .iter()
+                        .filter_map(|p| match p {
+                            Piece::Ag(j) => Some(*j),
+                            Piece::Rs(_) => None,
+                        })
+                        .collect();
+                    assert_eq!(r, (0..rs).collect::<Vec<_>>());
+                    assert_eq!(a, (0..ag).collect::<Vec<_>>());
+                    // The lead: all-gather j goes after reduce-scatter min(j + lead, rs) - 1.
+                    for (pos, p) in s.iter().enumerate() {
+                        if let Piece::Ag(j) = p {
+                            let need = (j + lead).min(rs);
+                            let rs_before = s[..pos]
+                                .iter()
+                                .filter(|q| matches!(q, Piece::Rs(_)))
+                                .count();
+                            assert!(rs_before >= need, "{rs} {ag} {lead}: {s:?}");
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(
+            pair_schedule(3, 3, 1),
+            [
+                Piece::Rs(0),
+                Piece::Ag(0),
+                Piece::Rs(1),
+                Piece::Ag(1),
+                Piece::Rs(2),
+                Piece::Ag(2)
+            ]
+        );
+    }
+
+    #[test]
+    fn schedules_never_deadlock_with_a_lead() {
+        for b0 in 0..9 {
+            for b1 in 0..9 {
+                for lead in 1..6 {
+                    assert!(completes([b0, b1], lead), "blocks {b0}/{b1} lead {lead}");
+                }
+            }
+        }
+        // Without a lead both ranks wait for each other's first segment: the check can fail.
+        assert!(!completes([3, 3], 0));
     }
 }

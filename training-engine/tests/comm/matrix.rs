@@ -30,6 +30,28 @@ fn matrix_tcp() {
     matrix(BackendKind::Tcp);
 }
 
+/// Two-rank TCP all_reduce streams the reduce-scatter and the all-gather as one pipelined
+/// exchange: segments far smaller than the blocks (and not a multiple of every element size)
+/// give many segments per block, blocks whose segment counts differ, and all-gather segments
+/// interleaved with reduce-scatter ones.
+#[test]
+fn tcp_pair_all_reduce_many_segments() {
+    for seg in [1, 100, 1000] {
+        for r in run_threads(
+            2,
+            |r| {
+                let mut o = opts_for(BackendKind::Tcp, r);
+                o.tcp_small_bytes = 0;
+                o.tcp_segment_bytes = seg;
+                o
+            },
+            |pg| check_all_dtypes(&pg, &[2, 3, 51, 257, 5003, 20_003]),
+        ) {
+            r.unwrap_or_else(|e| panic!("segment {seg}: {e}"));
+        }
+    }
+}
+
 #[test]
 fn matrix_hierarchical() {
     matrix(BackendKind::Hierarchical);
