@@ -557,9 +557,10 @@ impl<M: UnitModel> Engine<M> {
             return Err(EngineError::Config("train_step needs at least one micro-batch".into()));
         }
         let native = self.native_enabled();
-        // The native backward overwrites a unit's full gradient on the first micro-batch
-        // (ZeRO-2/3 accumulate reduced shards into theirs, and the candle path adds).
-        if !native || self.cfg.strategy.zero_stage() >= 2 {
+        // The native backward overwrites a unit's full gradient on the first micro-batch, and
+        // under ZeRO-2/3 that micro-batch's reduce-scatter writes the gradient shard itself
+        // (`Engine::reduce_unit`); the candle path adds.
+        if !native {
             for u in &mut self.units {
                 u.grad.fill_zero();
             }
@@ -942,7 +943,7 @@ impl<M: UnitModel> Engine<M> {
             if z3 {
                 self.free_unit(ui)?;
             }
-            self.reduce_unit(ui, flat, sync, &mut works)?;
+            self.reduce_unit(ui, flat, sync, false, &mut works)?;
         }
         self.finish_reductions(works)?;
         Ok(loss)
@@ -951,11 +952,16 @@ impl<M: UnitModel> Engine<M> {
     /// Unit `ui`'s gradient of this micro-batch is complete (in `flat` for ZeRO-2/3, in the
     /// unit's buffer otherwise): starts its reduction. ZeRO-2/3 reduce-scatter `flat`; DDP
     /// all-reduces a bucket once its last unit is done, on the last micro-batch (`sync`).
+    /// Starts the reduction of unit `ui`'s gradients of one micro-batch (`flat`: the full
+    /// gradient under ZeRO-2/3). `into_grad` (ZeRO-2/3, the step's first micro-batch): the
+    /// reduce-scatter writes the unit's gradient shard itself instead of a fresh buffer added
+    /// to it, so the shard needs no zeroing and no extra pass.
     fn reduce_unit(
         &mut self,
         ui: usize,
         flat: flat::FlatBuf,
         sync: bool,
+        into_grad: bool,
         works: &mut Reductions,
     ) -> EngineResult<()> {
         let stage = self.cfg.strategy.zero_stage();
@@ -963,9 +969,19 @@ impl<M: UnitModel> Engine<M> {
             let g = self.shard_pg.as_ref().ok_or_else(|| {
                 EngineError::Config("reduce-scatter without a sharding group".into())
             })?;
-            let out = flat::FlatBuf::zeros(flat.dtype(), self.layout.units[ui].shard_len);
+            let shard_len = self.layout.units[ui].shard_len;
+            let into_grad = into_grad && self.units[ui].grad.dtype() == flat.dtype();
+            let out = if into_grad {
+                let mut own = std::mem::take(&mut self.units[ui].grad);
+                own.resize(shard_len);
+                own
+            } else {
+                flat::FlatBuf::zeros(flat.dtype(), shard_len)
+            };
             self.comm.add(flat.bytes() + out.bytes());
-            works.shards.push((ui, flat.reduce_scatter_async(g, out, ReduceOp::Avg)));
+            works
+                .shards
+                .push((ui, flat.reduce_scatter_async(g, out, ReduceOp::Avg), into_grad));
         } else if stage == 0
             && sync
             && self.world > 1
@@ -999,15 +1015,34 @@ impl<M: UnitModel> Engine<M> {
         if let Some(e) = failed {
             return Err(e.into());
         }
-        for (ui, w) in works.shards {
-            let (input, mut out) = w.wait()?;
-            self.comm.sub(input.bytes() + out.bytes());
-            if let Some(r) = &self.rep_pg {
-                out.all_reduce(r, ReduceOp::Avg)?;
+        let mut failed: Option<EngineError> = None;
+        for (ui, w, into_grad) in works.shards {
+            let res = w.wait().map_err(EngineError::from).and_then(|(input, mut out)| {
+                self.comm.sub(input.bytes() + out.bytes());
+                if let Some(r) = &self.rep_pg {
+                    out.all_reduce(r, ReduceOp::Avg)?;
+                }
+                Ok(out)
+            });
+            match (res, into_grad) {
+                (Ok(out), true) => self.units[ui].grad = out,
+                (Ok(out), false) => self.units[ui].grad.add(&out),
+                (Err(e), _) => {
+                    if into_grad {
+                        // The shard went into the failed op: keep its shape, report the error.
+                        self.units[ui].grad = flat::FlatBuf::zeros(
+                            self.cfg.grad_dtype(),
+                            self.layout.units[ui].shard_len,
+                        );
+                    }
+                    failed.get_or_insert(e);
+                }
             }
-            self.units[ui].grad.add(&out);
         }
-        Ok(())
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 }
 
@@ -1016,8 +1051,9 @@ impl<M: UnitModel> Engine<M> {
 struct Reductions {
     /// DDP: per-unit all-reduces of complete buckets.
     buckets: Vec<(usize, flat::FlatWork)>,
-    /// ZeRO-2/3: per-unit reduce-scatters.
-    shards: Vec<(usize, flat::FlatWork2)>,
+    /// ZeRO-2/3: per-unit reduce-scatters, and whether each writes the unit's gradient shard
+    /// itself (see [`Engine::reduce_unit`]).
+    shards: Vec<(usize, flat::FlatWork2, bool)>,
 }
 
 /// DDP buckets over units in reverse order: the first bucket closes once it reaches

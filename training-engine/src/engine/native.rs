@@ -169,7 +169,7 @@ impl<M: UnitModel> Engine<M> {
             if z3 {
                 self.free_unit(ui)?;
             }
-            self.reduce_unit(ui, flat, sync, &mut works)?;
+            self.reduce_unit(ui, flat, sync, first, &mut works)?;
         }
         self.finish_reductions(works)?;
         Ok(loss)
