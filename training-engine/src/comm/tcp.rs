@@ -29,18 +29,44 @@ enum Piece {
 /// The peer receives exactly this order, so both sides agree on the stream without headers.
 /// All-gather segment `j` waits on the peer's reduce-scatter segment `j`, which the peer sends
 /// before its own all-gather segment `j + 1 - lead`; with `lead ≥ 1` the waits never form a cycle.
-fn pair_schedule(rs: usize, ag: usize, lead: usize) -> Vec<Piece> {
-    let (mut i, mut j) = (0, 0);
-    let mut out = Vec::with_capacity(rs + ag);
-    loop {
-        if i < rs && (i < j + lead || j == ag) {
-            out.push(Piece::Rs(i));
-            i += 1;
-        } else if j < ag {
-            out.push(Piece::Ag(j));
-            j += 1;
+/// A cursor over the order (O(1) state however many segments there are).
+#[derive(Clone, Copy, Debug)]
+struct PairOrder {
+    rs: usize,
+    ag: usize,
+    lead: usize,
+    /// Reduce-scatter and all-gather pieces passed so far.
+    i: usize,
+    j: usize,
+}
+
+impl PairOrder {
+    fn new(rs: usize, ag: usize, lead: usize) -> Self {
+        PairOrder {
+            rs,
+            ag,
+            lead,
+            i: 0,
+            j: 0,
+        }
+    }
+
+    /// The piece at the cursor; `None` at the end.
+    fn current(&self) -> Option<Piece> {
+        if self.i < self.rs && (self.i < self.j + self.lead || self.j == self.ag) {
+            Some(Piece::Rs(self.i))
+        } else if self.j < self.ag {
+            Some(Piece::Ag(self.j))
         } else {
-            return out;
+            None
+        }
+    }
+
+    fn advance(&mut self) {
+        match self.current() {
+            Some(Piece::Rs(_)) => self.i += 1,
+            Some(Piece::Ag(_)) => self.j += 1,
+            None => {}
         }
     }
 }
@@ -63,11 +89,9 @@ struct PairAllReduce<'a> {
     op: ReduceOp,
     avg: bool,
     slot: &'a mut [u8],
-    out: Vec<Piece>,
-    inn: Vec<Piece>,
-    out_i: usize,
+    out: PairOrder,
+    inn: PairOrder,
     out_done: usize,
-    in_i: usize,
     in_done: usize,
     /// Segments of `own` folded (they are folded in order).
     folded: usize,
@@ -92,7 +116,7 @@ impl PairAllReduce<'_> {
 
 impl Duplex for PairAllReduce<'_> {
     fn outgoing(&self) -> Option<&[u8]> {
-        let p = *self.out.get(self.out_i)?;
+        let p = self.out.current()?;
         if let Piece::Ag(j) = p
             && j >= self.folded
         {
@@ -104,16 +128,16 @@ impl Duplex for PairAllReduce<'_> {
 
     fn sent(&mut self, n: usize) {
         self.out_done += n;
-        if let Some(&p) = self.out.get(self.out_i)
+        if let Some(p) = self.out.current()
             && self.out_done >= self.range(p, true).len()
         {
-            self.out_i += 1;
+            self.out.advance();
             self.out_done = 0;
         }
     }
 
     fn incoming(&mut self) -> Option<&mut [u8]> {
-        let p = *self.inn.get(self.in_i)?;
+        let p = self.inn.current()?;
         let r = self.range(p, false);
         Some(match p {
             Piece::Rs(_) => &mut self.slot[self.in_done..r.len()],
@@ -123,7 +147,7 @@ impl Duplex for PairAllReduce<'_> {
 
     fn received(&mut self, n: usize) -> Result<()> {
         self.in_done += n;
-        let Some(&p) = self.inn.get(self.in_i) else {
+        let Some(p) = self.inn.current() else {
             return Ok(());
         };
         let r = self.range(p, false);
@@ -138,13 +162,13 @@ impl Duplex for PairAllReduce<'_> {
             }
             self.folded += 1;
         }
-        self.in_i += 1;
+        self.inn.advance();
         self.in_done = 0;
         Ok(())
     }
 
     fn finished(&self) -> bool {
-        self.out_i == self.out.len() && self.in_i == self.inn.len()
+        self.out.current().is_none() && self.inn.current().is_none()
     }
 }
 
@@ -287,11 +311,9 @@ impl TcpBackend {
             slot,
             // We send reduce-scatter segments of the other block and all-gather segments of
             // ours; the peer the reverse, and that is the order we receive in.
-            out: pair_schedule(m_other, m_own, PAIR_LEAD),
-            inn: pair_schedule(m_own, m_other, PAIR_LEAD),
-            out_i: 0,
+            out: PairOrder::new(m_other, m_own, PAIR_LEAD),
+            inn: PairOrder::new(m_own, m_other, PAIR_LEAD),
             out_done: 0,
-            in_i: 0,
             in_done: 0,
             folded: 0,
         };
@@ -639,9 +661,20 @@ impl Backend for TcpBackend {
 
 #[cfg(test)]
 mod tests {
-    use super::{Piece, pair_schedule};
+    use super::{PairOrder, Piece};
 
-    /// Plays two ranks' [`pair_schedule`] streams against each other with unbounded buffering
+    /// The whole order a [`PairOrder`] walks.
+    fn pair_schedule(rs: usize, ag: usize, lead: usize) -> Vec<Piece> {
+        let mut o = PairOrder::new(rs, ag, lead);
+        let mut out = Vec::new();
+        while let Some(p) = o.current() {
+            out.push(p);
+            o.advance();
+        }
+        out
+    }
+
+    /// Plays two ranks' [`PairOrder`] streams against each other with unbounded buffering
     /// (a rank's reads never wait on anything, so buffering only delays): a rank may send
     /// all-gather segment `j` once it has folded segment `j` of its block, which needs the peer's
     /// reduce-scatter segment `j`. Returns whether both streams ran to the end.
