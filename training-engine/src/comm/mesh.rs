@@ -153,6 +153,21 @@ pub(crate) trait Duplex {
     fn finished(&self) -> bool;
 }
 
+/// The connection to `peer` among `socks` (of a group of `world`).
+fn sock_of(socks: &[Option<TcpStream>], world: usize, peer: usize) -> Result<&TcpStream> {
+    socks
+        .get(peer)
+        .and_then(|s| s.as_ref())
+        .ok_or(CommError::InvalidRank {
+            what: "peer",
+            rank: peer,
+            world,
+        })
+}
+
+/// What a read returning 0 bytes means: the peer closed its end.
+const CLOSED_BY_PEER: &str = "connection closed (peer exited or aborted)";
+
 /// Full mesh of TCP connections between the ranks of one group.
 pub(crate) struct Mesh {
     ctx: Ctx,
@@ -384,14 +399,19 @@ impl Mesh {
     }
 
     fn sock(&self, peer: usize) -> Result<&TcpStream> {
-        self.socks
-            .get(peer)
-            .and_then(|s| s.as_ref())
-            .ok_or(CommError::InvalidRank {
-                what: "peer",
-                rank: peer,
-                world: self.ctx.world,
-            })
+        sock_of(&self.socks, self.ctx.world, peer)
+    }
+
+    /// The error for any op on a group that has aborted.
+    fn refuse_if_aborted(&self, op: &str) -> Result<()> {
+        if self.aborted {
+            return Err(CommError::PeerFailed {
+                peer: self.ctx.names[self.ctx.rank],
+                op: op.into(),
+                detail: "group already aborted".into(),
+            });
+        }
+        Ok(())
     }
 
     /// The error for a connection to `peer` that failed: if `peer` aborted the group itself
@@ -460,13 +480,7 @@ impl Mesh {
         traffic: &mut Traffic,
     ) -> Result<()> {
         let seg = seg.max(1);
-        if self.aborted {
-            return Err(CommError::PeerFailed {
-                peer: self.ctx.names[self.ctx.rank],
-                op: op.into(),
-                detail: "group already aborted".into(),
-            });
-        }
+        self.refuse_if_aborted(op)?;
         loop {
             let mut progressed = false;
             let mut all_done = true;
@@ -488,21 +502,16 @@ impl Mesh {
                 let sock = self.sock(s.peer)?;
                 loop {
                     let end = s.data.len().min(s.done.saturating_add(burst));
-                    match (&*sock).write(&s.data[s.done..end]) {
-                        Ok(0) => {
-                            return Err(self.peer_error(s.peer, op, "connection closed".into()));
-                        }
-                        Ok(n) => {
-                            s.done += n;
-                            traffic.sent += n as u64;
-                            progressed = true;
-                            if two_way || s.done == s.data.len() {
-                                break;
-                            }
-                        }
-                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                        Err(e) => return Err(self.peer_error(s.peer, op, e.to_string())),
+                    let write = || (&*sock).write(&s.data[s.done..end]);
+                    let n = self.moved(write, s.peer, op, "connection closed")?;
+                    if n == 0 {
+                        break;
+                    }
+                    s.done += n;
+                    traffic.sent += n as u64;
+                    progressed = true;
+                    if two_way || s.done == s.data.len() {
+                        break;
                     }
                 }
             }
@@ -524,38 +533,29 @@ impl Mesh {
                         body: None,
                     } = &mut r.target
                     {
-                        match (&*sock).read(&mut len[*len_got..]) {
-                            Ok(0) => {
+                        let read = || (&*sock).read(&mut len[*len_got..]);
+                        let n = self.moved(read, r.peer, op, CLOSED_BY_PEER)?;
+                        if n == 0 {
+                            break;
+                        }
+                        progressed = true;
+                        *len_got += n;
+                        if *len_got == 8 {
+                            let l = u64::from_le_bytes(*len) as usize;
+                            if l > (1 << 34) {
                                 return Err(self.peer_error(
                                     r.peer,
                                     op,
-                                    "connection closed (peer exited or aborted)".into(),
+                                    format!("bad frame length {l}"),
                                 ));
                             }
-                            Ok(n) => {
-                                progressed = true;
-                                *len_got += n;
-                                if *len_got == 8 {
-                                    let l = u64::from_le_bytes(*len) as usize;
-                                    if l > (1 << 34) {
-                                        return Err(self.peer_error(
-                                            r.peer,
-                                            op,
-                                            format!("bad frame length {l}"),
-                                        ));
-                                    }
-                                    r.target = Target::Framed {
-                                        len: [0; 8],
-                                        len_got: 8,
-                                        body: Some(vec![0u8; l]),
-                                    };
-                                }
-                                continue;
-                            }
-                            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                            Err(e) => return Err(self.peer_error(r.peer, op, e.to_string())),
+                            r.target = Target::Framed {
+                                len: [0; 8],
+                                len_got: 8,
+                                body: Some(vec![0u8; l]),
+                            };
                         }
+                        continue;
                     }
                     let slice = matches!(r.target, Target::Slice(_));
                     let ring = matches!(r.target, Target::Ring { .. });
@@ -583,44 +583,39 @@ impl Mesh {
                     if lo >= hi {
                         break;
                     }
-                    match (&*sock).read(&mut dst[lo..hi]) {
-                        Ok(0) => {
-                            return Err(self.peer_error(
-                                r.peer,
-                                op,
-                                "connection closed (peer exited or aborted)".into(),
-                            ));
-                        }
-                        Ok(n) => {
-                            progressed = true;
-                            r.done += n;
-                            traffic.recv += n as u64;
-                            // Hand completed segments to the callback.
-                            let done_to = if slice && r.done == dst.len() {
-                                r.done
-                            } else if slice {
-                                r.done / seg * seg
-                            } else if ring && r.done == base + hi {
-                                r.done
-                            } else {
-                                r.notified
-                            };
-                            if done_to > r.notified {
-                                let range = r.notified..done_to;
-                                on_seg(
-                                    idx,
-                                    range.clone(),
-                                    &dst[range.start - base..range.end - base],
-                                )?;
-                                r.notified = done_to;
-                            }
-                            if two_way {
-                                break;
-                            }
-                        }
-                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
-                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                        Err(e) => return Err(self.peer_error(r.peer, op, e.to_string())),
+                    let n = self.moved(
+                        || (&*sock).read(&mut dst[lo..hi]),
+                        r.peer,
+                        op,
+                        CLOSED_BY_PEER,
+                    )?;
+                    if n == 0 {
+                        break;
+                    }
+                    progressed = true;
+                    r.done += n;
+                    traffic.recv += n as u64;
+                    // Hand completed segments to the callback.
+                    let done_to = if slice && r.done == dst.len() {
+                        r.done
+                    } else if slice {
+                        r.done / seg * seg
+                    } else if ring && r.done == base + hi {
+                        r.done
+                    } else {
+                        r.notified
+                    };
+                    if done_to > r.notified {
+                        let range = r.notified..done_to;
+                        on_seg(
+                            idx,
+                            range.clone(),
+                            &dst[range.start - base..range.end - base],
+                        )?;
+                        r.notified = done_to;
+                    }
+                    if two_way {
+                        break;
                     }
                 }
             }
@@ -676,20 +671,9 @@ impl Mesh {
         op: &str,
         traffic: &mut Traffic,
     ) -> Result<()> {
-        if self.aborted {
-            return Err(CommError::PeerFailed {
-                peer: self.ctx.names[self.ctx.rank],
-                op: op.into(),
-                detail: "group already aborted".into(),
-            });
-        }
-        // Borrowed from the field (not through `sock`) so that the spin budget below can be
-        // updated meanwhile; `sock` gives the error for a rank without a connection.
-        let Some(Some(sock)) = self.socks.get(peer) else {
-            return Err(self.sock(peer).err().unwrap_or_else(|| {
-                CommError::InvalidArgument(format!("no socket for rank {peer}"))
-            }));
-        };
+        self.refuse_if_aborted(op)?;
+        // Borrows only the sockets, so that the spin budget below can be updated meanwhile.
+        let sock = sock_of(&self.socks, self.ctx.world, peer)?;
         // When the current stall began (neither direction could move).
         let mut stalled: Option<Instant> = None;
         loop {
@@ -697,7 +681,7 @@ impl Mesh {
             let want_out = match io.outgoing() {
                 Some(data) if !data.is_empty() => {
                     let data = &data[..data.len().min(SEND_BURST)];
-                    let n = self.moved((&*sock).write(data), peer, op, "connection closed")?;
+                    let n = self.moved(|| (&*sock).write(data), peer, op, "connection closed")?;
                     if n > 0 {
                         traffic.sent += n as u64;
                         progressed = true;
@@ -710,8 +694,7 @@ impl Mesh {
             };
             let want_in = match io.incoming() {
                 Some(dst) if !dst.is_empty() => {
-                    let closed = "connection closed (peer exited or aborted)";
-                    let n = self.moved((&*sock).read(dst), peer, op, closed)?;
+                    let n = self.moved(|| (&*sock).read(dst), peer, op, CLOSED_BY_PEER)?;
                     if n > 0 {
                         traffic.recv += n as u64;
                         progressed = true;
@@ -779,27 +762,24 @@ impl Mesh {
         }
     }
 
-    /// Bytes moved by one non-blocking `read`/`write` with `peer`: 0 when it would block or was
-    /// interrupted; a zero-byte result (the peer closed) is the error `closed`.
+    /// Bytes moved by one non-blocking `read`/`write` with `peer` (`io`, retried when
+    /// interrupted): 0 when it would block; a zero-byte result (the peer closed; `io` is never
+    /// given an empty buffer) is the error `closed`.
     fn moved(
         &self,
-        res: std::io::Result<usize>,
+        mut io: impl FnMut() -> std::io::Result<usize>,
         peer: usize,
         op: &str,
         closed: &str,
     ) -> Result<usize> {
-        match res {
-            Ok(0) => Err(self.peer_error(peer, op, closed.into())),
-            Ok(n) => Ok(n),
-            Err(e)
-                if matches!(
-                    e.kind(),
-                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
-                ) =>
-            {
-                Ok(0)
+        loop {
+            match io() {
+                Ok(0) => return Err(self.peer_error(peer, op, closed.into())),
+                Ok(n) => return Ok(n),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(0),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(self.peer_error(peer, op, e.to_string())),
             }
-            Err(e) => Err(self.peer_error(peer, op, e.to_string())),
         }
     }
 

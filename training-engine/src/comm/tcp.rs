@@ -87,7 +87,6 @@ struct PairAllReduce<'a> {
     seg: usize,
     dt: DType,
     op: ReduceOp,
-    avg: bool,
     slot: &'a mut [u8],
     out: PairOrder,
     inn: PairOrder,
@@ -157,7 +156,7 @@ impl Duplex for PairAllReduce<'_> {
         if let Piece::Rs(_) = p {
             let acc = &mut self.buf[r.clone()];
             fold_into(self.dt, self.op, acc, &self.slot[..r.len()])?;
-            if self.avg {
+            if self.op == ReduceOp::Avg {
                 divide(self.dt, acc, 2)?;
             }
             self.folded += 1;
@@ -280,24 +279,19 @@ impl TcpBackend {
         Ok(())
     }
 
-    /// Two-rank all_reduce through [`PairAllReduce`]; rank r owns block r of `buf` (halves as
-    /// `block_range` splits the elements).
+    /// Two-rank all_reduce through [`PairAllReduce`]: this rank owns the byte range `own` of
+    /// `buf`, its peer `other`.
     fn pair_all_reduce(
         &mut self,
         h: &OpHeader,
         buf: &mut [u8],
+        (own, other): (Range<usize>, Range<usize>),
         op: ReduceOp,
         deadline: Instant,
         t: &mut Traffic,
     ) -> Result<()> {
-        let r = self.mesh.rank();
-        let peer = 1 - r;
+        let peer = 1 - self.mesh.rank();
         let seg = self.segment_bytes(h.dtype);
-        let (esz, count) = (h.dtype.size(), buf.len() / h.dtype.size());
-        let (own, other) = (
-            bytes(block_range(count, 2, r), esz),
-            bytes(block_range(count, 2, peer), esz),
-        );
         let (m_own, m_other) = (own.len().div_ceil(seg), other.len().div_ceil(seg));
         let slot = self.scratch.get(seg.min(own.len()));
         let mut x = PairAllReduce {
@@ -307,7 +301,6 @@ impl TcpBackend {
             seg,
             dt: h.dtype,
             op,
-            avg: op == ReduceOp::Avg,
             slot,
             // We send reduce-scatter segments of the other block and all-gather segments of
             // ours; the peer the reverse, and that is the order we receive in.
@@ -447,7 +440,7 @@ impl Backend for TcpBackend {
         if n == 2 {
             // Each block is folded once, on its owner, as a ⊕ b or b ⊕ a: the same bits as a
             // rank-order fold (the ops are commutative), so deterministic mode takes it too.
-            return self.pair_all_reduce(h, buf, op, deadline, t);
+            return self.pair_all_reduce(h, buf, (blocks(r), blocks(1 - r)), op, deadline, t);
         }
         if self.ctx().opts.deterministic {
             // Fold each block in rank order on its owner, then all-gather.
