@@ -952,10 +952,9 @@ impl<M: UnitModel> Engine<M> {
     /// Unit `ui`'s gradient of this micro-batch is complete (in `flat` for ZeRO-2/3, in the
     /// unit's buffer otherwise): starts its reduction. ZeRO-2/3 reduce-scatter `flat`; DDP
     /// all-reduces a bucket once its last unit is done, on the last micro-batch (`sync`).
-    /// Starts the reduction of unit `ui`'s gradients of one micro-batch (`flat`: the full
-    /// gradient under ZeRO-2/3). `into_grad` (ZeRO-2/3, the step's first micro-batch): the
-    /// reduce-scatter writes the unit's gradient shard itself instead of a fresh buffer added
-    /// to it, so the shard needs no zeroing and no extra pass.
+    /// `into_grad` (ZeRO-2/3, the step's first micro-batch on the native path, whose shards
+    /// were not zeroed): the reduce-scatter writes the unit's gradient shard itself instead of
+    /// a fresh buffer added to it, so the shard needs no zeroing and no extra pass.
     fn reduce_unit(
         &mut self,
         ui: usize,
@@ -970,7 +969,12 @@ impl<M: UnitModel> Engine<M> {
                 EngineError::Config("reduce-scatter without a sharding group".into())
             })?;
             let shard_len = self.layout.units[ui].shard_len;
+            let requested = into_grad;
             let into_grad = into_grad && self.units[ui].grad.dtype() == flat.dtype();
+            if requested && !into_grad {
+                // The shard cannot be the output (another dtype): start it from zero instead.
+                self.units[ui].grad.fill_zero();
+            }
             let out = if into_grad {
                 let mut own = std::mem::take(&mut self.units[ui].grad);
                 own.resize(shard_len);
