@@ -114,6 +114,7 @@ const ETCD_ROLE: &str = "etcdctl role add rsrun && etcdctl role grant-permission
 const HA_DAEMON_AUTH: &str = "rsrun-rendezvous serve --listen 0.0.0.0:29400 --advertise h1:29400 --etcd-endpoints e1:2379,e2:2379,e3:2379 --etcd-user rsrun --etcd-password-file /etc/rsrun/etcd-password";
 
 const BENCH: &str = "scripts/bench-vs-torch.sh 30";
+const GEMM_PROFILE: &str = "./target/release/engine-bench --steps 12 --gemm-profile";
 const GPU_BUILD: &str = "cargo build --release -p rsrun-examples --features nccl --bin gpu-smoke";
 const GPU_RUN: &str = "./target/release/rsrun --standalone --nproc-per-node 1 ./target/release/gpu-smoke";
 
@@ -151,6 +152,7 @@ const COVERED: &[&str] = &[
     ETCD_ROLE,
     HA_DAEMON_AUTH,
     BENCH,
+    GEMM_PROFILE,
     GPU_BUILD,
     GPU_RUN,
     PIP_VENV,
@@ -561,6 +563,35 @@ fn performance_against_pytorch() {
     for key in ["allreduce_frac_of_bound", "reduce_scatter_frac", "all_gather_frac", "tcp_frac_of_loopback"] {
         assert!(number(coll, key) > 0.0, "{coll}");
     }
+}
+
+#[test]
+fn gemm_profile_of_the_engine() {
+    let _turn = serial();
+    release_build();
+    // As printed, with 5 steps (2 measured) instead of 12.
+    let cmd = readme(GEMM_PROFILE).replace("--steps 12", "--steps 5");
+    let out = run_all(vec![shell(&workspace(), &cmd)], RUN_DEADLINE).remove(0);
+    let all = text(&out);
+    assert_eq!(code(&out.status), 0, "{all}");
+    let number = |line: &str, key: &str| -> f64 {
+        let v = rsrun_tests::field(line, key).unwrap_or_else(|| panic!("no {key}= in {line}"));
+        v.parse().unwrap_or_else(|_| panic!("{key}={v} is not a number in {line}"))
+    };
+    let shapes: Vec<&str> = all.lines().filter(|l| l.starts_with("gemm_profile: ")).collect();
+    // The reference GPT: 4 linear products' forward, input and weight gradients, the head's, and
+    // attention's blocks; every shape ran at least once per measured step.
+    assert!(shapes.len() >= 10, "{all}");
+    for l in &shapes {
+        assert!(number(l, "calls_per_step") >= 1.0 && number(l, "gflops") > 0.0, "{l}");
+    }
+    assert!(shapes.iter().any(|l| l.contains("pattern=lower-out")), "attention's causal scores: {all}");
+    let total = all.lines().find(|l| l.starts_with("gemm_profile_total: ")).unwrap_or_else(|| panic!("{all}"));
+    let share = number(total, "gemm_share_of_step");
+    assert!(share > 0.3 && share < 1.5, "{total}");
+    assert!(number(total, "kernel_hot_gflops") > 0.0, "{total}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.trim_end().lines().last().is_some_and(|l| l.starts_with("summary: ")), "the summary stays last: {all}");
 }
 
 #[test]

@@ -27,6 +27,12 @@
 //! measure the peak while competing for cores). Ends with one line:
 //! `summary: strategy=<s> world=<n> step_ms_median=... tok_per_s_total=... speedup_vs_single=...
 //! mfu=... fma_peak_gflops=... model_state_mib_per_rank=... peak_rss_mib=...`.
+//!
+//! `--gemm-profile` adds, before the summary, one `gemm_profile:` line per product shape of the
+//! measured steps (calls and milliseconds per step, GFLOP/s counted as full products, fraction
+//! of the FMA peak) and a `gemm_profile_total:` line: the products' share of the step, their
+//! combined fraction of the peak, and the microkernel's own rate over panels that stay in L1,
+//! the ceiling no product can pass at this blocking.
 
 #![allow(clippy::print_stdout)]
 
@@ -43,6 +49,7 @@ use rsrun_training_engine::offload::NvmeConfig;
 use rsrun_training_engine::offload::bench::measure_bandwidth;
 use rsrun_training_engine::layout::Strategy;
 use rsrun_training_engine::model::{Batch, Gpt, GptConfig, global_batch, rank_rows};
+use rsrun_training_engine::native::profile::{self, GemmStat};
 use rsrun_training_engine::optim::{AdamW, OptimizerConfig};
 
 #[derive(Parser, Debug)]
@@ -72,6 +79,10 @@ struct Args {
     /// Compute threads per rank.
     #[arg(long, default_value_t = 1)]
     threads: usize,
+    /// Time every matrix product of the measured steps by shape and print where the step's
+    /// gemm time goes (fp32 native path), next to the microkernel's rate with its operands in L1.
+    #[arg(long)]
+    gemm_profile: bool,
 }
 
 fn env_usize(k: &str) -> Option<usize> {
@@ -152,13 +163,18 @@ fn main() -> Result<()> {
     let mut baseline_run = None;
     if offload != Offload::None {
         let pg = ProcessGroup::new(rank, world, store.clone(), "engine-bench-mem", opts.clone()).context("process group")?;
-        let (engine, med, _, _) = bench_run(Engine::new(Gpt::new(model_cfg), cfg.clone(), pg)?, &args, rank, world)?;
-        let mut e = engine;
-        baseline_run = Some((med, e.full_params()?));
+        let mut run = bench_run(Engine::new(Gpt::new(model_cfg), cfg.clone(), pg)?, &args, rank, world)?;
+        baseline_run = Some((run.median, run.engine.full_params()?));
     }
     cfg.offload = offload.clone();
     let pg = ProcessGroup::new(rank, world, store, "engine-bench", opts).context("process group")?;
-    let (mut engine, med, loss, io_bytes) = bench_run(Engine::new(Gpt::new(model_cfg), cfg, pg)?, &args, rank, world)?;
+    let Run {
+        mut engine,
+        median: med,
+        loss,
+        io_bytes,
+        gemms,
+    } = bench_run(Engine::new(Gpt::new(model_cfg), cfg, pg)?, &args, rank, world)?;
     let mut offload_line = None;
     let mut offload_summary = String::new();
     if let Some((mem_med, mem_params)) = baseline_run {
@@ -230,6 +246,9 @@ fn main() -> Result<()> {
         if let Some(l) = &offload_line {
             writeln!(out, "{l}")?;
         }
+        if args.gemm_profile {
+            print_gemm_profile(&mut out, &gemms, args.steps.saturating_sub(warm_steps(args.steps)), med, peak)?;
+        }
         writeln!(
             out,
             "summary: strategy={strategy} world={world} precision={precision}{offload_summary} step_ms_median={:.1} tok_per_s_total={tok_total:.0} speedup_vs_single={speedup} mfu={mfu:.3} fma_peak_gflops={peak:.1} model_state_mib_per_rank={:.2} peak_rss_mib={:.0}",
@@ -241,23 +260,74 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-/// Runs the benchmark steps; returns the engine, the median step time (after 3 warm-up
-/// steps), the last loss and the offload bytes moved per step (read + write), if offloaded.
-fn bench_run(
-    mut engine: Engine<Gpt>,
-    args: &Args,
-    rank: usize,
-    world: usize,
-) -> Result<(Engine<Gpt>, f64, f32, Option<f64>)> {
+/// Steps excluded from the median (and from the gemm profile).
+fn warm_steps(steps: u64) -> u64 {
+    3.min(steps.saturating_sub(1))
+}
+
+/// The `--gemm-profile` lines of `steps` measured steps.
+fn print_gemm_profile(out: &mut impl Write, gemms: &[GemmStat], steps: u64, step_s: f64, peak_gflops: f64) -> Result<()> {
+    let steps = steps.max(1) as f64;
+    let (mut time, mut flops) = (0f64, 0f64);
+    for g in gemms {
+        time += g.time.as_secs_f64();
+        flops += g.flops;
+        writeln!(
+            out,
+            "gemm_profile: m={} n={} k={} pattern={} lhs={} rhs={} calls_per_step={:.0} ms_per_step={:.2} gflops={:.1} frac_of_peak={:.2}",
+            g.m,
+            g.n,
+            g.k,
+            g.pattern,
+            g.lhs,
+            g.rhs,
+            g.calls as f64 / steps,
+            g.time.as_secs_f64() * 1e3 / steps,
+            g.flops_per_s() / 1e9,
+            g.flops_per_s() / 1e9 / peak_gflops,
+        )?;
+    }
+    let level = rsrun_training_engine::native::isa::isa();
+    let hot = profile::kernel_hot_gflops(level, Duration::from_millis(200)).unwrap_or(0.0);
+    let rate = if time > 0.0 { flops / time / 1e9 } else { 0.0 };
+    writeln!(
+        out,
+        "gemm_profile_total: gemm_ms_per_step={:.1} step_ms={:.1} gemm_share_of_step={:.2} gemm_gflops={rate:.1} gemm_frac_of_peak={:.2} kernel_hot_gflops={hot:.1} kernel_hot_frac_of_peak={:.2} isa={level:?}",
+        time * 1e3 / steps,
+        step_s * 1e3,
+        time / steps / step_s,
+        rate / peak_gflops,
+        hot / peak_gflops,
+    )?;
+    Ok(())
+}
+
+/// What [`bench_run`] measured.
+struct Run {
+    engine: Engine<Gpt>,
+    /// Median step time in seconds (after the warm-up steps).
+    median: f64,
+    /// The last step's loss.
+    loss: f32,
+    /// Offload bytes moved per step (read + write), if offloaded.
+    io_bytes: Option<f64>,
+    /// The `--gemm-profile` entries of the measured steps (empty without the flag).
+    gemms: Vec<GemmStat>,
+}
+
+/// Runs the benchmark steps, profiling the products of the measured ones with `--gemm-profile`.
+fn bench_run(mut engine: Engine<Gpt>, args: &Args, rank: usize, world: usize) -> Result<Run> {
     let model_cfg = engine.model().config();
     engine.reset_traffic();
     let mut times = Vec::new();
     let mut loss = 0f32;
-    let warm = 3.min(args.steps.saturating_sub(1));
+    let warm = warm_steps(args.steps);
     let mut io0 = None;
+    profile::take();
     for step in 0..args.steps {
         if step == warm {
             io0 = engine.offload_stats();
+            profile::enable(args.gemm_profile);
         }
         let rows = global_batch(1234, step, args.batch * world, model_cfg.seq, model_cfg.vocab);
         let batch = Batch::from_rows(&rank_rows(&rows, rank, world))?;
@@ -275,5 +345,12 @@ fn bench_run(
     let mut tail: Vec<f64> = times.iter().skip(warm as usize).copied().collect();
     tail.sort_by(f64::total_cmp);
     let med = tail[tail.len() / 2];
-    Ok((engine, med, loss, io))
+    profile::enable(false);
+    Ok(Run {
+        engine,
+        median: med,
+        loss,
+        io_bytes: io,
+        gemms: profile::take(),
+    })
 }

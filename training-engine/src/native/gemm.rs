@@ -15,6 +15,7 @@
 use std::cell::RefCell;
 
 use super::isa::{Isa, isa};
+use super::profile::Layout;
 
 /// A matrix operand: base pointer and strides in elements (`rs` between rows, `cs` between
 /// columns).
@@ -173,6 +174,28 @@ pub(crate) unsafe fn gemm_at(
 /// As [`gemm_at`]; `init` addresses `n` bias floats and an `m×n` residual where present, and is
 /// [`Init::NONE`] unless the shape is [`Shape::Full`].
 unsafe fn gemm_from(level: Isa, args: Args) {
+    if !super::profile::enabled() {
+        // SAFETY: forwarded.
+        return unsafe { gemm_run(level, args) };
+    }
+    let start = std::time::Instant::now();
+    // SAFETY: forwarded.
+    unsafe { gemm_run(level, args) };
+    let (m, n, k, _, _, _, lhs, rhs, shape, _) = args;
+    let pattern = match shape {
+        Shape::Full => "full",
+        Shape::LowerOut => "lower-out",
+        Shape::LowerLhs => "lower-lhs",
+        Shape::UpperLhs => "upper-lhs",
+    };
+    super::profile::record((m, n, k), pattern, Layout::of(lhs.rs, lhs.cs), Layout::of(rhs.rs, rhs.cs), start.elapsed());
+}
+
+/// [`gemm_from`] without the profile.
+///
+/// # Safety
+/// As [`gemm_from`].
+unsafe fn gemm_run(level: Isa, args: Args) {
     let (m, n, k, dst, dst_rs, acc, _, _, shape, init) = args;
     debug_assert!(shape == Shape::Full || (init.bias.is_null() && init.res.is_null()));
     if m == 0 || n == 0 {
@@ -348,6 +371,49 @@ unsafe fn blocked<const MR: usize, const NR: usize>(bl: Blocking, kernel: Kernel
         }
     }
     PACKS.with(|p| p.replace(packs));
+}
+
+/// GFLOP/s of `level`'s microkernel over one left and one right panel that stay in L1 (64 k
+/// deep, the tile accumulated onto a hot destination), best of repeated runs for at least
+/// `dur`: the rate no product of this blocking can beat, against which a product's own rate
+/// shows what packing and cache misses cost it.
+///
+/// # Panics
+/// If the CPU does not support `level`.
+pub(crate) fn kernel_hot_gflops(level: Isa, dur: std::time::Duration) -> f64 {
+    assert!(level <= Isa::detected(), "{level:?} is not supported by this CPU");
+    match level {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => kernel_rate::<6, 64>(kernel_avx512, dur),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => kernel_rate::<6, 16>(kernel_avx2, dur),
+        _ => kernel_rate::<4, 8>(kernel_scalar, dur),
+    }
+}
+
+fn kernel_rate<const MR: usize, const NR: usize>(kernel: Kernel, dur: std::time::Duration) -> f64 {
+    const KC: usize = 64;
+    const CALLS: usize = 2000;
+    let a = vec![0.5f32; MR * KC];
+    let b = vec![0.25f32; NR * KC];
+    let mut c = vec![0f32; MR * NR];
+    let (ap, ar) = (MR, 1);
+    let start = std::time::Instant::now();
+    let mut best = 0f64;
+    while best == 0.0 || start.elapsed() < dur {
+        let t = std::time::Instant::now();
+        for _ in 0..CALLS {
+            // SAFETY: the caller checked the level; `a` is an MR×KC panel (k stride MR, the
+            // kernels' packed stride), `b` an NR×KC panel and `c` an MR×NR tile.
+            unsafe { kernel(KC, a.as_ptr(), ar, ap, b.as_ptr(), c.as_mut_ptr(), NR, true, Init::NONE) };
+        }
+        let s = t.elapsed().as_secs_f64();
+        if s > 0.0 {
+            best = best.max((CALLS * 2 * MR * NR * KC) as f64 / s / 1e9);
+        }
+    }
+    std::hint::black_box(&c);
+    best
 }
 
 /// Packs `m[i0.., p0..]` (`rows×kc`) into `W`-row micro-panels, k-major (`panel[p·W + r]`),

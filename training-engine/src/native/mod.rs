@@ -17,6 +17,7 @@
 pub mod isa;
 pub(crate) mod gemm;
 pub(crate) mod ops;
+pub mod profile;
 mod gpt;
 
 use crate::error::EngineResult;
