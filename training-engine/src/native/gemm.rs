@@ -548,7 +548,8 @@ mod simd {
         let mask = unsafe { _mm256_loadu_si256(lanes.as_ptr().cast()) };
         let mut p = 0;
         while p + 8 <= kc {
-            // SAFETY: rows i < w are readable for 8 floats at p; stores are masked to w lanes.
+            // SAFETY: rows i < w are readable for 8 floats at p; stores write w lanes (masked
+            // unless all 8).
             unsafe {
                 let mut r = [_mm256_setzero_ps(); 8];
                 for (i, v) in r.iter_mut().enumerate().take(w) {
@@ -556,7 +557,14 @@ mod simd {
                 }
                 t8(&mut r);
                 for (q, v) in r.iter().enumerate() {
-                    _mm256_maskstore_ps(out.add((p + q) * os), mask, *v);
+                    // A full-width panel takes plain stores: AMD cores before Zen 4 run
+                    // VMASKMOVPS stores as microcode (many times a plain store's cost), and the
+                    // AVX2 right-operand pack is all full-width blocks.
+                    if w >= 8 {
+                        _mm256_storeu_ps(out.add((p + q) * os), *v);
+                    } else {
+                        _mm256_maskstore_ps(out.add((p + q) * os), mask, *v);
+                    }
                 }
             }
             p += 8;
