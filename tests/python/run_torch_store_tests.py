@@ -17,7 +17,8 @@ that section describes, applied at run time instead of by editing the files:
   client of an rsrun store instead of `TCPStore(..., is_master=True)`.
 
 With `--server torch` the same tests run unpatched on torch's own servers: the reference that shows
-the selection passes with this torch version.
+the selection passes with this torch version (a test that fails there is retried once, alone:
+`retry_reference_failures` says why).
 
 Usage: python run_torch_store_tests.py --server rsrun|torch [--rendezvous PATH]
 Ends with a line "N passed, N failed"; exits non-zero when a test failed or none ran.
@@ -198,6 +199,25 @@ def load_suite(rsrun_stores):
     return suite
 
 
+def retry_reference_failures(result):
+    """The reference run (torch's own servers) retries each failed test once, alone.
+
+    torch's own non-libuv server loses a wake-up now and then: TestMultiThreadedWait.test_wait_tcp_store
+    times out in its 2 s wait although rank 1 set the key, about once in 100-300 runs when other
+    processes load the cores (as the rest of the test suite does). On rsrun's server the same test
+    passed 300 of 300 under the same load. The reference only shows that the selection passes with
+    this torch version, so a test that passes on its retry counts as passed there; the run against
+    rsrun's server never retries.
+    """
+    for kind in (result.errors, result.failures):
+        for test, trace in list(kind):
+            again = unittest.TestSuite([type(test)(test._testMethodName)])
+            retry = unittest.TextTestRunner(verbosity=2, stream=sys.stdout).run(again)
+            if retry.wasSuccessful():
+                kind.remove((test, trace))
+                print(f"passed on its retry (reference run only): {test.id()}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--server", choices=["rsrun", "torch"], required=True)
@@ -214,6 +234,8 @@ def main():
     print(f"running {suite.countTestCases()} of torch's store tests against the {args.server} server", flush=True)
     print(f"not applicable to an external server: {NOT_APPLICABLE}", flush=True)
     result = unittest.TextTestRunner(verbosity=2, stream=sys.stdout).run(suite)
+    if args.server == "torch":
+        retry_reference_failures(result)
     if stores is not None:
         stores.close()
         print(f"rsrun stores started for the tests: {len(made)}")
