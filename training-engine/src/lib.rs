@@ -13,12 +13,15 @@
 //! - [`offload`]: optimizer state in a host tier or an NVMe swap file (io_uring O_DIRECT,
 //!   pread/pwrite fallback), both [`layout::OptimStateStore`]s; [`checkpoint`]: sharded,
 //!   crash-safe, resharding checkpoints and safetensors export.
+//! - [`hugepage`]: [`hugepage::HugePageAlloc`], a global allocator for trainer binaries that
+//!   backs large buffers with transparent huge pages.
 //! - [`error`]: the crate's error type, [`EngineError`].
 
 pub mod checkpoint;
 pub mod comm;
 pub mod engine;
 pub mod error;
+pub mod hugepage;
 pub mod kernels;
 pub mod layout;
 pub mod model;

@@ -52,6 +52,11 @@ use rsrun_training_engine::model::{Batch, Gpt, GptConfig, global_batch, rank_row
 use rsrun_training_engine::native::profile::{self, GemmStat};
 use rsrun_training_engine::optim::{AdamW, OptimizerConfig};
 
+/// Large buffers (activations, gradients, optimizer state) on transparent huge pages
+/// (`RSRUN_HUGE_PAGES=0` turns it off).
+#[global_allocator]
+static ALLOC: rsrun_training_engine::hugepage::HugePageAlloc = rsrun_training_engine::hugepage::HugePageAlloc;
+
 #[derive(Parser, Debug)]
 #[command(about = "rsrun training-engine benchmark (reference GPT workload)")]
 struct Args {

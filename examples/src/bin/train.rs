@@ -38,6 +38,11 @@ use rsrun_training_engine::model::{Batch, Gpt, GptConfig};
 use rsrun_training_engine::optim::{AdamW, OptimizerConfig, Schedule};
 use sha2::{Digest, Sha256};
 
+/// Large buffers (activations, gradients, optimizer state) on transparent huge pages
+/// (`RSRUN_HUGE_PAGES=0` turns it off).
+#[global_allocator]
+static ALLOC: rsrun_training_engine::hugepage::HugePageAlloc = rsrun_training_engine::hugepage::HugePageAlloc;
+
 #[derive(Parser, Debug)]
 #[command(name = "train", about = "Train a byte-level GPT with rsrun's engine (DDP, ZeRO-1/2/3, FSDP)")]
 struct Args {
