@@ -35,9 +35,15 @@ pub const CACHE_SLOTS: usize = 8;
 /// Bytes of freed mappings kept for reuse at most.
 pub const CACHE_BYTES: usize = 64 << 20;
 
+/// [`ENV_SWITCH`] as the C string `getenv` reads.
+const ENV_SWITCH_C: &std::ffi::CStr = c"RSRUN_HUGE_PAGES";
+
 /// The environment variable that turns the allocator off (`0`, `off`, `false` or `no`: every
 /// allocation goes to the system allocator), read once, at the first allocation.
-pub const ENV_SWITCH: &str = "RSRUN_HUGE_PAGES";
+pub const ENV_SWITCH: &str = match ENV_SWITCH_C.to_str() {
+    Ok(name) => name,
+    Err(_) => panic!("the switch's name is ASCII"),
+};
 
 /// The length of the mapping for an allocation of `layout`, or `None` when it belongs to the
 /// system allocator (smaller than [`THRESHOLD`], or aligned beyond a huge page).
@@ -64,13 +70,12 @@ pub fn enabled() -> bool {
         1 => true,
         2 => false,
         _ => {
-            // getenv, not std::env::var: an allocator must not allocate. The name is a
-            // NUL-terminated literal.
-            // SAFETY: getenv reads the environment; the returned string (if any) is read
-            // before any other call could change it (no environment writes happen inside an
-            // allocation).
+            // getenv, not std::env::var: an allocator must not allocate.
+            // SAFETY: getenv reads the environment for a NUL-terminated name; the returned
+            // string (if any) is read before any other call could change it (no environment
+            // writes happen inside an allocation).
             let off = unsafe {
-                let v = libc::getenv(c"RSRUN_HUGE_PAGES".as_ptr());
+                let v = libc::getenv(ENV_SWITCH_C.as_ptr());
                 !v.is_null() && switched_off(std::ffi::CStr::from_ptr(v).to_bytes())
             };
             STATE.store(if off { 2 } else { 1 }, Ordering::Relaxed);
@@ -170,8 +175,9 @@ fn map(len: usize) -> *mut u8 {
     let tail = span - head - len;
     // SAFETY: the head and tail are the parts of `[base, base + span)` outside `[start,
     // start + len)`, both page-aligned (mmap returns page-aligned addresses, and `len` and
-    // HUGE_PAGE are multiples of every base page size); nothing refers to them. The advice only concerns our
-    // own fresh mapping (failure, e.g. on a kernel without THP, leaves ordinary pages).
+    // HUGE_PAGE are multiples of every base page size); nothing refers to them. The advice
+    // only concerns our own fresh mapping (failure, e.g. on a kernel without THP, leaves
+    // ordinary pages).
     unsafe {
         if head > 0 {
             libc::munmap(base, head);
@@ -207,9 +213,9 @@ fn release(ptr: *mut u8, len: usize) {
 
 // SAFETY: every block handed out is either System's (for layouts `route` sends there, which
 // is decided by the layout and the once-read switch alone, so dealloc/realloc send it back to
-// System) or a mapping of `region_len(layout)` bytes at a 2 MiB-aligned address (which satisfies any
-// alignment up to HUGE_PAGE) owned by the caller until dealloc; a mapping is in the cache or
-// handed out, never both.
+// System) or a mapping of `region_len(layout)` bytes at a 2 MiB-aligned address (which
+// satisfies any alignment up to HUGE_PAGE) owned by the caller until dealloc; a mapping is in
+// the cache or handed out, never both.
 unsafe impl GlobalAlloc for HugePageAlloc {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         match route(layout) {

@@ -18,12 +18,12 @@ use rsrun_training_engine::layout::Strategy;
 use rsrun_training_engine::model::{Batch, Gpt, GptConfig};
 use rsrun_training_engine::optim::{AdamW, OptimizerConfig};
 use rsrun_worker_runtime::WorkerContext;
+use rsrun_worker_runtime::engine_store::EngineStore;
 
 /// Optional, one line: large buffers on transparent huge pages (4–6 % off the reference GPT's
 /// step here; `RSRUN_HUGE_PAGES=0` turns it off at run time).
 #[global_allocator]
 static ALLOC: rsrun_training_engine::hugepage::HugePageAlloc = rsrun_training_engine::hugepage::HugePageAlloc;
-use rsrun_worker_runtime::engine_store::EngineStore;
 
 fn main() -> anyhow::Result<()> {
     // ① Who am I? rsrun sets torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, ...) plus its own;

@@ -138,8 +138,8 @@ fn torch_client_conformance_against_our_tcpstore() {
 /// PyTorch's own store tests (`tests/python/torch_store_tests/`, unmodified files of PyTorch v2.6.0)
 /// through `tests/python/run_torch_store_tests.py`: the 41 tests that exercise a TCPStore server,
 /// first on torch's own servers (the reference for this torch version; a test that fails there is
-/// retried once, alone, for torch's non-libuv server loses a wake-up under load), then on rsrun's, one fresh
-/// store per store the tests ask for.
+/// retried once, alone, for torch's non-libuv server loses a wake-up under load), then on rsrun's,
+/// one fresh store per store the tests ask for.
 #[test]
 fn torch_own_store_tests_pass_against_our_tcpstore() {
     let Some(python) = python_with_torch() else {
