@@ -39,7 +39,9 @@ pub const CACHE_BYTES: usize = 64 << 20;
 const ENV_SWITCH_C: &std::ffi::CStr = c"RSRUN_HUGE_PAGES";
 
 /// The environment variable that turns the allocator off (`0`, `off`, `false` or `no`: every
-/// allocation goes to the system allocator), read once, at the first allocation.
+/// allocation goes to the system allocator) or leaves it on (unset, empty, `1`, `on`, `true`,
+/// `yes`), read once, at the first allocation. Any other value ends the process with exit
+/// code 2 and a message naming it.
 pub const ENV_SWITCH: &str = match ENV_SWITCH_C.to_str() {
     Ok(name) => name,
     Err(_) => panic!("the switch's name is ASCII"),
@@ -54,10 +56,35 @@ pub fn region_len(layout: Layout) -> Option<usize> {
     layout.size().checked_next_multiple_of(BASE_PAGE)
 }
 
-/// Whether a value of [`ENV_SWITCH`] turns the allocator off.
-pub fn switched_off(value: &[u8]) -> bool {
+/// A value of [`ENV_SWITCH`]: `Some(true)` leaves huge pages on, `Some(false)` turns them off,
+/// `None` is not a value the switch takes.
+pub fn parse_switch(value: &[u8]) -> Option<bool> {
     // No allocation here (it runs inside the allocator): compare in place.
-    [&b"0"[..], b"off", b"false", b"no"].iter().any(|w| value.eq_ignore_ascii_case(w))
+    let is = |words: &[&[u8]]| words.iter().any(|w| value.eq_ignore_ascii_case(w));
+    if is(&[b"", b"1", b"on", b"true", b"yes"]) {
+        Some(true)
+    } else if is(&[b"0", b"off", b"false", b"no"]) {
+        Some(false)
+    } else {
+        None
+    }
+}
+
+/// Ends the process (exit code 2) for a value of [`ENV_SWITCH`] the switch does not take,
+/// saying which; written with `write(2)` and left with `_exit`, since it runs inside an
+/// allocation (no formatting, no allocation, no unwinding through the allocator).
+fn refuse_switch(value: &[u8]) -> ! {
+    let parts: [&[u8]; 3] = [
+        b"error: RSRUN_HUGE_PAGES=",
+        value,
+        b" is not a huge-page switch (expected 0, off, false or no to turn huge pages off; 1, on, true or yes to keep them)\n",
+    ];
+    for part in parts {
+        // SAFETY: writes `part`'s bytes to standard error; a failed write changes nothing.
+        unsafe { libc::write(2, part.as_ptr().cast(), part.len()) };
+    }
+    // SAFETY: ends the process at once; nothing of ours needs running down.
+    unsafe { libc::_exit(2) }
 }
 
 /// 0: not read yet, 1: on, 2: off.
@@ -74,12 +101,16 @@ pub fn enabled() -> bool {
             // SAFETY: getenv reads the environment for a NUL-terminated name; the returned
             // string (if any) is read before any other call could change it (no environment
             // writes happen inside an allocation).
-            let off = unsafe {
+            let value = unsafe {
                 let v = libc::getenv(ENV_SWITCH_C.as_ptr());
-                !v.is_null() && switched_off(std::ffi::CStr::from_ptr(v).to_bytes())
+                (!v.is_null()).then(|| std::ffi::CStr::from_ptr(v).to_bytes())
             };
-            STATE.store(if off { 2 } else { 1 }, Ordering::Relaxed);
-            !off
+            let on = match value {
+                None => true,
+                Some(v) => parse_switch(v).unwrap_or_else(|| refuse_switch(v)),
+            };
+            STATE.store(if on { 1 } else { 2 }, Ordering::Relaxed);
+            on
         }
     }
 }
@@ -288,12 +319,15 @@ mod tests {
     }
 
     #[test]
-    fn the_switch_reads_the_usual_spellings_of_off() {
+    fn the_switch_reads_the_usual_spellings_and_nothing_else() {
         for v in ["0", "off", "OFF", "false", "no"] {
-            assert!(switched_off(v.as_bytes()), "{v}");
+            assert_eq!(parse_switch(v.as_bytes()), Some(false), "{v}");
         }
-        for v in ["1", "on", "", "yes", "2"] {
-            assert!(!switched_off(v.as_bytes()), "{v}");
+        for v in ["1", "on", "", "Yes", "true"] {
+            assert_eq!(parse_switch(v.as_bytes()), Some(true), "{v}");
+        }
+        for v in ["2", "banana", " off", "offf"] {
+            assert_eq!(parse_switch(v.as_bytes()), None, "{v}");
         }
     }
 

@@ -102,6 +102,20 @@ fn bad_flags_exit_2_with_a_clear_message() {
     }
 }
 
+/// The huge-page allocator's switch takes its usual spellings and refuses anything else before
+/// `train` starts.
+#[test]
+fn bad_huge_page_switch_exits_2_naming_the_value() {
+    let dir = tempfile::tempdir().unwrap();
+    let out: Output = Command::new(bin("train")).current_dir(dir.path()).env("RSRUN_HUGE_PAGES", "banana").args(MODEL).output().unwrap();
+    assert_eq!(code(&out.status), 2, "{}", text(&out));
+    assert!(text(&out).contains("RSRUN_HUGE_PAGES=banana is not a huge-page switch (expected 0, off"), "{}", text(&out));
+    for value in ["0", "on"] {
+        let out: Output = Command::new(bin("train")).current_dir(dir.path()).env("RSRUN_HUGE_PAGES", value).args(MODEL).output().unwrap();
+        assert_eq!(code(&out.status), 0, "RSRUN_HUGE_PAGES={value}: {}", text(&out));
+    }
+}
+
 /// Checkpoint/restart: rank 1 aborts before step 8 in the first attempt only (the hidden
 /// `--fail-at-step` test hook); rsrun restarts the job, which resumes from the checkpoint of step 6
 /// (saved every 3 steps) and ends with the same parameters as an uninterrupted run.
