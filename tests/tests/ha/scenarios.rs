@@ -107,9 +107,24 @@ fn a_leader_cut_off_from_etcd_fences_itself_while_clients_still_reach_it() {
     let t = Instant::now();
     g.etcd_link(old, Fault::Blackhole);
     // It must stop answering by itself (split-brain bait: clients can still reach it).
+    // What it answered last, and when it last answered at all: a failure says whether the daemon
+    // kept leading or stopped answering `DaemonInfo`.
     let start = Instant::now();
-    while role(&g, old) != Some(DaemonRole::Standby as i32) {
-        assert!(start.elapsed() < Duration::from_secs(10), "the partitioned leader kept leading\n{}", g.logs());
+    let (mut last, mut answered) = (None, None);
+    loop {
+        let r = role(&g, old);
+        if r.is_some() {
+            (last, answered) = (r, Some(start.elapsed()));
+        }
+        if r == Some(DaemonRole::Standby as i32) {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the partitioned leader d{old} did not turn standby within 10 s: its last answer was role {:?} at {answered:?} after the cut\n{}",
+            last.and_then(|r| DaemonRole::try_from(r).ok()),
+            g.logs()
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
     let fenced = t.elapsed();
