@@ -139,7 +139,9 @@ pub struct CommOptions {
     /// (latency-optimal, ceil(log2 N) rounds; default 64 KiB).
     pub tcp_small_bytes: usize,
     /// Pipelining segment of the TCP ring: a received segment is reduced while the next one
-    /// arrives (default 256 KiB).
+    /// arrives (default: an eighth of this host's L2 cache per core as a power of two within
+    /// 64–256 KiB, 256 KiB where the size is unknown). Ranks may differ: each op runs on the
+    /// smallest of theirs.
     pub tcp_segment_bytes: usize,
     /// How long a shm wait spins before sleeping on the futex (default 50 µs; reduced to 2 µs
     /// when a host runs more ranks than it has cores).
@@ -157,7 +159,7 @@ impl Default for CommOptions {
             shm_chunk_bytes: 256 << 10,
             shm_small_bytes: 32 << 10,
             tcp_small_bytes: 64 << 10,
-            tcp_segment_bytes: 256 << 10,
+            tcp_segment_bytes: tcp::default_segment_bytes(),
             spin: Duration::from_micros(50),
         }
     }

@@ -52,6 +52,26 @@ fn tcp_pair_all_reduce_many_segments() {
     }
 }
 
+/// Ranks that ask for different TCP segments (each host picks its default from its own L2
+/// size) still run the two-rank pipelined exchange, whose stream order both sides derive from
+/// the segment: the op's header exchange settles on the smallest.
+#[test]
+fn tcp_pair_all_reduce_with_different_segments_per_rank() {
+    for r in run_threads(
+        2,
+        |r| {
+            let mut o = opts_for(BackendKind::Tcp, r);
+            o.tcp_small_bytes = 0;
+            o.tcp_segment_bytes = if r == 0 { 100 } else { 1000 };
+            o.timeout = std::time::Duration::from_secs(10);
+            o
+        },
+        |pg| check_all_dtypes(&pg, &[2, 51, 5003, 20_003]),
+    ) {
+        r.unwrap_or_else(|e| panic!("{e}"));
+    }
+}
+
 #[test]
 fn matrix_hierarchical() {
     matrix(BackendKind::Hierarchical);
