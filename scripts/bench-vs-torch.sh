@@ -16,7 +16,7 @@
 # (default: ../shared/bench when present, else the copies in scripts/torch-ref).
 # Ends with two lines:
 #   summary: single_tok_ratio_vs_torch=... ddp_tok_ratio_vs_torch=... ddp_speedup=... mfu=... cpu=...
-#   summary: allreduce_frac_of_bound=... reduce_scatter_frac=... all_gather_frac=... tcp_frac_of_loopback=...
+#   summary: allreduce_frac_of_bound=... reduce_scatter_frac=... all_gather_frac=... tcp_frac_of_loopback=... tcp_frac_of_exchange=...
 set -euo pipefail
 cd "$(dirname "$0")/.."
 isa=""
@@ -98,4 +98,6 @@ gloo=$(SIZES=1024,67108864 "${PIN[@]}" "${TORCHRUN[@]}" --standalone --nproc-per
 cpu=$(grep -m1 '^machine:' "$log" | sed -n 's/.*cpu="\([^"]*\)".*/\1/p' | tr ' ' '_')
 level=$(grep -m1 '^machine:' "$log" | field isa)
 echo "summary: single_tok_ratio_vs_torch=$(ratio "$(tok "$o_single")" "$(tok "$t_single")") ddp_tok_ratio_vs_torch=$(ratio "$(tok "$o_ddp")" "$(tok "$t_ddp")") ddp_speedup=$(ratio "$(tok "$o_ddp")" "$(tok "$o_single")") zero3_vs_ddp=$(ratio "$(tok "$o_z3")" "$(tok "$o_ddp")") fsdp_tok_ratio_vs_torch=$(ratio "$(tok "$o_z3")" "$(tok "$t_fsdp")") mfu=$(echo "$o_single" | field mfu) cpu=$cpu isa=$level"
-echo "$coll" | grep '^summary:' | sed 's/^summary: \(allreduce_frac_of_bound=[^ ]* reduce_scatter_frac=[^ ]* all_gather_frac=[^ ]* tcp_frac_of_loopback=[^ ]*\).*/summary: \1/'
+# The issue's four fractions, then the TCP all_reduce over the two-rank exchange limit.
+tcp_x=$(echo "$coll" | grep '^summary:' | field tcp_frac_of_exchange)
+echo "$coll" | grep '^summary:' | sed 's/^summary: \(allreduce_frac_of_bound=[^ ]* reduce_scatter_frac=[^ ]* all_gather_frac=[^ ]* tcp_frac_of_loopback=[^ ]*\).*/summary: \1/' | sed "s/\$/ tcp_frac_of_exchange=${tcp_x:-n\/a}/"

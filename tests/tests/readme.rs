@@ -560,7 +560,7 @@ fn performance_against_pytorch() {
     }
     assert!(engine.contains(" cpu=") && engine.contains(" isa="), "{engine}");
     let coll = all.lines().find(|l| l.starts_with("summary: allreduce_frac_of_bound=")).unwrap_or_else(|| panic!("{all}"));
-    for key in ["allreduce_frac_of_bound", "reduce_scatter_frac", "all_gather_frac", "tcp_frac_of_loopback"] {
+    for key in ["allreduce_frac_of_bound", "reduce_scatter_frac", "all_gather_frac", "tcp_frac_of_loopback", "tcp_frac_of_exchange"] {
         assert!(number(coll, key) > 0.0, "{coll}");
     }
 }

@@ -11,8 +11,9 @@
 //!     target/release/collectives-bench --spawn 2
 //!
 //! Prints the machine, then the physical limits measured in the same run: memcpy bandwidth per
-//! rank with every rank copying 64 MiB at once (bytes read + written per second), and one TCP
-//! stream over loopback. Then one line per (backend, op, size):
+//! rank with every rank copying 64 MiB at once (bytes read + written per second), one TCP
+//! stream over loopback, and (two ranks on one host) 64 MiB sent each way at once over one
+//! loopback connection between the ranks (the traffic of a two-rank all_reduce). Then one line per (backend, op, size):
 //! `op=all_reduce backend=shm world=2 bytes=67108864 time_us=... algbw_GBps=... busbw_GBps=...`
 //! with `algbw = bytes / time` and `busbw = algbw · 2(N−1)/N` (all_reduce) or `· (N−1)/N`
 //! (reduce_scatter: bytes = input; all_gather: bytes = output).
@@ -28,15 +29,20 @@
 //! `summary: allreduce_frac_of_bound=... reduce_scatter_frac=... all_gather_frac=...
 //! tcp_frac_of_loopback=... allreduce_plain_frac=... reduce_scatter_plain_frac=...
 //! all_gather_plain_frac=... memcpy_gbps=... loopback_tcp_gbps=... ...` (the 64 MiB figures;
-//! `tcp_frac_of_loopback` is the TCP backend's all_reduce busbw over one loopback stream).
+//! `tcp_frac_of_loopback` is the TCP backend's all_reduce busbw over one loopback stream, and
+//! with two ranks on one host `tcp_frac_of_exchange` the same busbw over the exchange that
+//! moves a two-rank all_reduce's traffic, 64 MiB each way at once between the ranks, with
+//! nothing else to do: the most a TCP all_reduce can reach on this host).
 
 use std::collections::BTreeMap;
 use std::io::Write;
+use std::net::{TcpListener, TcpStream};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
+use rsrun_examples::machine::{PageBuf, Pages};
 use rsrun_training_engine::comm::{BackendKind, CommOptions, FileStore, ProcessGroup, ReduceOp};
 
 const DEFAULT_SIZES: &[usize] = &[
@@ -172,7 +178,12 @@ fn busbw_factor(op: &str, n: usize) -> f64 {
 
 /// A benchmark buffer: a plain vector, or one registered with the group
 /// (`ProcessGroup::alloc_shared`, the zero-copy path on shm).
-fn bench_buf(pg: &ProcessGroup, len: usize, fill: f32, registered: bool) -> Result<Box<dyn std::ops::DerefMut<Target = [f32]>>> {
+fn bench_buf(
+    pg: &ProcessGroup,
+    len: usize,
+    fill: f32,
+    registered: bool,
+) -> Result<Box<dyn std::ops::DerefMut<Target = [f32]>>> {
     Ok(if registered {
         let mut b = pg.alloc_shared::<f32>(len)?;
         b.fill(fill);
@@ -215,6 +226,79 @@ fn time_op(pg: &ProcessGroup, op: &str, bytes: usize, registered: bool) -> Resul
     Ok(dt[0])
 }
 
+/// The two-way TCP exchange limit (`machine::tcp_exchange_secs`) between the two ranks of a
+/// two-rank group on one host: GB/s each way, best of three on each kind of `Pages`, the same
+/// on both ranks. `None` for
+/// other group sizes, and when the ranks' hostnames differ (loopback does not reach the peer).
+fn exchange_gbps(
+    pg: &ProcessGroup,
+    store: &dyn rsrun_training_engine::comm::Store,
+    rank: usize,
+    bytes: usize,
+) -> Result<Option<f64>> {
+    if pg.world_size() != 2 {
+        return Ok(None);
+    }
+    let wait = Duration::from_secs(60);
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    store.set(
+        &format!("bench/exchange/hostname/{rank}"),
+        host.trim().as_bytes(),
+    )?;
+    if store.get(&format!("bench/exchange/hostname/{}", 1 - rank), wait)? != host.trim().as_bytes()
+    {
+        return Ok(None);
+    }
+    let key = "bench/exchange/port";
+    let sock = if rank == 0 {
+        let l = TcpListener::bind("127.0.0.1:0").context("binding the exchange listener")?;
+        l.set_nonblocking(true)?;
+        store.set(key, l.local_addr()?.port().to_string().as_bytes())?;
+        let deadline = Instant::now() + wait;
+        loop {
+            match l.accept() {
+                Ok((s, _)) => break s,
+                Err(e)
+                    if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline =>
+                {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                Err(e) => {
+                    return Err(e).context("waiting for rank 1 to connect to the exchange port");
+                }
+            }
+        }
+    } else {
+        let port = String::from_utf8_lossy(&store.get(key, wait)?).into_owned();
+        let port: u16 = port
+            .parse()
+            .with_context(|| format!("rank 0's exchange port {port:?}"))?;
+        TcpStream::connect(("127.0.0.1", port))
+            .with_context(|| format!("connecting to rank 0's exchange port 127.0.0.1:{port}"))?
+    };
+    let mut best = 0f64;
+    for pages in Pages::ALL {
+        let tx = PageBuf::new(bytes, 1, pages);
+        let mut rx = PageBuf::new(bytes, 1, pages);
+        for _ in 0..3 {
+            pg.barrier()?;
+            let mut t = [
+                rsrun_examples::machine::tcp_exchange_secs(&sock, &tx, &mut rx)
+                    .context("the two-way TCP exchange between the ranks")?,
+            ];
+            pg.all_reduce(&mut t, ReduceOp::Max)?;
+            best = best.max(bytes as f64 / t[0] / 1e9);
+        }
+    }
+    Ok(Some(best))
+}
+
+/// Large buffers on transparent huge pages, as in a trainer that installs rsrun's allocator
+/// (`RSRUN_HUGE_PAGES=0` turns it off): the ops' buffers and the limits' alike.
+#[global_allocator]
+static ALLOC: rsrun_training_engine::hugepage::HugePageAlloc =
+    rsrun_training_engine::hugepage::HugePageAlloc;
+
 fn main() -> Result<()> {
     let args = parse_args()?;
     if let Some(n) = args.spawn {
@@ -224,32 +308,35 @@ fn main() -> Result<()> {
     let world = env_usize("WORLD_SIZE")?;
     // The temporary file-store directory this run created (removed at the end by rank 0).
     let mut temp_dir: Option<PathBuf> = None;
-    let store: Arc<dyn rsrun_training_engine::comm::Store> = match (&args.store_dir, std::env::var_os("RSRUN_RDZV_ENDPOINT")) {
-        (None, Some(_)) => {
-            let ctx = rsrun_worker_runtime::WorkerContext::from_env()?;
-            Arc::new(rsrun_worker_runtime::engine_store::EngineStore::new(&ctx)?)
-        }
-        (dir, _) => {
-            let dir = match dir {
-                Some(d) => d.clone(),
-                None => {
-                    let run = std::env::var("TORCHELASTIC_RUN_ID").unwrap_or_else(|_| "none".into());
-                    let port = std::env::var("MASTER_PORT").unwrap_or_else(|_| "0".into());
-                    let d = std::env::temp_dir().join(format!("collectives-bench-{run}-{port}"));
-                    temp_dir = Some(d.clone());
-                    d
-                }
-            };
-            Arc::new(FileStore::new(&dir)?)
-        }
-    };
+    let store: Arc<dyn rsrun_training_engine::comm::Store> =
+        match (&args.store_dir, std::env::var_os("RSRUN_RDZV_ENDPOINT")) {
+            (None, Some(_)) => {
+                let ctx = rsrun_worker_runtime::WorkerContext::from_env()?;
+                Arc::new(rsrun_worker_runtime::engine_store::EngineStore::new(&ctx)?)
+            }
+            (dir, _) => {
+                let dir = match dir {
+                    Some(d) => d.clone(),
+                    None => {
+                        let run =
+                            std::env::var("TORCHELASTIC_RUN_ID").unwrap_or_else(|_| "none".into());
+                        let port = std::env::var("MASTER_PORT").unwrap_or_else(|_| "0".into());
+                        let d =
+                            std::env::temp_dir().join(format!("collectives-bench-{run}-{port}"));
+                        temp_dir = Some(d.clone());
+                        d
+                    }
+                };
+                Arc::new(FileStore::new(&dir)?)
+            }
+        };
     let mut out = std::io::stdout().lock();
     let mut results: BTreeMap<(String, String, usize), (f64, f64)> = BTreeMap::new();
     // Physical limits, in this run: memcpy with every rank copying at once, over the same
     // footprint as the op (the in-place all_reduce's 64 MiB buffer: 32 MiB copied to 32 MiB;
     // reduce_scatter / all_gather: 64 + 64/N MiB), and one TCP stream over loopback.
     let big = 64usize << 20;
-    let (memcpy, loopback) = {
+    let (memcpy, loopback, duplex) = {
         let opts = CommOptions {
             timeout: Duration::from_secs(120),
             ..CommOptions::default()
@@ -262,19 +349,32 @@ fn main() -> Result<()> {
         }
         pg.all_reduce(&mut bw, ReduceOp::Min)?;
         pg.barrier()?;
-        let loopback = if rank == 0 { rsrun_examples::machine::loopback_tcp_gbps(1 << 30)? } else { 0.0 };
+        let loopback = if rank == 0 {
+            rsrun_examples::machine::loopback_tcp_gbps(1 << 30)?
+        } else {
+            0.0
+        };
         pg.barrier()?;
-        (bw, loopback)
+        let duplex = exchange_gbps(&pg, &*store, rank, big)?;
+        (bw, loopback, duplex)
     };
-    let memcpy_for = |op: &str| if op == "all_reduce" { memcpy[0] } else { memcpy[1] };
+    let memcpy_for = |op: &str| {
+        if op == "all_reduce" {
+            memcpy[0]
+        } else {
+            memcpy[1]
+        }
+    };
     if rank == 0 {
         writeln!(out, "{}", rsrun_examples::machine::describe())?;
         writeln!(
             out,
-            "limits: memcpy_gbps_per_rank={:.2} (64 MiB footprint) {:.2} ({} MiB footprint) (read+write, all {world} ranks copying at once) loopback_tcp_gbps={loopback:.2} (one stream)",
+            "limits: memcpy_gbps_per_rank={:.2} (64 MiB footprint) {:.2} ({} MiB footprint) (read+write, all {world} ranks copying at once) loopback_tcp_gbps={loopback:.2} (one stream) tcp_exchange_gbps={} (each way, {} MiB both ways at once between ranks 0 and 1 over loopback: a two-rank all_reduce's traffic with nothing else to do)",
             memcpy[0],
             memcpy[1],
-            (big + big / world) >> 20
+            (big + big / world) >> 20,
+            duplex.map_or("n/a".to_string(), |g| format!("{g:.2}")),
+            big >> 20
         )?;
     }
     for backend in &args.backends {
@@ -298,11 +398,12 @@ fn main() -> Result<()> {
         for op in &args.ops {
             // Registered buffers only make a difference where the group has windows (shm), and
             // only for the ops with a zero-copy path (reduce_scatter stages either way).
-            let modes: &[bool] = if name == "shm" && matches!(op.as_str(), "all_reduce" | "all_gather") {
-                &[true, false]
-            } else {
-                &[false]
-            };
+            let modes: &[bool] =
+                if name == "shm" && matches!(op.as_str(), "all_reduce" | "all_gather") {
+                    &[true, false]
+                } else {
+                    &[false]
+                };
             for &bytes in &args.sizes {
                 for &registered in modes {
                     let t = time_op(&pg, op, bytes, registered)?;
@@ -317,7 +418,11 @@ fn main() -> Result<()> {
                         )?;
                         out.flush()?;
                     }
-                    let key = if registered { format!("{backend}:registered") } else { backend.clone() };
+                    let key = if registered {
+                        format!("{backend}:registered")
+                    } else {
+                        backend.clone()
+                    };
                     results.insert((key, op.clone(), bytes), (t, busbw));
                 }
             }
@@ -347,13 +452,20 @@ fn main() -> Result<()> {
         // engine's DDP gradients use); the plain-buffer (staged) fractions are printed too.
         let reg = format!("{main}:registered");
         let headline = |op: &str| {
-            if results.contains_key(&(reg.clone(), op.to_string(), big)) { reg.clone() } else { main.clone() }
+            if results.contains_key(&(reg.clone(), op.to_string(), big)) {
+                reg.clone()
+            } else {
+                main.clone()
+            }
         };
         let frac_of = |b: &str, op: &str| {
-            results.get(&(b.to_string(), op.to_string(), big)).map_or("n/a".to_string(), |(t, _)| {
-                let bound = traffic_bytes(op, big, world) / (memcpy_for(op) * 1e9);
-                format!("{:.2}", bound / t)
-            })
+            results.get(&(b.to_string(), op.to_string(), big)).map_or(
+                "n/a".to_string(),
+                |(t, _)| {
+                    let bound = traffic_bytes(op, big, world) / (memcpy_for(op) * 1e9);
+                    format!("{:.2}", bound / t)
+                },
+            )
         };
         let frac = |op: &str| frac_of(&headline(op), op);
         for op in ["all_reduce", "reduce_scatter", "all_gather"] {
@@ -372,12 +484,15 @@ fn main() -> Result<()> {
                 }
             }
         }
-        let tcp_frac = results
-            .get(&("tcp".to_string(), "all_reduce".to_string(), big))
-            .map_or("n/a".to_string(), |(_, bw)| format!("{:.2}", bw / loopback));
+        let tcp_bw = results.get(&("tcp".to_string(), "all_reduce".to_string(), big));
+        let tcp_frac = tcp_bw.map_or("n/a".to_string(), |(_, bw)| format!("{:.2}", bw / loopback));
+        let tcp_duplex_frac = match (tcp_bw, duplex) {
+            (Some((_, bw)), Some(d)) => format!("{:.2}", bw / d),
+            _ => "n/a".to_string(),
+        };
         writeln!(
             out,
-            "summary: allreduce_frac_of_bound={} reduce_scatter_frac={} all_gather_frac={} tcp_frac_of_loopback={tcp_frac} allreduce_plain_frac={} reduce_scatter_plain_frac={} all_gather_plain_frac={} memcpy_gbps={:.2} loopback_tcp_gbps={loopback:.2} world={world} allreduce_64MiB_busbw_GBps={} allreduce_1KiB_us={} reduce_scatter_64MiB_busbw_GBps={} all_gather_64MiB_busbw_GBps={} tcp_allreduce_64MiB_busbw_GBps={}",
+            "summary: allreduce_frac_of_bound={} reduce_scatter_frac={} all_gather_frac={} tcp_frac_of_loopback={tcp_frac} allreduce_plain_frac={} reduce_scatter_plain_frac={} all_gather_plain_frac={} memcpy_gbps={:.2} loopback_tcp_gbps={loopback:.2} world={world} allreduce_64MiB_busbw_GBps={} allreduce_1KiB_us={} reduce_scatter_64MiB_busbw_GBps={} all_gather_64MiB_busbw_GBps={} tcp_allreduce_64MiB_busbw_GBps={} tcp_frac_of_exchange={tcp_duplex_frac} tcp_exchange_gbps={}",
             frac("all_reduce"),
             frac("reduce_scatter"),
             frac("all_gather"),
@@ -390,6 +505,7 @@ fn main() -> Result<()> {
             get(&headline("reduce_scatter"), "reduce_scatter", big, false),
             get(&headline("all_gather"), "all_gather", big, false),
             get("tcp", "all_reduce", big, false),
+            duplex.map_or("n/a".to_string(), |g| format!("{g:.2}")),
         )?;
         if let Some(dir) = &temp_dir {
             // Give the other ranks a moment to finish reading, then clean up the store.
