@@ -151,7 +151,7 @@ pub fn memcpy_gbps(bytes: usize) -> f64 {
 }
 
 /// Where a limit's buffers come from. The kernel copies TCP payloads to and from user pages,
-/// and what backs those pages moves the figures both ways (on a 2-vCPU Zen 1, huge pages ran a
+/// and what backs those pages moves the figures both ways (on a 2-vCPU Zen 3, huge pages ran a
 /// two-way 64 MiB exchange at 2.2–2.7 GB/s each way against 0.9–1.2 on 4 KiB pages, while one
 /// stream out of a 4 MiB buffer was faster on 4 KiB pages), so every limit is measured on both
 /// and the better counts: a limit must not be lowered by the choice.

@@ -182,7 +182,7 @@ pub(crate) struct TcpBackend {
 
 /// The default `tcp_segment_bytes` of a host whose L2 cache per core is `l2` bytes: the largest
 /// power of two up to an eighth of it, within 64–256 KiB (256 KiB when unknown). The fold slot
-/// and the segments in flight then stay in L2: on a Zen 1 core (512 KiB of L2) 64 KiB
+/// and the segments in flight then stay in L2: on an AMD EPYC core (512 KiB of L2) 64 KiB
 /// segments ran the two-rank all_reduce of 64 MiB 14 % faster than 256 KiB ones, which suit a
 /// Xeon's 2 MiB.
 pub(crate) fn segment_for_l2(l2: Option<usize>) -> usize {
