@@ -8,17 +8,19 @@ use std::time::{Duration, Instant};
 
 use rsrun_training_engine::native::isa::{Isa, isa};
 
+/// The value of the first `key : value` line of `/proc/cpuinfo` whose key is exactly `key`,
+/// with its whitespace runs collapsed to single spaces.
+fn cpuinfo_field(info: &str, key: &str) -> Option<String> {
+    info.lines()
+        .filter_map(|l| l.split_once(':'))
+        .find(|(k, _)| k.trim() == key)
+        .map(|(_, v)| v.split_whitespace().collect::<Vec<_>>().join(" "))
+}
+
 /// The CPU model name (`/proc/cpuinfo`), or "unknown".
 pub fn cpu_model() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("model name"))
-                .and_then(|l| l.split_once(':'))
-                .map(|(_, v)| v.split_whitespace().collect::<Vec<_>>().join(" "))
-        })
-        .unwrap_or_else(|| "unknown".into())
+    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    cpuinfo_field(&info, "model name").unwrap_or_else(|| "unknown".into())
 }
 
 /// The CPU's `cpu family` and `model` numbers (`/proc/cpuinfo`), which name the
@@ -26,12 +28,7 @@ pub fn cpu_model() -> String {
 /// is Zen 1 or Zen 2, of family 25 Zen 3 or Zen 4); "?" for a missing one.
 pub fn cpu_family_model() -> (String, String) {
     let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    let field = |key: &str| {
-        info.lines()
-            .find(|l| l.split_once(':').is_some_and(|(k, _)| k.trim() == key))
-            .and_then(|l| l.split_once(':'))
-            .map_or_else(|| "?".to_string(), |(_, v)| v.trim().to_string())
-    };
+    let field = |key| cpuinfo_field(&info, key).unwrap_or_else(|| "?".into());
     (field("cpu family"), field("model"))
 }
 

@@ -13,7 +13,8 @@
 //! Prints the machine, then the physical limits measured in the same run: memcpy bandwidth per
 //! rank with every rank copying 64 MiB at once (bytes read + written per second), one TCP
 //! stream over loopback, and (two ranks on one host) 64 MiB sent each way at once over one
-//! loopback connection between the ranks (the traffic of a two-rank all_reduce). Then one line per (backend, op, size):
+//! loopback connection between the ranks (the traffic of a two-rank all_reduce). Then one line
+//! per (backend, op, size):
 //! `op=all_reduce backend=shm world=2 bytes=67108864 time_us=... algbw_GBps=... busbw_GBps=...`
 //! with `algbw = bytes / time` and `busbw = algbw · 2(N−1)/N` (all_reduce) or `· (N−1)/N`
 //! (reduce_scatter: bytes = input; all_gather: bytes = output).
@@ -228,8 +229,8 @@ fn time_op(pg: &ProcessGroup, op: &str, bytes: usize, registered: bool) -> Resul
 
 /// The two-way TCP exchange limit (`machine::tcp_exchange_secs`) between the two ranks of a
 /// two-rank group on one host: GB/s each way, best of three on each kind of `Pages`, the same
-/// on both ranks. `None` for
-/// other group sizes, and when the ranks' hostnames differ (loopback does not reach the peer).
+/// on both ranks. `None` for other group sizes, and when the ranks' hostnames differ (loopback
+/// does not reach the peer).
 fn exchange_gbps(
     pg: &ProcessGroup,
     store: &dyn rsrun_training_engine::comm::Store,
@@ -334,9 +335,10 @@ fn main() -> Result<()> {
     let mut results: BTreeMap<(String, String, usize), (f64, f64)> = BTreeMap::new();
     // Physical limits, in this run: memcpy with every rank copying at once, over the same
     // footprint as the op (the in-place all_reduce's 64 MiB buffer: 32 MiB copied to 32 MiB;
-    // reduce_scatter / all_gather: 64 + 64/N MiB), and one TCP stream over loopback.
+    // reduce_scatter / all_gather: 64 + 64/N MiB), one TCP stream over loopback, and the
+    // two-rank TCP exchange.
     let big = 64usize << 20;
-    let (memcpy, loopback, duplex) = {
+    let (memcpy, loopback, exchange) = {
         let opts = CommOptions {
             timeout: Duration::from_secs(120),
             ..CommOptions::default()
@@ -355,8 +357,8 @@ fn main() -> Result<()> {
             0.0
         };
         pg.barrier()?;
-        let duplex = exchange_gbps(&pg, &*store, rank, big)?;
-        (bw, loopback, duplex)
+        let exchange = exchange_gbps(&pg, &*store, rank, big)?;
+        (bw, loopback, exchange)
     };
     let memcpy_for = |op: &str| {
         if op == "all_reduce" {
@@ -373,7 +375,7 @@ fn main() -> Result<()> {
             memcpy[0],
             memcpy[1],
             (big + big / world) >> 20,
-            duplex.map_or("n/a".to_string(), |g| format!("{g:.2}")),
+            exchange.map_or("n/a".to_string(), |g| format!("{g:.2}")),
             big >> 20
         )?;
     }
@@ -486,13 +488,13 @@ fn main() -> Result<()> {
         }
         let tcp_bw = results.get(&("tcp".to_string(), "all_reduce".to_string(), big));
         let tcp_frac = tcp_bw.map_or("n/a".to_string(), |(_, bw)| format!("{:.2}", bw / loopback));
-        let tcp_duplex_frac = match (tcp_bw, duplex) {
+        let tcp_exchange_frac = match (tcp_bw, exchange) {
             (Some((_, bw)), Some(d)) => format!("{:.2}", bw / d),
             _ => "n/a".to_string(),
         };
         writeln!(
             out,
-            "summary: allreduce_frac_of_bound={} reduce_scatter_frac={} all_gather_frac={} tcp_frac_of_loopback={tcp_frac} allreduce_plain_frac={} reduce_scatter_plain_frac={} all_gather_plain_frac={} memcpy_gbps={:.2} loopback_tcp_gbps={loopback:.2} world={world} allreduce_64MiB_busbw_GBps={} allreduce_1KiB_us={} reduce_scatter_64MiB_busbw_GBps={} all_gather_64MiB_busbw_GBps={} tcp_allreduce_64MiB_busbw_GBps={} tcp_frac_of_exchange={tcp_duplex_frac} tcp_exchange_gbps={}",
+            "summary: allreduce_frac_of_bound={} reduce_scatter_frac={} all_gather_frac={} tcp_frac_of_loopback={tcp_frac} allreduce_plain_frac={} reduce_scatter_plain_frac={} all_gather_plain_frac={} memcpy_gbps={:.2} loopback_tcp_gbps={loopback:.2} world={world} allreduce_64MiB_busbw_GBps={} allreduce_1KiB_us={} reduce_scatter_64MiB_busbw_GBps={} all_gather_64MiB_busbw_GBps={} tcp_allreduce_64MiB_busbw_GBps={} tcp_frac_of_exchange={tcp_exchange_frac} tcp_exchange_gbps={}",
             frac("all_reduce"),
             frac("reduce_scatter"),
             frac("all_gather"),
@@ -505,7 +507,7 @@ fn main() -> Result<()> {
             get(&headline("reduce_scatter"), "reduce_scatter", big, false),
             get(&headline("all_gather"), "all_gather", big, false),
             get("tcp", "all_reduce", big, false),
-            duplex.map_or("n/a".to_string(), |g| format!("{g:.2}")),
+            exchange.map_or("n/a".to_string(), |g| format!("{g:.2}")),
         )?;
         if let Some(dir) = &temp_dir {
             // Give the other ranks a moment to finish reading, then clean up the store.
