@@ -679,7 +679,8 @@ unsafe fn kernel_avx512(
     init: Init,
 ) {
     use std::arch::x86_64::*;
-    let mut acc = [_mm512_setzero_ps(); 24];
+    // The k loop writes every accumulator before the epilogue reads it (no zeroing stores).
+    let mut acc = std::mem::MaybeUninit::<[__m512; 24]>::uninit();
     // SAFETY: the loop reads A and B inside the bounds of the contract and writes only `acc`;
     // every clobbered vector register is declared. Prefetches only hint (the tile is valid
     // memory); they bring the destination in while the k loop runs.
@@ -704,6 +705,8 @@ unsafe fn kernel_avx512(
             6 => kloop_avx512::<6>(k, a, ar, b, acc.as_mut_ptr().cast()),
             _ => panic!("k stride {ap}: the kernels take 1 (in place) or 6 (packed)"),
         }
+        // SAFETY (assume_init): the k loop stored all twenty-four accumulators.
+        let acc = acc.assume_init();
         for (r, row) in acc.chunks_exact(4).enumerate() {
             let cr = c.add(r * rs);
             for (q, v) in row.iter().enumerate() {
@@ -745,14 +748,19 @@ unsafe fn kernel_avx2(
     init: Init,
 ) {
     use std::arch::x86_64::*;
-    let mut acc = [_mm256_setzero_ps(); 12];
+    // The k loop writes every accumulator before the epilogue reads it (no zeroing stores).
+    let mut acc = std::mem::MaybeUninit::<[__m256; 12]>::uninit();
     // SAFETY: as in `kernel_avx512`.
     unsafe {
-        if load {
-            for r in 0..6 {
-                _mm_prefetch::<_MM_HINT_T0>(c.add(r * rs).cast());
-            }
-        } else if !init.res.is_null() {
+        // The destination tile is written at the end whether or not it is read, so its lines
+        // are asked for now, fresh products included (their tiles are often in no cache): the
+        // epilogue's stores then do not wait on them. Fresh 1024×1024×256 products on the Zen 3
+        // went from medians of 61, 60 and 79 to 68, 64 and 80 GFLOP/s in three in-process A/B
+        // runs of 60 alternating calls each.
+        for r in 0..6 {
+            _mm_prefetch::<_MM_HINT_T0>(c.add(r * rs).cast());
+        }
+        if !load && !init.res.is_null() {
             for r in 0..6 {
                 _mm_prefetch::<_MM_HINT_T0>(init.res.add(r * init.res_rs).cast());
             }
@@ -764,6 +772,8 @@ unsafe fn kernel_avx2(
             6 => kloop_avx2::<6>(k, a, ar, b, acc.as_mut_ptr().cast()),
             _ => panic!("k stride {ap}: the kernels take 1 (in place) or 6 (packed)"),
         }
+        // SAFETY (assume_init): the k loop stored all twelve accumulators.
+        let acc = acc.assume_init();
         for (r, row) in acc.chunks_exact(2).enumerate() {
             let cr = c.add(r * rs);
             let (mut v0, mut v1) = (row[0], row[1]);
