@@ -722,7 +722,9 @@ impl ShmBackend {
     }
 
     /// Zero-copy all_gather into a window (after [`Self::first_sync_win`] on the output): rank r
-    /// writes its input into block r of every rank's output, then one synchronization.
+    /// writes its input into block r of every rank's output, then one synchronization. Outputs
+    /// of at least [`STREAM_MIN`] are written with streaming stores, as the staged path's are
+    /// (64 MiB on a 2-vCPU Zen 3: 0.54–0.82 of the memcpy bound before, 0.87–1.15 after).
     fn all_gather_window(
         &mut self,
         h: &OpHeader,
@@ -744,6 +746,7 @@ impl ShmBackend {
             })
             .collect();
         let piece = 4 * WINDOW_PIECE;
+        let stream = out.len() >= STREAM_MIN;
         let mut c = 0;
         while c < s {
             let l = piece.min(s - c);
@@ -751,7 +754,7 @@ impl ShmBackend {
                 // SAFETY: every rank is inside this op with its output at `off` of window `w`
                 // (n × s bytes), so block r of each is valid and written only by us until the
                 // next synchronization; `input` is a distinct user buffer.
-                unsafe { std::ptr::copy_nonoverlapping(input.as_ptr().add(c), d.add(c), l) };
+                unsafe { copy_out(d.add(c), input.as_ptr().add(c), l, stream) };
             }
             c += l;
         }
@@ -794,6 +797,9 @@ impl ShmBackend {
             // it until the next synchronization; `own` aliases exactly source r.
             unsafe {
                 fold_bytes_raw(h.dtype, op, own.add(c), &srcs, l, avg)?;
+                // Plain stores: the fold has just read these lines of each peer's block, so they
+                // are in cache (streaming stores here took 11.9–13.9 ms for 64 MiB on a Zen 3
+                // against 11.6–12.6 without).
                 for (j, p) in bufs.iter().enumerate() {
                     if j != r {
                         std::ptr::copy_nonoverlapping(own.add(c), p.add(c), l);

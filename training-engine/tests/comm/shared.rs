@@ -204,3 +204,33 @@ fn other_backends_hand_out_heap_buffers() {
         }
     }
 }
+
+#[test]
+fn registered_all_gather_past_the_streaming_size_matches_the_staged_one() {
+    // Outputs of 8 MiB and more take streaming stores on both paths; an odd bf16 count puts
+    // every block but the first at an unaligned address (head and tail copied plainly).
+    let len = 2_200_007;
+    for world in [2, 3] {
+        let res = run_threads(
+            world,
+            |r| opts_for(BackendKind::Shm, r),
+            move |pg| {
+                let (r, n) = (pg.rank(), pg.world_size());
+                let inp = rnd::<bf16>(r, len);
+                let mut plain = vec![bf16::from_f32(0.0); len * n];
+                pg.all_gather(&inp, &mut plain)?;
+                let mut shared = pg.alloc_shared::<bf16>(len * n)?;
+                pg.all_gather(&inp, &mut shared)?;
+                assert!(std::mem::size_of_val(&shared[..]) >= 8 << 20);
+                let want: Vec<bf16> = (0..n).flat_map(|j| rnd::<bf16>(j, len)).collect();
+                assert_eq!(bits(&plain), bits(&want), "staged, world {n} rank {r}");
+                assert_eq!(bits(&shared), bits(&want), "registered, world {n} rank {r}");
+                assert_eq!(zero_copy(&pg, OpKind::AllGather), 1);
+                Ok(())
+            },
+        );
+        for r in res {
+            r.unwrap_or_else(|e| panic!("world {world}: {e}"));
+        }
+    }
+}
