@@ -22,7 +22,9 @@
 //! The memory-traffic bound of an op is the time each rank needs just to read its input once
 //! and write its output once at the measured memcpy bandwidth (all_reduce `2B`, reduce_scatter
 //! `B + B/N`, all_gather `B/N + B` bytes of traffic per rank for `B` bytes); `frac` is that time
-//! over the measured one. On the shm backend all_reduce and all_gather run twice: on buffers
+//! over the measured one. The memcpy pays a read-for-ownership for every line it writes; the shm
+//! backend writes big all_gather outputs with streaming stores, which do not, so their `frac` can
+//! pass 1. On the shm backend all_reduce and all_gather run twice: on buffers
 //! registered with the group (`ProcessGroup::alloc_shared`, the zero-copy path DDP's gradients
 //! use; `buffers=registered`) and on plain vectors (`buffers=plain`, staged through the
 //! segment). The headline fractions use registered buffers where an op has them, and the plain
