@@ -231,8 +231,8 @@ fn time_op(pg: &ProcessGroup, op: &str, bytes: usize, registered: bool) -> Resul
 
 /// The two-way TCP exchange limit (`machine::tcp_exchange_secs`) between the two ranks of a
 /// two-rank group on one host: GB/s each way, best of three on each kind of `Pages`, the same
-/// on both ranks. `None` for other group sizes, and when the ranks' hostnames differ (loopback
-/// does not reach the peer).
+/// on both ranks. `None` for other group sizes, and when the ranks' host identities differ
+/// (`comm::host_identity`: another machine or network namespace, which loopback does not reach).
 fn exchange_gbps(
     pg: &ProcessGroup,
     store: &dyn rsrun_training_engine::comm::Store,
@@ -243,13 +243,9 @@ fn exchange_gbps(
         return Ok(None);
     }
     let wait = Duration::from_secs(60);
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-    store.set(
-        &format!("bench/exchange/hostname/{rank}"),
-        host.trim().as_bytes(),
-    )?;
-    if store.get(&format!("bench/exchange/hostname/{}", 1 - rank), wait)? != host.trim().as_bytes()
-    {
+    let host = rsrun_training_engine::comm::host_identity();
+    store.set(&format!("bench/exchange/host/{rank}"), host.as_bytes())?;
+    if store.get(&format!("bench/exchange/host/{}", 1 - rank), wait)? != host.as_bytes() {
         return Ok(None);
     }
     let key = "bench/exchange/port";
@@ -362,6 +358,7 @@ fn main() -> Result<()> {
         let exchange = exchange_gbps(&pg, &*store, rank, big)?;
         (bw, loopback, exchange)
     };
+    let exchange_txt = exchange.map_or("n/a".to_string(), |g| format!("{g:.2}"));
     let memcpy_for = |op: &str| {
         if op == "all_reduce" {
             memcpy[0]
@@ -373,11 +370,10 @@ fn main() -> Result<()> {
         writeln!(out, "{}", rsrun_examples::machine::describe())?;
         writeln!(
             out,
-            "limits: memcpy_gbps_per_rank={:.2} (64 MiB footprint) {:.2} ({} MiB footprint) (read+write, all {world} ranks copying at once) loopback_tcp_gbps={loopback:.2} (one stream) tcp_exchange_gbps={} (each way, {} MiB both ways at once between ranks 0 and 1 over loopback: a two-rank all_reduce's traffic with nothing else to do)",
+            "limits: memcpy_gbps_per_rank={:.2} (64 MiB footprint) {:.2} ({} MiB footprint) (read+write, all {world} ranks copying at once) loopback_tcp_gbps={loopback:.2} (one stream) tcp_exchange_gbps={exchange_txt} (each way, {} MiB both ways at once between ranks 0 and 1 over loopback: a two-rank all_reduce's traffic with nothing else to do)",
             memcpy[0],
             memcpy[1],
             (big + big / world) >> 20,
-            exchange.map_or("n/a".to_string(), |g| format!("{g:.2}")),
             big >> 20
         )?;
     }
@@ -496,7 +492,7 @@ fn main() -> Result<()> {
         };
         writeln!(
             out,
-            "summary: allreduce_frac_of_bound={} reduce_scatter_frac={} all_gather_frac={} tcp_frac_of_loopback={tcp_frac} allreduce_plain_frac={} reduce_scatter_plain_frac={} all_gather_plain_frac={} memcpy_gbps={:.2} loopback_tcp_gbps={loopback:.2} world={world} allreduce_64MiB_busbw_GBps={} allreduce_1KiB_us={} reduce_scatter_64MiB_busbw_GBps={} all_gather_64MiB_busbw_GBps={} tcp_allreduce_64MiB_busbw_GBps={} tcp_frac_of_exchange={tcp_exchange_frac} tcp_exchange_gbps={}",
+            "summary: allreduce_frac_of_bound={} reduce_scatter_frac={} all_gather_frac={} tcp_frac_of_loopback={tcp_frac} allreduce_plain_frac={} reduce_scatter_plain_frac={} all_gather_plain_frac={} memcpy_gbps={:.2} loopback_tcp_gbps={loopback:.2} world={world} allreduce_64MiB_busbw_GBps={} allreduce_1KiB_us={} reduce_scatter_64MiB_busbw_GBps={} all_gather_64MiB_busbw_GBps={} tcp_allreduce_64MiB_busbw_GBps={} tcp_frac_of_exchange={tcp_exchange_frac} tcp_exchange_gbps={exchange_txt}",
             frac("all_reduce"),
             frac("reduce_scatter"),
             frac("all_gather"),
@@ -509,7 +505,6 @@ fn main() -> Result<()> {
             get(&headline("reduce_scatter"), "reduce_scatter", big, false),
             get(&headline("all_gather"), "all_gather", big, false),
             get("tcp", "all_reduce", big, false),
-            exchange.map_or("n/a".to_string(), |g| format!("{g:.2}")),
         )?;
         if let Some(dir) = &temp_dir {
             // Give the other ranks a moment to finish reading, then clean up the store.
