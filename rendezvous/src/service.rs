@@ -483,20 +483,21 @@ impl Core {
         let mut rx = self.flushed.clone();
         let deadline = Instant::now() + DURABILITY_TIMEOUT;
         loop {
-            {
-                let f = rx.borrow_and_update();
-                if f.term != settle.term {
-                    return Err(self.not_leader());
-                }
-                if let Some(e) = &f.fatal {
-                    return Err(e.clone());
-                }
-                if f.seq >= settle.seq && f.confirmed >= settle.ticket {
-                    return Ok(());
-                }
-                if let Some(e) = &f.error {
-                    return Err(RdzvError::Unavailable(format!("the change is not durable yet: {e}")));
-                }
+            // A copy, not the borrow: the borrow is a read lock that `demote` waits for while it
+            // holds the executor's lock, which `not_leader` takes (lock order: the executor's, then
+            // the channel's; holding them the other way round deadlocked a daemon at a step-down).
+            let f = rx.borrow_and_update().clone();
+            if f.term != settle.term {
+                return Err(self.not_leader());
+            }
+            if let Some(e) = f.fatal {
+                return Err(e);
+            }
+            if f.seq >= settle.seq && f.confirmed >= settle.ticket {
+                return Ok(());
+            }
+            if let Some(e) = &f.error {
+                return Err(RdzvError::Unavailable(format!("the change is not durable yet: {e}")));
             }
             tokio::select! {
                 r = rx.changed() => if r.is_err() { return Err(RdzvError::ShuttingDown) },

@@ -122,3 +122,83 @@ async fn the_refusal_travels_as_unavailable_with_a_typed_hint() {
     let e = RdzvError::from(tonic::Status::from(RdzvError::NotLeader { leader: String::new(), epoch: 0 }));
     assert!(e.is_retryable() && e.to_string().contains("election"), "{e}");
 }
+
+/// A log whose every write takes a while, so callers are always waiting for durability.
+struct SlowLog;
+
+impl LogStore for SlowLog {
+    fn append(&mut self, _records: &[u8], _first_seq: u64, _last_seq: u64) -> Result<(), RdzvError> {
+        std::thread::sleep(Duration::from_millis(3));
+        Ok(())
+    }
+    fn compact(&mut self, _state: &State, _seq: u64) -> Result<(), RdzvError> {
+        Ok(())
+    }
+    fn compact_every(&self) -> u64 {
+        u64::MAX
+    }
+}
+
+/// A step-down wakes every caller waiting for durability; each then asks who leads. The HA node
+/// demotes twice in a row (the leader loop, then the end of its session), so those callers ask
+/// while the second demotion holds the executor's lock and publishes the new term. A caller that
+/// held the durability channel while it took the lock deadlocked with it, and with two runtime
+/// threads blocked the daemon answered nothing, not even `DaemonInfo` (CI, stop 24).
+#[test]
+fn step_downs_with_callers_waiting_for_durability_never_deadlock() {
+    // The rounds run on a thread of their own, watched from here with a plain channel: a deadlock
+    // can block every runtime thread, timers included, and must still fail the test, not hang it.
+    let (progress, rounds) = std::sync::mpsc::channel::<u64>();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build().unwrap();
+        rt.block_on(async {
+            let core = standby_core();
+            for round in 0..200u64 {
+                core.replica_reset(State::default(), 0, 0).unwrap();
+                core.promote(round + 1, Box::new(SlowLog)).unwrap();
+                core.execute(join("a")).await.unwrap();
+                let scope = Scope { job: "j".into(), round: 1, round_scoped: false };
+                let callers: Vec<_> = (0..8)
+                    .map(|i| {
+                        let (core, scope) = (core.clone(), scope.clone());
+                        tokio::spawn(async move {
+                            for n in 0.. {
+                                let cmd = Command::StoreSet { scope: scope.clone(), key: format!("k{i}-{n}"), value: vec![1] };
+                                if core.execute(cmd).await.is_err() {
+                                    break;
+                                }
+                            }
+                        })
+                    })
+                    .collect();
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                let c = core.clone();
+                tokio::task::spawn_blocking(move || {
+                    c.demote("", 0);
+                    c.demote("", 0);
+                })
+                .await
+                .unwrap();
+                for c in callers {
+                    c.await.unwrap();
+                }
+                if progress.send(round).is_err() {
+                    return;
+                }
+            }
+        });
+        // Leaked on purpose when the watcher gave up: dropping it would wait for stuck threads.
+        std::mem::forget(rt);
+    });
+    let mut done = None;
+    loop {
+        match rounds.recv_timeout(Duration::from_secs(20)) {
+            Ok(r) => done = Some(r),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                panic!("the step-down after round {done:?} deadlocked with the callers waiting for durability")
+            }
+        }
+    }
+    assert_eq!(done, Some(199), "the rounds ended early");
+}

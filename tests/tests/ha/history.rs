@@ -157,6 +157,13 @@ impl Workload {
     }
 }
 
+/// Returns once the workload is stopped.
+async fn stopped(stop: &AtomicBool) {
+    while !stop.load(Ordering::Relaxed) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 async fn member(agent: usize, client: RdzvClient, stop: Arc<AtomicBool>, h: Arc<History>, job: String) {
     let node = format!("node-{agent}");
     let spec = JobSpec {
@@ -168,19 +175,23 @@ async fn member(agent: usize, client: RdzvClient, stop: Arc<AtomicBool>, h: Arc<
         fixed_ranks: false,
     };
     while !stop.load(Ordering::Relaxed) {
-        let joined = client
-            .join(JoinSpec {
-                job_id: job.clone(),
-                node_id: node.clone(),
-                addrs: vec!["127.0.0.1".into()],
-                local_world_size: 1,
-                rank_hint: None,
-                config: spec.clone(),
-                timeout: Duration::from_secs(30),
-                master_port: 1,
-                hostname: node.clone(),
-            })
-            .await;
+        let join = client.join(JoinSpec {
+            job_id: job.clone(),
+            node_id: node.clone(),
+            addrs: vec!["127.0.0.1".into()],
+            local_world_size: 1,
+            rank_hint: None,
+            config: spec.clone(),
+            timeout: Duration::from_secs(30),
+            master_port: 1,
+            hostname: node.clone(),
+        });
+        // A join waits for all three agents: once the others stopped, it would sit out its 30 s.
+        // Given up at the stop, it records nothing (only acknowledged assignments are checked).
+        let joined = tokio::select! {
+            r = join => r,
+            _ = stopped(&stop) => return,
+        };
         h.push(Op::Epoch { client: 20 + agent, epoch: client.epoch() });
         let resp = match joined {
             Ok(r) => r,
