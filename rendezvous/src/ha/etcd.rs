@@ -564,9 +564,11 @@ impl WatchStream {
     }
 
     /// Asks for a progress notification (a response with the current revision and no events).
-    pub async fn request_progress(&self) {
+    /// Never waits: a request stream that stopped draining must not stall the caller's loop (the
+    /// connection's keepalive ends such a watch; a request that does not fit is simply not sent).
+    pub fn request_progress(&self) {
         let req = epb::WatchRequest { request_union: Some(epb::watch_request::RequestUnion::ProgressRequest(epb::WatchProgressRequest {})) };
-        let _ = self.tx.send(req).await;
+        let _ = self.tx.try_send(req);
     }
 
     /// The endpoint the watch runs on.

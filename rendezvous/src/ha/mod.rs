@@ -292,6 +292,14 @@ impl Node {
         Ok(session)
     }
 
+    /// Sleeps `d`, or ends the session early when the daemon stops.
+    async fn nap(&self, d: Duration) -> Result<(), End> {
+        tokio::select! {
+            _ = tokio::time::sleep(d) => Ok(()),
+            _ = self.cancel.cancelled() => Err(End::Cancelled),
+        }
+    }
+
     /// Retries an idempotent etcd call while it gets no answer (until cancelled).
     async fn retry<T, F, Fut>(&self, mut f: F) -> Result<T, End>
     where
@@ -344,11 +352,20 @@ impl Node {
             if decide_now {
                 decide_now = false;
                 let p = self.keys.election_prefix();
-                let (kvs, rev) = match self.etcd.range_all(&p, &prefix_end(&p), 0, 1000).await {
+                // Every etcd call and pause here also ends at the stop: while etcd is away this
+                // loop is all the standby runs, and a stopping daemon waits for it.
+                let end = prefix_end(&p);
+                let listed = tokio::select! {
+                    r = self.etcd.range_all(&p, &end, 0, 1000) => r,
+                    _ = self.cancel.cancelled() => return End::Cancelled,
+                };
+                let (kvs, rev) = match listed {
                     Ok(x) => x,
                     Err(e) => {
                         tracing::debug!(error = %e, "cannot list campaigners; retrying");
-                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        if let Err(end) = self.nap(Duration::from_millis(100)).await {
+                            return end;
+                        }
                         decide_now = true;
                         continue;
                     }
@@ -359,11 +376,17 @@ impl Node {
                     Decision::Lead => break,
                     Decision::WaitFor { key, .. } => {
                         let create = epb::WatchCreateRequest { key: key.clone(), start_revision: rev + 1, ..Default::default() };
-                        match self.etcd.watch(create).await {
+                        let watched = tokio::select! {
+                            r = self.etcd.watch(create) => r,
+                            _ = self.cancel.cancelled() => return End::Cancelled,
+                        };
+                        match watched {
                             Ok(w) => predecessor = Some((key, w)),
                             Err(e) => {
                                 tracing::debug!(error = %e, "cannot watch the predecessor; deciding again");
-                                tokio::time::sleep(Duration::from_millis(100)).await;
+                                if let Err(end) = self.nap(Duration::from_millis(100)).await {
+                                    return end;
+                                }
                                 decide_now = true;
                                 continue;
                             }
@@ -417,7 +440,7 @@ impl Node {
                 }
                 _ = progress.tick() => {
                     if let Some(w) = &follow.watch {
-                        w.request_progress().await;
+                        w.request_progress();
                     }
                     if follow.last_heard.elapsed() > Duration::from_secs(15) {
                         tracing::warn!("no word from the log watch for 15 s; reopening it");
@@ -570,7 +593,11 @@ impl Node {
     async fn resync(&self, _old: Option<Follow>) -> Result<Follow, End> {
         let mut pause = Duration::from_millis(50);
         let r = loop {
-            match recover(&self.etcd, &self.keys, 0).await {
+            let recovered = tokio::select! {
+                r = recover(&self.etcd, &self.keys, 0) => r,
+                _ = self.cancel.cancelled() => return Err(End::Cancelled),
+            };
+            match recovered {
                 Ok(r) => break r,
                 Err(RecoverError::Damaged(m)) => {
                     tracing::error!(error = %m, "cannot rebuild the replica: the rsrun log in etcd is damaged");
@@ -610,7 +637,11 @@ impl Node {
         };
         let mut pause = Duration::from_millis(50);
         loop {
-            match self.etcd.watch(create.clone()).await {
+            let watched = tokio::select! {
+                r = self.etcd.watch(create.clone()) => r,
+                _ = self.cancel.cancelled() => return Err(End::Cancelled),
+            };
+            match watched {
                 Ok(w) => {
                     f.watch = Some(w);
                     f.last_heard = Instant::now();

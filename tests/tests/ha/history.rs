@@ -387,7 +387,7 @@ pub(crate) fn no_commit_by_a_deposed_leader(g: &HaGroup) -> String {
             if rev >= now {
                 break;
             }
-            w.request_progress().await;
+            w.request_progress();
         }
     });
     format!("{batches} batches all by the current leader ({leaders} leader records)")

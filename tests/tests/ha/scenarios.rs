@@ -149,6 +149,23 @@ fn a_leader_cut_off_from_etcd_fences_itself_while_clients_still_reach_it() {
 }
 
 #[test]
+fn a_standby_cut_off_from_etcd_still_stops_at_sigterm() {
+    let Some(mut g) = HaGroup::start("a_standby_cut_off_from_etcd_still_stops_at_sigterm", 2, 2) else { return };
+    let leader = g.wait_leader(Duration::from_secs(20));
+    let standby = 1 - leader;
+    g.etcd_link(standby, Fault::Blackhole);
+    // Long enough for its watches to break (etcd keepalive, 3 s) and its retries to begin: a
+    // standby that cannot reach etcd spends its time listing the campaigners again and again.
+    std::thread::sleep(Duration::from_secs(8));
+    let t = Instant::now();
+    g.terminate(standby);
+    let took = t.elapsed();
+    eprintln!("standby d{standby} cut off from etcd stopped {took:.2?} after SIGTERM");
+    // `terminate` gives up (and kills) after 20 s: a standby that ignored the stop takes that long.
+    assert!(took < Duration::from_secs(10), "the standby took {took:?} to stop at SIGTERM\n{}", g.logs());
+}
+
+#[test]
 fn clients_cut_off_from_the_leader_wait_and_go_on() {
     let Some((g, w)) = begin("clients_cut_off_from_the_leader_wait_and_go_on", 2, 2, "clients") else { return };
     let leader = g.wait_leader(Duration::from_secs(20));
