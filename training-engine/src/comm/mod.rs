@@ -687,14 +687,14 @@ impl ProcessGroup {
             done: AtomicBool::new(false),
         });
         *lock(&self.inner.pending.0) += 1;
-        let inner = self.inner.clone();
-        let s2 = slot.clone();
+        let guard = JobGuard {
+            slot: slot.clone(),
+            inner: self.inner.clone(),
+        };
         let job: Job = Box::new(move || {
-            let r = f(&inner);
-            s2.complete(r);
-            let (m, cv) = &inner.pending;
-            *lock(m) -= 1;
-            cv.notify_all();
+            let r = f(&guard.inner);
+            guard.slot.complete(r);
+            // Dropping the guard ends the pending count.
         });
         let mut q = lock(&self.inner.queue);
         let tx = q.get_or_insert_with(|| {
@@ -703,7 +703,9 @@ impl ProcessGroup {
                 .name(format!("comm-{}", self.inner.ctx.rank))
                 .spawn(move || {
                     while let Ok(job) = rx.recv() {
-                        job();
+                        // A job that panics is settled with an error by its guard; the thread
+                        // lives on for the jobs queued behind it (the panic hook has reported it).
+                        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(job));
                     }
                 })
                 .map(|_| ())
@@ -711,15 +713,9 @@ impl ProcessGroup {
             tx
         });
         if let Err(mpsc::SendError(job)) = tx.send(job) {
+            // The thread is gone: the job's guard settles the work with an error.
             drop(job);
             *q = None;
-            let (m, cv) = &self.inner.pending;
-            *lock(m) -= 1;
-            cv.notify_all();
-            slot.complete(Err(CommError::Io {
-                context: "async op".into(),
-                message: "communication thread unavailable".into(),
-            }));
         }
         Work { slot }
     }
@@ -878,7 +874,30 @@ impl Inner {
             h.seq = st.seq;
         }
         let mut t = Traffic::default();
-        match f(&mut *st.backend, &h, &mut t) {
+        // A panic inside a backend leaves it mid-protocol: the group is failed (and the peers
+        // told) before the panic goes on, so no later op runs on the broken state.
+        let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            f(&mut *st.backend, &h, &mut t)
+        }));
+        let outcome = match run {
+            Ok(r) => r,
+            Err(panic) => {
+                let what = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a non-string payload".into());
+                let e = CommError::Io {
+                    context: format!("{} (op {})", h.kind.name(), h.seq),
+                    message: format!("the backend panicked: {what}"),
+                };
+                st.backend.abort(&e);
+                st.failed = Some(e);
+                drop(st);
+                std::panic::resume_unwind(panic);
+            }
+        };
+        match outcome {
             Ok(()) => {
                 lock(&self.stats).record(h.kind, t);
                 Ok(())
@@ -988,6 +1007,34 @@ struct WorkSlot<T> {
     done: AtomicBool,
 }
 
+/// Settles an async job however it ends: after the job stored its result, or with an error when
+/// the job panicked or was dropped unrun (its communication thread died, or never started). Either
+/// way the pending count goes down, so neither [`Work::wait`] nor the next synchronous op waits for
+/// it forever.
+struct JobGuard<R> {
+    slot: Arc<WorkSlot<R>>,
+    inner: Arc<Inner>,
+}
+
+impl<R> Drop for JobGuard<R> {
+    fn drop(&mut self) {
+        if !self.slot.done.load(Ordering::Acquire) {
+            let message = if std::thread::panicking() {
+                "the operation panicked on the communication thread (the group is failed)"
+            } else {
+                "the communication thread ended before the operation ran"
+            };
+            self.slot.complete(Err(CommError::Io {
+                context: "async op".into(),
+                message: message.into(),
+            }));
+        }
+        let (m, cv) = &self.inner.pending;
+        *lock(m) -= 1;
+        cv.notify_all();
+    }
+}
+
 impl<T> WorkSlot<T> {
     fn complete(&self, r: Result<T>) {
         *lock(&self.result) = Some(r);
@@ -1027,5 +1074,63 @@ impl<T> Work<T> {
             }
             g = self.slot.cv.wait(g).unwrap_or_else(|p| p.into_inner());
         }
+    }
+}
+
+#[cfg(test)]
+mod guard_tests {
+    use super::*;
+
+    fn solo(prefix: &str) -> ProcessGroup {
+        ProcessGroup::new(0, 1, Arc::new(LocalStore::new()), prefix, CommOptions::default()).unwrap()
+    }
+
+    /// Runs `f` on a thread of its own and fails if it does not end within 10 s (a hang must fail
+    /// the test, not stall it).
+    fn within_10s<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(f());
+        });
+        match rx.recv_timeout(std::time::Duration::from_secs(10)) {
+            Ok(v) => v,
+            Err(mpsc::RecvTimeoutError::Timeout) => panic!("hung for 10 s"),
+            Err(mpsc::RecvTimeoutError::Disconnected) => panic!("the test body panicked (above)"),
+        }
+    }
+
+    #[test]
+    fn a_panicking_async_op_settles_its_work_and_the_next_op_still_runs() {
+        within_10s(|| {
+            let pg = solo("guard-async");
+            let work = pg.submit(|_: &Inner| -> Result<()> { panic!("boom in a job") });
+            let err = work.wait().unwrap_err();
+            assert!(err.to_string().contains("panicked on the communication thread"), "{err}");
+            // The pending count went down (a sync op would otherwise wait forever), and the
+            // communication thread serves the next async op.
+            let mut v = vec![1.0f32, 2.0];
+            pg.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+            let v = pg.all_reduce_async(v, ReduceOp::Sum).wait().unwrap();
+            assert_eq!(v, vec![1.0, 2.0]);
+        });
+    }
+
+    #[test]
+    fn a_panic_inside_a_backend_fails_the_group() {
+        within_10s(|| {
+            let pg = solo("guard-exec");
+            let h = OpHeader::new(OpKind::AllReduce, DType::F32, Some(ReduceOp::Sum), 0, 2);
+            let inner = pg.inner.clone();
+            let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                let _ = inner.exec(h, |_, _, _| panic!("boom in a backend"));
+            }));
+            assert!(panicked.is_err(), "the panic goes on to the caller");
+            let mut v = vec![1.0f32, 2.0];
+            let err = pg.all_reduce(&mut v, ReduceOp::Sum).unwrap_err();
+            assert!(err.to_string().contains("the backend panicked: boom in a backend"), "{err}");
+            // An async op of the failed group reports the same error instead of hanging.
+            let err = pg.all_reduce_async(v, ReduceOp::Sum).wait().unwrap_err();
+            assert!(err.to_string().contains("the backend panicked"), "{err}");
+        });
     }
 }
