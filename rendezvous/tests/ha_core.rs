@@ -148,7 +148,7 @@ impl LogStore for SlowLog {
 fn step_downs_with_callers_waiting_for_durability_never_deadlock() {
     // The rounds run on a thread of their own, watched from here with a plain channel: a deadlock
     // can block every runtime thread, timers included, and must still fail the test, not hang it.
-    let (progress, rounds) = std::sync::mpsc::channel::<u64>();
+    let (progress, rounds) = std::sync::mpsc::channel::<(u64, u64)>();
     std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(4).enable_all().build().unwrap();
         rt.block_on(async {
@@ -162,12 +162,13 @@ fn step_downs_with_callers_waiting_for_durability_never_deadlock() {
                     .map(|i| {
                         let (core, scope) = (core.clone(), scope.clone());
                         tokio::spawn(async move {
-                            for n in 0.. {
+                            for n in 0u64.. {
                                 let cmd = Command::StoreSet { scope: scope.clone(), key: format!("k{i}-{n}"), value: vec![1] };
                                 if core.execute(cmd).await.is_err() {
-                                    break;
+                                    return n;
                                 }
                             }
+                            0
                         })
                     })
                     .collect();
@@ -179,21 +180,22 @@ fn step_downs_with_callers_waiting_for_durability_never_deadlock() {
                 })
                 .await
                 .unwrap();
+                let mut acknowledged = 0;
                 for c in callers {
-                    c.await.unwrap();
+                    acknowledged += c.await.unwrap();
                 }
-                if progress.send(round).is_err() {
+                if progress.send((round, acknowledged)).is_err() {
                     return;
                 }
             }
         });
-        // Leaked on purpose when the watcher gave up: dropping it would wait for stuck threads.
-        std::mem::forget(rt);
+        // Never waits for its threads (they would be stuck after a deadlock).
+        rt.shutdown_background();
     });
-    let mut done = None;
+    let (mut done, mut acknowledged) = (None, 0);
     loop {
         match rounds.recv_timeout(Duration::from_secs(20)) {
-            Ok(r) => done = Some(r),
+            Ok((r, n)) => (done, acknowledged) = (Some(r), acknowledged + n),
             Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
                 panic!("the step-down after round {done:?} deadlocked with the callers waiting for durability")
@@ -201,4 +203,6 @@ fn step_downs_with_callers_waiting_for_durability_never_deadlock() {
         }
     }
     assert_eq!(done, Some(199), "the rounds ended early");
+    // The callers' calls went through the log (each acknowledged one waited for durability).
+    assert!(acknowledged > 0, "no call was acknowledged in 200 rounds");
 }

@@ -282,7 +282,14 @@ impl Node {
         .encode_to_vec();
         let req = epb::TxnRequest { compare: vec![created_at(&key, 0)], success: vec![put_op(&key, value, lease)], failure: vec![get_op(&key)] };
         let mut session = Session { lease, key, epoch: 0, fence, lost, keeper };
-        let r = self.retry(|| self.etcd.txn(req.clone())).await?;
+        let r = match self.retry(|| self.etcd.txn(req.clone())).await {
+            Ok(r) => r,
+            Err(end) => {
+                // The key may have landed: let the next campaigner in without waiting a TTL.
+                let _ = tokio::time::timeout(Duration::from_secs(1), self.etcd.lease_revoke(lease)).await;
+                return Err(end);
+            }
+        };
         session.epoch = if r.succeeded {
             r.header.map(|h| h.revision).unwrap_or(0)
         } else {
@@ -308,7 +315,11 @@ impl Node {
     {
         let mut pause = Duration::from_millis(50);
         loop {
-            match f().await {
+            let answer = tokio::select! {
+                r = f() => r,
+                _ = self.cancel.cancelled() => return Err(End::Cancelled),
+            };
+            match answer {
                 Ok(v) => return Ok(v),
                 Err(EtcdError::Uncertain(m)) => {
                     tracing::debug!(error = %m, "etcd did not answer; retrying");

@@ -185,6 +185,11 @@ impl HaGroup {
         }
     }
 
+    /// Whether daemon `i`'s process still runs (started and not exited).
+    pub(crate) fn alive(&mut self, i: usize) -> bool {
+        self.daemons[i].child.as_mut().is_some_and(|c| c.0.try_wait().ok().flatten().is_none())
+    }
+
     /// SIGTERM of daemon `i`, waiting for it to exit.
     pub(crate) fn terminate(&mut self, i: usize) {
         if let Some(mut c) = self.daemons[i].child.take() {

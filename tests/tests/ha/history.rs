@@ -219,8 +219,10 @@ async fn member(agent: usize, client: RdzvClient, stop: Arc<AtomicBool>, h: Arc<
                     if moved || stop.load(Ordering::Relaxed) {
                         return;
                     }
-                    if rx.changed().await.is_err() {
-                        return;
+                    tokio::select! {
+                        r = rx.changed() => if r.is_err() { return },
+                        // Agent 0 may have stopped without leaving: nothing else wakes this wait.
+                        _ = stopped(&stop) => return,
                     }
                 }
             })

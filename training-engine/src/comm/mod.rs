@@ -384,6 +384,9 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// communication thread per group and return a [`Work`] handle. Sync ops first wait for all
 /// outstanding async ops, so ops execute in issue order. Every rank must issue the same
 /// collectives in the same order.
+///
+/// A panic inside a backend (a bug) fails the group and tells the peers; a sync op then lets
+/// the panic go on to its caller, an async op settles its [`Work`] with the group's error.
 #[derive(Clone)]
 pub struct ProcessGroup {
     inner: Arc<Inner>,
@@ -1008,9 +1011,10 @@ struct WorkSlot<T> {
 }
 
 /// Settles an async job however it ends: after the job stored its result, or with an error when
-/// the job panicked or was dropped unrun (its communication thread died, or never started). Either
-/// way the pending count goes down, so neither [`Work::wait`] nor the next synchronous op waits for
-/// it forever.
+/// the job panicked or was dropped unrun (its communication thread could not start). Either way
+/// the pending count goes down, so neither [`Work::wait`] nor the next synchronous op waits for
+/// it forever. A job that did not finish may have left this rank out of step with its peers, so
+/// it fails the group (and tells the peers) unless that already happened.
 struct JobGuard<R> {
     slot: Arc<WorkSlot<R>>,
     inner: Arc<Inner>,
@@ -1020,14 +1024,27 @@ impl<R> Drop for JobGuard<R> {
     fn drop(&mut self) {
         if !self.slot.done.load(Ordering::Acquire) {
             let message = if std::thread::panicking() {
-                "the operation panicked on the communication thread (the group is failed)"
+                "the operation panicked on the communication thread"
             } else {
                 "the communication thread ended before the operation ran"
             };
-            self.slot.complete(Err(CommError::Io {
-                context: "async op".into(),
-                message: message.into(),
-            }));
+            // Unwinding has released any lock the job held (`exec` drops its own before it lets
+            // a backend's panic go on), so the state lock is free here.
+            let mut st = lock(&self.inner.state);
+            let err = match &st.failed {
+                Some(e) => e.clone(),
+                None => {
+                    let e = CommError::Io {
+                        context: "async op".into(),
+                        message: message.into(),
+                    };
+                    st.backend.abort(&e);
+                    st.failed = Some(e.clone());
+                    e
+                }
+            };
+            drop(st);
+            self.slot.complete(Err(err));
         }
         let (m, cv) = &self.inner.pending;
         *lock(m) -= 1;
@@ -1100,18 +1117,20 @@ mod guard_tests {
     }
 
     #[test]
-    fn a_panicking_async_op_settles_its_work_and_the_next_op_still_runs() {
+    fn a_panicking_async_op_settles_its_work_and_fails_the_group() {
         within_10s(|| {
             let pg = solo("guard-async");
             let work = pg.submit(|_: &Inner| -> Result<()> { panic!("boom in a job") });
             let err = work.wait().unwrap_err();
             assert!(err.to_string().contains("panicked on the communication thread"), "{err}");
             // The pending count went down (a sync op would otherwise wait forever), and the
-            // communication thread serves the next async op.
+            // group is failed: this rank may be out of step with its peers.
             let mut v = vec![1.0f32, 2.0];
-            pg.all_reduce(&mut v, ReduceOp::Sum).unwrap();
-            let v = pg.all_reduce_async(v, ReduceOp::Sum).wait().unwrap();
-            assert_eq!(v, vec![1.0, 2.0]);
+            let err = pg.all_reduce(&mut v, ReduceOp::Sum).unwrap_err();
+            assert!(err.to_string().contains("panicked on the communication thread"), "{err}");
+            // The communication thread lives on and answers the next async op.
+            let err = pg.all_reduce_async(v, ReduceOp::Sum).wait().unwrap_err();
+            assert!(err.to_string().contains("panicked on the communication thread"), "{err}");
         });
     }
 
