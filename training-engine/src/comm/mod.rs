@@ -360,6 +360,25 @@ struct State {
     failed: Option<CommError>,
 }
 
+impl State {
+    /// Fails the group with `e` (the peers are told through the backend's abort); every later op
+    /// returns it.
+    fn fail(&mut self, e: CommError) -> CommError {
+        self.backend.abort(&e);
+        self.failed = Some(e.clone());
+        e
+    }
+}
+
+/// The message of a caught panic (its `&str` or `String` payload).
+fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| (*s).to_owned())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a non-string payload".into())
+}
+
 struct Inner {
     ctx: Ctx,
     /// Host index of every group rank (hosts numbered by first rank).
@@ -582,11 +601,7 @@ impl ProcessGroup {
         match st.backend.alloc_window(bytes) {
             Ok(Some(w)) => Ok(SharedBuf::window(w, len)),
             Ok(None) => Ok(SharedBuf::heap(len)),
-            Err(e) => {
-                st.backend.abort(&e);
-                st.failed = Some(e.clone());
-                Err(e)
-            }
+            Err(e) => Err(st.fail(e)),
         }
     }
 
@@ -885,17 +900,10 @@ impl Inner {
         let outcome = match run {
             Ok(r) => r,
             Err(panic) => {
-                let what = panic
-                    .downcast_ref::<&str>()
-                    .map(|s| (*s).to_owned())
-                    .or_else(|| panic.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "a non-string payload".into());
-                let e = CommError::Io {
+                st.fail(CommError::Io {
                     context: format!("{} (op {})", h.kind.name(), h.seq),
-                    message: format!("the backend panicked: {what}"),
-                };
-                st.backend.abort(&e);
-                st.failed = Some(e);
+                    message: format!("the backend panicked: {}", panic_message(&*panic)),
+                });
                 drop(st);
                 std::panic::resume_unwind(panic);
             }
@@ -905,11 +913,7 @@ impl Inner {
                 lock(&self.stats).record(h.kind, t);
                 Ok(())
             }
-            Err(e) => {
-                st.backend.abort(&e);
-                st.failed = Some(e.clone());
-                Err(e)
-            }
+            Err(e) => Err(st.fail(e)),
         }
     }
 
@@ -1033,15 +1037,10 @@ impl<R> Drop for JobGuard<R> {
             let mut st = lock(&self.inner.state);
             let err = match &st.failed {
                 Some(e) => e.clone(),
-                None => {
-                    let e = CommError::Io {
-                        context: "async op".into(),
-                        message: message.into(),
-                    };
-                    st.backend.abort(&e);
-                    st.failed = Some(e.clone());
-                    e
-                }
+                None => st.fail(CommError::Io {
+                    context: "async op".into(),
+                    message: message.into(),
+                }),
             };
             drop(st);
             self.slot.complete(Err(err));

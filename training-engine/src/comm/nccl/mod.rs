@@ -53,14 +53,10 @@ nccl_type!(i8 => 0, u8 => 1, i32 => 2, u32 => 3, i64 => 4, u64 => 5, half::f16 =
 fn guarded<T>(what: &'static str, f: impl FnOnce() -> Result<T>) -> Result<T> {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(r) => r,
-        Err(p) => {
-            let msg = p
-                .downcast_ref::<String>()
-                .cloned()
-                .or_else(|| p.downcast_ref::<&str>().map(|s| s.to_string()))
-                .unwrap_or_else(|| "unknown panic".into());
-            Err(CommError::CudaUnavailable(format!("{what}: {msg}")))
-        }
+        Err(p) => Err(CommError::CudaUnavailable(format!(
+            "{what}: {}",
+            super::panic_message(&*p)
+        ))),
     }
 }
 
