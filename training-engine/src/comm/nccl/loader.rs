@@ -165,7 +165,7 @@ fn load() -> std::result::Result<Nccl, String> {
         let path = PathBuf::from(path);
         // SAFETY: loading a shared library runs its initialisers; NCCL's are safe to run.
         let lib = unsafe { libloading::Library::new(&path) }.map_err(|e| {
-            format!("{NCCL_LIBRARY_ENV}={} does not load: {e}", path.display())
+            format!("{NCCL_LIBRARY_ENV}={} does not load: {}", path.display(), dl_error(&e))
         })?;
         return resolve(lib, path.display().to_string());
     }
@@ -186,7 +186,7 @@ fn load() -> std::result::Result<Nccl, String> {
         // SAFETY: as above.
         match unsafe { libloading::Library::new(&path) } {
             Ok(lib) => return resolve(lib, path.display().to_string()),
-            Err(e) => tried.push(format!("{} ({e})", path.display())),
+            Err(e) => tried.push(format!("{} ({})", path.display(), dl_error(&e))),
         }
     }
     Err(format!(
@@ -195,6 +195,16 @@ fn load() -> std::result::Result<Nccl, String> {
          {NCCL_LIBRARY_ENV} to the library file",
         tried.join(", ")
     ))
+}
+
+/// A loader error with the dynamic loader's own reason: libloading's `Display` says only
+/// "dlopen failed" and keeps `dlerror()`'s text (missing file, wrong ELF class, a missing
+/// dependency such as `libcudart.so.12`) in its source.
+fn dl_error(e: &libloading::Error) -> String {
+    match std::error::Error::source(e) {
+        Some(why) => format!("{e}: {why}"),
+        None => e.to_string(),
+    }
 }
 
 /// Directories that may hold `libnccl.so.2` outside the loader's search path (see the module docs).
@@ -317,6 +327,18 @@ mod tests {
         // size_t, 2 × u32, 4 × int, a pointer: 8 + 8 + 16 + 8.
         assert_eq!(std::mem::size_of::<RawConfig>(), 40);
         assert_eq!(std::mem::size_of::<RawUniqueId>(), 128);
+    }
+
+    #[test]
+    fn a_library_that_does_not_load_says_why() {
+        let dir = tempfile::tempdir().unwrap();
+        let fake = dir.path().join("libnccl.so.2");
+        std::fs::write(&fake, b"not an ELF file").unwrap();
+        // SAFETY: the file is not a library, so nothing is mapped or run.
+        let err = unsafe { libloading::Library::new(&fake) }.err().expect("a text file must not load");
+        let msg = dl_error(&err);
+        assert!(msg.starts_with("dlopen failed: "), "{msg}");
+        assert!(msg.contains("libnccl.so.2"), "dlerror names the file: {msg}");
     }
 
     #[test]
