@@ -15,7 +15,10 @@
 # with torch, RSRUN_BENCH_REF=DIR the folder holding reference_gpt.py and gloo_collectives.py
 # (default: ../shared/bench when present, else the copies in scripts/torch-ref).
 # Ends with two lines:
-#   summary: single_tok_ratio_vs_torch=... ddp_tok_ratio_vs_torch=... ddp_speedup=... mfu=... cpu=...
+#   summary: single_tok_ratio_vs_torch=... ddp_tok_ratio_vs_torch=... ddp_speedup=... pair_speedup=...
+#            ddp_frac_of_pair=... zero3_vs_ddp=... fsdp_tok_ratio_vs_torch=... mfu=... cpu=... isa=...
+#   (pair_speedup: two single-process runs at once, no communication, over one: the host's limit
+#   for ddp_speedup; ddp_frac_of_pair: DDP's tokens/s over theirs)
 #   summary: allreduce_frac_of_bound=... reduce_scatter_frac=... all_gather_frac=... tcp_frac_of_loopback=... tcp_frac_of_exchange=...
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -72,9 +75,36 @@ ours() { last 'summary:' "${PIN[@]}" "$@" --steps "$steps"; }
 # A torch run that fails is reported and counted as n/a, so the rest of the comparison still runs.
 theirs() { last 'tok_per_s_total' "${PIN[@]}" "$@" || echo "tok_per_s_total=n/a"; }
 
+# The host's own limit for any two-process run: two single-process runs at once with no
+# communication (each with a TMPDIR of its own, so neither touches the single-process baseline
+# that the distributed runs read). DDP does the same compute plus its communication and waits for
+# the slower rank each step, so its tokens/s cannot pass their sum; shared caches, memory
+# bandwidth and the host's other tenants set how far that sum falls short of twice one process.
+pair_tok() {
+  local d1 d2 p rc=0 t1 t2
+  d1=$(mktemp -d)
+  d2=$(mktemp -d)
+  TMPDIR=$d1 "${PIN[@]}" "$BIN/engine-bench" --steps "$steps" >"$d1/out" 2>&1 &
+  p=$!
+  TMPDIR=$d2 "${PIN[@]}" "$BIN/engine-bench" --steps "$steps" >"$d2/out" 2>&1 || rc=1
+  wait "$p" || rc=1
+  cat "$d1/out" "$d2/out" >>"$log"
+  t1=$(field tok_per_s_total <"$d1/out")
+  t2=$(field tok_per_s_total <"$d2/out")
+  if ((rc)) || [[ -z $t1 || -z $t2 ]]; then
+    echo "bench-vs-torch: failed: two engine-bench runs at once" >&2
+    tail -n 20 "$d1/out" "$d2/out" >&2
+    rm -rf "$d1" "$d2"
+    return 1
+  fi
+  rm -rf "$d1" "$d2"
+  echo "pair: tok_per_s_total=$(python3 -c 'import sys; print(round(float(sys.argv[1]) + float(sys.argv[2])))' "$t1" "$t2")"
+}
+
 rm -f "${TMPDIR:-/tmp}/engine-bench-single.tok_per_s"
 o_single=$(ours "$BIN/engine-bench")
 t_single=$(STRATEGY=single theirs "$PY" "$REF")
+o_pair=$(pair_tok)
 o_ddp=$(ours "$BIN/rsrun" --standalone --nproc-per-node 2 "$BIN/engine-bench" --strategy ddp)
 t_ddp=$(STRATEGY=ddp theirs "${TORCHRUN[@]}" --standalone --nproc-per-node 2 "$REF")
 o_z3=$(ours "$BIN/rsrun" --standalone --nproc-per-node 2 "$BIN/engine-bench" --strategy zero3)
@@ -88,7 +118,8 @@ printf '%-24s %14s %14s %8s\n' "tokens/s (total)" "rsrun" "torch" "ratio"
 printf '%-24s %14s %14s %8s\n' "single process" "$(tok "$o_single")" "$(tok "$t_single")" "$(ratio "$(tok "$o_single")" "$(tok "$t_single")")"
 printf '%-24s %14s %14s %8s\n' "DDP, 2 ranks" "$(tok "$o_ddp")" "$(tok "$t_ddp")" "$(ratio "$(tok "$o_ddp")" "$(tok "$t_ddp")")"
 printf '%-24s %14s %14s %8s\n' "ZeRO-3 / FSDP2, 2 ranks" "$(tok "$o_z3")" "$(tok "$t_fsdp")" "$(ratio "$(tok "$o_z3")" "$(tok "$t_fsdp")")"
-echo "rsrun: single mfu=$(echo "$o_single" | field mfu) ddp speedup=$(ratio "$(tok "$o_ddp")" "$(tok "$o_single")") zero3/ddp=$(ratio "$(tok "$o_z3")" "$(tok "$o_ddp")"); torch: ddp speedup=$(ratio "$(tok "$t_ddp")" "$(tok "$t_single")")"
+printf '%-24s %14s\n' "2 singles at once" "$(tok "$o_pair")"
+echo "rsrun: single mfu=$(echo "$o_single" | field mfu) ddp speedup=$(ratio "$(tok "$o_ddp")" "$(tok "$o_single")") (two single processes at once: $(ratio "$(tok "$o_pair")" "$(tok "$o_single")"), DDP $(ratio "$(tok "$o_ddp")" "$(tok "$o_pair")") of them) zero3/ddp=$(ratio "$(tok "$o_z3")" "$(tok "$o_ddp")"); torch: ddp speedup=$(ratio "$(tok "$t_ddp")" "$(tok "$t_single")")"
 
 coll=$("${PIN[@]}" "$BIN/collectives-bench" --spawn 2 --sizes 1024,67108864 2>&1)
 echo "$coll" | grep -E '^(limits|bound):'
@@ -97,7 +128,7 @@ gloo=$(SIZES=1024,67108864 "${PIN[@]}" "${TORCHRUN[@]}" --standalone --nproc-per
 
 cpu=$(grep -m1 '^machine:' "$log" | sed -n 's/.*cpu="\([^"]*\)".*/\1/p' | tr ' ' '_')
 level=$(grep -m1 '^machine:' "$log" | field isa)
-echo "summary: single_tok_ratio_vs_torch=$(ratio "$(tok "$o_single")" "$(tok "$t_single")") ddp_tok_ratio_vs_torch=$(ratio "$(tok "$o_ddp")" "$(tok "$t_ddp")") ddp_speedup=$(ratio "$(tok "$o_ddp")" "$(tok "$o_single")") zero3_vs_ddp=$(ratio "$(tok "$o_z3")" "$(tok "$o_ddp")") fsdp_tok_ratio_vs_torch=$(ratio "$(tok "$o_z3")" "$(tok "$t_fsdp")") mfu=$(echo "$o_single" | field mfu) cpu=$cpu isa=$level"
+echo "summary: single_tok_ratio_vs_torch=$(ratio "$(tok "$o_single")" "$(tok "$t_single")") ddp_tok_ratio_vs_torch=$(ratio "$(tok "$o_ddp")" "$(tok "$t_ddp")") ddp_speedup=$(ratio "$(tok "$o_ddp")" "$(tok "$o_single")") pair_speedup=$(ratio "$(tok "$o_pair")" "$(tok "$o_single")") ddp_frac_of_pair=$(ratio "$(tok "$o_ddp")" "$(tok "$o_pair")") zero3_vs_ddp=$(ratio "$(tok "$o_z3")" "$(tok "$o_ddp")") fsdp_tok_ratio_vs_torch=$(ratio "$(tok "$o_z3")" "$(tok "$t_fsdp")") mfu=$(echo "$o_single" | field mfu) cpu=$cpu isa=$level"
 # The issue's four fractions, then the TCP all_reduce over the two-rank exchange limit.
 tcp_x=$(echo "$coll" | grep '^summary:' | field tcp_frac_of_exchange)
 echo "$coll" | grep '^summary:' | sed 's/^summary: \(allreduce_frac_of_bound=[^ ]* reduce_scatter_frac=[^ ]* all_gather_frac=[^ ]* tcp_frac_of_loopback=[^ ]*\).*/summary: \1/' | sed "s/\$/ tcp_frac_of_exchange=${tcp_x:-n\/a}/"

@@ -555,7 +555,14 @@ fn performance_against_pytorch() {
         v.parse().unwrap_or_else(|_| panic!("{key}={v} is not a number in {line}"))
     };
     let engine = all.lines().find(|l| l.starts_with("summary: single_tok_ratio_vs_torch=")).unwrap_or_else(|| panic!("{all}"));
-    for key in ["single_tok_ratio_vs_torch", "ddp_tok_ratio_vs_torch", "ddp_speedup", "mfu"] {
+    for key in [
+        "single_tok_ratio_vs_torch",
+        "ddp_tok_ratio_vs_torch",
+        "ddp_speedup",
+        "pair_speedup",
+        "ddp_frac_of_pair",
+        "mfu",
+    ] {
         assert!(number(engine, key) > 0.0, "{engine}");
     }
     assert!(engine.contains(" cpu=") && engine.contains(" isa="), "{engine}");
