@@ -468,7 +468,13 @@ impl Node {
         }
         drop(predecessor);
         drop(follow.watch.take());
-        if let Err(e) = self.take_over(s, &follow).await {
+        // The takeover's etcd calls retry while etcd is unsure; a stop ends them (the future is
+        // dropped at an await, so before `promote`, which runs last and without awaiting).
+        let took_over = tokio::select! {
+            r = self.take_over(s, &follow) => r,
+            _ = self.cancel.cancelled() => Err(End::Cancelled),
+        };
+        if let Err(e) = took_over {
             return e;
         }
         // Leader until the lease may lapse, a write is refused, or the daemon stops.

@@ -162,10 +162,10 @@ fn a_standby_cut_off_from_etcd_still_stops_at_sigterm() {
     g.terminate(standby);
     let took = t.elapsed();
     eprintln!("standby d{standby} cut off from etcd stopped {took:.2?} after SIGTERM");
-    // It stops at once (0.7 s here, the lease revoke's bounded try included); one that waited out
-    // an etcd call first took 3.1 s, one stuck retrying etcd never stopped (`terminate` kills it
-    // after 20 s).
-    assert!(took < Duration::from_secs(2), "the standby took {took:?} to stop at SIGTERM\n{}", g.logs());
+    // It stops at once (0.02-0.7 s here; the lease revoke's try is bounded at 1 s); one that
+    // waited out an etcd call first took 3.1 s, one stuck retrying etcd never stopped
+    // (`terminate` kills it after 20 s). 2.5 s leaves a loaded machine room for that 1 s.
+    assert!(took < Duration::from_millis(2500), "the standby took {took:?} to stop at SIGTERM\n{}", g.logs());
 }
 
 #[test]
