@@ -91,13 +91,13 @@ pair_tok() {
   cat "$d1/out" "$d2/out" >>"$log"
   t1=$(field tok_per_s_total <"$d1/out")
   t2=$(field tok_per_s_total <"$d2/out")
-  if ((rc)) || [[ -z $t1 || -z $t2 ]]; then
+  [[ -n $t1 && -n $t2 ]] || rc=1
+  if ((rc)); then
     echo "bench-vs-torch: failed: two engine-bench runs at once" >&2
     tail -n 20 "$d1/out" "$d2/out" >&2
-    rm -rf "$d1" "$d2"
-    return 1
   fi
   rm -rf "$d1" "$d2"
+  ((rc == 0)) || return 1
   echo "pair: tok_per_s_total=$(python3 -c 'import sys; print(round(float(sys.argv[1]) + float(sys.argv[2])))' "$t1" "$t2")"
 }
 
