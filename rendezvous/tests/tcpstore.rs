@@ -548,7 +548,9 @@ async fn a_peer_that_reads_late_gets_every_reply_in_order_and_others_are_served_
 
 #[tokio::test]
 async fn shutdown_closes_every_connection_and_the_listener() {
-    let server = server().await;
+    // An address of its own on the loopback network: a server of a test running beside this one
+    // may take the freed port on 127.0.0.1, which would answer the connect below.
+    let server = TcpStoreServer::start("127.0.0.93:0".parse().unwrap(), TcpStoreLimits::default(), CancellationToken::new()).unwrap();
     let addr = server.local_addr();
     let mut idle = validated(addr).await;
     let mut waiting = validated(addr).await;
@@ -560,17 +562,22 @@ async fn shutdown_closes_every_connection_and_the_listener() {
     assert!(TcpStream::connect(addr).await.is_err(), "the listener is still open");
 }
 
+/// Many times over: a drop right after the connection used to lose the loop's wake-up now and
+/// then (the last handle of the waker closed its eventfd, and with it the pending event, before
+/// the loop's `epoll_wait` took it), leaving the loop asleep with its sockets open.
 #[tokio::test]
 async fn cancelling_the_parent_token_or_dropping_the_server_closes_connections() {
-    let parent = CancellationToken::new();
-    let server = TcpStoreServer::start("127.0.0.1:0".parse().unwrap(), TcpStoreLimits::default(), parent.clone()).unwrap();
-    let mut s = validated(server.local_addr()).await;
-    parent.cancel();
-    assert_closed(&mut s).await;
-    let server = self::server().await;
-    let mut s = validated(server.local_addr()).await;
-    drop(server);
-    assert_closed(&mut s).await;
+    for _ in 0..300 {
+        let parent = CancellationToken::new();
+        let server = TcpStoreServer::start("127.0.0.1:0".parse().unwrap(), TcpStoreLimits::default(), parent.clone()).unwrap();
+        let mut s = validated(server.local_addr()).await;
+        parent.cancel();
+        assert_closed(&mut s).await;
+        let server = self::server().await;
+        let mut s = validated(server.local_addr()).await;
+        drop(server);
+        assert_closed(&mut s).await;
+    }
 }
 
 /// `rsrun-rendezvous tcpstore`, a real process.

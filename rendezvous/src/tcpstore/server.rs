@@ -139,9 +139,15 @@ impl TcpStoreServer {
         let mut event_loop = EventLoop::new(poll, listener, shared.clone(), limits, cancel.clone()).map_err(bind_err)?;
         let dispatch = tracing::dispatcher::get_default(|d| d.clone());
         let span = tracing::info_span!("tcpstore", addr = %local_addr);
+        // The loop thread holds the waker as long as it runs: closing an eventfd drops its pending
+        // event from the epoll set, so a wake-up followed at once by the server's drop (the last
+        // other holder) could otherwise vanish before `epoll_wait` saw it, and the loop would
+        // sleep with its sockets open.
+        let loop_waker = waker.clone();
         std::thread::Builder::new()
             .name(format!("tcpstore-{}", local_addr.port()))
             .spawn(move || {
+                let _waker = loop_waker;
                 tracing::dispatcher::with_default(&dispatch, || {
                     let _entered = span.enter();
                     if let Err(e) = event_loop.run() {
