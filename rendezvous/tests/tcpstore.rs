@@ -546,6 +546,46 @@ async fn a_peer_that_reads_late_gets_every_reply_in_order_and_others_are_served_
     assert_quiet(&mut s).await;
 }
 
+/// Waits until the server holds no connection and no wait.
+async fn until_all_closed(server: &TcpStoreServer) {
+    tokio::time::timeout(DEADLINE, async {
+        while server.stats().n_connections != 0 || server.stats().n_waits != 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("connections are still open: {:?}", server.stats()));
+}
+
+/// A peer that sends a WAIT and closes at once (the request and the end of the stream may come
+/// in one readiness event) is closed, its wait with it; many times over.
+#[tokio::test]
+async fn a_peer_that_waits_and_closes_at_once_is_closed_with_its_wait() {
+    let server = server().await;
+    for _ in 0..100 {
+        let mut s = validated(server.local_addr()).await;
+        send(&mut s, &[Request::Wait { keys: vec![k("/never")] }]).await;
+        drop(s);
+    }
+    until_all_closed(&server).await;
+}
+
+/// A peer paused for holding too many waits (1024) that goes away is closed at once, its waits
+/// with it: the hang-up is reported once, while its reads are paused.
+#[tokio::test]
+async fn a_paused_peer_that_goes_away_is_closed_with_its_waits() {
+    let server = server().await;
+    let mut s = validated(server.local_addr()).await;
+    let waits: Vec<Request> = (0..1024).map(|i| Request::Wait { keys: vec![k(&format!("/never/{i}"))] }).collect();
+    send(&mut s, &waits).await;
+    until_waits(&server, 1024).await;
+    // More requests behind the pause stay unread (the connection is not read while paused).
+    send(&mut s, &[Request::Ping { nonce: 1 }]).await;
+    assert_eq!(server.stats().n_connections, 1);
+    drop(s);
+    until_all_closed(&server).await;
+}
+
 #[tokio::test]
 async fn shutdown_closes_every_connection_and_the_listener() {
     // An address of its own on the loopback network: a server of a test running beside this one

@@ -244,12 +244,16 @@ struct Conn {
     in_backlog: bool,
     /// Listed to be closed at the end of the turn: nothing more is read.
     closing: bool,
+    /// An event said the peer closed or reset the connection.
+    hung_up: bool,
 }
 
 impl Conn {
-    /// Reading is paused while too much is held back for this peer.
+    /// Reading is paused while too much is held back for this peer (unless it hung up: what it
+    /// sent is bounded then).
     fn paused(&self) -> bool {
-        self.queue.n_bytes() + (self.out.len() - self.out_at) > MAX_HELD_BYTES || self.queue.n_pending() >= MAX_PENDING_WAITS
+        !self.hung_up
+            && (self.queue.n_bytes() + (self.out.len() - self.out_at) > MAX_HELD_BYTES || self.queue.n_pending() >= MAX_PENDING_WAITS)
     }
 }
 
@@ -340,7 +344,7 @@ impl EventLoop {
                             self.writable(i);
                         }
                         if ev.is_readable() || ev.is_read_closed() || ev.is_error() {
-                            self.read(i, &mut state);
+                            self.read(i, &mut state, ev.is_read_closed() || ev.is_error());
                         }
                     }
                 }
@@ -348,7 +352,7 @@ impl EventLoop {
             for i in std::mem::take(&mut self.backlog) {
                 if let Some(c) = self.conns.get_mut(i).and_then(Option::as_mut) {
                     c.in_backlog = false;
-                    self.read(i, &mut state);
+                    self.read(i, &mut state, false);
                 }
             }
             if accept {
@@ -399,6 +403,7 @@ impl EventLoop {
                 unread: false,
                 in_backlog: false,
                 closing: false,
+                hung_up: false,
             });
             self.shared.n_connections.fetch_add(1, Ordering::Relaxed);
         }
@@ -412,12 +417,17 @@ impl EventLoop {
         }
     }
 
-    /// Reads what arrived on connection `slot` and applies it.
-    fn read(&mut self, slot: usize, state: &mut StoreState) {
+    /// Reads what arrived on connection `slot` and applies it. `hung_up`: the event said the
+    /// peer closed or reset the connection.
+    fn read(&mut self, slot: usize, state: &mut StoreState, hung_up: bool) {
         let Some(c) = self.conns.get_mut(slot).and_then(Option::as_mut) else { return };
         if c.closing {
             return;
         }
+        // The hang-up is reported once (edge-triggered): a peer that is gone is not paused any
+        // more, so what it sent before its close is still served and the end of the stream
+        // closes the connection, instead of its socket and waits staying until the pause ended.
+        c.hung_up |= hung_up;
         if c.paused() {
             c.unread = true;
             return;
@@ -463,8 +473,10 @@ impl EventLoop {
                 close = Some(Close::Violation(e));
                 break;
             }
-            // A short read emptied the socket: the next bytes bring a new readiness event.
-            if n < self.read_buf.len() {
+            // A short read emptied the socket: the next bytes bring a new readiness event. Not
+            // so the end of the stream, when the event that reported it is this one: read on
+            // to it.
+            if n < self.read_buf.len() && !c.hung_up {
                 break;
             }
             if c.paused() || n_read == READS_PER_TURN {
