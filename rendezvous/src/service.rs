@@ -130,6 +130,9 @@ struct Durability {
     ready: Condvar,
     confirm_reads: bool,
     compact_every: u64,
+    /// The log thread, joined at the service's end: it owns the log store (a journal holds its
+    /// directory's lock until it is dropped).
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
 impl Durability {
@@ -655,8 +658,21 @@ impl Core {
                 _ = self.cancel.cancelled() => break,
             }
         }
-        if let Some(d) = &self.lock().log {
+        let log = self.lock().log.clone();
+        if let Some(d) = log {
             d.stop(false);
+            // Wait until the log thread has written what was queued (each write is bounded, and
+            // a failing one ends it once stopped) and dropped its store: a service started
+            // right after on the same data directory then finds its lock free, and a process
+            // that exits after the service's end loses no queued record.
+            let thread = d.thread.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some(thread) = thread {
+                match tokio::task::spawn_blocking(move || thread.join()).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(_)) => tracing::error!("the log thread panicked"),
+                    Err(e) => tracing::error!(error = %e, "the log thread could not be joined"),
+                }
+            }
         }
     }
 
@@ -889,13 +905,15 @@ fn spawn_flusher(
         ready: Condvar::new(),
         confirm_reads: store.reads_need_confirmation(),
         compact_every: store.compact_every(),
+        thread: Mutex::new(None),
     });
     flushed.send_replace(Flushed { term, seq: durable, confirmed: 0, error: None, fatal: None });
     let q = d.clone();
-    std::thread::Builder::new()
+    let thread = std::thread::Builder::new()
         .name("rsrun-log".into())
         .spawn(move || flusher(store, term, durable, q, flushed, metrics))
         .map_err(|e| RdzvError::Unavailable(format!("cannot start the log thread: {e}")))?;
+    *d.thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(thread);
     Ok(d)
 }
 

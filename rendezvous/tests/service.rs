@@ -596,3 +596,24 @@ async fn every_running_round_gets_its_own_pytorch_store() {
     let mut store = TcpStoreClient::connect(second).await.unwrap();
     assert_eq!(store.num_keys().await.unwrap(), 0, "a new round starts with an empty store");
 }
+
+/// A durable service stopped with `shutdown` lets go of its data directory before `shutdown`
+/// returns, with everything it acknowledged written: a service started right after in the same
+/// process on the same directory starts (the journal's lock is free) and has the state.
+#[tokio::test]
+async fn a_durable_service_restarts_in_process_on_its_directory_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = spec(1, 1, 60_000);
+    let mut round = 0;
+    for i in 0..10i64 {
+        let mut config = ServerConfig::in_memory("127.0.0.1:0".parse().unwrap());
+        config.data_dir = Some(dir.path().to_path_buf());
+        let srv = server::spawn_with(config).await.unwrap_or_else(|e| panic!("start {i}: {e}"));
+        let client = RdzvClient::connect(ClientConfig::new(srv.addr.to_string())).unwrap();
+        if i == 0 {
+            round = client.join(join_spec("job", "a", &s)).await.unwrap().round.unwrap().round;
+        }
+        assert_eq!(client.store("job", round).add("starts", 1).await.unwrap(), i + 1, "start {i}");
+        tokio::time::timeout(WAIT, srv.shutdown()).await.expect("shutdown hung").unwrap();
+    }
+}
