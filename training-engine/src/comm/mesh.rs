@@ -241,6 +241,9 @@ pub(crate) fn advertise_addr(opt: Option<IpAddr>) -> IpAddr {
     IpAddr::V4(Ipv4Addr::LOCALHOST)
 }
 
+/// How long an accepted connection has to send its hello.
+const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
+
 impl Mesh {
     /// Connects every pair of ranks: rank i connects to every j < i and accepts from every j > i.
     pub(crate) fn connect(ctx: &Ctx) -> Result<Mesh> {
@@ -322,9 +325,12 @@ impl Mesh {
                 Ok((mut s, _)) => {
                     s.set_nonblocking(false)
                         .map_err(|e| CommError::io("accepted socket", e))?;
+                    // A real peer says hello as soon as it connects: a connection that stays
+                    // silent (a port scan, a health check) is dropped after HELLO_TIMEOUT
+                    // instead of holding up the peers queued behind it until the deadline.
                     let left = deadline
                         .saturating_duration_since(Instant::now())
-                        .max(Duration::from_millis(1));
+                        .clamp(Duration::from_millis(1), HELLO_TIMEOUT);
                     s.set_read_timeout(Some(left))
                         .map_err(|e| CommError::io("accepted socket", e))?;
                     let mut hello = [0u8; 16];

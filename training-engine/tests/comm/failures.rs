@@ -4,7 +4,7 @@ use std::time::{Duration, Instant};
 
 use rsrun_training_engine::comm::{BackendKind, CommError, ReduceOp};
 
-use crate::support::{opts_for, run_threads};
+use crate::support::{opts_for, run_threads, unique_prefix};
 
 const KINDS: [BackendKind; 3] = [
     BackendKind::Shm,
@@ -160,4 +160,64 @@ fn argument_errors_do_not_poison_the_group() {
     for r in res {
         r.unwrap();
     }
+}
+
+/// A connection to a rank's collective listener that never says hello (a port scan, a health
+/// check) does not hold up the bootstrap until the group's timeout: the real peer queued behind
+/// it is accepted once the stray's hello times out (5 s).
+#[test]
+fn a_silent_stray_connection_does_not_hold_up_the_bootstrap() {
+    use rsrun_training_engine::comm::{LocalStore, ProcessGroup, Store};
+    use std::sync::Arc;
+
+    /// Rank 1's view of the store: rank 0's address shows once the test lets it.
+    struct Gated {
+        inner: Arc<LocalStore>,
+        gated: String,
+        release: String,
+    }
+    impl Store for Gated {
+        fn set(&self, key: &str, value: &[u8]) -> rsrun_training_engine::comm::Result<()> {
+            self.inner.set(key, value)
+        }
+        fn get(&self, key: &str, timeout: Duration) -> rsrun_training_engine::comm::Result<Vec<u8>> {
+            if key == self.gated {
+                self.inner.get(&self.release, timeout)?;
+            }
+            self.inner.get(key, timeout)
+        }
+    }
+
+    let store = Arc::new(LocalStore::new());
+    let prefix = unique_prefix("stray");
+    let addr_key = format!("{prefix}/tcp/0");
+    let release = format!("{prefix}/test-release");
+    let (tx, rx) = std::sync::mpsc::channel();
+    for rank in 0..2 {
+        let view: Arc<dyn Store> = if rank == 0 {
+            store.clone()
+        } else {
+            Arc::new(Gated { inner: store.clone(), gated: addr_key.clone(), release: release.clone() })
+        };
+        let (prefix, tx) = (prefix.clone(), tx.clone());
+        let mut o = opts_for(BackendKind::Tcp, rank);
+        o.timeout = Duration::from_secs(300);
+        std::thread::spawn(move || {
+            let r = ProcessGroup::new(rank, 2, view, &prefix, o).and_then(|pg| pg.barrier());
+            let _ = tx.send((rank, r));
+        });
+    }
+    let raw = store.get(&addr_key, Duration::from_secs(60)).unwrap();
+    let addr: std::net::SocketAddr = String::from_utf8_lossy(&raw).parse().unwrap();
+    let stray = std::net::TcpStream::connect(addr).unwrap();
+    // Rank 0 takes the stray first (were rank 1 first, the test would pass without the fix).
+    std::thread::sleep(Duration::from_millis(300));
+    store.set(&release, b"1").unwrap();
+    for _ in 0..2 {
+        let (rank, r) = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("the bootstrap waited on the silent connection");
+        r.unwrap_or_else(|e| panic!("rank {rank}: {e}"));
+    }
+    drop(stray);
 }
