@@ -143,39 +143,44 @@ impl KillOnDrop {
     }
 
     /// Waits up to `deadline` for the exit and collects the output; kills and panics on timeout.
+    /// Both pipes are drained meanwhile (a child that wrote more than a pipe holds would block
+    /// on it and never exit).
     pub fn output_within(mut self, deadline: Duration) -> Output {
+        let stdout = self.0.stdout.take().map(drain);
+        let stderr = self.0.stderr.take().map(drain);
         let start = Instant::now();
-        loop {
-            if self.0.try_wait().expect("try_wait").is_some() {
-                break;
+        let mut timed_out = false;
+        let status = loop {
+            if let Some(status) = self.0.try_wait().expect("try_wait") {
+                break status;
             }
             if start.elapsed() > deadline {
+                timed_out = true;
                 let _ = self.0.kill();
-                let out = self.take_output();
-                panic!(
-                    "process did not exit within {deadline:?}\nstdout:\n{}\nstderr:\n{}",
-                    String::from_utf8_lossy(&out.stdout),
-                    String::from_utf8_lossy(&out.stderr)
-                );
+                break self.0.wait().expect("wait");
             }
             std::thread::sleep(Duration::from_millis(10));
+        };
+        let collect = |h: Option<std::thread::JoinHandle<Vec<u8>>>| h.map(|h| h.join().unwrap_or_default()).unwrap_or_default();
+        let out = Output { status, stdout: collect(stdout), stderr: collect(stderr) };
+        if timed_out {
+            panic!(
+                "process did not exit within {deadline:?}\nstdout:\n{}\nstderr:\n{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
         }
-        self.take_output()
+        out
     }
+}
 
-    fn take_output(&mut self) -> Output {
-        use std::io::Read;
-        let mut stdout = Vec::new();
-        let mut stderr = Vec::new();
-        if let Some(mut s) = self.0.stdout.take() {
-            let _ = s.read_to_end(&mut stdout);
-        }
-        if let Some(mut s) = self.0.stderr.take() {
-            let _ = s.read_to_end(&mut stderr);
-        }
-        let status = self.0.wait().expect("wait");
-        Output { status, stdout, stderr }
-    }
+/// Reads `r` to its end on a thread of its own.
+fn drain(mut r: impl std::io::Read + Send + 'static) -> std::thread::JoinHandle<Vec<u8>> {
+    std::thread::spawn(move || {
+        let mut buf = Vec::new();
+        let _ = r.read_to_end(&mut buf);
+        buf
+    })
 }
 
 impl Drop for KillOnDrop {
@@ -348,4 +353,19 @@ pub fn tls_files(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
 /// A loopback port that was free a moment ago (for flags that cannot take port 0).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0").local_addr().expect("local addr").port()
+}
+
+#[cfg(test)]
+mod harness_tests {
+    use super::*;
+
+    /// A child that writes more than a pipe holds on both streams still exits, and every byte is
+    /// collected.
+    #[test]
+    fn output_within_drains_both_pipes_while_it_waits() {
+        let out = KillOnDrop::spawn(Command::new("sh").args(["-c", "head -c 300000 /dev/zero; head -c 200000 /dev/zero >&2"]))
+            .output_within(Duration::from_secs(60));
+        assert!(out.status.success());
+        assert_eq!((out.stdout.len(), out.stderr.len()), (300_000, 200_000));
+    }
 }
