@@ -350,8 +350,31 @@ pub fn tls_files(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
     (ca, cert, key)
 }
 
-/// A loopback port that was free a moment ago (for flags that cannot take port 0).
+/// A port for flags that cannot take port 0 (and for a server restarted on its old address):
+/// free on 127.0.0.1 and 0.0.0.0 when handed out, never handed out twice by this process, and
+/// taken from just below the kernel's ephemeral range, which neither a bind to port 0 nor an
+/// outgoing connection of a test running beside this one uses: a port the kernel picked and
+/// this process then let go could be picked again by any of those before its user binds it.
 pub fn free_port() -> u16 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    const SPAN: u32 = 8_000;
+    let ephemeral_lo = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32_768);
+    if ephemeral_lo >= 1_024 + SPAN {
+        let base = ephemeral_lo - SPAN;
+        // Processes that run at once start at different places.
+        let seed = std::process::id().wrapping_mul(2_654_435_761) % SPAN;
+        for _ in 0..SPAN {
+            let port = (base + (seed + NEXT.fetch_add(1, Ordering::Relaxed)) % SPAN) as u16;
+            let free = |ip: &str| std::net::TcpListener::bind((ip, port)).is_ok();
+            if free("127.0.0.1") && free("0.0.0.0") {
+                return port;
+            }
+        }
+    }
     std::net::TcpListener::bind("127.0.0.1:0").expect("bind 127.0.0.1:0").local_addr().expect("local addr").port()
 }
 
@@ -367,5 +390,18 @@ mod harness_tests {
             .output_within(Duration::from_secs(60));
         assert!(out.status.success());
         assert_eq!((out.stdout.len(), out.stderr.len()), (300_000, 200_000));
+    }
+
+    /// Ports are handed out once each, below the ephemeral range, and bindable.
+    #[test]
+    fn free_ports_are_distinct_and_below_the_ephemeral_range() {
+        let lo: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap().split_whitespace().next().unwrap().parse().unwrap();
+        let ports: Vec<u16> = (0..200).map(|_| free_port()).collect();
+        let distinct: std::collections::BTreeSet<_> = ports.iter().collect();
+        assert_eq!(distinct.len(), ports.len(), "{ports:?}");
+        for p in ports {
+            assert!(p < lo, "port {p} is in the ephemeral range from {lo}");
+            std::net::TcpListener::bind(("127.0.0.1", p)).unwrap_or_else(|e| panic!("port {p}: {e}"));
+        }
     }
 }
