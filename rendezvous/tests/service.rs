@@ -460,7 +460,9 @@ impl Drop for Daemon {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_and_restart_loses_nothing_acknowledged() {
     let dir = tempfile::tempdir().unwrap();
-    let mut daemon = Daemon::start("127.0.0.1:0", dir.path());
+    // An address of its own on the loopback network: the restart below binds the same port,
+    // which a bind to port 0 on 127.0.0.1 by a test running beside this one could take meanwhile.
+    let mut daemon = Daemon::start("127.0.0.94:0", dir.path());
     let addr = daemon.addr;
     let mut cfg = ClientConfig::new(addr.to_string());
     cfg.rpc_timeout = Duration::from_secs(30);
@@ -520,9 +522,10 @@ async fn kill_9_and_restart_loses_nothing_acknowledged() {
 
 #[tokio::test]
 async fn client_reports_unreachable_service_within_its_deadline() {
-    // Bind and drop a listener to find a port nobody listens on.
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
-    let mut cfg = ClientConfig::new(format!("127.0.0.1:{port}"));
+    // Bind and drop a listener to find a port nobody listens on (on an address of its own, where
+    // no other test's server can take the port meanwhile).
+    let port = std::net::TcpListener::bind("127.0.0.95:0").unwrap().local_addr().unwrap().port();
+    let mut cfg = ClientConfig::new(format!("127.0.0.95:{port}"));
     cfg.rpc_timeout = Duration::from_millis(1500);
     let e = RdzvClient::connect(cfg).unwrap().status(None).await.unwrap_err();
     assert!(matches!(e, RdzvError::Unavailable(_)), "{e:?}");

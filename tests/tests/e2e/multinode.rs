@@ -3,7 +3,7 @@
 use std::process::Output;
 use std::time::Duration;
 
-use rsrun_tests::{Daemon, KillOnDrop, RUN_DEADLINE, bin, code, rsrun, text, wait_until};
+use rsrun_tests::{Daemon, KillOnDrop, RUN_DEADLINE, bin, code, free_port, rsrun, text, wait_until};
 
 fn node(dir: &std::path::Path, daemon: &Daemon, job: &str, nnodes: &str, extra: &[&str], hello: &[&str]) -> KillOnDrop {
     let mut cmd = rsrun(dir);
@@ -120,7 +120,9 @@ fn a_dead_node_shrinks_the_job() {
 #[test]
 fn daemon_kill_9_and_restart_mid_job_is_a_pause() {
     let data = tempfile::tempdir().unwrap();
-    let daemon = Daemon::start_with("127.0.0.1:0", &[std::ffi::OsStr::new("--data-dir"), data.path().as_os_str()]);
+    // A port from below the ephemeral range (`free_port`): the restart binds it again, and a bind
+    // to port 0 of a test running beside this one could take a port the kernel picked meanwhile.
+    let daemon = Daemon::start_with(&format!("127.0.0.1:{}", free_port()), &[std::ffi::OsStr::new("--data-dir"), data.path().as_os_str()]);
     let addr = daemon.addr.clone();
     let dir = tempfile::tempdir().unwrap();
     let hello = ["--steps", "25", "--step-ms", "100"];
