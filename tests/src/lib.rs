@@ -101,12 +101,20 @@ fn cargo_build(args: &[&str]) -> Result<(), String> {
     Ok(())
 }
 
-/// Binary `name` of `package` built with `features`, copied into `dir` (the workspace build owns
-/// the binary's usual path, with default features).
+/// Binary `name` of `package` built with `features` (none: `""`), copied into `dir`. Cargo puts
+/// every build of a binary at its one usual path, whatever its features, so a test that needs a
+/// given build takes its own copy: the build and the copy are one step under a process-wide
+/// lock, and no other test's build of the binary lands in between.
 pub fn bin_with_features(package: &str, name: &str, features: &str, dir: &Path) -> PathBuf {
+    static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
     // The workspace build first, so it does not overwrite the featured binary afterwards.
     bin("rsrun");
-    if let Err(e) = cargo_build(&["-p", package, "--features", features, "--bin", name]) {
+    let _one = ONE_AT_A_TIME.lock().unwrap_or_else(|p| p.into_inner());
+    let mut args = vec!["-p", package, "--bin", name];
+    if !features.is_empty() {
+        args.extend(["--features", features]);
+    }
+    if let Err(e) = cargo_build(&args) {
         panic!("{e}");
     }
     let built = target_dir().join(name);

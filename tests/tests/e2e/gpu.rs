@@ -2,7 +2,7 @@
 //! there is one and otherwise exits 77 naming what is missing; without the feature it says how to
 //! build it. Both directly and under rsrun (whose exit code is the worker's).
 
-use rsrun_tests::{bin, bin_with_features, code, rsrun, run, text};
+use rsrun_tests::{bin_with_features, code, rsrun, run, text};
 
 fn gpu_present() -> bool {
     std::path::Path::new("/dev/nvidiactl").exists()
@@ -35,7 +35,10 @@ fn gpu_smoke_runs_or_says_why_not() {
 
 #[test]
 fn gpu_smoke_without_the_feature_says_how_to_build_it() {
-    let out = run(&mut std::process::Command::new(bin("gpu-smoke")));
+    // A copy of its own: the test above builds the featured binary at the same path.
+    let dir = tempfile::tempdir().unwrap();
+    let smoke = bin_with_features("rsrun-examples", "gpu-smoke", "", dir.path());
+    let out = run(&mut std::process::Command::new(&smoke));
     let t = text(&out);
     assert_eq!(code(&out.status), 77, "{t}");
     assert!(t.contains("--features nccl"), "{t}");
