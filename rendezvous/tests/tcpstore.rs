@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rsrun_rendezvous::tcpstore::proto::{Request, VALIDATE_MAGIC};
-use rsrun_rendezvous::tcpstore::{TcpStoreClient, TcpStoreLimits, TcpStoreServer};
+use rsrun_rendezvous::tcpstore::{TcpStoreClient, TcpStoreLimits, TcpStoreServer, TcpStoreStats};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio_util::sync::CancellationToken;
@@ -84,13 +84,19 @@ async fn assert_quiet(s: &mut TcpStream) {
 
 /// Waits until the server has `n` pending waits (so a wake-up is tested, not an immediate reply).
 async fn until_waits(server: &TcpStoreServer, n: usize) {
+    until_stats(server, "the wait was never registered", |s| s.n_waits == n).await;
+}
+
+/// Waits until the server's counts satisfy `done`; panics with `what` and the counts after
+/// [`DEADLINE`].
+async fn until_stats(server: &TcpStoreServer, what: &str, done: impl Fn(TcpStoreStats) -> bool) {
     tokio::time::timeout(DEADLINE, async {
-        while server.stats().n_waits != n {
+        while !done(server.stats()) {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
     })
     .await
-    .expect("the wait was never registered");
+    .unwrap_or_else(|_| panic!("{what}: {:?}", server.stats()));
 }
 
 #[tokio::test]
@@ -548,13 +554,7 @@ async fn a_peer_that_reads_late_gets_every_reply_in_order_and_others_are_served_
 
 /// Waits until the server holds no connection and no wait.
 async fn until_all_closed(server: &TcpStoreServer) {
-    tokio::time::timeout(DEADLINE, async {
-        while server.stats().n_connections != 0 || server.stats().n_waits != 0 {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-    })
-    .await
-    .unwrap_or_else(|_| panic!("connections are still open: {:?}", server.stats()));
+    until_stats(server, "connections are still open", |s| s.n_connections == 0 && s.n_waits == 0).await;
 }
 
 /// A peer that sends a WAIT and closes at once (the request and the end of the stream may come
