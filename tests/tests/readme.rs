@@ -566,6 +566,18 @@ fn performance_against_pytorch() {
         assert!(number(engine, key) > 0.0, "{engine}");
     }
     assert!(engine.contains(" cpu=") && engine.contains(" isa="), "{engine}");
+    // Two rounds by default, and each side's best round is what the ratios compare.
+    let rounds: Vec<&str> = all.lines().filter(|l| l.starts_with("round ")).collect();
+    assert!(rounds.len() == 2 && rounds[1].starts_with("round 2 of 2,"), "{all}");
+    let best = |side: usize| -> f64 {
+        let pick = |l: &str| -> f64 {
+            let pair = l.split(" single ").nth(1).and_then(|r| r.split(' ').next()).unwrap_or_else(|| panic!("{l}"));
+            pair.split('/').nth(side).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("{l}"))
+        };
+        rounds.iter().map(|l| pick(l)).fold(f64::MIN, f64::max)
+    };
+    let expect = (best(0) / best(1) * 100.0).round() / 100.0;
+    assert!((number(engine, "single_tok_ratio_vs_torch") - expect).abs() < 0.011, "best rounds give {expect}: {all}");
     let coll = all.lines().find(|l| l.starts_with("summary: allreduce_frac_of_bound=")).unwrap_or_else(|| panic!("{all}"));
     for key in ["allreduce_frac_of_bound", "reduce_scatter_frac", "all_gather_frac", "tcp_frac_of_loopback", "tcp_frac_of_exchange"] {
         assert!(number(coll, key) > 0.0, "{coll}");
