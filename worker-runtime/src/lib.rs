@@ -288,12 +288,7 @@ impl WorkerContext {
         let Some(path) = self.error_file.clone() else { return };
         let previous = std::panic::take_hook();
         std::panic::set_hook(Box::new(move |info| {
-            let payload = info
-                .payload()
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| info.payload().downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "Box<dyn Any>".to_owned());
+            let payload = info.payload_as_str().unwrap_or("Box<dyn Any>");
             let location = info.location().map(|l| format!(" at {}:{}", l.file(), l.line())).unwrap_or_default();
             let backtrace = std::backtrace::Backtrace::force_capture().to_string();
             let _ = write_error_file(&path, &format!("panic: {payload}{location}"), Some(&backtrace));
