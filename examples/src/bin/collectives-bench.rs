@@ -69,6 +69,27 @@ struct Args {
     chunk: Option<usize>,
 }
 
+/// `v` as a whole number of at least `min`, or an error naming `flag` and the value.
+fn count(flag: &str, v: &str, min: usize) -> Result<usize> {
+    match v.parse::<usize>() {
+        Ok(n) if n >= min => Ok(n),
+        _ => bail!("{flag} {v:?}: expected a whole number, {min} or more"),
+    }
+}
+
+/// A comma-separated list whose every item is one of `allowed`.
+fn one_of(flag: &str, v: &str, allowed: &[&str]) -> Result<Vec<String>> {
+    v.split(',')
+        .map(|item| {
+            if allowed.contains(&item) {
+                Ok(item.to_owned())
+            } else {
+                bail!("{flag} {item:?}: expected one of {}", allowed.join(", "))
+            }
+        })
+        .collect()
+}
+
 fn parse_args() -> Result<Args> {
     let mut a = Args {
         spawn: None,
@@ -86,17 +107,28 @@ fn parse_args() -> Result<Args> {
     while let Some(k) = it.next() {
         let mut v = || it.next().with_context(|| format!("{k} needs a value"));
         match k.as_str() {
-            "--spawn" => a.spawn = Some(v()?.parse()?),
+            "--spawn" => a.spawn = Some(count("--spawn", &v()?, 1)?),
             "--sizes" => {
                 a.sizes = v()?
                     .split(',')
-                    .map(|s| s.parse())
-                    .collect::<Result<_, _>>()?
+                    .map(|s| {
+                        let b = count("--sizes", s, 4)?;
+                        if b % 4 != 0 {
+                            bail!("--sizes {s:?}: expected a whole number of f32 elements (a multiple of 4 bytes)");
+                        }
+                        Ok(b)
+                    })
+                    .collect::<Result<_>>()?
             }
-            "--backends" => a.backends = v()?.split(',').map(String::from).collect(),
-            "--ops" => a.ops = v()?.split(',').map(String::from).collect(),
+            "--backends" => {
+                a.backends = v()?.split(',').map(String::from).collect();
+                for b in &a.backends {
+                    b.parse::<BackendKind>().map_err(|e| anyhow::anyhow!("--backends: {e}"))?;
+                }
+            }
+            "--ops" => a.ops = one_of("--ops", &v()?, &["all_reduce", "reduce_scatter", "all_gather", "broadcast"])?,
             "--store-dir" => a.store_dir = Some(v()?.into()),
-            "--shm-chunk-bytes" => a.chunk = Some(v()?.parse()?),
+            "--shm-chunk-bytes" => a.chunk = Some(count("--shm-chunk-bytes", &v()?, 1)?),
             "-h" | "--help" => {
                 writeln!(
                     std::io::stdout(),

@@ -97,3 +97,26 @@ fn compat_flags_warn_in_one_line() {
     assert!(stderr.lines().any(|l| l.starts_with("rsrun: --start-method fork has no effect")), "{stderr}");
     assert!(stderr.lines().any(|l| l.starts_with("rsrun: --logs-specs x has no effect")), "{stderr}");
 }
+
+/// The benchmarks refuse counts that mean nothing, naming the flag and the value, before any
+/// work (`--steps 0` used to panic after start-up; `collectives-bench --spawn 0` printed nothing
+/// and exited 0).
+#[test]
+fn benchmarks_refuse_bad_counts() {
+    let cases: [(&str, &[&str], &str); 8] = [
+        ("engine-bench", &["--steps", "0"], "invalid value '0' for '--steps"),
+        ("engine-bench", &["--batch", "0"], "invalid value '0' for '--batch"),
+        ("engine-bench", &["--threads", "0"], "invalid value '0' for '--threads"),
+        ("collectives-bench", &["--spawn", "0"], "--spawn \"0\": expected a whole number, 1 or more"),
+        ("collectives-bench", &["--sizes", "1024,abc"], "--sizes \"abc\": expected a whole number, 4 or more"),
+        ("collectives-bench", &["--sizes", "6"], "--sizes \"6\": expected a whole number of f32 elements"),
+        ("collectives-bench", &["--ops", "bogus"], "--ops \"bogus\": expected one of all_reduce"),
+        ("collectives-bench", &["--backends", "bogus"], "unknown backend \"bogus\""),
+    ];
+    for (name, args, needle) in cases {
+        let out = run(std::process::Command::new(rsrun_tests::bin(name)).args(args).env("RUST_BACKTRACE", "0"));
+        let all = text(&out);
+        assert!(!out.status.success() && code(&out.status) != 101, "{name} {args:?}\n{all}");
+        assert!(all.contains(needle), "{name} {args:?}: expected {needle:?} in\n{all}");
+    }
+}
