@@ -120,3 +120,23 @@ fn benchmarks_refuse_bad_counts() {
         assert!(all.contains(needle), "{name} {args:?}: expected {needle:?} in\n{all}");
     }
 }
+
+/// A token no rendezvous service accepts fails the launch at once, naming the file and the
+/// reason (the embedded service used to refuse it silently and the launcher waited for it until
+/// the join timeout).
+#[test]
+fn a_token_no_service_accepts_fails_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let tok = dir.path().join("short.tok");
+    std::fs::write(&tok, "secret\n").unwrap();
+    let endpoint = format!("127.0.0.1:{}", rsrun_tests::free_port());
+    let start = std::time::Instant::now();
+    let out = run(rsrun(dir.path())
+        .args(["--rdzv-endpoint", &endpoint, "--rdzv-id", "tok", "--rdzv-conf", "join_timeout=120", "--rdzv-token-file"])
+        .arg(&tok)
+        .arg("true"));
+    let all = text(&out);
+    assert!(!out.status.success(), "{all}");
+    assert!(all.contains("short.tok line 1: token of 6 characters; use at least 16"), "{all}");
+    assert!(start.elapsed() < std::time::Duration::from_secs(20), "took {:?}: {all}", start.elapsed());
+}
