@@ -458,6 +458,11 @@ fn k8s_v1_elastic() {
     let p = plan(&["true"], &env[..1]).unwrap();
     assert_eq!(p.rdzv, RdzvPlan::Daemon { endpoint: Endpoint { host: "job-worker-0".into(), port: 29400 }, host: HostMode::Auto });
     assert_eq!(p.job_id, "k8s-job-worker-0");
+    // Port 0 cannot be found by the other pods: refused as the flag is, naming the variable.
+    let err = plan(&["true"], &[("PET_RDZV_ENDPOINT", "127.0.0.1:0"), ("PET_NNODES", "2")]).unwrap_err().to_string();
+    assert!(err.contains("PET_RDZV_ENDPOINT") && err.contains("127.0.0.1:0") && err.contains("a fixed port"), "{err}");
+    // One node may host on a free port.
+    assert!(plan(&["true"], &[("PET_RDZV_ENDPOINT", "127.0.0.1:0"), ("PET_NNODES", "1")]).is_ok());
 }
 
 /// A TrainJob (Trainer v2) pod: `PET_*` only, plus garbage worker-level names.
