@@ -215,13 +215,16 @@ impl<'a> Group<'a> {
         let dir = plan.logs.worker_dir(&plan.job_id, a.round, rank);
         let (out_file, err_file, error_file) = match &dir {
             Some(dir) => {
-                std::fs::create_dir_all(dir)?;
+                // Named as the log directory's failure, not the program's (`--log-dir` naming a
+                // file read as if the program could not be found).
+                let log_err = |e: std::io::Error| anyhow::anyhow!("log directory {} (--log-dir): {e}", dir.display());
+                std::fs::create_dir_all(dir).map_err(log_err)?;
                 let error_file = dir.join("error.json");
                 // A stale error file from an earlier run must not be taken for this worker's.
                 let _ = std::fs::remove_file(&error_file);
                 (
-                    Some(std::fs::File::create(dir.join("stdout.log"))?),
-                    Some(std::fs::File::create(dir.join("stderr.log"))?),
+                    Some(std::fs::File::create(dir.join("stdout.log")).map_err(log_err)?),
+                    Some(std::fs::File::create(dir.join("stderr.log")).map_err(log_err)?),
                     Some(error_file),
                 )
             }

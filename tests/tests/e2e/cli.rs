@@ -140,3 +140,14 @@ fn a_token_no_service_accepts_fails_at_once() {
     assert!(all.contains("short.tok line 1: token of 6 characters; use at least 16"), "{all}");
     assert!(start.elapsed() < std::time::Duration::from_secs(20), "took {:?}: {all}", start.elapsed());
 }
+
+/// A `--log-dir` that cannot be a directory is named as such, not as the program failing.
+#[test]
+fn a_log_dir_that_is_a_file_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("afile"), "").unwrap();
+    let out = run(rsrun(dir.path()).args(["--standalone", "--log-dir", "afile", "true"]));
+    let all = text(&out);
+    assert!(!out.status.success(), "{all}");
+    assert!(all.contains("afile") && all.contains("(--log-dir): Not a directory"), "{all}");
+}
