@@ -83,13 +83,10 @@ impl DaemonRdzv {
     pub async fn connect(plan: &LaunchPlan, console: &ConsoleTx) -> anyhow::Result<Self> {
         let node = crate::plan::node_id(&plan.hostname, std::process::id());
         let token = match &plan.token_file {
-            Some(p) => {
-                // What no daemon accepts (a token under 16 characters, a malformed line) fails here,
-                // naming the file and the line, instead of leaving an embedded service unstarted
-                // and this launcher waiting for it until the join timeout.
-                rsrun_rendezvous::auth::TokenTable::load(p)?;
-                Some(rsrun_rendezvous::auth::read_client_token(p)?)
-            }
+            // A token no daemon accepts fails here (`read_client_token` checks it as a daemon
+            // would), instead of leaving an embedded service unstarted and this launcher waiting
+            // for it until the join timeout.
+            Some(p) => Some(rsrun_rendezvous::auth::read_client_token(p)?),
             None => None,
         };
         let (endpoint, target, embedded, hosting_for_others, addrs) = match &plan.rdzv {

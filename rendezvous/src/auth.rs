@@ -139,13 +139,18 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 }
 
 /// Reads the first token of a client-side token file (the same file format; the job part is ignored).
+///
+/// # Errors
+/// The file cannot be read, or a daemon would refuse it ([`TokenTable::parse`]: a token under 16
+/// characters, a malformed line, no token), so a client fails at once naming the file and the line
+/// instead of presenting a token no service accepts.
 pub fn read_client_token(path: &Path) -> Result<String, RdzvError> {
     let text = std::fs::read_to_string(path).map_err(|e| RdzvError::invalid("token file", format!("cannot read {}: {e}", path.display())))?;
-    text.lines()
-        .map(str::trim)
-        .find(|l| !l.is_empty() && !l.starts_with('#'))
-        .and_then(|l| l.split_whitespace().next())
-        .map(str::to_string)
+    let table = TokenTable::parse(&text, &path.display().to_string())?;
+    table
+        .entries
+        .first()
+        .map(|(token, _)| String::from_utf8_lossy(token).into_owned())
         .ok_or_else(|| RdzvError::invalid("token file", format!("{} holds no token", path.display())))
 }
 
@@ -209,6 +214,19 @@ impl tonic::service::Interceptor for AuthInterceptor {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_client_token_is_checked_as_a_daemon_would() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("tok");
+        std::fs::write(&f, "# c\n0123456789abcdef job7\nfedcba9876543210\n").unwrap();
+        assert_eq!(read_client_token(&f).unwrap(), "0123456789abcdef");
+        std::fs::write(&f, "secret\n").unwrap();
+        let e = read_client_token(&f).unwrap_err().to_string();
+        assert!(e.contains("line 1: token of 6 characters; use at least 16"), "{e}");
+        std::fs::write(&f, "# only a comment\n").unwrap();
+        assert!(read_client_token(&f).unwrap_err().to_string().contains("holds no token"));
+    }
 
     #[test]
     fn parses_and_scopes_tokens() {
