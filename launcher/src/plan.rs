@@ -79,6 +79,15 @@ fn invalid(flag: &'static str, value: &str, expected: impl Into<String>) -> Plan
     PlanError::Invalid { flag, value: value.to_owned(), expected: expected.into() }
 }
 
+/// A rendezvous endpoint on port 0 (a free port picked at start) is for a single node: the other
+/// nodes could never find that port. `flag` is where `value` came from.
+pub(crate) fn port_zero_only_alone(endpoint: &Endpoint, nodes: NodeRange, flag: &'static str, value: &str) -> Result<(), PlanError> {
+    if endpoint.port == 0 && nodes.max > 1 {
+        return Err(invalid(flag, value, "a fixed port (port 0 only works for a single node)"));
+    }
+    Ok(())
+}
+
 /// What the launcher needs to know about the machine it runs on. [`HostInfo::probe`] reads the real
 /// one; tests build their own.
 #[derive(Debug, Clone)]
@@ -1093,14 +1102,8 @@ impl LaunchPlan {
                     if let Some(r) = rank_hint {
                         notes.push(format!("--node-rank {r}: used as this node's preferred rank"));
                     }
+                    port_zero_only_alone(&endpoint, nodes, "--rdzv-endpoint", &args.rdzv_endpoint)?;
                     if endpoint.port == 0 {
-                        if nodes.max > 1 {
-                            return Err(invalid(
-                                "--rdzv-endpoint",
-                                &args.rdzv_endpoint,
-                                "a fixed port (port 0 only works for a single node)",
-                            ));
-                        }
                         (RdzvPlan::Standalone, args.rdzv_id.clone().unwrap_or_else(random_id))
                     } else {
                         let id = match &args.rdzv_id {

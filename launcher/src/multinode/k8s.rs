@@ -42,15 +42,8 @@ pub fn detect(args: &LaunchArgs, host: &HostInfo) -> Result<Option<Cluster>, Pla
         ignored_env(host, &mut c);
         let endpoint = Endpoint::parse(&args.rdzv_endpoint, "--rdzv-endpoint", DEFAULT_RDZV_PORT)?;
         let nodes = NodeRange::parse(&args.nnodes)?;
-        if endpoint.port == 0 && nodes.max > 1 {
-            // As `--rdzv-endpoint HOST:0` is refused: the other pods could never find the port.
-            let flag = if args.origin("rdzv_endpoint") == crate::cli::Origin::CommandLine { "--rdzv-endpoint" } else { "PET_RDZV_ENDPOINT" };
-            return Err(PlanError::Invalid {
-                flag,
-                value: args.rdzv_endpoint.clone(),
-                expected: "a fixed port (port 0 only works for a single node)".into(),
-            });
-        }
+        let flag = if args.origin("rdzv_endpoint") == crate::cli::Origin::CommandLine { "--rdzv-endpoint" } else { "PET_RDZV_ENDPOINT" };
+        crate::plan::port_zero_only_alone(&endpoint, nodes, flag, &args.rdzv_endpoint)?;
         c.sources.push(Sourced::new("nnodes", nodes, option_source(args, "nnodes", "--nnodes")));
         c.sources.push(Sourced::new("rendezvous", &endpoint, option_source(args, "rdzv_endpoint", "--rdzv-endpoint")));
         if backend_given && !matches!(backend.as_str(), "c10d" | "rsrun") {
