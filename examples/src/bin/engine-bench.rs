@@ -76,26 +76,18 @@ struct Args {
     #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..))]
     steps: u64,
     /// Per-rank batch size (sequences), at least 1.
-    #[arg(long, default_value_t = 8, value_parser = at_least_one)]
+    #[arg(long, default_value_t = 8, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     batch: usize,
     /// Deterministic (rank-order) reductions.
     #[arg(long)]
     deterministic: bool,
     /// Compute threads per rank, at least 1.
-    #[arg(long, default_value_t = 1, value_parser = at_least_one)]
+    #[arg(long, default_value_t = 1, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..))]
     threads: usize,
     /// Time every matrix product of the measured steps by shape and print where the step's
     /// gemm time goes (fp32 native path), next to the microkernel's rate with its operands in L1.
     #[arg(long)]
     gemm_profile: bool,
-}
-
-/// A count of 1 or more (`--batch`, `--threads`).
-fn at_least_one(v: &str) -> Result<usize, String> {
-    match v.parse::<usize>() {
-        Ok(n) if n >= 1 => Ok(n),
-        _ => Err(format!("expected a whole number, 1 or more (got {v:?})")),
-    }
 }
 
 fn env_usize(k: &str) -> Option<usize> {
