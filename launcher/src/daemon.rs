@@ -275,8 +275,16 @@ impl DaemonRdzv {
                 info!(job = %self.job, node = %self.node, %err, "the job completed while this node waited");
                 return Ok(None);
             }
-            // Refused (the service serves another job; the token is not accepted): this node cannot
-            // start as configured (exit 2).
+            // Refused (the service serves another job; the token is not accepted; TLS with it
+            // fails): this node cannot start as configured (exit 2).
+            Err(err @ RdzvError::Tls { .. }) => {
+                return Err(anyhow::Error::new(StartError(format!(
+                    "cannot talk to the rendezvous at {} (job '{}', --rdzv-tls-ca {}): {err}",
+                    self.endpoint,
+                    self.job,
+                    plan.tls_ca.as_deref().map_or_else(|| "not given".to_owned(), |p| p.display().to_string())
+                ))));
+            }
             Err(err @ (RdzvError::PermissionDenied(_) | RdzvError::Unauthenticated(_))) => {
                 return Err(anyhow::Error::new(StartError(format!(
                     "the rendezvous at {} refuses job '{}': {err}",

@@ -195,7 +195,8 @@ mod tests {
     fn tls_ca_reaches_workers_of_a_tls_daemon() {
         let dir = tempfile::tempdir().unwrap();
         let ca = dir.path().join("ca.pem");
-        std::fs::write(&ca, "-----BEGIN CERTIFICATE-----\n").unwrap();
+        let key = rcgen::KeyPair::generate().unwrap();
+        std::fs::write(&ca, rcgen::CertificateParams::new(Vec::<String>::new()).unwrap().self_signed(&key).unwrap().pem()).unwrap();
         let ca_s = ca.display().to_string();
         let p = plan(&["--rdzv-backend", "c10d", "--rdzv-endpoint", "10.0.0.9:29400", "--rdzv-id", "j", "--rdzv-tls-ca", &ca_s]);
         assert_eq!(p.tls_ca.as_deref(), Some(ca.as_path()));

@@ -1297,20 +1297,20 @@ impl LaunchPlan {
         };
 
         // TLS to the daemon.
+        let read_ca = |path: &PathBuf| {
+            let p = host.cwd.join(path);
+            let pem = std::fs::read(&p)
+                .map_err(|e| invalid("--rdzv-tls-ca", &path.display().to_string(), format!("a readable PEM file ({e})")))?;
+            rsrun_rendezvous::client::check_ca_pem(&pem).map_err(|why| {
+                invalid("--rdzv-tls-ca", &path.display().to_string(), format!("a file of PEM CA certificates (it {why})"))
+            })?;
+            Ok::<_, PlanError>(p)
+        };
         let tls_ca = match (&args.rdzv_tls_ca, &rdzv) {
             (None, _) => None,
-            (Some(path), RdzvPlan::Group { .. }) => {
-                let p = host.cwd.join(path);
-                if let Err(e) = std::fs::read(&p) {
-                    return Err(invalid("--rdzv-tls-ca", &path.display().to_string(), format!("a readable PEM file ({e})")));
-                }
-                Some(p)
-            }
+            (Some(path), RdzvPlan::Group { .. }) => Some(read_ca(path)?),
             (Some(path), RdzvPlan::Daemon { host: mode, .. }) => {
-                let p = host.cwd.join(path);
-                if let Err(e) = std::fs::read(&p) {
-                    return Err(invalid("--rdzv-tls-ca", &path.display().to_string(), format!("a readable PEM file ({e})")));
-                }
+                let p = read_ca(path)?;
                 if *mode == HostMode::Always {
                     return Err(PlanError::Conflict(
                         "--rdzv-tls-ca with --rdzv-conf is_host=true: a launcher hosts a plain (non-TLS) service; run `rsrun-rendezvous serve --tls-cert --tls-key` instead".into(),

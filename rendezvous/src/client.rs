@@ -248,6 +248,61 @@ impl Conns {
     }
 }
 
+/// Checks a CA file's contents: one or more PEM certificates, or why not (`holds no PEM
+/// certificate ...`, to follow the file's name).
+///
+/// # Errors
+/// The contents hold no PEM certificate, or a malformed one.
+pub fn check_ca_pem(pem: &[u8]) -> Result<(), String> {
+    use rustls_pki_types::CertificateDer;
+    use rustls_pki_types::pem::PemObject;
+    match CertificateDer::pem_slice_iter(pem).collect::<Result<Vec<_>, _>>() {
+        Ok(certs) if !certs.is_empty() => Ok(()),
+        Ok(_) => Err("holds no PEM certificate (expected -----BEGIN CERTIFICATE-----)".into()),
+        Err(e) => Err(format!("is not a readable PEM certificate file: {e:?}")),
+    }
+}
+
+/// The TLS handshake's failure behind a status, said with what to check; `None` when the status
+/// is no TLS failure.
+fn tls_failure(status: &Status) -> Option<String> {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(status);
+    while let Some(err) = source {
+        let found = err
+            .downcast_ref::<rustls::Error>()
+            .or_else(|| err.downcast_ref::<std::io::Error>().and_then(|io| io.get_ref()?.downcast_ref::<rustls::Error>()));
+        if let Some(tls) = found {
+            let hint = match tls {
+                rustls::Error::InvalidCertificate(_) => {
+                    "its certificate is not signed by the CA file given, is expired, or does not name the host of the endpoint"
+                }
+                rustls::Error::InvalidMessage(_) | rustls::Error::InappropriateMessage { .. } | rustls::Error::InappropriateHandshakeMessage { .. } => {
+                    "the daemon does not speak TLS (started without --tls-cert?): give no CA file"
+                }
+                _ => "check the daemon's --tls-cert against the CA file given",
+            };
+            return Some(format!("{tls}; {hint}"));
+        }
+        source = err.source();
+    }
+    None
+}
+
+/// Whether the daemon at `endpoint` answers a plain HTTP/2 preface with a TLS alert record (a
+/// TLS daemon, reached without a CA file). At most a second.
+async fn speaks_tls(endpoint: &str) -> bool {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let probe = async {
+        let mut s = tokio::net::TcpStream::connect(bare(endpoint)).await.ok()?;
+        s.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").await.ok()?;
+        let mut head = [0u8; 2];
+        s.read_exact(&mut head).await.ok()?;
+        // Content type 21 (alert), protocol version 3.x.
+        Some(head == [0x15, 0x03])
+    };
+    matches!(tokio::time::timeout(Duration::from_secs(1), probe).await, Ok(Some(true)))
+}
+
 /// A connection to the rendezvous service (cheap to clone; clones share the channels).
 #[derive(Debug, Clone)]
 pub struct RdzvClient {
@@ -271,7 +326,11 @@ impl RdzvClient {
     pub fn connect(cfg: ClientConfig) -> Result<Self, RdzvError> {
         let bad = |message: String| RdzvError::Connect { endpoint: cfg.endpoint.clone(), message };
         let ca_pem = match &cfg.tls_ca {
-            Some(ca) => Some(std::fs::read(ca).map_err(|e| bad(format!("cannot read CA file {}: {e}", ca.display())))?),
+            Some(ca) => {
+                let pem = std::fs::read(ca).map_err(|e| bad(format!("cannot read CA file {}: {e}", ca.display())))?;
+                check_ca_pem(&pem).map_err(|why| bad(format!("CA file {} {why}", ca.display())))?;
+                Some(pem)
+            }
             None => None,
         };
         let header = match &cfg.token {
@@ -319,14 +378,24 @@ impl RdzvClient {
         }
     }
 
-    /// Runs one call, retrying while the service is unreachable, until `wait` plus the configured
-    /// call timeout passed. The closure gets the wait left for the server side (for blocking calls).
+    /// Runs one call, retrying while the service is unreachable. The closure gets the wait left for
+    /// the server side (for blocking calls).
+    ///
+    /// Deadlines: a blocking call (`wait` > 0) stops retrying an unreachable service once `wait`
+    /// passed, so `join_timeout=3` fails after about 3 s; a plain call retries for the configured
+    /// call timeout. An attempt that reached the service may take `wait` plus the call timeout to
+    /// answer. A failed TLS handshake is not retried (unless another daemon of the list may still
+    /// answer): the configuration has to change.
     async fn call<T, Fut>(&self, what: &str, wait: Duration, mut f: impl FnMut(Inner, Duration) -> Fut) -> Result<T, RdzvError>
     where
         Fut: Future<Output = Result<tonic::Response<T>, Status>>,
     {
         let start = Instant::now();
         let deadline = start + wait + self.cfg.rpc_timeout;
+        let retry_until = start + if wait.is_zero() { self.cfg.rpc_timeout } else { wait };
+        let mut tls_failed: Vec<usize> = Vec::new();
+        let mut tls_note = String::new();
+        let mut probed = false;
         let mut backoff = Duration::from_millis(25);
         let mut attempts = 0u32;
         let mut last_unreachable: Option<RdzvError> = None;
@@ -344,13 +413,42 @@ impl RdzvClient {
                         e
                     }
                 },
-                Ok(Err(status)) => RdzvError::from(status),
+                Ok(Err(status)) => match tls_failure(&status) {
+                    Some(message) => {
+                        let err = RdzvError::Tls { endpoint: conn.name.clone(), message };
+                        if !tls_failed.contains(&idx) {
+                            tls_failed.push(idx);
+                        }
+                        if tls_failed.len() >= self.conns.len() {
+                            return Err(err);
+                        }
+                        tls_note = format!(" (and {err})");
+                        // Another daemon of the list may still answer: treated as unreachable.
+                        RdzvError::Unavailable(err.to_string())
+                    }
+                    // A transport failure of a client without a CA file: a daemon that speaks TLS
+                    // breaks the connection off (asked once per call; it answers within a second).
+                    None if self.conns.ca_pem.is_none()
+                        && !probed
+                        && (std::error::Error::source(&status).is_some() || status.code() == tonic::Code::Internal) =>
+                    {
+                        probed = true;
+                        if speaks_tls(&conn.name).await {
+                            return Err(RdzvError::Tls {
+                                endpoint: conn.name.clone(),
+                                message: "the daemon answers with TLS: give the CA file that signed its certificate".into(),
+                            });
+                        }
+                        RdzvError::from(status)
+                    }
+                    None => RdzvError::from(status),
+                },
                 // The deadline passed during an attempt: if earlier attempts could not reach the
                 // service, that is the story to tell, not the timeout of the last try.
                 Err(_) => match last_unreachable {
                     Some(e) => {
                         return Err(RdzvError::Unavailable(format!(
-                            "{what}: rendezvous service at {} unreachable after {attempts} attempts over {:?}: {e}",
+                            "{what}: rendezvous service at {} unreachable after {attempts} attempts over {:?}: {e}{tls_note}",
                             self.cfg.endpoint,
                             start.elapsed()
                         )));
@@ -367,10 +465,10 @@ impl RdzvClient {
             if !err.is_retryable() {
                 return Err(err);
             }
-            let left = deadline.saturating_duration_since(Instant::now());
+            let left = retry_until.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return Err(RdzvError::Unavailable(format!(
-                    "{what}: rendezvous service at {} unreachable after {attempts} attempts over {:?}: {err}",
+                    "{what}: rendezvous service at {} unreachable after {attempts} attempts over {:?}: {err}{tls_note}",
                     self.cfg.endpoint,
                     start.elapsed()
                 )));

@@ -120,6 +120,16 @@ pub enum RdzvError {
         /// Why.
         message: String,
     },
+    /// Client side: the TLS handshake with a daemon failed (a certificate its CA file does not
+    /// vouch for, a name the certificate does not carry, a daemon that does not speak TLS). Retrying
+    /// cannot help: the configuration has to change.
+    #[error("TLS with rendezvous daemon {endpoint} failed: {message}")]
+    Tls {
+        /// The daemon's endpoint.
+        endpoint: String,
+        /// The handshake's error, and what to check.
+        message: String,
+    },
     // === TCPStore (PyTorch's store protocol, `tcpstore`) ===
     /// A TCPStore request broke the protocol (unknown command, missing or wrong VALIDATE, bad field).
     #[error("tcpstore protocol violation: {0}")]
@@ -193,6 +203,7 @@ impl RdzvError {
             RdzvError::Unavailable(_)
             | RdzvError::ShuttingDown
             | RdzvError::Connect { .. }
+            | RdzvError::Tls { .. }
             | RdzvError::TcpStoreClient { .. }
             | RdzvError::NotLeader { .. }
             | RdzvError::StaleEpoch { .. } => Code::Unavailable,
@@ -203,7 +214,7 @@ impl RdzvError {
 
     /// True for errors a client may retry (the service was unreachable or restarting).
     pub fn is_retryable(&self) -> bool {
-        self.code() == Code::Unavailable
+        self.code() == Code::Unavailable && !matches!(self, RdzvError::Tls { .. })
     }
 }
 

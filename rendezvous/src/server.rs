@@ -2,7 +2,7 @@
 //! in-memory service the launcher runs for `--standalone`.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -107,13 +107,22 @@ pub async fn serve(config: ServerConfig, shutdown: CancellationToken, on_bound: 
     if !config.listen.ip().is_loopback() && config.tls.is_none() {
         tracing::warn!(listen = %config.listen, "serving without TLS on a non-loopback address: tokens travel in clear text");
     }
-    let tls = match &config.tls {
-        None => None,
-        Some((cert, key)) => {
-            let read = |p: &PathBuf| std::fs::read(p).map_err(|e| RdzvError::invalid("tls", format!("cannot read {}: {e}", p.display())));
-            Some(ServerTlsConfig::new().identity(Identity::from_pem(read(cert)?, read(key)?)))
-        }
-    };
+    // The server and its TLS identity are built before anything binds, so an unusable certificate
+    // or key is told before "listening on" is printed.
+    let mut builder = Server::builder()
+        .tcp_nodelay(true)
+        .max_concurrent_streams(Some(4096))
+        .http2_keepalive_interval(Some(Duration::from_secs(10)))
+        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+        .trace_fn(|req| tracing::debug_span!("rpc", path = %req.uri().path()));
+    if let Some((cert, key)) = &config.tls {
+        builder = builder.tls_config(tls_identity(cert, key)?).map_err(|e| {
+            RdzvError::invalid(
+                "tls",
+                format!("unusable certificate {} or key {}: {}", cert.display(), key.display(), error_chain(&e)),
+            )
+        })?;
+    }
     let etcd = match &config.ha {
         None => None,
         Some(ha) => {
@@ -175,22 +184,13 @@ pub async fn serve(config: ServerConfig, shutdown: CancellationToken, on_bound: 
         Some(m) => Some(spawn_metrics(m, core.metrics.clone(), shutdown.clone(), &tracker).await?),
     };
     on_bound(Bound { addr, metrics_addr });
-    tracing::info!(%addr, durable = config.data_dir.is_some(), ha = config.ha.is_some(), auth = tokens.is_some(), tls = tls.is_some(), "rendezvous service listening");
+    tracing::info!(%addr, durable = config.data_dir.is_some(), ha = config.ha.is_some(), auth = tokens.is_some(), tls = config.tls.is_some(), "rendezvous service listening");
     // HA: a request (so a log record) must fit one etcd log batch.
     let decode_limit = if config.ha.is_some() { 1 << 20 } else { (config.limits.max_value_bytes + (1 << 20)).max(4 << 20) };
     let svc = RendezvousServer::new(Service::new(core))
         .max_decoding_message_size(decode_limit)
         .max_encoding_message_size(usize::MAX);
     let svc = InterceptedService::new(svc, AuthInterceptor::new(tokens).serving_only(config.only_job.as_deref()));
-    let mut builder = Server::builder()
-        .tcp_nodelay(true)
-        .max_concurrent_streams(Some(4096))
-        .http2_keepalive_interval(Some(Duration::from_secs(10)))
-        .http2_keepalive_timeout(Some(Duration::from_secs(20)))
-        .trace_fn(|req| tracing::debug_span!("rpc", path = %req.uri().path()));
-    if let Some(tls) = tls {
-        builder = builder.tls_config(tls).map_err(|e| RdzvError::invalid("tls", format!("unusable certificate or key: {e}")))?;
-    }
     let stop = shutdown.clone();
     let result = builder
         .add_service(svc)
@@ -201,6 +201,50 @@ pub async fn serve(config: ServerConfig, shutdown: CancellationToken, on_bound: 
     tracker.close();
     tracker.wait().await;
     result
+}
+
+/// A server identity from PEM files, each checked for what it must hold: one or more certificates
+/// in the first, a private key in the second (rustls reads them only when the first client connects).
+fn tls_identity(cert: &Path, key: &Path) -> Result<ServerTlsConfig, RdzvError> {
+    use rustls_pki_types::pem::PemObject;
+    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+    let read = |p: &Path, flag: &str| {
+        std::fs::read(p).map_err(|e| RdzvError::invalid("tls", format!("cannot read {flag} {}: {e}", p.display())))
+    };
+    let (cert_pem, key_pem) = (read(cert, "--tls-cert")?, read(key, "--tls-key")?);
+    let certs = CertificateDer::pem_slice_iter(&cert_pem).collect::<Result<Vec<_>, _>>();
+    match certs {
+        Ok(c) if !c.is_empty() => {}
+        Ok(_) => {
+            return Err(RdzvError::invalid(
+                "tls",
+                format!("--tls-cert {} holds no PEM certificate (expected -----BEGIN CERTIFICATE-----)", cert.display()),
+            ));
+        }
+        Err(e) => return Err(RdzvError::invalid("tls", format!("--tls-cert {} is not a PEM certificate: {e:?}", cert.display()))),
+    }
+    if let Err(e) = PrivateKeyDer::from_pem_slice(&key_pem) {
+        return Err(RdzvError::invalid(
+            "tls",
+            format!("--tls-key {} holds no PEM private key (expected -----BEGIN PRIVATE KEY----- or an RSA/EC key): {e:?}", key.display()),
+        ));
+    }
+    Ok(ServerTlsConfig::new().identity(Identity::from_pem(cert_pem, key_pem)))
+}
+
+/// An error and its sources, as one line (tonic's transport errors say just "transport error").
+pub(crate) fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = err.to_string();
+    let mut source = err.source();
+    while let Some(s) = source {
+        let next = s.to_string();
+        if !text.contains(&next) {
+            text.push_str(": ");
+            text.push_str(&next);
+        }
+        source = s.source();
+    }
+    text
 }
 
 async fn spawn_metrics(addr: SocketAddr, metrics: Arc<Metrics>, shutdown: CancellationToken, tracker: &TaskTracker) -> Result<SocketAddr, RdzvError> {

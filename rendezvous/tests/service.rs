@@ -380,13 +380,66 @@ async fn tls_service_accepts_tls_clients_only() {
     cfg.tls = Some((cert, key));
     let srv = server::spawn_with(cfg).await.unwrap();
     let mut c = ClientConfig::new(format!("localhost:{}", srv.addr.port()));
-    c.tls_ca = Some(ca);
+    c.tls_ca = Some(ca.clone());
     let tls_client = RdzvClient::connect(c).unwrap();
     assert!(tls_client.status(None).await.unwrap().jobs.is_empty());
+    // Every failed handshake is told at once, naming what to check, not retried for the call
+    // timeout (30 s) as if the daemon were not up yet.
+    let at_once = Duration::from_secs(15);
     let mut plain = ClientConfig::new(srv.addr.to_string());
-    plain.rpc_timeout = Duration::from_millis(500);
-    let e = RdzvClient::connect(plain).unwrap().status(None).await.unwrap_err();
-    assert!(matches!(e.code(), Code::Unavailable | Code::Unknown | Code::Internal | Code::DeadlineExceeded), "{e:?}");
+    plain.rpc_timeout = Duration::from_secs(30);
+    let e = tokio::time::timeout(at_once, RdzvClient::connect(plain).unwrap().status(None)).await.unwrap().unwrap_err();
+    assert!(matches!(e, RdzvError::Tls { .. }) && e.to_string().contains("CA file that signed its certificate"), "{e:?}");
+    let other_ca = CertificateParams::new(Vec::<String>::new()).unwrap().self_signed(&KeyPair::generate().unwrap()).unwrap();
+    let other = dir.path().join("other-ca.pem");
+    std::fs::write(&other, other_ca.pem()).unwrap();
+    let mut wrong = ClientConfig::new(format!("localhost:{}", srv.addr.port()));
+    (wrong.tls_ca, wrong.rpc_timeout) = (Some(other), Duration::from_secs(30));
+    let e = tokio::time::timeout(at_once, RdzvClient::connect(wrong).unwrap().status(None)).await.unwrap().unwrap_err();
+    assert!(matches!(e, RdzvError::Tls { .. }) && !e.is_retryable(), "{e:?}");
+    assert!(e.to_string().contains("not signed by the CA file given"), "{e}");
+    // A TLS client of a plain daemon.
+    let (plain_srv, _) = embedded().await;
+    let mut to_plain = ClientConfig::new(plain_srv.addr.to_string());
+    (to_plain.tls_ca, to_plain.rpc_timeout) = (Some(ca.clone()), Duration::from_secs(30));
+    let e = tokio::time::timeout(at_once, RdzvClient::connect(to_plain).unwrap().status(None)).await.unwrap().unwrap_err();
+    assert!(e.to_string().contains("does not speak TLS"), "{e}");
+    // A CA file without a certificate is refused before anything is sent.
+    let junk = dir.path().join("junk.pem");
+    std::fs::write(&junk, "not a certificate\n").unwrap();
+    let mut c = ClientConfig::new(srv.addr.to_string());
+    c.tls_ca = Some(junk.clone());
+    let e = RdzvClient::connect(c).unwrap_err().to_string();
+    assert!(e.contains("junk.pem") && e.contains("holds no PEM certificate"), "{e}");
+    // A daemon refuses files that hold no certificate or key, or a key of another certificate,
+    // before it binds.
+    let other_key = dir.path().join("other-key.pem");
+    std::fs::write(&other_key, KeyPair::generate().unwrap().serialize_pem()).unwrap();
+    let leaf_cert = dir.path().join("cert.pem");
+    for (cert, key, want) in [
+        (&junk, &dir.path().join("key.pem"), "--tls-cert"),
+        (&leaf_cert, &junk, "--tls-key"),
+        (&leaf_cert, &other_key, "KeyMismatch"),
+    ] {
+        let mut cfg = ServerConfig::in_memory("127.0.0.1:0".parse().unwrap());
+        cfg.tls = Some((cert.clone(), key.clone()));
+        let e = server::spawn_with(cfg).await.unwrap_err().to_string();
+        assert!(e.contains(want), "{want}: {e}");
+    }
+}
+
+#[tokio::test]
+async fn a_blocking_call_stops_retrying_an_unreachable_service_when_its_wait_ends() {
+    // Nobody listens there: a join that waits 1 s fails after about 1 s, not after the call
+    // timeout (30 s) on top.
+    let port = std::net::TcpListener::bind("127.0.0.96:0").unwrap().local_addr().unwrap().port();
+    let mut cfg = ClientConfig::new(format!("127.0.0.96:{port}"));
+    cfg.rpc_timeout = Duration::from_secs(30);
+    let client = RdzvClient::connect(cfg).unwrap();
+    let mut s = join_spec("job", "a", &spec(1, 1, 5_000));
+    s.timeout = Duration::from_secs(1);
+    let e = tokio::time::timeout(Duration::from_secs(15), client.join(s)).await.unwrap().unwrap_err();
+    assert!(matches!(e, RdzvError::Unavailable(_)) && e.to_string().contains("unreachable after"), "{e:?}");
 }
 
 #[tokio::test]

@@ -309,6 +309,12 @@ fn keep_alive_timeout_and_tls_ca() {
     assert!(d("keep_alive_timeout=0").unwrap_err().to_string().contains("keep_alive_timeout"));
     let e = err(&["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-id", "j", "--rdzv-tls-ca", "/nonexistent/ca.pem", "true"]);
     assert!(e.contains("--rdzv-tls-ca") && e.contains("readable"), "{e}");
+    // A file without a certificate (a key, a truncated copy) is refused before anything starts.
+    let dir = tempfile::tempdir().unwrap();
+    let truncated = dir.path().join("ca.pem");
+    std::fs::write(&truncated, "-----BEGIN CERTIFICATE-----\nMIIB\n").unwrap();
+    let e = err(&["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-id", "j", "--rdzv-tls-ca", truncated.to_str().unwrap(), "true"]);
+    assert!(e.contains("--rdzv-tls-ca") && e.contains("ca.pem") && e.contains("PEM CA certificates"), "{e}");
 }
 
 #[test]

@@ -108,11 +108,42 @@ fn rdzv_tls_ca_reaches_a_tls_daemon() {
         .args(["--rdzv-backend", "c10d", "--rdzv-endpoint", &daemon.addr, "--rdzv-id", "tls-env", "sh", "-c", script]);
     let out = KillOnDrop::spawn(&mut cmd).output_within(RUN_DEADLINE);
     assert_eq!(code(&out.status), 0, "{}", text(&out));
-    // Without the CA the launcher cannot talk to it: an error, not a hang.
-    let out = node(dir.path(), &daemon.addr, "plain", "1", ",join_timeout=2,read_timeout=1", &[], script)
+    // Without the CA, or with a CA that did not sign its certificate, the launcher cannot talk to
+    // it: told at once (not after the 600 s join timeout, as if the daemon were not up yet), naming
+    // the daemon and what to check, exit 2 (it cannot start as configured).
+    let out = node(dir.path(), &daemon.addr, "plain", "1", ",join_timeout=600", &[], script).output_within(RUN_DEADLINE);
+    assert_eq!(code(&out.status), 2, "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains(&daemon.addr) && stderr.contains("the daemon answers with TLS"), "{}", text(&out));
+    let other = tempfile::tempdir().unwrap();
+    let (other_ca, _, _) = tls_files(other.path());
+    let out = node(dir.path(), &daemon.addr, "wrong-ca", "1", ",join_timeout=600", &["--rdzv-tls-ca", other_ca.to_str().unwrap()], script)
         .output_within(RUN_DEADLINE);
-    assert_eq!(code(&out.status), 1, "{}", text(&out));
-    assert!(String::from_utf8_lossy(&out.stderr).contains(&daemon.addr), "{}", text(&out));
+    assert_eq!(code(&out.status), 2, "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("invalid peer certificate") && stderr.contains("not signed by the CA file given"), "{}", text(&out));
+    // A file that holds no certificate is refused before anything starts.
+    let junk = dir.path().join("junk.pem");
+    std::fs::write(&junk, "not a certificate\n").unwrap();
+    let out = node(dir.path(), &daemon.addr, "junk-ca", "1", "", &["--rdzv-tls-ca", junk.to_str().unwrap()], script).output_within(RUN_DEADLINE);
+    assert_eq!(code(&out.status), 2, "{}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("holds no PEM certificate"), "{}", text(&out));
+}
+
+/// A daemon given TLS files it cannot use says which and why before it listens, and exits 2.
+#[test]
+fn a_daemon_refuses_unusable_tls_files_before_it_listens() {
+    let certs = tempfile::tempdir().unwrap();
+    let (ca, cert, key) = tls_files(certs.path());
+    for (c, k, want) in [(&ca, &cert, "--tls-key"), (&key, &key, "--tls-cert")] {
+        let mut cmd = std::process::Command::new(rsrun_tests::bin("rsrun-rendezvous"));
+        cmd.args(["serve", "--listen", "127.0.0.1:0", "--tls-cert"]).arg(c).arg("--tls-key").arg(k);
+        let out = KillOnDrop::spawn(&mut cmd).output_within(RUN_DEADLINE);
+        assert_eq!(code(&out.status), 2, "{}", text(&out));
+        assert!(!String::from_utf8_lossy(&out.stdout).contains("listening on"), "{}", text(&out));
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(want) && stderr.contains("holds no PEM"), "{want}: {}", text(&out));
+    }
 }
 
 /// A launcher that hosts the rendezvous at its endpoint serves its own job only: a launcher of
