@@ -1283,14 +1283,12 @@ impl LaunchPlan {
         // Token.
         let token = match &args.rdzv_token_file {
             Some(path) => {
+                // The first token of the file, checked as a daemon checks its token file (a
+                // `TOKEN JOB` line gives TOKEN; a short token is refused naming the line).
                 let p = host.cwd.join(path);
-                let text = std::fs::read_to_string(&p).map_err(|e| {
-                    invalid("--rdzv-token-file", &path.display().to_string(), format!("a readable file ({e})"))
+                let t = rsrun_rendezvous::auth::read_client_token(&p).map_err(|e| {
+                    invalid("--rdzv-token-file", &path.display().to_string(), format!("a file holding a token ({e})"))
                 })?;
-                let t = text.trim().to_owned();
-                if t.is_empty() {
-                    return Err(invalid("--rdzv-token-file", &path.display().to_string(), "a file holding a token"));
-                }
                 Some(t)
             }
             None => None,
@@ -1299,7 +1297,7 @@ impl LaunchPlan {
         // TLS to the daemon.
         let read_ca = |path: &PathBuf| {
             let p = host.cwd.join(path);
-            let pem = std::fs::read(&p)
+            let pem = rsrun_rendezvous::files::read_bounded(&p)
                 .map_err(|e| invalid("--rdzv-tls-ca", &path.display().to_string(), format!("a readable PEM file ({e})")))?;
             rsrun_rendezvous::client::check_ca_pem(&pem).map_err(|why| {
                 invalid("--rdzv-tls-ca", &path.display().to_string(), format!("a file of PEM CA certificates (it {why})"))

@@ -115,7 +115,7 @@ impl TokenTable {
 
     /// Reads and parses a token file.
     pub fn load(path: &Path) -> Result<Self, RdzvError> {
-        let text = std::fs::read_to_string(path).map_err(|e| RdzvError::invalid("token file", format!("cannot read {}: {e}", path.display())))?;
+        let text = crate::files::read_bounded_string(path).map_err(|e| RdzvError::invalid("token file", format!("cannot read {}: {e}", path.display())))?;
         Self::parse(&text, &path.display().to_string())
     }
 
@@ -145,7 +145,7 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 /// characters, a malformed line, no token), so a client fails at once naming the file and the line
 /// instead of presenting a token no service accepts.
 pub fn read_client_token(path: &Path) -> Result<String, RdzvError> {
-    let text = std::fs::read_to_string(path).map_err(|e| RdzvError::invalid("token file", format!("cannot read {}: {e}", path.display())))?;
+    let text = crate::files::read_bounded_string(path).map_err(|e| RdzvError::invalid("token file", format!("cannot read {}: {e}", path.display())))?;
     let table = TokenTable::parse(&text, &path.display().to_string())?;
     table
         .entries

@@ -327,7 +327,7 @@ impl RdzvClient {
         let bad = |message: String| RdzvError::Connect { endpoint: cfg.endpoint.clone(), message };
         let ca_pem = match &cfg.tls_ca {
             Some(ca) => {
-                let pem = std::fs::read(ca).map_err(|e| bad(format!("cannot read CA file {}: {e}", ca.display())))?;
+                let pem = crate::files::read_bounded(ca).map_err(|e| bad(format!("cannot read CA file {}: {e}", ca.display())))?;
                 check_ca_pem(&pem).map_err(|why| bad(format!("CA file {} {why}", ca.display())))?;
                 Some(pem)
             }

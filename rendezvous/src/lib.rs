@@ -8,6 +8,7 @@
 //!   and the gRPC handlers over it.
 //! - [`server`]: serving (listen, auth, TLS, metrics, shutdown) and the embedded in-memory mode.
 //! - [`client`]: the typed async client used by the launcher and the worker runtime.
+//! - [`files`]: reading configuration files (tokens, certificates) with a deadline.
 //! - [`tcpstore`]: a server (and a small client) for PyTorch's TCPStore protocol, so unmodified torch
 //!   workers can use a store that rsrun serves.
 #![warn(missing_docs)]
@@ -15,6 +16,7 @@
 pub mod auth;
 pub mod client;
 mod error;
+pub mod files;
 pub mod ha;
 pub mod journal;
 pub mod logstore;

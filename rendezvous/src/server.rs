@@ -171,11 +171,16 @@ pub async fn serve(config: ServerConfig, shutdown: CancellationToken, on_bound: 
         &tracker,
     )?;
     if let (Some(ha_cfg), Some(etcd)) = (ha_cfg, etcd) {
-        if let Err(e) = ha::prepare(&etcd, &ha_cfg.prefix, Duration::from_secs(30)).await {
+        // Up to 30 s while etcd is not reachable yet; a stop signal ends the wait.
+        let prepared = tokio::select! {
+            r = ha::prepare(&etcd, &ha_cfg.prefix, Duration::from_secs(30)) => r.map(|()| true),
+            () = shutdown.cancelled() => Ok(false),
+        };
+        if !matches!(prepared, Ok(true)) {
             shutdown.cancel();
             tracker.close();
             tracker.wait().await;
-            return Err(e);
+            return prepared.map(|_| ());
         }
         ha::spawn(core.clone(), ha_cfg, etcd, shutdown.clone(), &tracker);
     }
@@ -209,7 +214,7 @@ fn tls_identity(cert: &Path, key: &Path) -> Result<ServerTlsConfig, RdzvError> {
     use rustls_pki_types::pem::PemObject;
     use rustls_pki_types::{CertificateDer, PrivateKeyDer};
     let read = |p: &Path, flag: &str| {
-        std::fs::read(p).map_err(|e| RdzvError::invalid("tls", format!("cannot read {flag} {}: {e}", p.display())))
+        crate::files::read_bounded(p).map_err(|e| RdzvError::invalid("tls", format!("cannot read {flag} {}: {e}", p.display())))
     };
     let (cert_pem, key_pem) = (read(cert, "--tls-cert")?, read(key, "--tls-key")?);
     let certs = CertificateDer::pem_slice_iter(&cert_pem).collect::<Result<Vec<_>, _>>();

@@ -318,6 +318,23 @@ fn keep_alive_timeout_and_tls_ca() {
 }
 
 #[test]
+fn a_token_file_is_read_as_a_daemon_reads_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("tokens");
+    let with = |text: &str| {
+        std::fs::write(&file, text).unwrap();
+        resolve(&["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-id", "j", "--rdzv-token-file", file.to_str().unwrap(), "true"])
+    };
+    // The first token of a `TOKEN JOB` line, not the whole line.
+    let p = with("# for job j\n0123456789abcdef-token j\nsecond-token-0123456789\n").unwrap();
+    assert_eq!(p.token.as_deref(), Some("0123456789abcdef-token"));
+    let e = with("short\n").unwrap_err().to_string();
+    assert!(e.contains("--rdzv-token-file") && e.contains("line 1: token of 5 characters"), "{e}");
+    let e = with("\n# nothing\n").unwrap_err().to_string();
+    assert!(e.contains("--rdzv-token-file") && e.contains("holds no token"), "{e}");
+}
+
+#[test]
 fn check_needs_a_host_list() {
     assert_eq!(
         err(&["--check", "true"]),

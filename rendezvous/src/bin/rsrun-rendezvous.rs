@@ -236,7 +236,7 @@ fn ha_config(args: &ServeArgs) -> anyhow::Result<Option<HaConfig>> {
     }
     let user = match (&args.etcd_user, &args.etcd_password_file) {
         (Some(u), Some(f)) => {
-            let text = std::fs::read_to_string(f).with_context(|| format!("cannot read --etcd-password-file {}", f.display()))?;
+            let text = rsrun_rendezvous::files::read_bounded_string(f).with_context(|| format!("cannot read --etcd-password-file {}", f.display()))?;
             let pw = text.lines().next().unwrap_or_default().trim_end().to_owned();
             if pw.is_empty() {
                 return Err(RdzvError::invalid("etcd_password_file", format!("{}: the first line is empty; expected the password of {u:?}", f.display())).into());

@@ -210,7 +210,7 @@ impl Etcd {
             return Err(RdzvError::invalid("etcd_endpoints", "empty; expected HOST:PORT[,HOST:PORT...]"));
         }
         let read = |p: &PathBuf, what: &str| {
-            std::fs::read(p).map_err(|e| RdzvError::invalid("etcd_tls", format!("cannot read the {what} {}: {e}", p.display())))
+            crate::files::read_bounded(p).map_err(|e| RdzvError::invalid("etcd_tls", format!("cannot read the {what} {}: {e}", p.display())))
         };
         let ca = cfg.ca.as_ref().map(|p| read(p, "CA certificate")).transpose()?;
         let identity = match &cfg.cert_key {

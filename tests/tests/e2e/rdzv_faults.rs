@@ -172,3 +172,19 @@ fn another_jobs_embedded_service_refuses_this_job_with_exit_2() {
     kill(a.pid(), libc::SIGTERM);
     assert_eq!(code(&a.output_within(RUN_DEADLINE).status), 143);
 }
+
+/// A daemon of a highly available group that waits for an etcd nobody answers at (up to 30 s)
+/// stops at once on SIGTERM, as it does when serving.
+#[test]
+fn a_daemon_waiting_for_etcd_stops_on_sigterm() {
+    let mut cmd = std::process::Command::new(rsrun_tests::bin("rsrun-rendezvous"));
+    let etcd = format!("127.0.0.1:{}", rsrun_tests::free_port());
+    cmd.args(["serve", "--listen", "127.0.0.1:0", "--etcd-endpoints", &etcd]);
+    let child = KillOnDrop::spawn(&mut cmd);
+    std::thread::sleep(Duration::from_millis(1500));
+    kill(child.pid(), libc::SIGTERM);
+    let start = Instant::now();
+    let out = child.output_within(RUN_DEADLINE);
+    assert!(start.elapsed() < Duration::from_secs(10), "took {:?} to stop: {}", start.elapsed(), text(&out));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("shutting down"), "{}", text(&out));
+}
