@@ -25,12 +25,18 @@ use tokio_util::sync::CancellationToken;
 fn main() -> ExitCode {
     let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
     if argv.len() == 3 && argv[1] == AGENT_ARGS[0] && argv[2] == AGENT_ARGS[1] {
-        init_tracing();
+        // A node agent reports through the head: a bad RSRUN_LOG there costs its logs, not the job.
+        if let Err(e) = init_tracing() {
+            eprintln!("rsrun: {e}");
+        }
         return agent_main();
     }
     // clap prints usage errors itself and exits 2.
     let args = LaunchArgs::parse_with_origins();
-    init_tracing();
+    if let Err(e) = init_tracing() {
+        eprintln!("rsrun: error: {e}");
+        return ExitCode::from(2);
+    }
     if args.is_remote() {
         return head_main(&args);
     }
@@ -322,19 +328,23 @@ fn agent_main() -> ExitCode {
     ExitCode::from(code.clamp(0, 255) as u8)
 }
 
-fn init_tracing() {
-    let filter = std::env::var("RSRUN_LOG")
-        .or_else(|_| std::env::var("RUST_LOG"))
-        // The embedded rendezvous service logs every failure report; the launcher's summary says it.
-        .unwrap_or_else(|_| "warn,rsrun_rendezvous=error".to_owned());
-    let filter = tracing_subscriber::EnvFilter::try_new(&filter)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+/// Installs the log subscriber.
+///
+/// # Errors
+/// `RSRUN_LOG` is no log filter (the message names it).
+fn init_tracing() -> Result<(), String> {
+    // The embedded rendezvous service logs every failure report; the launcher's summary says it.
+    let log = rsrun_rendezvous::logging::from_env("warn,rsrun_rendezvous=error")?;
     tracing_subscriber::fmt()
-        .with_env_filter(filter)
+        .with_env_filter(log.filter)
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .with_target(false)
         .init();
+    if let Some(note) = log.note {
+        eprintln!("rsrun: {note}");
+    }
+    Ok(())
 }
 
 /// A terminal that understands escape sequences draws progress in place; anything else is plain.

@@ -247,7 +247,7 @@ impl Endpoint {
                 None => (s_trim, None),
             }
         };
-        if host.is_empty() || host.contains(char::is_whitespace) || host.contains('/') {
+        if !plausible_host(host) {
             return Err(bad());
         }
         let port = match port {
@@ -256,6 +256,11 @@ impl Endpoint {
         };
         Ok(Endpoint { host: host.to_owned(), port })
     }
+}
+
+/// A host name or address a resolver could take: not empty, no whitespace, no `/`.
+fn plausible_host(host: &str) -> bool {
+    !host.is_empty() && !host.contains(char::is_whitespace) && !host.contains('/')
 }
 
 impl fmt::Display for Endpoint {
@@ -964,6 +969,18 @@ impl LaunchPlan {
     /// # Errors
     /// The first user error found.
     pub fn resolve(args: &LaunchArgs, host: &HostInfo) -> Result<LaunchPlan, PlanError> {
+        Self::resolve_options(args, host).map_err(|err| match err {
+            // A value that came from the environment (`PET_NNODES=abc`) is named by its variable:
+            // the user typed no such flag.
+            PlanError::Invalid { flag, ref value, .. } => match args.origin(&flag.trim_start_matches('-').replace('-', "_")) {
+                crate::cli::Origin::Env(var) => PlanError::At { place: format!("{var}={value}"), error: Box::new(err) },
+                _ => err,
+            },
+            other => other,
+        })
+    }
+
+    fn resolve_options(args: &LaunchArgs, host: &HostInfo) -> Result<LaunchPlan, PlanError> {
         let mut notes = Vec::new();
         // The cluster path first: a host table, Slurm, Kubernetes (explicit options > Slurm >
         // Kubernetes/PET_*); what it leaves undecided comes from the options below.
@@ -1017,6 +1034,12 @@ impl LaunchPlan {
             b if b.is_empty() => "static".to_owned(),
             b => b,
         };
+        // A node rank no node of the job can have is a mistake whichever backend would use it.
+        if let Some(r) = args.node_rank
+            && r >= nodes.max
+        {
+            return Err(invalid("--node-rank", &r.to_string(), format!("a rank below the number of nodes ({})", nodes.max)));
+        }
         let mut rank_hint = None;
         let (rdzv, job_id) = if let Some((rdzv, job_id, hint)) = cluster.rdzv.clone() {
             rank_hint = hint;
@@ -1069,9 +1092,13 @@ impl LaunchPlan {
                                 format!("a rank below the number of nodes ({})", nodes.max),
                             ));
                         }
+                        if let Some(addr) = args.master_addr.as_deref().filter(|a| !plausible_host(a.trim())) {
+                            return Err(invalid("--master-addr", addr, "the host name or IP address of node rank 0"));
+                        }
                         let master_addr = args
                             .master_addr
-                            .clone()
+                            .as_deref()
+                            .map(|a| a.trim().to_owned())
                             .or_else(|| endpoint.as_ref().map(|e| e.host.clone()))
                             .unwrap_or_else(|| "127.0.0.1".into());
                         let master_port = args

@@ -9,6 +9,7 @@
 //! - [`server`]: serving (listen, auth, TLS, metrics, shutdown) and the embedded in-memory mode.
 //! - [`client`]: the typed async client used by the launcher and the worker runtime.
 //! - [`files`]: reading configuration files (tokens, certificates) with a deadline.
+//! - [`logging`]: the binaries' log filter from `RSRUN_LOG`/`RUST_LOG`.
 //! - [`tcpstore`]: a server (and a small client) for PyTorch's TCPStore protocol, so unmodified torch
 //!   workers can use a store that rsrun serves.
 #![warn(missing_docs)]
@@ -19,6 +20,7 @@ mod error;
 pub mod files;
 pub mod ha;
 pub mod journal;
+pub mod logging;
 pub mod logstore;
 pub mod metrics;
 mod round_stores;

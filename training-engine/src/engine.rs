@@ -320,6 +320,9 @@ impl<M: UnitModel> Engine<M> {
         let world = pg.world_size();
         let _span = info_span!("engine_new", rank, strategy = %cfg.strategy).entered();
         crate::kernels::tune_allocator();
+        if let Some(e) = crate::native::isa::Isa::env_error() {
+            return Err(EngineError::Config(e));
+        }
         if cfg.max_live_units == 0 {
             return Err(EngineError::Config("max_live_units must be at least 1".into()));
         }

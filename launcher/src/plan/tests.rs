@@ -122,6 +122,18 @@ fn implicit_standalone_and_static() {
     let p = resolve(&["--nnodes", "2", "--node-rank", "1", "--master-addr", "h", "true"]).unwrap();
     assert_eq!(p.rdzv, RdzvPlan::Static { node_rank: 1, master_addr: "h".into(), master_port: 29500 });
     assert!(err(&["--nnodes", "2", "--node-rank", "2", "true"]).contains("--node-rank"));
+    // Out of range where the rank would not be used is refused too (it was silently ignored).
+    for args in [&["--node-rank", "3", "true"][..], &["--standalone", "--node-rank", "1", "true"], &["--nnodes", "1:2", "--node-rank", "2", "--rdzv-endpoint", "h:1", "true"]] {
+        let e = err(args);
+        assert!(e.contains("invalid value") && e.contains("--node-rank") && e.contains("below the number of nodes"), "{args:?}: {e}");
+    }
+    // A master address no resolver takes is refused, not waited for until the join timeout.
+    let e = err(&["--nnodes", "2", "--node-rank", "1", "--master-addr", "bad host", "true"]);
+    assert_eq!(e, "invalid value 'bad host' for --master-addr: expected the host name or IP address of node rank 0");
+    // A value from the environment is named by its variable.
+    let (a, h) = parse_env(&["true"], &[("PET_NNODES", "abc")]);
+    let e = LaunchPlan::resolve(&a, &h).unwrap_err().to_string();
+    assert!(e.starts_with("PET_NNODES=abc: invalid value 'abc' for --nnodes"), "{e}");
     // Static without --node-rank on several nodes: node rank 0, and a note that says so.
     let p = resolve(&["--nnodes", "2", "--rdzv-backend", "static", "--master-addr", "h", "true"]).unwrap();
     assert_eq!(p.rdzv, RdzvPlan::Static { node_rank: 0, master_addr: "h".into(), master_port: 29500 });

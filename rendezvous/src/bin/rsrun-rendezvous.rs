@@ -168,13 +168,21 @@ struct StatusArgs {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    let log = match rsrun_rendezvous::logging::from_env("info") {
+        Ok(log) => log,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("RSRUN_LOG").unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
+        .with_env_filter(log.filter)
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
+    if let Some(note) = log.note {
+        tracing::warn!("{note}");
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(r) => r,
         Err(e) => {

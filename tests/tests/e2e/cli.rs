@@ -121,6 +121,26 @@ fn benchmarks_refuse_bad_counts() {
     }
 }
 
+/// Environment variables of ours that hold no usable value are errors naming them, exit 2 (a
+/// bad RSRUN_LOG was silently replaced by the default; RSRUN_ISA=avx3 was only a note).
+#[test]
+fn bad_environment_values_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(rsrun(dir.path()).env("RSRUN_LOG", "garbage===").args(["--standalone", "true"]));
+    assert_eq!(code(&out.status), 2, "{}", text(&out));
+    assert!(text(&out).contains("RSRUN_LOG=\"garbage===\" is not a log filter"), "{}", text(&out));
+    let out = run(std::process::Command::new(rsrun_tests::bin("rsrun-rendezvous")).env("RSRUN_LOG", "x===").args(["serve", "--listen", "127.0.0.1:0"]));
+    assert_eq!(code(&out.status), 2, "{}", text(&out));
+    assert!(text(&out).contains("RSRUN_LOG=\"x===\""), "{}", text(&out));
+    let out = run(rsrun(dir.path()).env("PET_NNODES", "abc").arg("true"));
+    assert_eq!(code(&out.status), 2, "{}", text(&out));
+    assert!(text(&out).contains("PET_NNODES=abc: invalid value 'abc' for --nnodes"), "{}", text(&out));
+    let bench = rsrun_tests::bin("engine-bench");
+    let out = run(std::process::Command::new(bench).env("RSRUN_ISA", "avx3").env("RUST_BACKTRACE", "0").args(["--steps", "1"]));
+    assert!(!out.status.success() && code(&out.status) != 101, "{}", text(&out));
+    assert!(text(&out).contains("RSRUN_ISA=\"avx3\" is not a SIMD level"), "{}", text(&out));
+}
+
 /// A token no rendezvous service accepts fails the launch at once, naming the file and the
 /// reason (the embedded service used to refuse it silently and the launcher waited for it until
 /// the join timeout).

@@ -66,6 +66,12 @@ impl Isa {
     pub fn forced_note() -> Option<String> {
         state().1.clone()
     }
+
+    /// The error when `RSRUN_ISA` holds no SIMD level at all (`RSRUN_ISA=avx3`): the engine
+    /// refuses to start on it (a level the CPU lacks is only a note).
+    pub fn env_error() -> Option<String> {
+        std::env::var(ISA_ENV).ok()?.parse::<Isa>().err()
+    }
 }
 
 impl std::str::FromStr for Isa {
