@@ -258,6 +258,30 @@ impl Endpoint {
     }
 }
 
+/// Whether per-rank logs can be written under `dir`: it is a writable directory, or its nearest
+/// existing ancestor is (the directories are made at start).
+fn check_log_dir(dir: &Path, given: bool) -> Result<(), PlanError> {
+    let value = dir.display().to_string();
+    let expected = |why: String| {
+        let hint = if given { "" } else { " (the default; give --log-dir DIR, or --log-dir /dev/null for none)" };
+        invalid("--log-dir", &value, format!("a directory this user can write{hint}: {why}"))
+    };
+    let mut at = dir;
+    loop {
+        match std::fs::metadata(at) {
+            Ok(m) if m.is_dir() => {
+                return nix::unistd::access(at, nix::unistd::AccessFlags::W_OK | nix::unistd::AccessFlags::X_OK)
+                    .map_err(|e| expected(format!("{} is not writable ({e})", at.display())));
+            }
+            Ok(_) => return Err(expected(format!("{} is not a directory", at.display()))),
+            Err(_) => match at.parent() {
+                Some(parent) => at = parent,
+                None => return Ok(()),
+            },
+        }
+    }
+}
+
 /// A host name or address a resolver could take: not empty, no whitespace, no `/`.
 fn plausible_host(host: &str) -> bool {
     !host.is_empty() && !host.contains(char::is_whitespace) && !host.contains('/')
@@ -1229,6 +1253,10 @@ impl LaunchPlan {
             Some(d) => Some(host.cwd.join(d)),
             None => Some(host.cwd.join(".rsrun").join("logs")),
         };
+        if let Some(d) = &dir {
+            // Found now, not as every worker's start failure (which restarts the job for nothing).
+            check_log_dir(d, args.log_dir.is_some())?;
+        }
         let (prefix, prefix_flag) = match (&args.log_prefix, &args.log_line_prefix_template) {
             (Some(p), _) => (p.clone(), "--log-prefix"),
             (None, Some(p)) => (p.clone(), "--log-line-prefix-template"),

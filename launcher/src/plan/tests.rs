@@ -347,6 +347,20 @@ fn a_token_file_is_read_as_a_daemon_reads_it() {
 }
 
 #[test]
+fn a_log_dir_that_cannot_be_one_is_a_plan_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("afile");
+    std::fs::write(&file, "").unwrap();
+    for d in [file.clone(), file.join("below")] {
+        let e = err(&["--log-dir", d.to_str().unwrap(), "true"]);
+        assert!(e.contains("for --log-dir") && e.contains("afile is not a directory"), "{e}");
+    }
+    let fine = dir.path().join("new").join("logs");
+    assert!(resolve(&["--log-dir", fine.to_str().unwrap(), "true"]).is_ok());
+    assert!(resolve(&["--log-dir", "/dev/null", "true"]).is_ok());
+}
+
+#[test]
 fn check_needs_a_host_list() {
     assert_eq!(
         err(&["--check", "true"]),
