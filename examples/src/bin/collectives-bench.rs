@@ -22,7 +22,11 @@
 //! The memory-traffic bound of an op is the time each rank needs just to read its input once
 //! and write its output once at the measured memcpy bandwidth (all_reduce `2B`, reduce_scatter
 //! `B + B/N`, all_gather `B/N + B` bytes of traffic per rank for `B` bytes); `frac` is that time
-//! over the measured one. The memcpy pays a read-for-ownership for every line it writes; the shm
+//! over the measured one. A shared host has slow spells that last seconds, so the headline
+//! fraction of each op is paired: five rounds of the limit measured right before the op (a few
+//! calls), the median of the five ratios (`bound:` lines list them as `paired_rounds`, beside
+//! `frac_of_first_limit`, the sweep's time over the limits measured once at the start); TCP's
+//! all_reduce is paired the same way with a loopback stream. The memcpy pays a read-for-ownership for every line it writes; the shm
 //! backend writes big all_gather outputs with streaming stores, which do not, so their `frac` can
 //! pass 1. On the shm backend all_reduce and all_gather run twice: on buffers
 //! registered with the group (`ProcessGroup::alloc_shared`, the zero-copy path DDP's gradients
@@ -202,6 +206,29 @@ fn traffic_bytes(op: &str, bytes: usize, n: usize) -> f64 {
     }
 }
 
+/// Rounds of the paired measurement of each memory-bound op (and of TCP against a stream).
+const PAIRED_ROUNDS: usize = 5;
+/// Bytes of the loopback stream of each paired TCP round.
+const PAIRED_STREAM_BYTES: usize = 256 << 20;
+
+/// GB/s (read + write) of a memcpy over `op`'s footprint at `bytes`, every rank copying at once.
+fn memcpy_paired(pg: &ProcessGroup, op: &str, bytes: usize, world: usize) -> Result<f64> {
+    let footprint = if op == "all_reduce" { bytes } else { bytes + bytes / world };
+    pg.barrier()?;
+    Ok(rsrun_examples::machine::memcpy_gbps(footprint / 2))
+}
+
+fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    s[s.len() / 2]
+}
+
+/// `0.91/0.88/...` for the paired rounds, `n/a` without them.
+fn rounds_text(f: Option<&Vec<f64>>) -> String {
+    f.map_or("n/a".to_string(), |f| f.iter().map(|x| format!("{x:.2}")).collect::<Vec<_>>().join("/"))
+}
+
 fn busbw_factor(op: &str, n: usize) -> f64 {
     let n = n as f64;
     match op {
@@ -231,6 +258,13 @@ fn bench_buf(
 /// Times `iters` calls of `op` at `bytes` bytes; returns the slowest rank's mean seconds.
 /// `registered`: the all_reduce buffer and the all_gather output come from `alloc_shared`.
 fn time_op(pg: &ProcessGroup, op: &str, bytes: usize, registered: bool) -> Result<f64> {
+    let iters = (2e9 / bytes as f64).clamp(5.0, 5000.0) as usize;
+    time_op_iters(pg, op, bytes, registered, iters.min(20), iters)
+}
+
+/// Mean seconds per call of `op` over `iters` calls after `warm` untimed ones (the slowest
+/// rank's figure).
+fn time_op_iters(pg: &ProcessGroup, op: &str, bytes: usize, registered: bool, warm: usize, iters: usize) -> Result<f64> {
     let n = pg.world_size();
     let elems = (bytes / 4).max(1);
     let per = (elems / n).max(1);
@@ -247,8 +281,7 @@ fn time_op(pg: &ProcessGroup, op: &str, bytes: usize, registered: bool) -> Resul
         }
         Ok(())
     };
-    let iters = (2e9 / bytes as f64).clamp(5.0, 5000.0) as usize;
-    for _ in 0..iters.min(20) {
+    for _ in 0..warm {
         run(pg)?;
     }
     pg.barrier()?;
@@ -363,6 +396,8 @@ fn main() -> Result<()> {
         };
     let mut out = std::io::stdout().lock();
     let mut results: BTreeMap<(String, String, usize), (f64, f64)> = BTreeMap::new();
+    // (backend[:registered], op) → the fraction of its limit in each paired round at 64 MiB.
+    let mut paired: BTreeMap<(String, String), Vec<f64>> = BTreeMap::new();
     // Physical limits, in this run: memcpy with every rank copying at once, over the same
     // footprint as the op (the in-place all_reduce's 64 MiB buffer: 32 MiB copied to 32 MiB;
     // reduce_scatter / all_gather: 64 + 64/N MiB), one TCP stream over loopback, and the
@@ -458,6 +493,34 @@ fn main() -> Result<()> {
                     results.insert((key, op.clone(), bytes), (t, busbw));
                 }
             }
+            // Paired rounds at 64 MiB: the limit measured right before the op, round after
+            // round, so that a slow spell of a shared host slows both sides of each ratio.
+            if !args.sizes.contains(&big) || (name == "tcp" && op != "all_reduce") {
+                continue;
+            }
+            for &registered in modes {
+                let mut fracs = Vec::with_capacity(PAIRED_ROUNDS);
+                for _ in 0..PAIRED_ROUNDS {
+                    let limit = if name == "tcp" {
+                        pg.barrier()?;
+                        let mut lb = [if rank == 0 { rsrun_examples::machine::loopback_tcp_gbps(PAIRED_STREAM_BYTES)? } else { 0.0 }];
+                        pg.broadcast(&mut lb, 0)?;
+                        lb[0]
+                    } else {
+                        let mut bw = [memcpy_paired(&pg, op, big, world)?];
+                        pg.all_reduce(&mut bw, ReduceOp::Min)?;
+                        bw[0]
+                    };
+                    let t = time_op_iters(&pg, op, big, registered, 2, 6)?;
+                    fracs.push(if name == "tcp" {
+                        big as f64 / t * busbw_factor(op, world) / 1e9 / limit
+                    } else {
+                        traffic_bytes(op, big, world) / (limit * 1e9) / t
+                    });
+                }
+                let key = if registered { format!("{backend}:registered") } else { backend.clone() };
+                paired.insert((key, op.clone()), fracs);
+            }
         }
         pg.barrier()?;
     }
@@ -490,14 +553,12 @@ fn main() -> Result<()> {
                 main.clone()
             }
         };
-        let frac_of = |b: &str, op: &str| {
-            results.get(&(b.to_string(), op.to_string(), big)).map_or(
-                "n/a".to_string(),
-                |(t, _)| {
-                    let bound = traffic_bytes(op, big, world) / (memcpy_for(op) * 1e9);
-                    format!("{:.2}", bound / t)
-                },
-            )
+        let frac_of = |b: &str, op: &str| match paired.get(&(b.to_string(), op.to_string())) {
+            Some(f) => format!("{:.2}", median(f)),
+            None => results.get(&(b.to_string(), op.to_string(), big)).map_or("n/a".to_string(), |(t, _)| {
+                let bound = traffic_bytes(op, big, world) / (memcpy_for(op) * 1e9);
+                format!("{:.2}", bound / t)
+            }),
         };
         let frac = |op: &str| frac_of(&headline(op), op);
         for op in ["all_reduce", "reduce_scatter", "all_gather"] {
@@ -506,18 +567,33 @@ fn main() -> Result<()> {
                     let bound = traffic_bytes(op, big, world) / (memcpy_for(op) * 1e9);
                     writeln!(
                         out,
-                        "bound: op={op} buffers={} bytes={big} traffic_per_rank={:.0} bound_us={:.1} measured_us={:.1} frac={:.2}",
+                        "bound: op={op} buffers={} bytes={big} traffic_per_rank={:.0} bound_us={:.1} measured_us={:.1} frac_of_first_limit={:.2} paired_rounds={} frac={}",
                         if b == reg { "registered" } else { "plain" },
                         traffic_bytes(op, big, world),
                         bound * 1e6,
                         t * 1e6,
-                        bound / t
+                        bound / t,
+                        rounds_text(paired.get(&(b.to_string(), op.to_string()))),
+                        frac_of(b, op)
                     )?;
                 }
             }
         }
         let tcp_bw = results.get(&("tcp".to_string(), "all_reduce".to_string(), big));
-        let tcp_frac = tcp_bw.map_or("n/a".to_string(), |(_, bw)| format!("{:.2}", bw / loopback));
+        let tcp_paired = paired.get(&("tcp".to_string(), "all_reduce".to_string()));
+        let tcp_frac = match (tcp_paired, tcp_bw) {
+            (Some(f), _) => format!("{:.2}", median(f)),
+            (None, Some((_, bw))) => format!("{:.2}", bw / loopback),
+            (None, None) => "n/a".to_string(),
+        };
+        if let Some((_, bw)) = tcp_bw {
+            writeln!(
+                out,
+                "bound: op=all_reduce backend=tcp bytes={big} busbw_GBps={bw:.3} loopback_tcp_gbps={loopback:.2} frac_of_first_limit={:.2} paired_rounds={} frac={tcp_frac}",
+                bw / loopback,
+                rounds_text(tcp_paired)
+            )?;
+        }
         let tcp_exchange_frac = match (tcp_bw, exchange) {
             (Some((_, bw)), Some(d)) => format!("{:.2}", bw / d),
             _ => "n/a".to_string(),

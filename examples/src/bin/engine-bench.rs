@@ -19,14 +19,17 @@
 //! ```text
 //! Prints the machine first (CPU model, the SIMD level the kernels run at; `RSRUN_ISA=avx2`
 //! forces a lower one) and the core's FMA peak, measured by a short FMA loop at that level in
-//! the same run; model FLOPs utilization (`mfu`) is each rank's matmul FLOP rate
-//! (`GptConfig::train_flops_per_token`) over that peak.
+//! the same run; model FLOPs utilization is each rank's matmul FLOP rate
+//! (`GptConfig::train_flops_per_token`) over that peak (`mfu_vs_first_peak`). A single process
+//! also samples the peak for 20 ms after every measured step, and `mfu` is the median of each
+//! step's rate over the peak sampled right after it (a shared host's slow spells slow both);
+//! distributed runs report the first figure as `mfu`.
 //!
 //! The single-process run records its tokens/s and the FMA peak in
 //! `$TMPDIR/engine-bench-single.tok_per_s`; distributed runs read them (so the ranks do not
 //! measure the peak while competing for cores). Ends with one line:
 //! `summary: strategy=<s> world=<n> step_ms_median=... tok_per_s_total=... speedup_vs_single=...
-//! mfu=... fma_peak_gflops=... model_state_mib_per_rank=... peak_rss_mib=...`.
+//! mfu=... mfu_vs_first_peak=... fma_peak_gflops=... model_state_mib_per_rank=... peak_rss_mib=...`.
 //!
 //! `--gemm-profile` adds, before the summary, one `gemm_profile:` line per product shape of the
 //! measured steps (calls and milliseconds per step, GFLOP/s counted as full products, fraction
@@ -179,6 +182,7 @@ fn main() -> Result<()> {
         loss,
         io_bytes,
         gemms,
+        paired,
     } = bench_run(Engine::new(Gpt::new(model_cfg), cfg, pg)?, &args, rank, world)?;
     let mut offload_line = None;
     let mut offload_summary = String::new();
@@ -235,8 +239,19 @@ fn main() -> Result<()> {
     } else {
         recorded.map_or_else(|| "na".into(), |(b, _)| format!("{:.2}", tok_total / b))
     };
-    // Per rank: each rank computes on its own core.
-    let mfu = tok_total / world as f64 * model_cfg.train_flops_per_token() / (peak * 1e9);
+    // Per rank: each rank computes on its own core. Against the peak measured at the start;
+    // a single process also pairs each step with the peak sampled right after it and takes the
+    // median of those ratios (`mfu`): a shared host's slow spells, which last seconds, then
+    // slow both sides of a ratio alike.
+    let step_flops = (args.batch * model_cfg.seq) as f64 * model_cfg.train_flops_per_token();
+    let mfu_first = tok_total / world as f64 * model_cfg.train_flops_per_token() / (peak * 1e9);
+    let mfu = if paired.is_empty() {
+        mfu_first
+    } else {
+        let mut r: Vec<f64> = paired.iter().map(|(t, p)| step_flops / t / (p * 1e9)).collect();
+        r.sort_by(f64::total_cmp);
+        r[r.len() / 2]
+    };
     let mem = engine.memory();
     let sent_mib = engine.bytes_sent() as f64 / args.steps as f64 / (1 << 20) as f64;
     if rank == 0 {
@@ -256,7 +271,7 @@ fn main() -> Result<()> {
         }
         writeln!(
             out,
-            "summary: strategy={strategy} world={world} precision={precision}{offload_summary} step_ms_median={:.1} tok_per_s_total={tok_total:.0} speedup_vs_single={speedup} mfu={mfu:.3} fma_peak_gflops={peak:.1} model_state_mib_per_rank={:.2} peak_rss_mib={:.0}",
+            "summary: strategy={strategy} world={world} precision={precision}{offload_summary} step_ms_median={:.1} tok_per_s_total={tok_total:.0} speedup_vs_single={speedup} mfu={mfu:.3} mfu_vs_first_peak={mfu_first:.3} fma_peak_gflops={peak:.1} model_state_mib_per_rank={:.2} peak_rss_mib={:.0}",
             med * 1e3,
             mem.model_state() as f64 / (1 << 20) as f64,
             peak_rss_mib(),
@@ -318,6 +333,9 @@ struct Run {
     io_bytes: Option<f64>,
     /// The `--gemm-profile` entries of the measured steps (empty without the flag).
     gemms: Vec<GemmStat>,
+    /// Single process: each measured step's seconds and the FMA peak (GFLOP/s) sampled right
+    /// after it.
+    paired: Vec<(f64, f64)>,
 }
 
 /// Runs the benchmark steps, profiling the products of the measured ones with `--gemm-profile`.
@@ -325,6 +343,7 @@ fn bench_run(mut engine: Engine<Gpt>, args: &Args, rank: usize, world: usize) ->
     let model_cfg = engine.model().config();
     engine.reset_traffic();
     let mut times = Vec::new();
+    let mut paired = Vec::new();
     let mut loss = 0f32;
     let warm = warm_steps(args.steps);
     let mut io0 = None;
@@ -338,7 +357,12 @@ fn bench_run(mut engine: Engine<Gpt>, args: &Args, rank: usize, world: usize) ->
         let batch = Batch::from_rows(&rank_rows(&rows, rank, world))?;
         let t0 = Instant::now();
         loss = engine.train_step(std::slice::from_ref(&batch))?.loss;
-        times.push(t0.elapsed().as_secs_f64());
+        let t = t0.elapsed().as_secs_f64();
+        times.push(t);
+        if world == 1 && step >= warm {
+            // The core's peak now (registers only: the caches stay as the step left them).
+            paired.push((t, rsrun_examples::machine::fma_peak_gflops(rsrun_training_engine::native::isa::isa(), PAIRED_PEAK)));
+        }
     }
     let io = match (io0, engine.offload_stats()) {
         (Some(a), Some(b)) => Some(
@@ -357,5 +381,9 @@ fn bench_run(mut engine: Engine<Gpt>, args: &Args, rank: usize, world: usize) ->
         loss,
         io_bytes: io,
         gemms: profile::take(),
+        paired,
     })
 }
+
+/// How long the FMA peak is sampled after each measured single-process step.
+const PAIRED_PEAK: Duration = Duration::from_millis(20);
