@@ -582,6 +582,16 @@ fn performance_against_pytorch() {
     for key in ["allreduce_frac_of_bound", "reduce_scatter_frac", "all_gather_frac", "tcp_frac_of_loopback", "tcp_frac_of_exchange"] {
         assert!(number(coll, key) > 0.0, "{coll}");
     }
+    // Each fraction is the median of five rounds that pair the limit with the op.
+    let bounds: Vec<&str> = all.lines().filter(|l| l.starts_with("bound: ")).collect();
+    assert!(bounds.len() >= 4, "{all}");
+    for l in &bounds {
+        let rounds = rsrun_tests::field(l, "paired_rounds").unwrap_or_else(|| panic!("{l}"));
+        let mut r: Vec<f64> = rounds.split('/').map(|x| x.parse().unwrap_or_else(|_| panic!("{l}"))).collect();
+        assert_eq!(r.len(), 5, "{l}");
+        r.sort_by(f64::total_cmp);
+        assert!((number(l, "frac") - r[2]).abs() < 0.006, "frac is the median round: {l}");
+    }
 }
 
 #[test]
@@ -611,6 +621,9 @@ fn gemm_profile_of_the_engine() {
     assert!(number(total, "kernel_hot_gflops") > 0.0, "{total}");
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(stdout.trim_end().lines().last().is_some_and(|l| l.starts_with("summary: ")), "the summary stays last: {all}");
+    // MFU paired with the peak sampled after each step, and against the first peak.
+    let summary = stdout.trim_end().lines().last().unwrap_or_default();
+    assert!(number(summary, "mfu") > 0.0 && number(summary, "mfu_vs_first_peak") > 0.0, "{summary}");
 }
 
 #[test]
