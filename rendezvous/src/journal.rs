@@ -222,7 +222,12 @@ fn read_log(path: &Path, is_last: bool) -> Result<(Vec<Entry>, u64, u64), RdzvEr
         let len = u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]]);
         let crc = u32::from_le_bytes([bytes[at + 4], bytes[at + 5], bytes[at + 6], bytes[at + 7]]);
         let end = at + 8 + len as usize;
-        if len > MAX_RECORD || end > bytes.len() {
+        // No write makes a record this long: the length itself is damaged, and taking it for a
+        // torn tail would throw away every acknowledged record after `at`.
+        if len > MAX_RECORD {
+            return torn(&format!("record length {len} exceeds the largest record ({MAX_RECORD} bytes)"));
+        }
+        if end > bytes.len() {
             if is_last && (end > bytes.len() || bytes[at..].iter().all(|b| *b == 0)) {
                 break;
             }
@@ -254,6 +259,24 @@ fn read_log(path: &Path, is_last: bool) -> Result<(Vec<Entry>, u64, u64), RdzvEr
     Ok((entries, at as u64, (bytes.len() - at) as u64))
 }
 
+/// The snapshot's sequence number against the newest log (first sequence `first`, last record
+/// `last`): every record the snapshot covers was journaled first, and a compaction starts the log
+/// after its snapshot's sequence, so the snapshot can be ahead of neither (the header's sequence
+/// is outside the snapshot's checksum; a damaged one would drop every record up to it unseen).
+fn check_snapshot_seq(snap_path: &Path, snapshot: u64, first: u64, last: Option<u64>) -> Result<(), RdzvError> {
+    let covered = last.unwrap_or(0).max(first.saturating_sub(1));
+    if snapshot > covered || snapshot == u64::MAX {
+        return Err(storage(
+            snap_path,
+            "snapshot is ahead of the journal",
+            format!(
+                "it claims sequence {snapshot}, but the newest log (journal-{first:020}.log) ends at sequence {covered}: the snapshot or the log is damaged"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 impl Journal {
     /// Opens (creating if needed) a data directory, recovers its state, compacts it into a fresh
     /// snapshot and starts a new log.
@@ -277,11 +300,15 @@ impl Journal {
         let logs = logs_in(dir)?;
         check_format(dir, snap_path.exists() || !logs.is_empty())?;
         let (mut state, mut seq) = read_snapshot(&snap_path)?.unwrap_or_default();
+        let snapshot_seq = seq;
         let mut replayed = 0;
         let mut truncated_bytes = 0;
-        for (i, (_, path)) in logs.iter().enumerate() {
+        for (i, (first, path)) in logs.iter().enumerate() {
             let is_last = i + 1 == logs.len();
             let (entries, valid, torn) = read_log(path, is_last)?;
+            if is_last {
+                check_snapshot_seq(&snap_path, snapshot_seq, *first, entries.last().map(|e| e.seq))?;
+            }
             if torn > 0 {
                 tracing::warn!(path = %path.display(), torn_bytes = torn, "truncating a torn journal tail (an unacknowledged write)");
                 truncated_bytes = torn;
@@ -302,6 +329,9 @@ impl Journal {
                 seq = entry.seq;
                 replayed += 1;
             }
+        }
+        if logs.is_empty() && seq == u64::MAX {
+            return Err(storage(&snap_path, "snapshot sequence out of range", format!("{seq}")));
         }
         // Compact: one snapshot holding everything, then a fresh log.
         write_atomic(dir, &snap_path, &snapshot_bytes(&state, seq)?)?;
@@ -446,16 +476,18 @@ mod tests {
         assert!(Journal::open(dir.path()).unwrap_err().to_string().contains("not a format version"));
     }
 
+    /// A data directory whose log holds three records; returns the log's path.
+    fn three_records(dir: &Path) -> PathBuf {
+        let (mut j, _) = Journal::open(dir).unwrap();
+        write(&mut j, 1, &[join("a"), join("b"), set("k1")]);
+        j.log_path.clone()
+    }
+
     #[test]
     fn damage_in_the_middle_is_an_error_naming_the_file() {
         let dir = tempfile::tempdir().unwrap();
 
-        let log_path;
-        {
-            let (mut j, _) = Journal::open(dir.path()).unwrap();
-            write(&mut j, 1, &[join("a"), join("b"), set("k1")]);
-            log_path = j.log_path.clone();
-        }
+        let log_path = three_records(dir.path());
         let mut bytes = fs::read(&log_path).unwrap();
         bytes[12] ^= 0xff; // inside the first record
         fs::write(&log_path, bytes).unwrap();
@@ -484,6 +516,45 @@ mod tests {
         let (_j, _) = Journal::open(dir.path()).unwrap();
         let err = Journal::open(dir.path()).unwrap_err().to_string();
         assert!(err.contains("in use by another rsrun-rendezvous"), "{err}");
+    }
+
+    /// Damage outside the checksums: a snapshot sequence beyond the journal, and a record length
+    /// no write makes, are refused instead of dropping acknowledged records (the daemon panicked,
+    /// or started empty and deleted the journal).
+    #[test]
+    fn a_damaged_snapshot_sequence_or_record_length_is_refused() {
+        for seq in [1000u64, u64::MAX] {
+            let dir = tempfile::tempdir().unwrap();
+            three_records(dir.path());
+            let p = dir.path().join("snapshot");
+            let mut b = fs::read(&p).unwrap();
+            b[8..16].copy_from_slice(&seq.to_le_bytes());
+            fs::write(&p, b).unwrap();
+            let err = Journal::open(dir.path()).unwrap_err().to_string();
+            assert!(err.contains("snapshot is ahead of the journal") && err.contains(&format!("claims sequence {seq}")), "{err}");
+            assert!(err.contains("ends at sequence 3"), "{err}");
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let log_path = three_records(dir.path());
+        let mut bytes = fs::read(&log_path).unwrap();
+        bytes[..4].copy_from_slice(&0xffff_fff0u32.to_le_bytes());
+        fs::write(&log_path, &bytes).unwrap();
+        let err = Journal::open(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("damaged at offset 0") && err.contains("exceeds the largest record"), "{err}");
+        assert_eq!(fs::read(&log_path).unwrap(), bytes, "nothing was truncated");
+        // A legitimate state: a crash after a compaction's snapshot, before its new log.
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let (mut j, _) = Journal::open(dir.path()).unwrap();
+            write(&mut j, 1, &[join("a"), join("b")]);
+            let mut state = State::default();
+            for c in [join("a"), join("b")] {
+                state.apply(&c, 10, &Limits::default()).unwrap();
+            }
+            write_atomic(dir.path(), &dir.path().join("snapshot"), &snapshot_bytes(&state, 2).unwrap()).unwrap();
+        }
+        let (_j, rec) = Journal::open(dir.path()).unwrap();
+        assert_eq!((rec.seq, rec.replayed), (2, 0));
     }
 
     #[test]

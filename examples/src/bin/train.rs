@@ -379,7 +379,12 @@ fn run() -> anyhow::Result<()> {
     // Resume: the latest checkpoint (auto) or the given one; the data position is the global step.
     let resume_from = match (&resume, &args.checkpoint_dir) {
         (Resume::Path(p), _) => Some(p.clone()),
-        (Resume::Auto, Some(d)) if rsrun_training_engine::checkpoint::latest(d).is_ok() => Some(d.clone()),
+        // No checkpoint yet: a fresh start. A damaged latest one is an error, not a fresh start.
+        (Resume::Auto, Some(d)) => match rsrun_training_engine::checkpoint::latest(d) {
+            Ok(_) => Some(d.clone()),
+            Err(rsrun_training_engine::checkpoint::CheckpointError::NotFound(_)) => None,
+            Err(e) => return Err(e).with_context(|| format!("--resume auto in {}", d.display())),
+        },
         _ => None,
     };
     let mut start = 0u64;

@@ -445,17 +445,29 @@ pub fn committed(root: &Path) -> Result<Vec<(u64, PathBuf)>, CheckpointError> {
     Ok(out)
 }
 
-/// The checkpoint `latest` points to; if `latest` is missing or dangling, the newest committed
-/// checkpoint.
+/// The checkpoint `latest` points to; if `latest` is missing, or names a directory that is gone (a
+/// crash while a step was re-saved), the newest committed checkpoint.
 ///
 /// # Errors
-/// [`CheckpointError::NotFound`] when there is none.
+/// [`CheckpointError::NotFound`] when there is none; [`CheckpointError::Corrupt`] when `latest`
+/// names a directory without its `metadata.json` (a committed checkpoint always has one, so it
+/// was damaged: resuming from an older one instead would silently lose steps).
 pub fn latest(root: &Path) -> Result<PathBuf, CheckpointError> {
     if let Ok(s) = std::fs::read_to_string(root.join(LATEST)) {
-        let dir = root.join(s.trim());
-        if !s.trim().is_empty() && dir.join(METADATA).is_file() {
+        let name = s.trim();
+        let dir = root.join(name);
+        if !name.is_empty() && dir.join(METADATA).is_file() {
             return Ok(dir);
         }
+        if !name.is_empty() && dir.is_dir() {
+            return Err(CheckpointError::Corrupt {
+                path: dir.join(METADATA),
+                reason: format!(
+                    "missing, though `latest` names {name}: the checkpoint is damaged (resume from another step-N explicitly, or remove `latest` to start from the newest intact one)"
+                ),
+            });
+        }
+        tracing::warn!(latest = name, root = %root.display(), "`latest` names no checkpoint; using the newest committed one");
     }
     committed(root)
         .ok()

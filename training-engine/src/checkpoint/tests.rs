@@ -262,6 +262,11 @@ fn failed_save_keeps_previous_latest() {
     // A dangling pointer falls back to the newest committed checkpoint.
     std::fs::write(root.join(LATEST), "step-000000099\n").unwrap();
     assert_eq!(latest(root).unwrap(), second);
+    // A pointer to a checkpoint that lost its metadata is damage, not a reason to go back.
+    std::fs::write(root.join(LATEST), "step-000000020\n").unwrap();
+    std::fs::remove_file(second.join("metadata.json")).unwrap();
+    let e = latest(root).unwrap_err().to_string();
+    assert!(e.contains("step-000000020") && e.contains("metadata.json") && e.contains("damaged"), "{e}");
 }
 
 #[test]
