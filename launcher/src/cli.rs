@@ -303,7 +303,7 @@ pub struct LaunchArgs {
 
     /// ssh port of every host (`ssh -p`).
     #[arg(long = "ssh-port", alias = "ssh_port", env = "RSRUN_SSH_PORT", value_name = "PORT",
-          help_heading = "Multi-node (ssh)")]
+          value_parser = clap::value_parser!(u16).range(1..), help_heading = "Multi-node (ssh)")]
     pub ssh_port: Option<u16>,
 
     /// ssh identity file (`ssh -i`).

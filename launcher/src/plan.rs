@@ -901,7 +901,12 @@ fn parse_rdzv_conf(s: &str, notes: &mut Vec<String>) -> Result<RdzvConf, PlanErr
             "keep_alive_max_attempt" => {
                 attempts = v.parse().ok().filter(|n| *n > 0).ok_or_else(|| invalid(FLAG, entry, "a count > 0"))?
             }
-            "lease_timeout" | "heartbeat_timeout" => conf.lease = parse_duration(v, FLAG)?,
+            "lease_timeout" | "heartbeat_timeout" => {
+                conf.lease = parse_duration(v, FLAG)?;
+                if conf.lease.is_zero() {
+                    return Err(invalid(FLAG, entry, format!("{k}=SECONDS > 0")));
+                }
+            }
             "read_timeout" => conf.rpc = parse_duration(v, FLAG)?,
             "keep_alive_timeout" => {
                 conf.give_up = parse_duration(v, FLAG)?;
@@ -916,7 +921,10 @@ fn parse_rdzv_conf(s: &str, notes: &mut Vec<String>) -> Result<RdzvConf, PlanErr
                     _ => return Err(invalid(FLAG, entry, "is_host=true|false")),
                 }
             }
-            "timeout" => {}
+            "timeout" => {
+                parse_duration(v, FLAG)?;
+                notes.push(format!("--rdzv-conf timeout={v}: not used by rsrun (the rendezvous waits join_timeout)"));
+            }
             "close_timeout" | "store_type" | "cas_backoff_max_seconds" | "rank" => {
                 notes.push(format!("--rdzv-conf {k}: not used by rsrun's rendezvous"));
             }
@@ -1225,12 +1233,19 @@ impl LaunchPlan {
             ));
         }
         let monitor_interval = parse_duration(&args.monitor_interval, "--monitor-interval")?;
-        if monitor_interval.is_zero() {
-            return Err(invalid("--monitor-interval", &args.monitor_interval, "a period > 0"));
+        if monitor_interval < Duration::from_millis(1) {
+            return Err(invalid("--monitor-interval", &args.monitor_interval, "a period of at least 1ms"));
         }
         let hang = args.hang_timeout.as_deref().map(|s| parse_duration(s, "--hang-timeout")).transpose()?;
         if hang.is_some_and(|h| h.is_zero()) {
             return Err(invalid("--hang-timeout", args.hang_timeout.as_deref().unwrap_or(""), "a duration > 0"));
+        }
+        if let Some(h) = hang.filter(|h| monitor_interval > *h) {
+            return Err(invalid(
+                "--monitor-interval",
+                &args.monitor_interval,
+                format!("a period no longer than --hang-timeout ({h:?}), which is checked once per period"),
+            ));
         }
         let timeouts = Timeouts {
             monitor_interval,

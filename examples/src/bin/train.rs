@@ -83,7 +83,7 @@ struct Args {
     #[arg(long, value_enum, default_value_t = LrSchedule::Cosine)]
     schedule: LrSchedule,
     /// Clip gradients to this global norm (0 disables).
-    #[arg(long, default_value_t = 1.0)]
+    #[arg(long, default_value_t = 1.0, value_parser = norm_bound)]
     clip: f64,
     /// Seed of the initialisation and the data order.
     #[arg(long, default_value_t = 0)]
@@ -261,6 +261,14 @@ impl ProgressView {
 fn fmt_duration(d: Duration) -> String {
     let s = d.as_secs();
     if s >= 3600 { format!("{}h{:02}m", s / 3600, (s % 3600) / 60) } else if s >= 60 { format!("{}m{:02}s", s / 60, s % 60) } else { format!("{s}s") }
+}
+
+/// A gradient-norm bound: a finite number ≥ 0 (0: no clipping).
+fn norm_bound(v: &str) -> Result<f64, String> {
+    match v.trim().parse::<f64>() {
+        Ok(x) if x.is_finite() && x >= 0.0 => Ok(x),
+        _ => Err(format!("expected a finite norm >= 0 (0 disables clipping), got {v:?}")),
+    }
 }
 
 fn main() -> ExitCode {

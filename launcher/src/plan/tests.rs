@@ -347,6 +347,23 @@ fn a_token_file_is_read_as_a_daemon_reads_it() {
 }
 
 #[test]
+fn monitor_interval_rdzv_conf_and_ssh_port_bounds() {
+    let e = err(&["--monitor-interval", "1e-9", "true"]);
+    assert!(e.contains("--monitor-interval") && e.contains("at least 1ms"), "{e}");
+    let e = err(&["--monitor-interval", "5m", "--hang-timeout", "1", "true"]);
+    assert!(e.contains("no longer than --hang-timeout"), "{e}");
+    assert!(resolve(&["--monitor-interval", "0.5", "--hang-timeout", "1", "true"]).is_ok());
+    let d = |conf: &str| resolve(&["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-id", "j", "--rdzv-conf", conf, "true"]);
+    let e = d("lease_timeout=0").unwrap_err().to_string();
+    assert!(e.contains("lease_timeout=SECONDS > 0"), "{e}");
+    assert!(d("timeout=abc").unwrap_err().to_string().contains("--rdzv-conf"));
+    let p = d("timeout=900").unwrap();
+    assert!(p.notes.iter().any(|n| n.contains("timeout=900: not used")), "{:?}", p.notes);
+    let e = LaunchArgs::try_parse_with_origins_from(["rsrun", "--ssh-port", "0", "true"]).unwrap_err().to_string();
+    assert!(e.contains("--ssh-port") && e.contains("0"), "{e}");
+}
+
+#[test]
 fn a_log_dir_that_cannot_be_one_is_a_plan_error() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("afile");

@@ -103,7 +103,9 @@ fn compat_flags_warn_in_one_line() {
 /// and exited 0).
 #[test]
 fn benchmarks_refuse_bad_counts() {
-    let cases: [(&str, &[&str], &str); 8] = [
+    let cases: [(&str, &[&str], &str); 10] = [
+        ("train", &["--clip=-1"], "expected a finite norm >= 0"),
+        ("train", &["--clip", "nan"], "expected a finite norm >= 0"),
         ("engine-bench", &["--steps", "0"], "invalid value '0' for '--steps"),
         ("engine-bench", &["--batch", "0"], "invalid value '0' for '--batch"),
         ("engine-bench", &["--threads", "0"], "invalid value '0' for '--threads"),
