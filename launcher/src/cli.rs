@@ -424,11 +424,33 @@ impl ArgOrigins {
     }
 }
 
+/// The environment variable (`PET_MAX_RESTARTS=abc`) behind a value clap refused, when the
+/// option was not on the command line `argv` but its variable is set (`var` reads one).
+pub fn env_source_of(err: &clap::Error, var: impl Fn(&str) -> Option<OsString>, argv: &[OsString]) -> Option<String> {
+    let clap::error::ContextValue::String(arg) = err.get(clap::error::ContextKind::InvalidArg)? else { return None };
+    let long = arg.split_whitespace().next()?.trim_start_matches('-').split('=').next()?.to_owned();
+    let cmd = LaunchArgs::command();
+    let a = cmd.get_arguments().find(|a| a.get_long() == Some(long.as_str()) || a.get_all_aliases().is_some_and(|al| al.contains(&long.as_str())))?;
+    let env = a.get_env()?.to_string_lossy().into_owned();
+    let on_line = argv.iter().any(|w| {
+        let w = w.to_string_lossy();
+        w == format!("--{long}") || w.starts_with(&format!("--{long}="))
+    });
+    let value = var(&env)?;
+    (!on_line).then(|| format!("{env}={}", value.to_string_lossy()))
+}
+
 impl LaunchArgs {
     /// Parses the process's arguments like `Parser::parse` (printing usage errors and exiting 2), and
     /// records where each value came from.
     pub fn parse_with_origins() -> Self {
-        Self::try_parse_with_origins_from(std::env::args_os()).unwrap_or_else(|e| e.exit())
+        Self::try_parse_with_origins_from(std::env::args_os()).unwrap_or_else(|e| {
+            if let Some(var) = env_source_of(&e, |v| std::env::var_os(v), &std::env::args_os().collect::<Vec<_>>()) {
+                // clap names the flag; the user set a variable.
+                eprintln!("rsrun: {var} in the environment sets that option:");
+            }
+            e.exit()
+        })
     }
 
     /// Parses `argv` (with the program name first) and records where each value came from.

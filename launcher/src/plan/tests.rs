@@ -364,6 +364,18 @@ fn monitor_interval_rdzv_conf_and_ssh_port_bounds() {
 }
 
 #[test]
+fn a_value_clap_refuses_is_traced_to_its_variable() {
+    let var = |v: &str| (v == "PET_MAX_RESTARTS").then(|| std::ffi::OsString::from("abc"));
+    let argv: Vec<std::ffi::OsString> = ["rsrun", "--max-restarts=abc", "true"].iter().map(Into::into).collect();
+    let e = LaunchArgs::try_parse_with_origins_from(&argv).unwrap_err();
+    // Typed on the command line: nothing to add.
+    assert_eq!(crate::cli::env_source_of(&e, var, &argv), None);
+    // The same value from the variable (as clap's env fallback sees it).
+    let bare: Vec<std::ffi::OsString> = ["rsrun", "true"].iter().map(Into::into).collect();
+    assert_eq!(crate::cli::env_source_of(&e, var, &bare).as_deref(), Some("PET_MAX_RESTARTS=abc"));
+}
+
+#[test]
 fn a_log_dir_that_cannot_be_one_is_a_plan_error() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("afile");

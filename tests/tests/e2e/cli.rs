@@ -137,6 +137,10 @@ fn bad_environment_values_are_named() {
     let out = run(rsrun(dir.path()).env("PET_NNODES", "abc").arg("true"));
     assert_eq!(code(&out.status), 2, "{}", text(&out));
     assert!(text(&out).contains("PET_NNODES=abc: invalid value 'abc' for --nnodes"), "{}", text(&out));
+    // Values clap itself refuses are traced to their variable too.
+    let out = run(rsrun(dir.path()).env("PET_MAX_RESTARTS", "abc").arg("true"));
+    assert_eq!(code(&out.status), 2, "{}", text(&out));
+    assert!(text(&out).contains("PET_MAX_RESTARTS=abc in the environment sets that option"), "{}", text(&out));
     let bench = rsrun_tests::bin("engine-bench");
     let out = run(std::process::Command::new(bench).env("RSRUN_ISA", "avx3").env("RUST_BACKTRACE", "0").args(["--steps", "1"]));
     assert!(!out.status.success() && code(&out.status) != 101, "{}", text(&out));
