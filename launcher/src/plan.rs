@@ -431,7 +431,10 @@ impl StdSpec {
         let mut per_rank = BTreeMap::new();
         for part in s.split(',') {
             let (lr, v) = part.split_once(':').ok_or_else(bad)?;
-            per_rank.insert(lr.trim().parse::<u32>().map_err(|_| bad())?, mask(v)?);
+            let lr = lr.trim().parse::<u32>().map_err(|_| bad())?;
+            if per_rank.insert(lr, mask(v)?).is_some() {
+                return Err(invalid(flag, s, format!("each local rank once (local rank {lr} is given twice)")));
+            }
         }
         Ok(StdSpec { all: StdMask(0), per_rank })
     }
@@ -468,6 +471,11 @@ impl RankSet {
             ranges.push((a, b));
         }
         Ok(RankSet(ranges))
+    }
+
+    /// The highest rank in the set.
+    pub fn max(&self) -> u32 {
+        self.0.iter().map(|&(_, b)| b).max().unwrap_or(0)
     }
 
     /// Whether `rank` is in the set.
@@ -886,11 +894,17 @@ fn parse_rdzv_conf(s: &str, notes: &mut Vec<String>) -> Result<RdzvConf, PlanErr
     };
     let mut keep_alive = Duration::from_secs(5);
     let mut attempts: u32 = 3;
+    let mut seen: Vec<&str> = Vec::new();
     for entry in s.split(',').map(str::trim).filter(|e| !e.is_empty()) {
         let Some((k, v)) = entry.split_once('=') else {
             return Err(invalid(FLAG, entry, "KEY=VALUE"));
         };
         let (k, v) = (k.trim(), v.trim());
+        let key = if k == "heartbeat_timeout" { "lease_timeout" } else { k };
+        if seen.contains(&key) {
+            return Err(invalid(FLAG, s, format!("each key once ({k} is given twice)")));
+        }
+        seen.push(key);
         if v.is_empty() {
             return Err(invalid(FLAG, entry, "KEY=VALUE with a non-empty value"));
         }
@@ -1297,6 +1311,25 @@ impl LaunchPlan {
             dup_stdout: args.duplicate_stdout_filters.as_deref().map(split_escaped).unwrap_or_default(),
             dup_stderr: args.duplicate_stderr_filters.as_deref().map(split_escaped).unwrap_or_default(),
         };
+        // Ranks no worker of the job has: a typo that would hide every line or change nothing.
+        let world_max = nodes.max.saturating_mul(nproc_per_node);
+        let beyond = |flag: &'static str, value: &Option<String>, rank: u32, limit: u32, what: &str| {
+            if rank >= limit {
+                return Err(invalid(flag, value.as_deref().unwrap_or(""), format!("{what} below {limit} (rank {rank} does not exist)")));
+            }
+            Ok(())
+        };
+        if let Some(set) = &logs.local_ranks {
+            beyond("--local-ranks-filter", &args.local_ranks_filter, set.max(), nproc_per_node, "local ranks")?;
+        }
+        if let Some(set) = &logs.ranks {
+            beyond("--ranks-filter", &args.ranks_filter, set.max(), world_max, "ranks")?;
+        }
+        for (flag, spec, value) in [("--redirects", &logs.redirects, &args.redirects), ("--tee", &logs.tee, &args.tee)] {
+            if let Some(&lr) = spec.per_rank.keys().next_back() {
+                beyond(flag, value, lr, nproc_per_node, "local ranks")?;
+            }
+        }
 
         // Signals.
         let mut signals = SignalPolicy::default_policy();

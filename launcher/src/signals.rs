@@ -75,6 +75,7 @@ impl SignalPolicy {
     /// # Errors
     /// A malformed entry, an unknown signal or an unknown action.
     pub fn with_overrides(mut self, spec: &str) -> Result<Self, String> {
+        let mut seen = Vec::new();
         for entry in spec.split(',').map(str::trim).filter(|s| !s.is_empty()) {
             let Some((name, action)) = entry.split_once('=') else {
                 return Err(format!("'{entry}' is not SIGNAL=ACTION"));
@@ -88,6 +89,10 @@ impl SignalPolicy {
                     return Err(format!("unknown action '{other}' for {sig} (expected stop, forward or ignore)"));
                 }
             };
+            if seen.contains(&sig) {
+                return Err(format!("{sig} is given twice"));
+            }
+            seen.push(sig);
             self.actions.insert(sig as i32, (sig, action));
         }
         Ok(self)

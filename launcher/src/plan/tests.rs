@@ -217,7 +217,7 @@ fn trailing_args_go_to_the_program() {
 
 #[test]
 fn logs_and_filters() {
-    let p = resolve(&["-r", "0:1,1:3", "--tee", "1:2", "--ranks-filter", "0,1,2-3", "true"]).unwrap();
+    let p = resolve(&["--nproc-per-node", "4", "-r", "0:1,1:3", "--tee", "1:2", "--ranks-filter", "0,1,2-3", "true"]).unwrap();
     assert!(!p.logs.on_console(0, 0, 1));
     assert!(p.logs.on_console(0, 0, 2));
     assert!(p.logs.on_console(1, 1, 2));
@@ -373,6 +373,24 @@ fn a_value_clap_refuses_is_traced_to_its_variable() {
     // The same value from the variable (as clap's env fallback sees it).
     let bare: Vec<std::ffi::OsString> = ["rsrun", "true"].iter().map(Into::into).collect();
     assert_eq!(crate::cli::env_source_of(&e, var, &bare).as_deref(), Some("PET_MAX_RESTARTS=abc"));
+}
+
+#[test]
+fn ranks_that_do_not_exist_and_keys_given_twice_are_refused() {
+    for (args, want) in [
+        (&["--nproc-per-node", "2", "--local-ranks-filter", "5", "true"][..], "--local-ranks-filter"),
+        (&["--nproc-per-node", "2", "--ranks-filter", "0,7", "true"], "--ranks-filter"),
+        (&["--nproc-per-node", "2", "--redirects", "5:1", "true"], "--redirects"),
+        (&["--nproc-per-node", "2", "--tee", "0:1,2:3", "true"], "--tee"),
+    ] {
+        let e = err(args);
+        assert!(e.contains(want) && e.contains("does not exist"), "{args:?}: {e}");
+    }
+    assert!(resolve(&["--nnodes", "2", "--node-rank", "0", "--master-addr", "h", "--nproc-per-node", "2", "--ranks-filter", "3", "true"]).is_ok());
+    assert!(err(&["--redirects", "0:0,0:1", "true"]).contains("local rank 0 is given twice"));
+    assert!(err(&["--signal-policy", "INT=stop,INT=ignore", "true"]).contains("given twice"));
+    let e = err(&["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-conf", "join_timeout=5,join_timeout=6", "true"]);
+    assert!(e.contains("join_timeout is given twice"), "{e}");
 }
 
 #[test]
