@@ -178,8 +178,17 @@ fn channel(raw: &str, cfg: &ClientConfig, ca_pem: Option<&[u8]>, header: Option<
     };
     let parsed: tonic::codegen::http::Uri = uri.parse().map_err(|e| bad(format!("not a host:port address ({e})")))?;
     let host = parsed.host().filter(|h| !h.is_empty()).ok_or_else(|| bad("no host".into()))?.to_string();
-    if parsed.port_u16().is_none() {
-        return Err(bad("no port; expected host:port (the daemon's default is 29400)".into()));
+    // The text after the authority's last colon (not one inside an IPv6 literal).
+    let authority = uri.split_once("://").map_or(uri.as_str(), |(_, r)| r).split('/').next().unwrap_or("");
+    let port_text = match authority.rsplit_once(':') {
+        Some((h, p)) if h.ends_with(']') || !h.contains(':') => p,
+        _ => "",
+    };
+    match parsed.port_u16() {
+        Some(0) => return Err(bad("port 0; expected the daemon's port (its default is 29400)".into())),
+        Some(_) => {}
+        None if !port_text.is_empty() => return Err(bad(format!("port {port_text:?} is not a number in 1..65535"))),
+        None => return Err(bad("no port; expected host:port (the daemon's default is 29400)".into())),
     }
     let mut endpoint = Endpoint::from_shared(uri.clone())
         .map_err(|e| bad(e.to_string()))?

@@ -285,6 +285,9 @@ impl Journal {
     /// The directory cannot be created or locked (another daemon uses it), or its files are damaged
     /// anywhere but a torn tail.
     pub fn open(dir: &Path) -> Result<(Journal, Recovered), RdzvError> {
+        if dir.exists() && !dir.is_dir() {
+            return Err(storage(dir, "the data directory is not a directory", "a file of that name exists"));
+        }
         fs::create_dir_all(dir).map_err(|e| storage(dir, "cannot create data directory", e))?;
         let lock_path = dir.join("lock");
         let lock_file = OpenOptions::new()

@@ -587,6 +587,10 @@ async fn client_reports_unreachable_service_within_its_deadline() {
         let e = RdzvClient::connect(ClientConfig::new(bad)).unwrap_err();
         assert!(matches!(e, RdzvError::Connect { .. }), "{bad}: {e:?}");
     }
+    for (bad, want) in [("127.0.0.1:99999", "port \"99999\" is not a number in 1..65535"), ("127.0.0.1:0", "port 0")] {
+        let e = RdzvClient::connect(ClientConfig::new(bad)).unwrap_err().to_string();
+        assert!(e.contains(want), "{bad}: {e}");
+    }
 }
 
 #[tokio::test]

@@ -115,9 +115,10 @@ struct ServeArgs {
     /// --data-dir. Clients list every daemon (`--rdzv-endpoint h1:29400,h2:29400`).
     #[arg(long, value_delimiter = ',', conflicts_with = "data_dir")]
     etcd_endpoints: Vec<String>,
-    /// Key prefix of this group of daemons in etcd (daemons with the same prefix form one group).
-    #[arg(long, default_value = "/rsrun")]
-    etcd_prefix: String,
+    /// Key prefix of this group of daemons in etcd (daemons with the same prefix form one group)
+    /// [default: /rsrun].
+    #[arg(long)]
+    etcd_prefix: Option<String>,
     /// The address clients reach this daemon at (HOST:PORT); standbys send clients to the leader's.
     /// Default: the bound listen address (required when listening on every interface).
     #[arg(long)]
@@ -127,8 +128,9 @@ struct ServeArgs {
     daemon_id: Option<String>,
     /// Leader election lease in seconds: after a leader crash a standby takes over within about
     /// this long (etcd's minimum is 2 s).
-    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(2..=3600))]
-    leader_lease_ttl: u64,
+    /// [default: 5]
+    #[arg(long, value_parser = clap::value_parser!(u64).range(2..=3600))]
+    leader_lease_ttl: Option<u64>,
     /// CA certificate (PEM) that verifies the etcd members (TLS).
     #[arg(long)]
     etcd_ca: Option<PathBuf>,
@@ -221,6 +223,8 @@ fn ha_config(args: &ServeArgs) -> anyhow::Result<Option<HaConfig>> {
         ("--etcd-ca", args.etcd_ca.is_some()),
         ("--etcd-cert", args.etcd_cert.is_some()),
         ("--etcd-user", args.etcd_user.is_some()),
+        ("--etcd-prefix", args.etcd_prefix.is_some()),
+        ("--leader-lease-ttl", args.leader_lease_ttl.is_some()),
     ];
     if args.etcd_endpoints.is_empty() {
         if let Some((flag, _)) = ha_only.iter().find(|(_, given)| *given) {
@@ -232,7 +236,7 @@ fn ha_config(args: &ServeArgs) -> anyhow::Result<Option<HaConfig>> {
     if endpoints.is_empty() {
         return Err(RdzvError::invalid("etcd_endpoints", "empty; expected HOST:PORT[,HOST:PORT...]").into());
     }
-    let prefix = args.etcd_prefix.trim();
+    let prefix = args.etcd_prefix.as_deref().unwrap_or("/rsrun").trim();
     if !prefix.starts_with('/') || prefix.len() < 2 || prefix.contains(char::is_whitespace) {
         return Err(RdzvError::invalid("etcd_prefix", format!("{prefix:?}; expected a key prefix such as /rsrun or /rsrun/cluster-a")).into());
     }
@@ -263,7 +267,7 @@ fn ha_config(args: &ServeArgs) -> anyhow::Result<Option<HaConfig>> {
         },
         prefix: prefix.trim_end_matches('/').to_owned(),
         identity: DaemonIdentity { daemon_id: args.daemon_id.clone().unwrap_or_default(), advertise: args.advertise.clone().unwrap_or_default() },
-        lease_ttl: Duration::from_secs(args.leader_lease_ttl),
+        lease_ttl: Duration::from_secs(args.leader_lease_ttl.unwrap_or(5)),
         snapshot_bytes: args.ha_snapshot_bytes,
     }))
 }

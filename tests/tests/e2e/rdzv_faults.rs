@@ -188,3 +188,25 @@ fn a_daemon_waiting_for_etcd_stops_on_sigterm() {
     assert!(start.elapsed() < Duration::from_secs(10), "took {:?} to stop: {}", start.elapsed(), text(&out));
     assert!(String::from_utf8_lossy(&out.stderr).contains("shutting down"), "{}", text(&out));
 }
+
+/// `serve` flags that only a highly available daemon uses are refused without --etcd-endpoints
+/// (--etcd-prefix and --leader-lease-ttl were silently ignored), and a --data-dir that is a file
+/// is named as such.
+#[test]
+fn serve_refuses_flags_it_would_ignore() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("afile");
+    std::fs::write(&file, "").unwrap();
+    let cases: [(&[&str], &str); 3] = [
+        (&["--etcd-prefix", "/foo"], "--etcd-prefix only applies to highly available daemons"),
+        (&["--leader-lease-ttl", "10"], "--leader-lease-ttl only applies to highly available daemons"),
+        (&["--data-dir", file.to_str().unwrap()], "is not a directory"),
+    ];
+    for (args, want) in cases {
+        let mut cmd = std::process::Command::new(rsrun_tests::bin("rsrun-rendezvous"));
+        cmd.args(["serve", "--listen", "127.0.0.1:0"]).args(args);
+        let out = KillOnDrop::spawn(&mut cmd).output_within(RUN_DEADLINE);
+        assert_ne!(code(&out.status), 0, "{args:?}: {}", text(&out));
+        assert!(text(&out).contains(want), "{args:?}: {}", text(&out));
+    }
+}
