@@ -1080,6 +1080,9 @@ impl LaunchPlan {
             b if b.is_empty() => "static".to_owned(),
             b => b,
         };
+        if let Some(addr) = args.local_addr.as_deref().filter(|a| !plausible_host(a.trim())) {
+            return Err(invalid("--local-addr", addr, "this node's host name or IP address"));
+        }
         // A node rank no node of the job can have is a mistake whichever backend would use it.
         if let Some(r) = args.node_rank
             && r >= nodes.max
@@ -1098,6 +1101,9 @@ impl LaunchPlan {
             }
             if endpoint.is_some() || args.rdzv_id.is_some() || backend != "static" {
                 notes.push("--standalone overrides --rdzv-backend/--rdzv-endpoint/--rdzv-id".into());
+            }
+            if args.master_addr.is_some() || args.master_port.is_some() {
+                notes.push("--master-addr/--master-port are ignored with --standalone: the node picks a free local port".into());
             }
             (RdzvPlan::Standalone, random_id())
         } else {

@@ -127,6 +127,9 @@ fn implicit_standalone_and_static() {
         let e = err(args);
         assert!(e.contains("invalid value") && e.contains("--node-rank") && e.contains("below the number of nodes"), "{args:?}: {e}");
     }
+    assert!(err(&["--local-addr", "not valid!", "true"]).contains("--local-addr"));
+    let p = resolve(&["--standalone", "--master-port", "1234", "true"]).unwrap();
+    assert!(p.notes.iter().any(|n| n.contains("ignored with --standalone")), "{:?}", p.notes);
     // A master address no resolver takes is refused, not waited for until the join timeout.
     let e = err(&["--nnodes", "2", "--node-rank", "1", "--master-addr", "bad host", "true"]);
     assert_eq!(e, "invalid value 'bad host' for --master-addr: expected the host name or IP address of node rank 0");
