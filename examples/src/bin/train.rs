@@ -569,12 +569,18 @@ fn run() -> anyhow::Result<()> {
             println!("metrics: {}", run_dir.join("metrics.jsonl").display());
             println!("loss curve: {}", svg_path.display());
         }
+        // A run resumed at its last step trains nothing: no loss or rate to report.
+        let final_loss = losses.last().map_or_else(|| "na".to_owned(), |l| format!("{:.4}", l.1));
+        let (tok_per_s, median) = if step_ms.is_empty() {
+            ("na".to_owned(), "na".to_owned())
+        } else {
+            (format!("{tok_per_s:.0}"), format!("{median:.1}"))
+        };
         println!(
-            "summary: strategy={} world={world} precision={precision} offload={} resumed_from_step={start} steps={} final_loss={:.4} tok_per_s_total={tok_per_s:.0} step_ms_median={median:.1} peak_rss_mib={peak_max:.0} params_sha256={hash}",
+            "summary: strategy={} world={world} precision={precision} offload={} resumed_from_step={start} steps={} final_loss={final_loss} tok_per_s_total={tok_per_s} step_ms_median={median} peak_rss_mib={peak_max:.0} params_sha256={hash}",
             strategy.name(),
             offload.name(),
             args.steps,
-            losses.last().map_or(f64::NAN, |l| l.1),
         );
     }
     Ok(())

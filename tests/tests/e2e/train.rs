@@ -157,6 +157,28 @@ fn killed_worker_restarts_from_the_last_checkpoint_with_identical_parameters() {
     assert_eq!(summary_field(&String::from_utf8_lossy(&single.stdout), "params_sha256"), want);
 }
 
+/// A run resumed at its last step trains nothing and says so (`na`, not NaN); a `latest` that
+/// names a checkpoint without its metadata fails the resume naming the file, instead of training
+/// again from an older checkpoint or from step 0.
+#[test]
+fn resume_at_the_end_and_a_damaged_latest_checkpoint() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = || -> Output {
+        Command::new(bin("train")).current_dir(dir.path()).args(MODEL).args(["--checkpoint-dir", "ck", "--checkpoint-every", "4"]).output().unwrap()
+    };
+    let out = run();
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    let out = run();
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(summary_field(&stdout, "resumed_from_step"), "8", "{stdout}");
+    assert_eq!(summary_field(&stdout, "tok_per_s_total"), "na", "{stdout}");
+    std::fs::remove_file(dir.path().join("ck/step-000000008/metadata.json")).unwrap();
+    let out = run();
+    assert_ne!(code(&out.status), 0, "{}", text(&out));
+    assert!(text(&out).contains("step-000000008/metadata.json") && text(&out).contains("damaged"), "{}", text(&out));
+}
+
 #[test]
 fn bad_checkpoint_and_offload_flags_exit_2() {
     let dir = tempfile::tempdir().unwrap();
