@@ -257,6 +257,10 @@ impl Conns {
     }
 }
 
+/// How long past its own wait a blocking call's answer may take (the server answers when the wait
+/// ends; this covers the trip and a busy daemon).
+pub const BLOCKING_SLACK: Duration = Duration::from_secs(5);
+
 /// Checks a CA file's contents: one or more PEM certificates, or why not (`holds no PEM
 /// certificate ...`, to follow the file's name).
 ///
@@ -392,15 +396,18 @@ impl RdzvClient {
     ///
     /// Deadlines: a blocking call (`wait` > 0) stops retrying an unreachable service once `wait`
     /// passed, so `join_timeout=3` fails after about 3 s; a plain call retries for the configured
-    /// call timeout. An attempt that reached the service may take `wait` plus the call timeout to
-    /// answer. A failed TLS handshake is not retried (unless another daemon of the list may still
+    /// call timeout. An attempt that reached the service may take `wait` plus a slack to answer:
+    /// the call timeout for a plain call, at most [`BLOCKING_SLACK`] for a blocking one (so a peer
+    /// that accepts connections but never answers, not an rsrun daemon, holds `join_timeout=5`
+    /// for about 10 s, not 35). A failed TLS handshake is not retried (unless another daemon of the list may still
     /// answer): the configuration has to change.
     async fn call<T, Fut>(&self, what: &str, wait: Duration, mut f: impl FnMut(Inner, Duration) -> Fut) -> Result<T, RdzvError>
     where
         Fut: Future<Output = Result<tonic::Response<T>, Status>>,
     {
         let start = Instant::now();
-        let deadline = start + wait + self.cfg.rpc_timeout;
+        let slack = if wait.is_zero() { self.cfg.rpc_timeout } else { self.cfg.rpc_timeout.min(BLOCKING_SLACK) };
+        let deadline = start + wait + slack;
         let retry_until = start + if wait.is_zero() { self.cfg.rpc_timeout } else { wait };
         let mut tls_failed: Vec<usize> = Vec::new();
         let mut tls_note = String::new();
@@ -466,7 +473,7 @@ impl RdzvClient {
                         return Err(RdzvError::Timeout(format!(
                             "{what} to {} did not answer within {:?}",
                             self.cfg.endpoint,
-                            wait + self.cfg.rpc_timeout
+                            wait + slack
                         )));
                     }
                 },

@@ -429,6 +429,27 @@ async fn tls_service_accepts_tls_clients_only() {
 }
 
 #[tokio::test]
+async fn a_blocking_call_to_a_peer_that_never_answers_ends_soon_after_its_wait() {
+    // Accepts connections and never speaks: not an rsrun daemon. A join that waits 1 s gives up
+    // after its wait plus a few seconds, not after the 30 s call timeout on top.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        while let Ok((c, _)) = listener.accept() {
+            held.push(c);
+        }
+    });
+    let mut cfg = ClientConfig::new(addr.to_string());
+    cfg.rpc_timeout = Duration::from_secs(30);
+    let client = RdzvClient::connect(cfg).unwrap();
+    let mut s = join_spec("job", "a", &spec(1, 1, 5_000));
+    s.timeout = Duration::from_secs(1);
+    let e = tokio::time::timeout(Duration::from_secs(20), client.join(s)).await.unwrap().unwrap_err();
+    assert!(matches!(e, RdzvError::Timeout(_) | RdzvError::Unavailable(_)), "{e:?}");
+}
+
+#[tokio::test]
 async fn a_blocking_call_stops_retrying_an_unreachable_service_when_its_wait_ends() {
     // Nobody listens there: a join that waits 1 s fails after about 1 s, not after the call
     // timeout (30 s) on top.
