@@ -110,10 +110,17 @@ pub fn describe(host: &str, f: &StartFailure, rsrun: &str, connect_timeout: std:
         ),
         StartFailure::Agent(m) => format!("{host}: {m}"),
         StartFailure::Timeout(d) => format!("{host}: the agent did not start within {:.0}s", d.as_secs_f64()),
-        StartFailure::Other { code, last } => match code {
-            Some(c) => format!("{host}: the agent exited with code {c} before starting ({last})"),
-            None => format!("{host}: the agent was killed before starting ({last})"),
-        },
+        StartFailure::Other { code, last } => {
+            let why = if last.trim().is_empty() {
+                "nothing on stderr: does the ssh command (or --rsh) run its arguments on the host?".to_owned()
+            } else {
+                last.clone()
+            };
+            match code {
+                Some(c) => format!("{host}: the agent exited with code {c} before starting ({why})"),
+                None => format!("{host}: the agent was killed before starting ({why})"),
+            }
+        }
     }
 }
 
@@ -146,6 +153,7 @@ mod tests {
         assert!(is_retryable(&kex), "{kex:?}");
         assert!(c(Some(127), "sh: 1: exec: /opt/rsrun: not found").contains("rsrun not found at /opt/rsrun on h2"));
         assert_eq!(c(Some(255), "weird\nlast words\n"), "h2: the agent exited with code 255 before starting (last words)");
+        assert!(c(Some(0), "").contains("(nothing on stderr: does the ssh command (or --rsh) run its arguments"), "{}", c(Some(0), ""));
     }
 
     #[test]
