@@ -431,10 +431,8 @@ impl StdSpec {
         let mut per_rank = BTreeMap::new();
         for part in s.split(',') {
             let (lr, v) = part.split_once(':').ok_or_else(bad)?;
-            let lr = lr.trim().parse::<u32>().map_err(|_| bad())?;
-            if per_rank.insert(lr, mask(v)?).is_some() {
-                return Err(invalid(flag, s, format!("each local rank once (local rank {lr} is given twice)")));
-            }
+            // As torchrun: a later entry for the same local rank wins.
+            per_rank.insert(lr.trim().parse::<u32>().map_err(|_| bad())?, mask(v)?);
         }
         Ok(StdSpec { all: StdMask(0), per_rank })
     }
@@ -900,9 +898,10 @@ fn parse_rdzv_conf(s: &str, notes: &mut Vec<String>) -> Result<RdzvConf, PlanErr
             return Err(invalid(FLAG, entry, "KEY=VALUE"));
         };
         let (k, v) = (k.trim(), v.trim());
+        // As torchrun: a later value wins (wrappers append overrides to a default list), said once.
         let key = if k == "heartbeat_timeout" { "lease_timeout" } else { k };
         if seen.contains(&key) {
-            return Err(invalid(FLAG, s, format!("each key once ({k} is given twice)")));
+            notes.push(format!("--rdzv-conf: {k} is given more than once; the last value, {v}, counts"));
         }
         seen.push(key);
         if v.is_empty() {
