@@ -156,11 +156,13 @@ fn a_token_no_service_accepts_fails_at_once() {
     let tok = dir.path().join("short.tok");
     std::fs::write(&tok, "secret\n").unwrap();
     let endpoint = format!("127.0.0.1:{}", rsrun_tests::free_port());
-    let start = std::time::Instant::now();
-    let out = run(rsrun(dir.path())
-        .args(["--rdzv-endpoint", &endpoint, "--rdzv-id", "tok", "--rdzv-conf", "join_timeout=120", "--rdzv-token-file"])
+    // The command is made first: the first `rsrun(..)` of the process may build the binaries.
+    let mut cmd = rsrun(dir.path());
+    cmd.args(["--rdzv-endpoint", &endpoint, "--rdzv-id", "tok", "--rdzv-conf", "join_timeout=120", "--rdzv-token-file"])
         .arg(&tok)
-        .arg("true"));
+        .arg("true");
+    let start = std::time::Instant::now();
+    let out = run(&mut cmd);
     let all = text(&out);
     assert!(!out.status.success(), "{all}");
     assert!(all.contains("short.tok line 1: token of 6 characters; use at least 16"), "{all}");
