@@ -79,16 +79,11 @@ impl DaemonRdzv {
     /// Starts or finds the service, and prepares the client.
     ///
     /// # Errors
-    /// The embedded service cannot bind; the endpoint cannot be resolved; the token file is unusable.
+    /// The embedded service cannot bind; the endpoint cannot be resolved.
     pub async fn connect(plan: &LaunchPlan, console: &ConsoleTx) -> anyhow::Result<Self> {
         let node = crate::plan::node_id(&plan.hostname, std::process::id());
-        let token = match &plan.token_file {
-            // A token no daemon accepts fails here (`read_client_token` checks it as a daemon
-            // would), instead of leaving an embedded service unstarted and this launcher waiting
-            // for it until the join timeout.
-            Some(p) => Some(rsrun_rendezvous::auth::read_client_token(p)?),
-            None => None,
-        };
+        // Read and checked as a daemon checks it when the plan was made (`read_client_token`).
+        let token = plan.token.clone();
         let (endpoint, target, embedded, hosting_for_others, addrs) = match &plan.rdzv {
             RdzvPlan::Standalone => {
                 let mut cfg = ServerConfig::in_memory(SocketAddr::from(([127, 0, 0, 1], 0)));

@@ -1407,7 +1407,7 @@ impl LaunchPlan {
             let p = host.cwd.join(path);
             let pem = rsrun_rendezvous::files::read_bounded(&p)
                 .map_err(|e| invalid("--rdzv-tls-ca", &path.display().to_string(), format!("a readable PEM file ({e})")))?;
-            rsrun_rendezvous::client::check_ca_pem(&pem).map_err(|why| {
+            rsrun_rendezvous::client::check_pem_certificates(&pem).map_err(|why| {
                 invalid("--rdzv-tls-ca", &path.display().to_string(), format!("a file of PEM CA certificates (it {why})"))
             })?;
             Ok::<_, PlanError>(p)

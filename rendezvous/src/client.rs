@@ -261,12 +261,12 @@ impl Conns {
 /// ends; this covers the trip and a busy daemon).
 pub const BLOCKING_SLACK: Duration = Duration::from_secs(5);
 
-/// Checks a CA file's contents: one or more PEM certificates, or why not (`holds no PEM
-/// certificate ...`, to follow the file's name).
+/// Checks that a file's contents (a CA file, a daemon's `--tls-cert`) are one or more PEM
+/// certificates, or says why not (`holds no PEM certificate ...`, to follow the file's name).
 ///
 /// # Errors
 /// The contents hold no PEM certificate, or a malformed one.
-pub fn check_ca_pem(pem: &[u8]) -> Result<(), String> {
+pub fn check_pem_certificates(pem: &[u8]) -> Result<(), String> {
     use rustls_pki_types::CertificateDer;
     use rustls_pki_types::pem::PemObject;
     match CertificateDer::pem_slice_iter(pem).collect::<Result<Vec<_>, _>>() {
@@ -341,7 +341,7 @@ impl RdzvClient {
         let ca_pem = match &cfg.tls_ca {
             Some(ca) => {
                 let pem = crate::files::read_bounded(ca).map_err(|e| bad(format!("cannot read CA file {}: {e}", ca.display())))?;
-                check_ca_pem(&pem).map_err(|why| bad(format!("CA file {} {why}", ca.display())))?;
+                check_pem_certificates(&pem).map_err(|why| bad(format!("CA file {} {why}", ca.display())))?;
                 Some(pem)
             }
             None => None,

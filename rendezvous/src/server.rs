@@ -211,23 +211,14 @@ pub async fn serve(config: ServerConfig, shutdown: CancellationToken, on_bound: 
 /// A server identity from PEM files, each checked for what it must hold: one or more certificates
 /// in the first, a private key in the second (rustls reads them only when the first client connects).
 fn tls_identity(cert: &Path, key: &Path) -> Result<ServerTlsConfig, RdzvError> {
+    use rustls_pki_types::PrivateKeyDer;
     use rustls_pki_types::pem::PemObject;
-    use rustls_pki_types::{CertificateDer, PrivateKeyDer};
     let read = |p: &Path, flag: &str| {
         crate::files::read_bounded(p).map_err(|e| RdzvError::invalid("tls", format!("cannot read {flag} {}: {e}", p.display())))
     };
     let (cert_pem, key_pem) = (read(cert, "--tls-cert")?, read(key, "--tls-key")?);
-    let certs = CertificateDer::pem_slice_iter(&cert_pem).collect::<Result<Vec<_>, _>>();
-    match certs {
-        Ok(c) if !c.is_empty() => {}
-        Ok(_) => {
-            return Err(RdzvError::invalid(
-                "tls",
-                format!("--tls-cert {} holds no PEM certificate (expected -----BEGIN CERTIFICATE-----)", cert.display()),
-            ));
-        }
-        Err(e) => return Err(RdzvError::invalid("tls", format!("--tls-cert {} is not a PEM certificate: {e:?}", cert.display()))),
-    }
+    crate::client::check_pem_certificates(&cert_pem)
+        .map_err(|why| RdzvError::invalid("tls", format!("--tls-cert {} {why}", cert.display())))?;
     if let Err(e) = PrivateKeyDer::from_pem_slice(&key_pem) {
         return Err(RdzvError::invalid(
             "tls",
@@ -238,7 +229,7 @@ fn tls_identity(cert: &Path, key: &Path) -> Result<ServerTlsConfig, RdzvError> {
 }
 
 /// An error and its sources, as one line (tonic's transport errors say just "transport error").
-pub(crate) fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
+fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
     let mut text = err.to_string();
     let mut source = err.source();
     while let Some(s) = source {

@@ -26,9 +26,9 @@
 //! fraction of each op is paired: five rounds of the limit measured right before the op (a few
 //! calls), the median of the five ratios (`bound:` lines list them as `paired_rounds`, beside
 //! `frac_of_first_limit`, the sweep's time over the limits measured once at the start); TCP's
-//! all_reduce is paired the same way with a loopback stream. The memcpy pays a read-for-ownership for every line it writes; the shm
-//! backend writes big all_gather outputs with streaming stores, which do not, so their `frac` can
-//! pass 1. On the shm backend all_reduce and all_gather run twice: on buffers
+//! all_reduce is paired the same way with a loopback stream. The memcpy pays a
+//! read-for-ownership for every line it writes; the shm backend writes big all_gather outputs
+//! with streaming stores, which do not, so their `frac` can pass 1. On the shm backend all_reduce and all_gather run twice: on buffers
 //! registered with the group (`ProcessGroup::alloc_shared`, the zero-copy path DDP's gradients
 //! use; `buffers=registered`) and on plain vectors (`buffers=plain`, staged through the
 //! segment). The headline fractions use registered buffers where an op has them, and the plain
