@@ -17,9 +17,12 @@
 # (default: ../shared/bench when present, else the copies in scripts/torch-ref).
 # Ends with two lines:
 #   summary: single_tok_ratio_vs_torch=... ddp_tok_ratio_vs_torch=... ddp_speedup=... pair_speedup=...
-#            ddp_frac_of_pair=... zero3_vs_ddp=... fsdp_tok_ratio_vs_torch=... mfu=... cpu=... isa=...
+#            ddp_frac_of_pair=... ddp_comm_wait_frac=... ddp_comm_thread_cpu_frac=... zero3_vs_ddp=...
+#            fsdp_tok_ratio_vs_torch=... mfu=... cpu=... isa=...
 #   (pair_speedup: two single-process runs at once, no communication, over one: the host's limit
-#   for ddp_speedup; ddp_frac_of_pair: DDP's tokens/s over theirs)
+#   for ddp_speedup; ddp_frac_of_pair: DDP's tokens/s over theirs; ddp_comm_wait_frac: the share
+#   of the best DDP run's step its rank 0 spent waiting in collectives, ddp_comm_thread_cpu_frac:
+#   the share of its core the communication thread ran on; the rest of the step is compute)
 #   summary: allreduce_frac_of_bound=... reduce_scatter_frac=... all_gather_frac=... tcp_frac_of_loopback=... tcp_frac_of_exchange=...
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -159,7 +162,9 @@ printf '%-24s %14s %14s %8s\n' "single process" "$(tok "$o_single")" "$(tok "$t_
 printf '%-24s %14s %14s %8s\n' "DDP, 2 ranks" "$(tok "$o_ddp")" "$(tok "$t_ddp")" "$(ratio "$(tok "$o_ddp")" "$(tok "$t_ddp")")"
 printf '%-24s %14s %14s %8s\n' "ZeRO-3 / FSDP2, 2 ranks" "$(tok "$o_z3")" "$(tok "$t_fsdp")" "$(ratio "$(tok "$o_z3")" "$(tok "$t_fsdp")")"
 printf '%-24s %14s\n' "2 singles at once" "$(tok "$o_pair")"
-echo "rsrun: single mfu=$(echo "$o_single" | field mfu) ddp speedup=$(ratio "$(tok "$o_ddp")" "$(tok "$o_single")") (two single processes at once: $(ratio "$(tok "$o_pair")" "$(tok "$o_single")"), DDP $(ratio "$(tok "$o_ddp")" "$(tok "$o_pair")") of them) zero3/ddp=$(ratio "$(tok "$o_z3")" "$(tok "$o_ddp")"); torch: ddp speedup=$(ratio "$(tok "$t_ddp")" "$(tok "$t_single")")"
+ddp_wait=$(echo "$o_ddp" | field comm_wait_frac)
+ddp_cpu=$(echo "$o_ddp" | field comm_thread_cpu_frac)
+echo "rsrun: single mfu=$(echo "$o_single" | field mfu) ddp speedup=$(ratio "$(tok "$o_ddp")" "$(tok "$o_single")") (two single processes at once: $(ratio "$(tok "$o_pair")" "$(tok "$o_single")"), DDP $(ratio "$(tok "$o_ddp")" "$(tok "$o_pair")") of them; DDP's step waits ${ddp_wait:-n/a} of its time in collectives, its communication thread runs ${ddp_cpu:-n/a} of a core) zero3/ddp=$(ratio "$(tok "$o_z3")" "$(tok "$o_ddp")"); torch: ddp speedup=$(ratio "$(tok "$t_ddp")" "$(tok "$t_single")")"
 
 coll=$("${PIN[@]}" "$BIN/collectives-bench" --spawn 2 --sizes 1024,67108864 2>&1)
 echo "$coll" | grep -E '^(limits|bound):'
@@ -168,7 +173,7 @@ gloo=$(SIZES=1024,67108864 "${PIN[@]}" "${TORCHRUN[@]}" --standalone --nproc-per
 
 cpu=$(grep -m1 '^machine:' "$log" | sed -n 's/.*cpu="\([^"]*\)".*/\1/p' | tr ' ' '_')
 level=$(grep -m1 '^machine:' "$log" | field isa)
-echo "summary: single_tok_ratio_vs_torch=$(ratio "$(tok "$o_single")" "$(tok "$t_single")") ddp_tok_ratio_vs_torch=$(ratio "$(tok "$o_ddp")" "$(tok "$t_ddp")") ddp_speedup=$(ratio "$(tok "$o_ddp")" "$(tok "$o_single")") pair_speedup=$(ratio "$(tok "$o_pair")" "$(tok "$o_single")") ddp_frac_of_pair=$(ratio "$(tok "$o_ddp")" "$(tok "$o_pair")") zero3_vs_ddp=$(ratio "$(tok "$o_z3")" "$(tok "$o_ddp")") fsdp_tok_ratio_vs_torch=$(ratio "$(tok "$o_z3")" "$(tok "$t_fsdp")") mfu=$(echo "$o_single" | field mfu) cpu=$cpu isa=$level"
+echo "summary: single_tok_ratio_vs_torch=$(ratio "$(tok "$o_single")" "$(tok "$t_single")") ddp_tok_ratio_vs_torch=$(ratio "$(tok "$o_ddp")" "$(tok "$t_ddp")") ddp_speedup=$(ratio "$(tok "$o_ddp")" "$(tok "$o_single")") pair_speedup=$(ratio "$(tok "$o_pair")" "$(tok "$o_single")") ddp_frac_of_pair=$(ratio "$(tok "$o_ddp")" "$(tok "$o_pair")") ddp_comm_wait_frac=${ddp_wait:-n/a} ddp_comm_thread_cpu_frac=${ddp_cpu:-n/a} zero3_vs_ddp=$(ratio "$(tok "$o_z3")" "$(tok "$o_ddp")") fsdp_tok_ratio_vs_torch=$(ratio "$(tok "$o_z3")" "$(tok "$t_fsdp")") mfu=$(echo "$o_single" | field mfu) cpu=$cpu isa=$level"
 # The issue's four fractions, then the TCP all_reduce over the two-rank exchange limit.
 tcp_x=$(echo "$coll" | grep '^summary:' | field tcp_frac_of_exchange)
 echo "$coll" | grep '^summary:' | sed 's/^summary: \(allreduce_frac_of_bound=[^ ]* reduce_scatter_frac=[^ ]* all_gather_frac=[^ ]* tcp_frac_of_loopback=[^ ]*\).*/summary: \1/' | sed "s/\$/ tcp_frac_of_exchange=${tcp_x:-n\/a}/"

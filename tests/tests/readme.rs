@@ -566,6 +566,11 @@ fn performance_against_pytorch() {
         assert!(number(engine, key) > 0.0, "{engine}");
     }
     assert!(engine.contains(" cpu=") && engine.contains(" isa="), "{engine}");
+    // Where DDP's step goes: shares of it, waiting in collectives and on the communication thread.
+    for key in ["ddp_comm_wait_frac", "ddp_comm_thread_cpu_frac"] {
+        let v = number(engine, key);
+        assert!((0.0..=1.0).contains(&v), "{key}: {engine}");
+    }
     // Two rounds by default, and each side's best round is what the ratios compare.
     let rounds: Vec<&str> = all.lines().filter(|l| l.starts_with("round ")).collect();
     assert!(rounds.len() == 2 && rounds[1].starts_with("round 2 of 2,"), "{all}");

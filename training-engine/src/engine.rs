@@ -163,6 +163,11 @@ pub struct StepOutput {
     /// The step was skipped because the (f16 loss-scaled) gradients overflowed; the step count
     /// did not advance and the loss scale was halved.
     pub skipped: bool,
+    /// Wall time this step's calling thread spent in collectives: blocking ops, and waits for
+    /// its asynchronous ones (DDP's bucket all-reduces, ZeRO's reduce-scatters and prefetched
+    /// gathers). The communication the step did not hide behind its compute, including the
+    /// wait for a slower rank; zero at world 1.
+    pub comm_wait: std::time::Duration,
 }
 
 struct UnitState {
@@ -222,6 +227,9 @@ pub struct Engine<M: UnitModel> {
     step: u64,
     gathered: Tracker,
     comm: Tracker,
+    /// Nanoseconds the calling thread spent in collectives during the current step (see
+    /// [`StepOutput::comm_wait`]); atomic so `&self` helpers can add to it.
+    comm_wait_ns: std::sync::atomic::AtomicU64,
     /// ZeRO-3 gathers in flight, in issue order.
     inflight: VecDeque<(usize, flat::FlatWork2)>,
     /// ZeRO-3 units currently gathered (storage filled).
@@ -408,6 +416,7 @@ impl<M: UnitModel> Engine<M> {
             step: 0,
             gathered: Tracker::default(),
             comm: Tracker::default(),
+            comm_wait_ns: Default::default(),
             inflight: VecDeque::new(),
             live: vec![false; n_units],
             traffic_base: 0,
@@ -545,8 +554,23 @@ impl<M: UnitModel> Engine<M> {
         let g = self.shard_pg.as_ref().ok_or_else(|| {
             EngineError::Config("gather without a sharding group".into())
         })?;
-        g.all_gather(&self.units[ui].master, out)?;
+        self.in_comm(|| g.all_gather(&self.units[ui].master, out))?;
         Ok(())
+    }
+
+    /// Runs a collective call (or a wait for one) and counts its wall time into the step's
+    /// [`StepOutput::comm_wait`].
+    fn in_comm<R>(&self, f: impl FnOnce() -> R) -> R {
+        let start = std::time::Instant::now();
+        let r = f();
+        let ns = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.comm_wait_ns.fetch_add(ns, std::sync::atomic::Ordering::Relaxed);
+        r
+    }
+
+    /// The step's time in collectives so far, and a fresh count for the next step.
+    pub(super) fn take_comm_wait(&self) -> std::time::Duration {
+        std::time::Duration::from_nanos(self.comm_wait_ns.swap(0, std::sync::atomic::Ordering::Relaxed))
     }
 
     /// One optimizer step over this rank's micro-batches (gradient accumulation without
@@ -559,6 +583,8 @@ impl<M: UnitModel> Engine<M> {
         if micro.is_empty() {
             return Err(EngineError::Config("train_step needs at least one micro-batch".into()));
         }
+        // Collectives before this step (loading a checkpoint, a failed step) are not its own.
+        self.take_comm_wait();
         let native = self.native_enabled();
         // The native backward overwrites a unit's full gradient on the first micro-batch, and
         // under ZeRO-2/3 that micro-batch's reduce-scatter writes the gradient shard itself
@@ -641,7 +667,7 @@ impl<M: UnitModel> Engine<M> {
                 };
             }
             if let Some(g) = &self.shard_pg {
-                g.all_reduce(&mut sq, ReduceOp::Sum)?;
+                self.in_comm(|| g.all_reduce(&mut sq, ReduceOp::Sum))?;
             }
             let norm = sq[0].sqrt();
             grad_norm = Some(norm);
@@ -688,6 +714,7 @@ impl<M: UnitModel> Engine<M> {
             grad_norm,
             lr,
             skipped: false,
+            comm_wait: self.take_comm_wait(),
         })
     }
 
@@ -698,11 +725,13 @@ impl<M: UnitModel> Engine<M> {
             .shard_pg
             .as_ref()
             .ok_or_else(|| EngineError::Config("reduce-scatter without a sharding group".into()))?;
-        input.reduce_scatter(g, out, ReduceOp::Avg)?;
-        if let Some(r) = &self.rep_pg {
-            out.all_reduce(r, ReduceOp::Avg)?;
-        }
-        Ok(())
+        self.in_comm(|| {
+            input.reduce_scatter(g, out, ReduceOp::Avg)?;
+            if let Some(r) = &self.rep_pg {
+                out.all_reduce(r, ReduceOp::Avg)?;
+            }
+            Ok(())
+        })
     }
 
     /// 16-bit gradient buffer of unit `ui` upcast to fp32, divided by the `k` micro-batches and
@@ -770,7 +799,7 @@ impl<M: UnitModel> Engine<M> {
             .shard_pg
             .as_ref()
             .ok_or_else(|| EngineError::Config("all-gather without a sharding group".into()))?;
-        g.all_gather(&shard, &mut full)?;
+        self.in_comm(|| g.all_gather(&shard, &mut full))?;
         for (p, v) in ul.params.iter().zip(&self.units[ui].vars) {
             set_storage(v.as_tensor(), full[p.range()].to_vec())?;
         }
@@ -812,7 +841,7 @@ impl<M: UnitModel> Engine<M> {
             self.issue_gather(ui)?;
         }
         while let Some((u, w)) = self.inflight.pop_front() {
-            let (input, full) = w.wait()?;
+            let (input, full) = self.in_comm(|| w.wait())?;
             self.comm.sub(input.bytes() + full.bytes());
             let mut full = full.into_f32();
             let ul = &self.layout.units[u];
@@ -1009,7 +1038,7 @@ impl<M: UnitModel> Engine<M> {
     fn finish_reductions(&mut self, works: Reductions) -> EngineResult<()> {
         let mut failed = None;
         for (u, w) in works.buckets {
-            match w.wait() {
+            match self.in_comm(|| w.wait()) {
                 Ok(g) => self.units[u].grad = g,
                 Err(e) => {
                     // Keep the buffer's shape so the engine stays consistent; report the error.
@@ -1024,10 +1053,10 @@ impl<M: UnitModel> Engine<M> {
         }
         let mut failed: Option<EngineError> = None;
         for (ui, w, into_grad) in works.shards {
-            let res = w.wait().map_err(EngineError::from).and_then(|(input, mut out)| {
+            let res = self.in_comm(|| w.wait()).map_err(EngineError::from).and_then(|(input, mut out)| {
                 self.comm.sub(input.bytes() + out.bytes());
                 if let Some(r) = &self.rep_pg {
-                    out.all_reduce(r, ReduceOp::Avg)?;
+                    self.in_comm(|| out.all_reduce(r, ReduceOp::Avg))?;
                 }
                 Ok(out)
             });

@@ -5,8 +5,6 @@
 //! ```text
 //! engine-bench --strategy ddp                                   # single process (baseline)
 //! rsrun --standalone --nproc-per-node 2 target/release/engine-bench --strategy zero3
-//! ```
-//!
 //! engine-bench --offload nvme --nvme-path /mnt/nvme             # + offloaded/in-memory ratio
 //! ```
 //!
@@ -16,7 +14,6 @@
 //! offloaded size in `--nvme-path` (`offload::bench::measure_bandwidth`) and the I/O bandwidth
 //! achieved inside the optimizer step.
 //!
-//! ```text
 //! Prints the machine first (CPU model, the SIMD level the kernels run at; `RSRUN_ISA=avx2`
 //! forces a lower one) and the core's FMA peak, measured by a short FMA loop at that level in
 //! the same run; model FLOPs utilization is each rank's matmul FLOP rate
@@ -29,7 +26,17 @@
 //! `$TMPDIR/engine-bench-single.tok_per_s`; distributed runs read them (so the ranks do not
 //! measure the peak while competing for cores). Ends with one line:
 //! `summary: strategy=<s> world=<n> step_ms_median=... tok_per_s_total=... speedup_vs_single=...
-//! mfu=... mfu_vs_first_peak=... fma_peak_gflops=... model_state_mib_per_rank=... peak_rss_mib=...`.
+//! mfu=... mfu_vs_first_peak=... fma_peak_gflops=... model_state_mib_per_rank=... peak_rss_mib=...
+//! comm_wait_frac=... comm_thread_cpu_frac=...`.
+//!
+//! Distributed runs print before it where rank 0's step time goes: `comm: wait_ms_median=...
+//! wait_frac=... compute_ms_median=... comm_thread_cpu_ms_per_step=... comm_thread_cpu_frac=...`.
+//! The wait is the time the compute thread spent in collectives or waiting for its
+//! asynchronous ones (`StepOutput::comm_wait`: communication not hidden behind compute, and
+//! the wait for the slower rank), `compute` the rest of the step; the communication thread's
+//! CPU time (from `/proc/self/task/*/schedstat`, `na` where the kernel has no such file) is
+//! what it took from the core the rank computes on. The summary repeats `wait_frac` as
+//! `comm_wait_frac` and `comm_thread_cpu_frac` (both 0 for a single process).
 //!
 //! `--gemm-profile` adds, before the summary, one `gemm_profile:` line per product shape of the
 //! measured steps (calls and milliseconds per step, GFLOP/s counted as full products, fraction
@@ -183,6 +190,8 @@ fn main() -> Result<()> {
         io_bytes,
         gemms,
         paired,
+        waits,
+        comm_cpu,
     } = bench_run(Engine::new(Gpt::new(model_cfg), cfg, pg)?, &args, rank, world)?;
     let mut offload_line = None;
     let mut offload_summary = String::new();
@@ -248,10 +257,15 @@ fn main() -> Result<()> {
     let mfu = if paired.is_empty() {
         mfu_first
     } else {
-        let mut r: Vec<f64> = paired.iter().map(|(t, p)| step_flops / t / (p * 1e9)).collect();
-        r.sort_by(f64::total_cmp);
-        r[r.len() / 2]
+        median(&mut paired.iter().map(|(t, p)| step_flops / t / (p * 1e9)).collect::<Vec<_>>())
     };
+    // Where the step goes (rank 0): waiting in collectives, and the rest (compute).
+    let wait_frac = median(&mut waits.iter().map(|(t, w)| w / t).collect::<Vec<_>>());
+    let wait_ms = median(&mut waits.iter().map(|(_, w)| w * 1e3).collect::<Vec<_>>());
+    let compute_ms = median(&mut waits.iter().map(|(t, w)| (t - w) * 1e3).collect::<Vec<_>>());
+    let measured_s: f64 = waits.iter().map(|(t, _)| t).sum();
+    let cpu_ms = comm_cpu.map_or_else(|| "na".to_string(), |c| format!("{:.1}", c * 1e3 / waits.len() as f64));
+    let cpu_frac = comm_cpu.map_or_else(|| "na".to_string(), |c| format!("{:.3}", c / measured_s));
     let mem = engine.memory();
     let sent_mib = engine.bytes_sent() as f64 / args.steps as f64 / (1 << 20) as f64;
     if rank == 0 {
@@ -266,12 +280,15 @@ fn main() -> Result<()> {
         if let Some(l) = &offload_line {
             writeln!(out, "{l}")?;
         }
+        if world > 1 {
+            writeln!(out, "comm: wait_ms_median={wait_ms:.1} wait_frac={wait_frac:.3} compute_ms_median={compute_ms:.1} comm_thread_cpu_ms_per_step={cpu_ms} comm_thread_cpu_frac={cpu_frac}")?;
+        }
         if args.gemm_profile {
             print_gemm_profile(&mut out, &gemms, args.steps.saturating_sub(warm_steps(args.steps)), med, peak)?;
         }
         writeln!(
             out,
-            "summary: strategy={strategy} world={world} precision={precision}{offload_summary} step_ms_median={:.1} tok_per_s_total={tok_total:.0} speedup_vs_single={speedup} mfu={mfu:.3} mfu_vs_first_peak={mfu_first:.3} fma_peak_gflops={peak:.1} model_state_mib_per_rank={:.2} peak_rss_mib={:.0}",
+            "summary: strategy={strategy} world={world} precision={precision}{offload_summary} step_ms_median={:.1} tok_per_s_total={tok_total:.0} speedup_vs_single={speedup} mfu={mfu:.3} mfu_vs_first_peak={mfu_first:.3} fma_peak_gflops={peak:.1} model_state_mib_per_rank={:.2} peak_rss_mib={:.0} comm_wait_frac={wait_frac:.3} comm_thread_cpu_frac={cpu_frac}",
             med * 1e3,
             mem.model_state() as f64 / (1 << 20) as f64,
             peak_rss_mib(),
@@ -336,6 +353,11 @@ struct Run {
     /// Single process: each measured step's seconds and the FMA peak (GFLOP/s) sampled right
     /// after it.
     paired: Vec<(f64, f64)>,
+    /// Each measured step's seconds and its `comm_wait` seconds.
+    waits: Vec<(f64, f64)>,
+    /// CPU seconds the communication threads ran during the measured steps (`None` without
+    /// per-thread schedstat).
+    comm_cpu: Option<f64>,
 }
 
 /// Runs the benchmark steps, profiling the products of the measured ones with `--gemm-profile`.
@@ -347,18 +369,25 @@ fn bench_run(mut engine: Engine<Gpt>, args: &Args, rank: usize, world: usize) ->
     let mut loss = 0f32;
     let warm = warm_steps(args.steps);
     let mut io0 = None;
+    let mut waits = Vec::new();
+    let mut cpu0 = None;
     profile::take();
     for step in 0..args.steps {
         if step == warm {
             io0 = engine.offload_stats();
+            cpu0 = comm_thread_cpu_ns();
             profile::enable(args.gemm_profile);
         }
         let rows = global_batch(1234, step, args.batch * world, model_cfg.seq, model_cfg.vocab);
         let batch = Batch::from_rows(&rank_rows(&rows, rank, world))?;
         let t0 = Instant::now();
-        loss = engine.train_step(std::slice::from_ref(&batch))?.loss;
+        let out = engine.train_step(std::slice::from_ref(&batch))?;
+        loss = out.loss;
         let t = t0.elapsed().as_secs_f64();
         times.push(t);
+        if step >= warm {
+            waits.push((t, out.comm_wait.as_secs_f64()));
+        }
         if world == 1 && step >= warm {
             // The core's peak now (registers only: the caches stay as the step left them).
             paired.push((t, rsrun_examples::machine::fma_peak_gflops(rsrun_training_engine::native::isa::isa(), PAIRED_PEAK)));
@@ -371,9 +400,11 @@ fn bench_run(mut engine: Engine<Gpt>, args: &Args, rank: usize, world: usize) ->
         ),
         _ => None,
     };
-    let mut tail: Vec<f64> = times.iter().skip(warm as usize).copied().collect();
-    tail.sort_by(f64::total_cmp);
-    let med = tail[tail.len() / 2];
+    let comm_cpu = match (cpu0, comm_thread_cpu_ns()) {
+        (Some(a), Some(b)) => Some(b.saturating_sub(a) as f64 / 1e9),
+        _ => None,
+    };
+    let med = median(&mut times.iter().skip(warm as usize).copied().collect::<Vec<_>>());
     profile::enable(false);
     Ok(Run {
         engine,
@@ -382,7 +413,33 @@ fn bench_run(mut engine: Engine<Gpt>, args: &Args, rank: usize, world: usize) ->
         io_bytes: io,
         gemms: profile::take(),
         paired,
+        waits,
+        comm_cpu,
     })
+}
+
+/// Nanoseconds this process's communication threads (named `comm-<rank>`) have run on a CPU,
+/// from `/proc/self/task/<tid>/schedstat`; 0 before the first asynchronous op starts one.
+/// `None` where the kernel keeps no per-thread schedstat.
+fn comm_thread_cpu_ns() -> Option<u64> {
+    std::fs::metadata("/proc/self/schedstat").ok()?;
+    let mut total = 0u64;
+    for task in std::fs::read_dir("/proc/self/task").ok()?.flatten() {
+        let dir = task.path();
+        let name = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+        if !name.starts_with("comm-") {
+            continue;
+        }
+        let stat = std::fs::read_to_string(dir.join("schedstat")).ok()?;
+        total += stat.split_whitespace().next()?.parse::<u64>().ok()?;
+    }
+    Some(total)
+}
+
+/// The median of `v` (which must not be empty), reordering it.
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
 
 /// How long the FMA peak is sampled after each measured single-process step.

@@ -295,3 +295,51 @@ fn memory_matches_formulas_and_traffic_ratio() {
     let (_, stats) = run(world, Strategy::Zero3, false, 1, 1, 1, c);
     assert_eq!(stats[0].0.model_state(), 12 * s);
 }
+
+/// `StepOutput::comm_wait` counts the time a rank waits for its collectives: a rank whose peer
+/// starts its step a second late waits about that second (DDP's bucket all-reduces, ZeRO-3's
+/// gathers and reduce-scatters alike), the late rank hardly at all, and a single process never.
+#[test]
+fn comm_wait_is_the_time_spent_waiting_for_the_peers() {
+    one_thread();
+    let late = std::time::Duration::from_secs(1);
+    for strategy in [Strategy::Ddp, Strategy::Zero3] {
+        let store = Arc::new(LocalStore::new());
+        let prefix = format!("wait-{strategy}");
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                let store = store.clone();
+                let prefix = prefix.clone();
+                std::thread::spawn(move || {
+                    let pg = ProcessGroup::new(rank, 2, store, &prefix, CommOptions::default()).unwrap();
+                    let mut e = Engine::new(Gpt::new(tiny()), cfg(strategy), pg).unwrap();
+                    let rows = global_batch(3, 0, GLOBAL_B, tiny().seq, 256);
+                    let b = Batch::from_rows(&rank_rows(&rows, rank, 2)).unwrap();
+                    // A first step for both, so the timed one starts from the same state.
+                    e.train_step(std::slice::from_ref(&b)).unwrap();
+                    // The step ends at a collective on both ranks, so they leave it together.
+                    if rank == 1 {
+                        std::thread::sleep(late);
+                    }
+                    let start = std::time::Instant::now();
+                    let out = e.train_step(std::slice::from_ref(&b)).unwrap();
+                    (out.comm_wait, start.elapsed())
+                })
+            })
+            .collect();
+        let res: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+        let (w0, t0) = res[0];
+        let (w1, t1) = res[1];
+        assert!(w0 <= t0 && w1 <= t1, "{strategy}: waits {w0:?} {w1:?} within steps {t0:?} {t1:?}");
+        // Rank 0 cannot finish before rank 1 has started, a second later: all but its own
+        // compute (milliseconds for this model) is waiting.
+        assert!(w0 >= late / 2, "{strategy}: the early rank waited {w0:?} of {t0:?}");
+        assert!(w1 < w0, "{strategy}: the late rank waited {w1:?}, the early one {w0:?}");
+    }
+    let store = Arc::new(LocalStore::new());
+    let pg = ProcessGroup::new(0, 1, store, "wait-single", CommOptions::default()).unwrap();
+    let mut e = Engine::new(Gpt::new(tiny()), cfg(Strategy::Ddp), pg).unwrap();
+    let b = Batch::from_rows(&global_batch(3, 0, GLOBAL_B, tiny().seq, 256)).unwrap();
+    let out = e.train_step(std::slice::from_ref(&b)).unwrap();
+    assert_eq!(out.comm_wait, std::time::Duration::ZERO);
+}

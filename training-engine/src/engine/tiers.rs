@@ -616,7 +616,7 @@ impl<M: UnitModel> Engine<M> {
         }
         let mut flag = [if finite { 0f32 } else { 1.0 }];
         if self.world > 1 {
-            self.pg.all_reduce(&mut flag, ReduceOp::Max)?;
+            self.in_comm(|| self.pg.all_reduce(&mut flag, ReduceOp::Max))?;
         }
         let finite = flag[0] == 0.0;
         if let Some(s) = self.scaler.as_mut() {
@@ -634,6 +634,7 @@ impl<M: UnitModel> Engine<M> {
             grad_norm: None,
             lr,
             skipped: true,
+            comm_wait: self.take_comm_wait(),
         }))
     }
 }
