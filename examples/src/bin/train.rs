@@ -373,6 +373,22 @@ fn run() -> anyhow::Result<()> {
         heads: args.heads as usize,
         seq,
     };
+    // Refuse a model this host cannot hold before allocating any of it (it would abort on a
+    // failed allocation, or be killed by the kernel partway through a step).
+    let local_ranks = std::env::var("LOCAL_WORLD_SIZE").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(1).max(1);
+    let plan = rsrun_examples::memory::Plan {
+        gpt,
+        strategy,
+        shard_world: if strategy.is_hybrid() { local_ranks as usize } else { world },
+        precision,
+        reduce_dtype,
+        offload: offload.clone(),
+        batch: args.batch as usize,
+    };
+    let need = rsrun_examples::memory::need(&plan).map_err(|e| BadInput(format!("{e}")))?;
+    if let Some(why) = rsrun_examples::memory::available().and_then(|a| rsrun_examples::memory::refusal(&need, local_ranks, a)) {
+        return Err(BadInput(why).into());
+    }
     let mut cfg = EngineConfig::new(strategy, OptimizerConfig::AdamW(AdamW { lr: args.lr, ..AdamW::default() }));
     cfg.seed = args.seed;
     cfg.clip_grad_norm = (args.clip > 0.0).then_some(args.clip);
@@ -401,8 +417,24 @@ fn run() -> anyhow::Result<()> {
         // The data position (global loop step) is authoritative for the sampler; the engine's
         // step count can lag it when f16 loss scaling skipped steps.
         start = progress.data_position;
+        let optimizer_step = engine.step_count();
+        // Train saves the loop steps done as the data position, and the optimizer steps can only
+        // lag them (a skipped f16 step): a position behind the step is damage, not a place to
+        // resume from.
+        if start < optimizer_step {
+            return Err(BadInput(format!(
+                "checkpoint {}: data_position {start} is behind its optimizer step {optimizer_step} (train saves data_position >= step); its metadata.json is damaged",
+                dir.display()
+            ))
+            .into());
+        }
         if start > args.steps {
-            return Err(BadInput(format!("checkpoint {} is at step {start}, beyond --steps {}", dir.display(), args.steps)).into());
+            return Err(BadInput(format!(
+                "checkpoint {} was saved after step {start} (its data_position; optimizer step {optimizer_step}), beyond --steps {}",
+                dir.display(),
+                args.steps
+            ))
+            .into());
         }
         if rank == 0 && args.log_format == LogFormat::Text {
             println!("resumed from {} at step {start} (restart {})", dir.display(), restart_count());

@@ -179,6 +179,39 @@ fn resume_at_the_end_and_a_damaged_latest_checkpoint() {
     assert!(text(&out).contains("step-000000008/metadata.json") && text(&out).contains("damaged"), "{}", text(&out));
 }
 
+/// A checkpoint's data position is where the sampler resumes: one behind the checkpoint's own
+/// optimizer step is damage, and one beyond `--steps` is named as the position it is, next to
+/// the step, instead of being reported as the step.
+#[test]
+fn a_damaged_data_position_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = || -> Output {
+        Command::new(bin("train")).current_dir(dir.path()).args(MODEL).args(["--checkpoint-dir", "ck", "--checkpoint-every", "4"]).output().unwrap()
+    };
+    let out = run();
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    let meta = dir.path().join("ck/step-000000008/metadata.json");
+    let good = std::fs::read_to_string(&meta).unwrap();
+    let set = |position: u64| {
+        let mut v: serde_json::Value = serde_json::from_str(&good).unwrap();
+        assert_eq!(v["data_position"], 8, "{good}");
+        v["data_position"] = position.into();
+        std::fs::write(&meta, v.to_string()).unwrap();
+    };
+    set(3);
+    let out = run();
+    assert_eq!(code(&out.status), 2, "{}", text(&out));
+    assert!(text(&out).contains("data_position 3 is behind its optimizer step 8"), "{}", text(&out));
+    set(u64::MAX);
+    let out = run();
+    assert_eq!(code(&out.status), 2, "{}", text(&out));
+    assert!(
+        text(&out).contains(&format!("was saved after step {} (its data_position; optimizer step 8), beyond --steps 8", u64::MAX)),
+        "{}",
+        text(&out)
+    );
+}
+
 #[test]
 fn bad_checkpoint_and_offload_flags_exit_2() {
     let dir = tempfile::tempdir().unwrap();
@@ -310,4 +343,20 @@ fn train_progress_renders_in_place_under_rsrun_on_a_terminal() {
     // An update drawn in place (wrapping off), then the final state as a line of its own.
     assert!(raw.contains("\x1b[?7l[rank 0] [--------------------] step 1/300 loss "), "{raw:?}");
     assert!(raw.contains("\r\x1b[J[rank 0] [####################] step 300/300 loss "), "{raw:?}");
+}
+
+/// A model the host cannot hold is refused before anything is allocated, with what it needs and
+/// what the host has, instead of aborting on a failed allocation.
+#[test]
+fn a_model_too_big_for_the_host_is_refused_with_figures() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(bin("train"))
+        .current_dir(dir.path())
+        .args(["--d-model", "8192", "--layers", "256", "--heads", "64", "--steps", "1"])
+        .output()
+        .unwrap();
+    assert_eq!(code(&out.status), 2, "{}", text(&out));
+    let all = text(&out);
+    assert!(all.contains("the model needs at least") && all.contains(" parameters: parameters "), "{all}");
+    assert!(all.contains("available (MemAvailable + SwapFree") && all.contains("--offload nvme"), "{all}");
 }
