@@ -157,15 +157,19 @@ fn killed_worker_restarts_from_the_last_checkpoint_with_identical_parameters() {
     assert_eq!(summary_field(&String::from_utf8_lossy(&single.stdout), "params_sha256"), want);
 }
 
+/// `train` of [`MODEL`] in `dir`, checkpointing every 4 steps into `dir/ck` (and resuming from
+/// the latest there).
+fn checkpointed_run(dir: &Path) -> Output {
+    Command::new(bin("train")).current_dir(dir).args(MODEL).args(["--checkpoint-dir", "ck", "--checkpoint-every", "4"]).output().unwrap()
+}
+
 /// A run resumed at its last step trains nothing and says so (`na`, not NaN); a `latest` that
 /// names a checkpoint without its metadata fails the resume naming the file, instead of training
 /// again from an older checkpoint or from step 0.
 #[test]
 fn resume_at_the_end_and_a_damaged_latest_checkpoint() {
     let dir = tempfile::tempdir().unwrap();
-    let run = || -> Output {
-        Command::new(bin("train")).current_dir(dir.path()).args(MODEL).args(["--checkpoint-dir", "ck", "--checkpoint-every", "4"]).output().unwrap()
-    };
+    let run = || checkpointed_run(dir.path());
     let out = run();
     assert_eq!(code(&out.status), 0, "{}", text(&out));
     let out = run();
@@ -185,9 +189,7 @@ fn resume_at_the_end_and_a_damaged_latest_checkpoint() {
 #[test]
 fn a_damaged_data_position_is_named() {
     let dir = tempfile::tempdir().unwrap();
-    let run = || -> Output {
-        Command::new(bin("train")).current_dir(dir.path()).args(MODEL).args(["--checkpoint-dir", "ck", "--checkpoint-every", "4"]).output().unwrap()
-    };
+    let run = || checkpointed_run(dir.path());
     let out = run();
     assert_eq!(code(&out.status), 0, "{}", text(&out));
     let meta = dir.path().join("ck/step-000000008/metadata.json");
