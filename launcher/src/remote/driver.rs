@@ -6,7 +6,9 @@
 //!   wait for a place in the fan-out window (--ssh-fanout hosts connecting at once)
 //!   spawn `ssh … HOST 'exec rsrun agent --stdin'` (or the local agent), own process group
 //!   stdin  ◀─ NodeLaunch, then Control{START|STOP|FORCE}; closing it is the last word (EOF)
-//!   stdout ─▶ AgentEvent frames: Ready (checked, waiting), worker lines, notes, StartFailed, Exit
+//!   stdout ─▶ AgentEvent frames: Ready (checked, waiting), worker lines, notes, StartFailed, Exit;
+//!     a stream that does not begin with one (a wrapper printed there) fails the host at once,
+//!     quoting its first bytes
 //!   stderr ─▶ ssh's and the agent's own diagnostics (kept until Ready, for the start-failure line)
 //!   Ready (or failure) frees the place in the window; no Ready within the start timeout fails it
 //!   a start that sshd dropped in the key exchange is retried
@@ -56,6 +58,24 @@ const FOLLOW_SLACK: Duration = Duration::from_secs(10);
 const DRAIN: Duration = Duration::from_secs(2);
 /// stderr lines kept per host for the start-failure line.
 const TAIL: usize = 20;
+/// Bytes of a garbled stdout quoted in the start-failure line.
+const GARBLED_BYTES: usize = 160;
+
+/// What an agent's stdout reader hands the host task.
+enum FromAgent {
+    /// A message of the agent protocol.
+    Event(agent_event::Event),
+    /// The stream began with something else: its first bytes.
+    Garbled(Vec<u8>),
+}
+
+/// The start-failure line for an agent whose stdout began with `bytes` instead of a message.
+fn garbled(bytes: &[u8]) -> String {
+    format!(
+        "the agent's stdout is not rsrun's agent protocol; it began with {:?}: the ssh command or --rsh wrapper (or a login script on the host) printed there, and stdout must carry only the agent's messages",
+        String::from_utf8_lossy(bytes)
+    )
+}
 
 /// What [`run_head`] needs besides the plan.
 #[derive(Debug)]
@@ -598,25 +618,36 @@ async fn run_attempt(
     debug!(pid = child.id(), argv = ?node.argv, "agent process started");
     let mut stdin = child.stdin.take();
     // Readers run as tasks: a frame or a line is never cut by the select below.
-    let (out_tx, mut out_rx) = mpsc::unbounded_channel::<Option<agent_event::Event>>();
+    let (out_tx, mut out_rx) = mpsc::unbounded_channel::<FromAgent>();
     let mut readers = JoinSet::new();
     if let Some(stdout) = child.stdout.take() {
         let tx = out_tx.clone();
         readers.spawn(async move {
             let mut r = BufReader::with_capacity(64 * 1024, stdout);
+            // What stdout began with, until the first message decodes: text there (a wrapper's or
+            // a login script's) is named instead of waiting out the start timeout.
+            let mut start = match r.fill_buf().await {
+                Ok(b) => Some(b[..b.len().min(GARBLED_BYTES)].to_vec()),
+                Err(_) => None,
+            };
             loop {
-                match read_frame_async(&mut r).await {
-                    Ok(Some(buf)) => match decode_event(&buf) {
-                        Ok(ev) => {
-                            if let Some(e) = ev.event {
-                                let _ = tx.send(Some(e));
-                            }
-                        }
-                        Err(err) => warn!(%err, "undecodable message from the agent"),
-                    },
+                let ev = match read_frame_async(&mut r).await {
+                    Ok(Some(buf)) => decode_event(&buf).map(|ev| ev.event),
                     Ok(None) => break,
-                    Err(err) => {
+                    Err(err) => Err(err),
+                };
+                match (ev, start.take()) {
+                    (Ok(Some(e)), _) => {
+                        let _ = tx.send(FromAgent::Event(e));
+                    }
+                    (Ok(None), None) => {}
+                    (Err(err), None) => {
                         debug!(%err, "agent stdout ended");
+                        break;
+                    }
+                    // The first message is none of the agent's.
+                    (_, Some(bytes)) => {
+                        let _ = tx.send(FromAgent::Garbled(bytes));
                         break;
                     }
                 }
@@ -677,7 +708,11 @@ async fn run_attempt(
                 }
             },
             ev = out_rx.recv(), if out_open => match ev {
-                Some(Some(agent_event::Event::Ready(r))) => {
+                Some(FromAgent::Garbled(bytes)) => {
+                    start_failed = Some(garbled(&bytes));
+                    let _ = child.start_kill();
+                }
+                Some(FromAgent::Event(agent_event::Event::Ready(r))) => {
                     ready = true;
                     permit = None;
                     for l in held.drain(..) {
@@ -685,11 +720,10 @@ async fn run_attempt(
                     }
                     send(HostEvent::Ready(r));
                 }
-                Some(Some(agent_event::Event::Line(l))) => send(HostEvent::Line(l.stream(), l.data)),
-                Some(Some(agent_event::Event::Note(t))) => send(HostEvent::Note(t)),
-                Some(Some(agent_event::Event::StartFailed(m))) => start_failed = Some(m),
-                Some(Some(agent_event::Event::Exit(x))) => exit_frame = Some(x.code),
-                Some(None) => {}
+                Some(FromAgent::Event(agent_event::Event::Line(l))) => send(HostEvent::Line(l.stream(), l.data)),
+                Some(FromAgent::Event(agent_event::Event::Note(t))) => send(HostEvent::Note(t)),
+                Some(FromAgent::Event(agent_event::Event::StartFailed(m))) => start_failed = Some(m),
+                Some(FromAgent::Event(agent_event::Event::Exit(x))) => exit_frame = Some(x.code),
                 None => out_open = false,
             },
             l = err_rx.recv(), if err_open => match l {

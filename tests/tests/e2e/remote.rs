@@ -31,7 +31,8 @@ fn fake_rsh_head(dir: &Path) -> Command {
         .env_remove("FAKE_RSH_FAIL")
         .env_remove("FAKE_RSH_HIDE")
         .env_remove("FAKE_RSH_DELAY")
-        .env_remove("FAKE_RSH_STAMPS");
+        .env_remove("FAKE_RSH_STAMPS")
+        .env_remove("FAKE_RSH_BANNER");
     cmd
 }
 
@@ -379,6 +380,24 @@ fn check_names_the_host_that_is_not_ready() {
     assert!(stderr.contains("rsrun: error: h2: ssh authentication failed (Permission denied (publickey))\n"), "{stderr}");
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(!stdout.contains("h2: ready"), "{stdout}");
+    assert_eq!(all_gone(&agent_pids(dir.path()), Duration::from_secs(3)), Ok(()));
+}
+
+/// A wrapper that prints on stdout, where the agent's messages go, fails that host at once with
+/// what it printed, instead of waiting out the start timeout.
+#[test]
+fn check_quotes_what_a_wrapper_printed_on_stdout() {
+    let dir = tempfile::tempdir().unwrap();
+    let start = Instant::now();
+    let out = rsrun_tests::run(head(dir.path(), "h1:1,h2:1").env("FAKE_RSH_BANNER", "h2:Welcome to h2, have a nice day").args(["--check", "true"]));
+    assert_eq!(code(&out.status), 2, "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("h2: the agent's stdout is not rsrun's agent protocol; it began with \"Welcome to h2, have a nice day\\n"),
+        "{stderr}"
+    );
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("h2: ready"), "{}", text(&out));
+    assert!(start.elapsed() < Duration::from_secs(30), "it took {:?}", start.elapsed());
     assert_eq!(all_gone(&agent_pids(dir.path()), Duration::from_secs(3)), Ok(()));
 }
 
