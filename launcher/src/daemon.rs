@@ -254,14 +254,20 @@ impl DaemonRdzv {
             Err(RdzvError::Timeout(msg)) if fixed_rank(plan).is_some() => {
                 let who = match tokio::time::timeout(EXIT_CALL_TIMEOUT, self.client.status(Some(&self.job))).await {
                     Ok(Ok(st)) => static_timeout_text(&st, plan.nodes.max),
-                    _ => format!("the static rendezvous at {} did not answer", self.endpoint),
+                    _ => {
+                        self.unreachable();
+                        format!("the static rendezvous at {} did not answer", self.endpoint)
+                    }
                 };
                 bail!("rendezvous timed out after {:?} (join_timeout): {who} ({msg})", plan.timeouts.join);
             }
             Err(RdzvError::Timeout(msg)) => {
                 let who = match tokio::time::timeout(EXIT_CALL_TIMEOUT, self.timeout_detail(plan)).await {
                     Ok(Some(who)) => who,
-                    _ => last_status.unwrap_or_default(),
+                    _ => {
+                        self.unreachable();
+                        last_status.unwrap_or_default()
+                    }
                 };
                 bail!("rendezvous timed out after {:?} (join_timeout): {who} ({msg})", plan.timeouts.join);
             }
@@ -286,7 +292,12 @@ impl DaemonRdzv {
                     self.endpoint, self.job
                 ))));
             }
-            Err(err) => return Err(err).context(format!("joining job '{}' at {}", self.job, self.endpoint)),
+            Err(err) => {
+                if err.is_retryable() {
+                    self.unreachable();
+                }
+                return Err(err).context(format!("joining job '{}' at {}", self.job, self.endpoint));
+            }
         };
         let round = resp.round.context("join answer without a round")?;
         let me = resp.node.context("join answer without this node's assignment")?;
@@ -566,6 +577,13 @@ impl DaemonRdzv {
     /// See [`crate::rdzv::Rendezvous::service_gone_on`].
     pub(crate) fn service_gone_on(&mut self, gone: tokio_util::sync::CancellationToken) {
         self.gone = Some(gone);
+    }
+
+    /// The service did not answer this node's last call: leaving there would only wait out
+    /// [`EXIT_CALL_TIMEOUT`] too, so this node exits without it (its lease ends the membership).
+    fn unreachable(&mut self) {
+        debug!(job = %self.job, endpoint = %self.endpoint, "the rendezvous did not answer: not leaving there");
+        self.left = true;
     }
 
     /// Leaves the job (best effort).

@@ -88,6 +88,24 @@ fn a_daemon_gone_for_good_stops_the_workers_and_names_the_endpoint() {
     assert_eq!(read_pids(&pids_file).len(), 1, "workers were restarted against a dead daemon:\n{}", text(&out));
 }
 
+/// A join that never reaches the service ends when its `join_timeout` does: the node does not
+/// then wait out another call to leave a service that did not answer (it used to add 3 s).
+#[test]
+fn a_join_that_never_reached_the_service_ends_with_its_timeout() {
+    // A loopback port nothing listens on (bound, then closed), never hosted here (is_host=false).
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let dir = tempfile::tempdir().unwrap();
+    // The process's first rsrun() may build the workspace binaries: before the clock starts.
+    drop(rsrun(dir.path()));
+    let start = Instant::now();
+    let out = node(dir.path(), &format!("127.0.0.1:{port}"), "nobody", "2", ",join_timeout=1,is_host=false", &[], "true").output_within(RUN_DEADLINE);
+    let took = start.elapsed();
+    assert_eq!(code(&out.status), 1, "{}", text(&out));
+    assert!(text(&out).contains(&format!("rendezvous service at 127.0.0.1:{port} unreachable")), "{}", text(&out));
+    // 1 s of join, plus start-up; a leave would add its 3 s.
+    assert!(took < Duration::from_millis(3500), "took {took:?}: {}", text(&out));
+}
+
 #[test]
 fn rdzv_tls_ca_reaches_a_tls_daemon() {
     let certs = tempfile::tempdir().unwrap();
