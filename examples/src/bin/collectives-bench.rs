@@ -94,6 +94,9 @@ fn one_of(flag: &str, v: &str, allowed: &[&str]) -> Result<Vec<String>> {
         .collect()
 }
 
+/// The ops `--ops` takes, each timed by [`time_op_iters`].
+const OPS: [&str; 4] = ["all_reduce", "reduce_scatter", "all_gather", "broadcast"];
+
 fn parse_args() -> Result<Args> {
     let mut a = Args {
         spawn: None,
@@ -130,13 +133,14 @@ fn parse_args() -> Result<Args> {
                     b.parse::<BackendKind>().map_err(|e| anyhow::anyhow!("--backends: {e}"))?;
                 }
             }
-            "--ops" => a.ops = one_of("--ops", &v()?, &["all_reduce", "reduce_scatter", "all_gather", "broadcast"])?,
+            "--ops" => a.ops = one_of("--ops", &v()?, &OPS)?,
             "--store-dir" => a.store_dir = Some(v()?.into()),
             "--shm-chunk-bytes" => a.chunk = Some(count("--shm-chunk-bytes", &v()?, 1)?),
             "-h" | "--help" => {
                 writeln!(
                     std::io::stdout(),
-                    "collectives-bench [--spawn N] [--sizes B,..] [--backends auto,shm,tcp,hierarchical] [--ops all_reduce,reduce_scatter,all_gather,broadcast] [--store-dir DIR] [--shm-chunk-bytes B]"
+                    "collectives-bench [--spawn N] [--sizes B,..] [--backends auto,shm,tcp,hierarchical] [--ops {}] [--store-dir DIR] [--shm-chunk-bytes B]",
+                    OPS.join(",")
                 )?;
                 std::process::exit(0);
             }
@@ -277,7 +281,7 @@ fn time_op_iters(pg: &ProcessGroup, op: &str, bytes: usize, registered: bool, wa
             "reduce_scatter" => pg.reduce_scatter(&full, &mut shard, ReduceOp::Sum)?,
             "all_gather" => pg.all_gather(&shard, &mut full)?,
             "broadcast" => pg.broadcast(&mut buf, 0)?,
-            other => bail!("unknown op {other}"),
+            other => bail!("unknown op {other}; expected one of {}", OPS.join(", ")),
         }
         Ok(())
     };
