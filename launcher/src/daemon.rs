@@ -254,8 +254,8 @@ impl DaemonRdzv {
             Err(RdzvError::Timeout(msg)) if fixed_rank(plan).is_some() => {
                 let who = match tokio::time::timeout(EXIT_CALL_TIMEOUT, self.client.status(Some(&self.job))).await {
                     Ok(Ok(st)) => static_timeout_text(&st, plan.nodes.max),
-                    _ => {
-                        self.unreachable();
+                    other => {
+                        self.unreachable_if(&other);
                         format!("the static rendezvous at {} did not answer", self.endpoint)
                     }
                 };
@@ -263,9 +263,9 @@ impl DaemonRdzv {
             }
             Err(RdzvError::Timeout(msg)) => {
                 let who = match tokio::time::timeout(EXIT_CALL_TIMEOUT, self.timeout_detail(plan)).await {
-                    Ok(Some(who)) => who,
-                    _ => {
-                        self.unreachable();
+                    Ok(Ok(who)) => who,
+                    other => {
+                        self.unreachable_if(&other);
                         last_status.unwrap_or_default()
                     }
                 };
@@ -385,13 +385,13 @@ impl DaemonRdzv {
     }
 
     /// Who joined, for the join-timeout message (names only for small jobs).
-    async fn timeout_detail(&self, plan: &LaunchPlan) -> Option<String> {
+    async fn timeout_detail(&self, plan: &LaunchPlan) -> Result<String, RdzvError> {
         if plan.nodes.max <= NAMES_UP_TO {
-            let st = self.client.status(Some(&self.job)).await.ok()?;
-            return Some(timeout_text(&st, plan));
+            let st = self.client.status(Some(&self.job)).await?;
+            return Ok(timeout_text(&st, plan));
         }
-        let (view, _) = self.client.await_job_end(&self.job, Duration::ZERO).await.ok()?;
-        Some(format!(
+        let (view, _) = self.client.await_job_end(&self.job, Duration::ZERO).await?;
+        Ok(format!(
             "{} of at least {} nodes joined (`rsrun-rendezvous status --job {}` lists them)",
             view.joined_count, plan.nodes.min, self.job
         ))
@@ -577,6 +577,14 @@ impl DaemonRdzv {
     /// See [`crate::rdzv::Rendezvous::service_gone_on`].
     pub(crate) fn service_gone_on(&mut self, gone: tokio_util::sync::CancellationToken) {
         self.gone = Some(gone);
+    }
+
+    /// [`Self::unreachable`] when a call bounded by [`EXIT_CALL_TIMEOUT`] ran out of it or found
+    /// the service unavailable; a service that answered with another error still gets the leave.
+    fn unreachable_if<T>(&mut self, call: &Result<Result<T, RdzvError>, tokio::time::error::Elapsed>) {
+        if call.is_err() || matches!(call, Ok(Err(e)) if e.is_retryable()) {
+            self.unreachable();
+        }
     }
 
     /// The service did not answer this node's last call: leaving there would only wait out

@@ -561,6 +561,11 @@ impl<M: UnitModel> Engine<M> {
     /// Runs a collective call (or a wait for one) and counts its wall time into the step's
     /// [`StepOutput::comm_wait`].
     fn in_comm<R>(&self, f: impl FnOnce() -> R) -> R {
+        // A single process has no peers to wait for (its sharding group of one gathers and
+        // scatters locally).
+        if self.world <= 1 {
+            return f();
+        }
         let start = std::time::Instant::now();
         let r = f();
         let ns = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);

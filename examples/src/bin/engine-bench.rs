@@ -36,7 +36,8 @@
 //! the wait for the slower rank), `compute` the rest of the step; the communication thread's
 //! CPU time (from `/proc/self/task/*/schedstat`, `na` where the kernel has no such file) is
 //! what it took from the core the rank computes on. The summary repeats `wait_frac` as
-//! `comm_wait_frac` and `comm_thread_cpu_frac` (both 0 for a single process).
+//! `comm_wait_frac` and `comm_thread_cpu_frac` (both 0 for a single DDP process; a single ZeRO-3
+//! process still gathers on its communication thread, so only the wait is 0 there).
 //!
 //! `--gemm-profile` adds, before the summary, one `gemm_profile:` line per product shape of the
 //! measured steps (calls and milliseconds per step, GFLOP/s counted as full products, fraction

@@ -32,7 +32,7 @@ use rand::Rng;
 use rsrun_rendezvous::client::{ClientConfig, RdzvClient};
 use rsrun_rendezvous::proto::{self, AgentReady, Control, DeviceList, NodeLaunch, agent_event, console_line, control};
 use rsrun_rendezvous::server::{EmbeddedServer, ServerConfig, spawn_with};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::process::Command;
 use tokio::sync::{Semaphore, mpsc};
 use tokio::task::JoinSet;
@@ -45,7 +45,7 @@ use crate::signals::{SignalAction, Signals};
 use super::identity::{HostIdentity, same_machine, same_machine_error};
 use super::plan::{RemoteNode, RemotePlan, RemoteRdzv};
 use super::preflight::{self, StartFailure, classify, describe, is_retryable};
-use super::wire::{self, NODE_LAUNCH_PROTOCOL, RSRUN_VERSION, decode_event, read_frame_async};
+use super::wire::{self, FirstFrame, NODE_LAUNCH_PROTOCOL, RSRUN_VERSION, decode_event, read_frame_async};
 
 /// After a FORCE, how long before the ssh clients (or local agents) are SIGKILLed.
 const KILL_AFTER: Duration = Duration::from_secs(2);
@@ -69,11 +69,16 @@ enum FromAgent {
     Garbled(Vec<u8>),
 }
 
-/// The start-failure line for an agent whose stdout began with `bytes` instead of a message.
+/// The start-failure line for an agent whose stdout began with `bytes` instead of a message:
+/// their first line (at most [`GARBLED_BYTES`]), quoted.
 fn garbled(bytes: &[u8]) -> String {
+    let mut shown = &bytes[..bytes.len().min(GARBLED_BYTES)];
+    if let Some(nl) = shown.iter().position(|&b| b == b'\n') {
+        shown = &shown[..=nl];
+    }
     format!(
         "the agent's stdout is not rsrun's agent protocol; it began with {:?}: the ssh command or --rsh wrapper (or a login script on the host) printed there, and stdout must carry only the agent's messages",
-        String::from_utf8_lossy(bytes)
+        String::from_utf8_lossy(shown)
     )
 }
 
@@ -624,30 +629,55 @@ async fn run_attempt(
         let tx = out_tx.clone();
         readers.spawn(async move {
             let mut r = BufReader::with_capacity(64 * 1024, stdout);
-            // What stdout began with, until the first message decodes: text there (a wrapper's or
-            // a login script's) is named instead of waiting out the start timeout.
-            let mut start = match r.fill_buf().await {
-                Ok(b) => Some(b[..b.len().min(GARBLED_BYTES)].to_vec()),
-                Err(_) => None,
-            };
+            // The first bytes must begin a message of the agent protocol: text there (a
+            // wrapper's or a login script's) is quoted at once instead of being read as a frame
+            // length and waited for until the start timeout.
+            let mut head = Vec::new();
             loop {
-                let ev = match read_frame_async(&mut r).await {
-                    Ok(Some(buf)) => decode_event(&buf).map(|ev| ev.event),
+                match wire::first_frame(&head) {
+                    FirstFrame::Plausible => break,
+                    FirstFrame::Garbled => {
+                        head.extend_from_slice(r.buffer());
+                        let _ = tx.send(FromAgent::Garbled(head));
+                        return;
+                    }
+                    FirstFrame::NeedMore => {
+                        let mut b = [0u8; 1];
+                        match r.read(&mut b).await {
+                            Ok(1) => head.push(b[0]),
+                            // Ended (or failed) before a whole message: what it wrote is quoted;
+                            // nothing at all is an agent that exited silently.
+                            _ => {
+                                if !head.is_empty() {
+                                    let _ = tx.send(FromAgent::Garbled(head));
+                                }
+                                return;
+                            }
+                        }
+                    }
+                }
+            }
+            // The length's bytes, to quote a first "message" that does not decode.
+            let mut length_bytes = Some(head[..head.len() - 1].to_vec());
+            let mut r = std::io::Cursor::new(head).chain(r);
+            loop {
+                match read_frame_async(&mut r).await {
+                    Ok(Some(buf)) => match (decode_event(&buf), length_bytes.take()) {
+                        (Ok(ev), _) => {
+                            if let Some(e) = ev.event {
+                                let _ = tx.send(FromAgent::Event(e));
+                            }
+                        }
+                        (Err(_), Some(mut raw)) => {
+                            raw.extend_from_slice(&buf);
+                            let _ = tx.send(FromAgent::Garbled(raw));
+                            return;
+                        }
+                        (Err(err), None) => warn!(%err, "undecodable message from the agent"),
+                    },
                     Ok(None) => break,
-                    Err(err) => Err(err),
-                };
-                match (ev, start.take()) {
-                    (Ok(Some(e)), _) => {
-                        let _ = tx.send(FromAgent::Event(e));
-                    }
-                    (Ok(None), None) => {}
-                    (Err(err), None) => {
+                    Err(err) => {
                         debug!(%err, "agent stdout ended");
-                        break;
-                    }
-                    // The first message is none of the agent's.
-                    (_, Some(bytes)) => {
-                        let _ = tx.send(FromAgent::Garbled(bytes));
                         break;
                     }
                 }

@@ -81,6 +81,41 @@ pub async fn read_frame_async(r: &mut (impl AsyncRead + Unpin)) -> io::Result<Op
     Err(io::Error::new(io::ErrorKind::InvalidData, "frame length is not a varint"))
 }
 
+/// What the first bytes of an agent's stdout say about it, read so far (`prefix`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FirstFrame {
+    /// A frame length and the tag of one of `AgentEvent`'s fields: the agent protocol.
+    Plausible,
+    /// Something else (text a wrapper or a login script printed).
+    Garbled,
+    /// Too few bytes to tell.
+    NeedMore,
+}
+
+/// The tags (field number and wire type 2) of `AgentEvent`'s fields, one of which an agent's
+/// every message starts with.
+const EVENT_TAGS: [u8; 5] = [0x0a, 0x12, 0x1a, 0x22, 0x2a];
+
+/// Tells from the first bytes of an agent's stdout whether they begin a message of the agent
+/// protocol: a varint length from 1 to [`MAX_FRAME`], then one of `AgentEvent`'s field tags.
+pub fn first_frame(prefix: &[u8]) -> FirstFrame {
+    let mut len: u64 = 0;
+    for (i, b) in prefix.iter().enumerate().take(10) {
+        len |= u64::from(b & 0x7f) << (7 * i);
+        if b & 0x80 == 0 {
+            if len == 0 || len > MAX_FRAME as u64 {
+                return FirstFrame::Garbled;
+            }
+            return match prefix.get(i + 1) {
+                Some(tag) if EVENT_TAGS.contains(tag) => FirstFrame::Plausible,
+                Some(_) => FirstFrame::Garbled,
+                None => FirstFrame::NeedMore,
+            };
+        }
+    }
+    if prefix.len() >= 10 { FirstFrame::Garbled } else { FirstFrame::NeedMore }
+}
+
 /// Decodes an agent event.
 ///
 /// # Errors
@@ -117,6 +152,36 @@ pub fn decode_launch(buf: &[u8], this_host: &str) -> Result<NodeLaunch, String> 
 mod tests {
     use super::*;
     use rsrun_rendezvous::proto::{Control, control};
+
+    /// Every message an agent sends begins as the agent protocol says; text does not, and a
+    /// prefix too short to tell asks for more.
+    #[test]
+    fn the_first_frame_tells_the_agent_from_text() {
+        use rsrun_rendezvous::proto::{AgentReady, agent_event};
+        let events = [
+            agent_event::Event::Ready(AgentReady::default()),
+            agent_event::Event::Note("n".into()),
+            agent_event::Event::StartFailed("why".into()),
+            agent_event::Event::Note("x".repeat(300)),
+        ];
+        for ev in events {
+            let bytes = encode(&AgentEvent { event: Some(ev.clone()) });
+            assert_eq!(first_frame(&bytes), FirstFrame::Plausible, "{ev:?}");
+            for cut in 0..bytes.len().min(3) {
+                let want = if cut <= 1 + usize::from(bytes[0] >= 0x80) { FirstFrame::NeedMore } else { FirstFrame::Plausible };
+                assert_eq!(first_frame(&bytes[..cut]), want, "{ev:?} cut at {cut}");
+            }
+        }
+        for text in ["Welcome to h2\n", "Last login: Thu Nov 26\n", "hi", "zz"] {
+            assert_eq!(first_frame(text.as_bytes()), FirstFrame::Garbled, "{text:?}");
+        }
+        // A zero length, a length past MAX_FRAME, or a varint that never ends.
+        assert_eq!(first_frame(&[0x00, 0x0a]), FirstFrame::Garbled);
+        assert_eq!(first_frame(&[0xff, 0xff, 0xff, 0xff, 0x7f, 0x0a]), FirstFrame::Garbled);
+        assert_eq!(first_frame(&[0x80; 10]), FirstFrame::Garbled);
+        assert_eq!(first_frame(&[0x80; 3]), FirstFrame::NeedMore);
+        assert_eq!(first_frame(&[]), FirstFrame::NeedMore);
+    }
 
     #[test]
     fn frames_round_trip_without_over_reading() {

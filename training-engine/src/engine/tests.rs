@@ -336,10 +336,12 @@ fn comm_wait_is_the_time_spent_waiting_for_the_peers() {
         assert!(w0 >= late / 2, "{strategy}: the early rank waited {w0:?} of {t0:?}");
         assert!(w1 < w0, "{strategy}: the late rank waited {w1:?}, the early one {w0:?}");
     }
-    let store = Arc::new(LocalStore::new());
-    let pg = ProcessGroup::new(0, 1, store, "wait-single", CommOptions::default()).unwrap();
-    let mut e = Engine::new(Gpt::new(tiny()), cfg(Strategy::Ddp), pg).unwrap();
-    let b = Batch::from_rows(&global_batch(3, 0, GLOBAL_B, tiny().seq, 256)).unwrap();
-    let out = e.train_step(std::slice::from_ref(&b)).unwrap();
-    assert_eq!(out.comm_wait, std::time::Duration::ZERO);
+    for strategy in [Strategy::Ddp, Strategy::Zero3] {
+        let store = Arc::new(LocalStore::new());
+        let pg = ProcessGroup::new(0, 1, store, &format!("wait-single-{strategy}"), CommOptions::default()).unwrap();
+        let mut e = Engine::new(Gpt::new(tiny()), cfg(strategy), pg).unwrap();
+        let b = Batch::from_rows(&global_batch(3, 0, GLOBAL_B, tiny().seq, 256)).unwrap();
+        let out = e.train_step(std::slice::from_ref(&b)).unwrap();
+        assert_eq!(out.comm_wait, std::time::Duration::ZERO, "{strategy}");
+    }
 }
