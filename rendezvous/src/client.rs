@@ -261,6 +261,11 @@ impl Conns {
 /// ends; this covers the trip and a busy daemon).
 pub const BLOCKING_SLACK: Duration = Duration::from_secs(5);
 
+/// The longest wait a blocking call asks for: a day, the longest a daemon accepts by default
+/// (`validate::Limits::max_timeout_ms`). Longer ones, `Duration::MAX` for "forever" included,
+/// wait this long, so "forever" is not refused and no deadline overflows.
+pub const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
+
 /// Checks that a file's contents (a CA file, a daemon's `--tls-cert`) are one or more PEM
 /// certificates, or says why not (`holds no PEM certificate ...`, to follow the file's name).
 ///
@@ -406,9 +411,10 @@ impl RdzvClient {
         Fut: Future<Output = Result<tonic::Response<T>, Status>>,
     {
         let start = Instant::now();
-        let slack = if wait.is_zero() { self.cfg.rpc_timeout } else { self.cfg.rpc_timeout.min(BLOCKING_SLACK) };
+        let (wait, rpc_timeout) = (wait.min(MAX_WAIT), self.cfg.rpc_timeout.min(MAX_WAIT));
+        let slack = if wait.is_zero() { rpc_timeout } else { rpc_timeout.min(BLOCKING_SLACK) };
         let deadline = start + wait + slack;
-        let retry_until = start + if wait.is_zero() { self.cfg.rpc_timeout } else { wait };
+        let retry_until = start + if wait.is_zero() { rpc_timeout } else { wait };
         let mut tls_failed: Vec<usize> = Vec::new();
         let mut tls_note = String::new();
         let mut probed = false;

@@ -185,6 +185,12 @@ pub fn text(value: &str) -> String {
 mod tests {
     use super::*;
 
+    /// A client's longest wait is what a default daemon accepts, so "forever" is never refused.
+    #[test]
+    fn the_clients_longest_wait_is_the_default_limit() {
+        assert_eq!(u128::from(Limits::default().max_timeout_ms), crate::client::MAX_WAIT.as_millis());
+    }
+
     #[test]
     fn ids() {
         assert!(id("job_id", "job-7.a:b@c_d").is_ok());

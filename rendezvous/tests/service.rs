@@ -189,6 +189,10 @@ async fn store_barrier_and_unique_id() {
     tokio::time::sleep(Duration::from_millis(50)).await;
     store.set("k", b"v").await.unwrap();
     assert_eq!(getter.await.unwrap().unwrap(), b"v");
+    // "Forever" (Duration::MAX) is a wait like any other: no deadline arithmetic overflows.
+    assert_eq!(store.get("k", Duration::MAX).await.unwrap(), b"v");
+    assert_eq!(store.multi_get(&["k"], Duration::MAX).await.unwrap(), vec![b"v".to_vec()]);
+    store.wait(&["k"], Duration::MAX).await.unwrap();
     assert_eq!(store.try_get("missing").await.unwrap(), None);
     let e = store.get("missing", Duration::from_millis(50)).await.unwrap_err();
     assert_eq!(e.code(), Code::DeadlineExceeded);

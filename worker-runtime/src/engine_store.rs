@@ -61,9 +61,16 @@ impl EngineStore {
         let rt = store_runtime()?;
         let store = {
             let _in_rt = rt.enter();
-            ctx.store()?
+            ctx.store()
         };
-        Ok(EngineStore { store, rt: Some(rt) })
+        match store {
+            Ok(store) => Ok(EngineStore { store, rt: Some(rt) }),
+            Err(e) => {
+                // Dropping a runtime inside another runtime's context would panic.
+                rt.shutdown_background();
+                Err(e)
+            }
+        }
     }
 
     /// Wraps an existing store client (its channel must belong to a live runtime).

@@ -30,8 +30,10 @@
 //!
 //! The progress protocol, for workers in other languages: RSRUN_PROGRESS_FD names an inherited
 //! `AF_UNIX`/`SOCK_DGRAM` socket; send one datagram per step whose first 8 bytes are the step number
-//! (little-endian u64). In Python: `os.write(int(os.environ["RSRUN_PROGRESS_FD"]),
-//! step.to_bytes(8, "little"))`.
+//! (little-endian u64). In Python, without ever blocking the training loop:
+//! `fd = int(os.environ["RSRUN_PROGRESS_FD"]); os.set_blocking(fd, False)` once, then per step
+//! `try: os.write(fd, step.to_bytes(8, "little"))` / `except BlockingIOError: pass` (a full
+//! buffer means the launcher has recent heartbeats enough).
 
 pub mod engine_store;
 
@@ -62,7 +64,7 @@ pub enum WorkerError {
         /// Its value.
         value: String,
         /// What was expected.
-        expected: &'static str,
+        expected: String,
     },
     /// The store needs the rendezvous service (rsrun's c10d backend or `--standalone`).
     #[error("no rendezvous service: RSRUN_RDZV_ENDPOINT is not set (static backend or torchrun)")]
@@ -92,7 +94,7 @@ pub struct WorkerContext {
     pub local_rank: u32,
     /// Workers in the job (WORLD_SIZE).
     pub world_size: u32,
-    /// Workers on this node (LOCAL_WORLD_SIZE).
+    /// Workers on this node (LOCAL_WORLD_SIZE; unset: LOCAL_RANK + 1).
     pub local_world_size: u32,
     /// This node's rank (GROUP_RANK).
     pub node_rank: u32,
@@ -125,23 +127,36 @@ fn required(get: &dyn Fn(&str) -> Option<String>, name: &'static str) -> Result<
     get(name).ok_or(WorkerError::MissingVar { name })
 }
 
-fn number<T: std::str::FromStr>(
-    get: &dyn Fn(&str) -> Option<String>,
-    name: &'static str,
-) -> Result<T, WorkerError> {
+/// A whole number from `min` to `max`, else an error naming the variable, its value and `what`
+/// with the range.
+fn number(get: &dyn Fn(&str) -> Option<String>, name: &'static str, what: &str, min: u64, max: u64) -> Result<u64, WorkerError> {
     let v = required(get, name)?;
-    v.trim().parse().map_err(|_| WorkerError::BadVar { name, value: v, expected: "a non-negative integer" })
+    match v.trim().parse::<u64>() {
+        Ok(n) if (min..=max).contains(&n) => Ok(n),
+        _ => Err(WorkerError::BadVar { name, value: v, expected: format!("{what}, a whole number from {min} to {max}") }),
+    }
 }
 
-fn optional_number<T: std::str::FromStr>(
-    get: &dyn Fn(&str) -> Option<String>,
-    name: &'static str,
-    default: T,
-) -> Result<T, WorkerError> {
+/// [`number`] as a `u32` (the range is within `u32`).
+fn number32(get: &dyn Fn(&str) -> Option<String>, name: &'static str, what: &str, min: u32) -> Result<u32, WorkerError> {
+    // Invariant: number() returns at most u32::MAX here.
+    number(get, name, what, min.into(), u32::MAX.into()).map(|n| u32::try_from(n).unwrap_or(u32::MAX))
+}
+
+/// [`number32`], or `default` when the variable is unset.
+fn optional_number32(get: &dyn Fn(&str) -> Option<String>, name: &'static str, what: &str, min: u32, default: u32) -> Result<u32, WorkerError> {
     match get(name) {
         None => Ok(default),
-        Some(_) => number(get, name),
+        Some(_) => number32(get, name, what, min),
     }
+}
+
+/// `index` (variable `name`) must be below `size` (variable `size_name`).
+fn below(name: &'static str, index: u32, size_name: &str, size: u32) -> Result<(), WorkerError> {
+    if index < size {
+        return Ok(());
+    }
+    Err(WorkerError::BadVar { name, value: index.to_string(), expected: format!("a value below {size_name}={size}") })
 }
 
 impl WorkerContext {
@@ -159,20 +174,32 @@ impl WorkerContext {
     /// # Errors
     /// A missing or malformed variable, named in the error.
     pub fn from_vars(get: &dyn Fn(&str) -> Option<String>) -> Result<Self, WorkerError> {
-        let rank: u32 = number(get, "RANK")?;
-        let world_size: u32 = number(get, "WORLD_SIZE")?;
-        if rank >= world_size {
+        let world_size = number32(get, "WORLD_SIZE", "the number of ranks", 1)?;
+        let rank = number32(get, "RANK", "this process's rank", 0)?;
+        below("RANK", rank, "WORLD_SIZE", world_size)?;
+        let local_rank = number32(get, "LOCAL_RANK", "this process's rank on its node", 0)?;
+        // rsrun and torchrun always set it; unset, the fewest ranks LOCAL_RANK allows.
+        let local_world_size =
+            optional_number32(get, "LOCAL_WORLD_SIZE", "the number of ranks on this node", 1, local_rank.saturating_add(1))?;
+        below("LOCAL_RANK", local_rank, "LOCAL_WORLD_SIZE", local_world_size)?;
+        if local_world_size > world_size {
             return Err(WorkerError::BadVar {
-                name: "RANK",
-                value: rank.to_string(),
-                expected: "a rank below WORLD_SIZE",
+                name: "LOCAL_WORLD_SIZE",
+                value: local_world_size.to_string(),
+                expected: format!("at most WORLD_SIZE={world_size} ranks on this node"),
             });
         }
-        let local_rank: u32 = number(get, "LOCAL_RANK")?;
-        let local_world_size: u32 = optional_number(get, "LOCAL_WORLD_SIZE", 1)?;
-        let master_port: u16 = number(get, "MASTER_PORT")?;
+        let node_rank = optional_number32(get, "GROUP_RANK", "this node's rank", 0, 0)?;
+        let num_nodes = optional_number32(get, "GROUP_WORLD_SIZE", "the number of nodes", 1, node_rank.saturating_add(1))?;
+        below("GROUP_RANK", node_rank, "GROUP_WORLD_SIZE", num_nodes)?;
+        // Invariant: number() returns at most u16::MAX here.
+        let master_port = number(get, "MASTER_PORT", "a TCP port", 1, u16::MAX.into()).map(|p| u16::try_from(p).unwrap_or(u16::MAX))?;
+        let master_addr = required(get, "MASTER_ADDR")?;
+        if master_addr.trim().is_empty() {
+            return Err(WorkerError::BadVar { name: "MASTER_ADDR", value: master_addr, expected: "a host name or address".into() });
+        }
         let round = match get("RSRUN_ROUND") {
-            Some(_) => Some(number(get, "RSRUN_ROUND")?),
+            Some(_) => Some(number(get, "RSRUN_ROUND", "the rendezvous round", 0, u64::MAX)?),
             None => None,
         };
         let job_id = get("RSRUN_JOB_ID").or_else(|| get("TORCHELASTIC_RUN_ID")).unwrap_or_else(|| "none".into());
@@ -181,13 +208,13 @@ impl WorkerContext {
             local_rank,
             world_size,
             local_world_size,
-            node_rank: optional_number(get, "GROUP_RANK", 0)?,
-            num_nodes: optional_number(get, "GROUP_WORLD_SIZE", 1)?,
-            restart_count: optional_number(get, "TORCHELASTIC_RESTART_COUNT", 0)?,
-            max_restarts: optional_number(get, "TORCHELASTIC_MAX_RESTARTS", 0)?,
+            node_rank,
+            num_nodes,
+            restart_count: optional_number32(get, "TORCHELASTIC_RESTART_COUNT", "the restarts so far", 0, 0)?,
+            max_restarts: optional_number32(get, "TORCHELASTIC_MAX_RESTARTS", "the restart budget", 0, 0)?,
             job_id,
             round,
-            master_addr: required(get, "MASTER_ADDR")?,
+            master_addr,
             master_port,
             rdzv_endpoint: get("RSRUN_RDZV_ENDPOINT").filter(|s| !s.is_empty()),
             token_file: get("RSRUN_TOKEN_FILE").filter(|s| !s.is_empty()).map(PathBuf::from),
@@ -283,21 +310,27 @@ impl WorkerContext {
     }
 
     /// Installs a panic hook that writes the error file (message, location, backtrace) before the
-    /// previous hook runs.
+    /// previous hook runs. Only the process's first panic is written: later ones (a poisoned
+    /// lock, a thread that saw the first one fail) are consequences, and the report names the
+    /// cause.
     pub fn install_panic_hook(&self) {
         let Some(path) = self.error_file.clone() else { return };
         let previous = std::panic::take_hook();
+        let written = std::sync::atomic::AtomicBool::new(false);
         std::panic::set_hook(Box::new(move |info| {
-            let payload = info.payload_as_str().unwrap_or("Box<dyn Any>");
-            let location = info.location().map(|l| format!(" at {}:{}", l.file(), l.line())).unwrap_or_default();
-            let backtrace = std::backtrace::Backtrace::force_capture().to_string();
-            let _ = write_error_file(&path, &format!("panic: {payload}{location}"), Some(&backtrace));
+            if !written.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                let payload = info.payload_as_str().unwrap_or("Box<dyn Any>");
+                let location = info.location().map(|l| format!(" at {}:{}", l.file(), l.line())).unwrap_or_default();
+                let backtrace = std::backtrace::Backtrace::force_capture().to_string();
+                let _ = write_error_file(&path, &format!("panic: {payload}{location}"), Some(&backtrace));
+            }
             previous(info);
         }));
     }
 }
 
-/// Writes an error file in torchelastic's schema (what PyTorch's `@record` writes).
+/// Writes an error file in torchelastic's schema (what PyTorch's `@record` writes), atomically:
+/// a file beside it, renamed over it, so the launcher reads a whole report or none.
 ///
 /// # Errors
 /// The file cannot be written.
@@ -316,7 +349,15 @@ pub fn write_error_file(path: &Path, message: &str, traceback: Option<&str>) -> 
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(io)?;
     }
-    std::fs::write(path, body.to_string()).map_err(io)
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(format!(".tmp.{}.{}", std::process::id(), SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
+    let tmp = PathBuf::from(tmp);
+    let written = std::fs::write(&tmp, body.to_string()).and_then(|()| std::fs::rename(&tmp, path));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written.map_err(io)
 }
 
 fn generate_unique_id() -> Result<[u8; 128], WorkerError> {
@@ -335,10 +376,19 @@ fn progress_socket() -> Option<Arc<UnixDatagram>> {
     static SOCKET: OnceLock<Option<Arc<UnixDatagram>>> = OnceLock::new();
     SOCKET
         .get_or_init(|| {
-            let fd: RawFd = std::env::var("RSRUN_PROGRESS_FD").ok()?.parse().ok()?;
-            if fd < 3 || !is_datagram_socket(fd) {
-                return None;
-            }
+            let value = std::env::var("RSRUN_PROGRESS_FD").ok()?;
+            // An inherited variable can outlive its descriptor (a child of the trainer: the
+            // socket is close-on-exec there), and the number may then name another socket.
+            let fd: RawFd = match value.trim().parse() {
+                Ok(fd) if fd >= 3 && is_unix_datagram_socket(fd) => fd,
+                _ => {
+                    tracing::warn!(
+                        RSRUN_PROGRESS_FD = %value,
+                        "RSRUN_PROGRESS_FD does not name an inherited AF_UNIX datagram socket; progress heartbeats are off"
+                    );
+                    return None;
+                }
+            };
             // SAFETY: the launcher passed this descriptor for this purpose; it is checked to be a
             // datagram socket and adopted exactly once (OnceLock).
             let sock = unsafe { UnixDatagram::from_raw_fd(fd) };
@@ -356,14 +406,16 @@ fn progress_socket() -> Option<Arc<UnixDatagram>> {
         .clone()
 }
 
-fn is_datagram_socket(fd: RawFd) -> bool {
-    let mut ty: libc::c_int = 0;
-    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: ty and len are valid for writes of the sizes given.
-    let rc = unsafe {
-        libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_TYPE, (&mut ty as *mut libc::c_int).cast(), &mut len)
+/// Whether `fd` is an `AF_UNIX` `SOCK_DGRAM` socket (what rsrun passes).
+fn is_unix_datagram_socket(fd: RawFd) -> bool {
+    let opt = |name: libc::c_int| -> Option<libc::c_int> {
+        let mut v: libc::c_int = 0;
+        let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+        // SAFETY: v and len are valid for writes of the sizes given.
+        let rc = unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, name, (&mut v as *mut libc::c_int).cast(), &mut len) };
+        (rc == 0).then_some(v)
     };
-    rc == 0 && ty == libc::SOCK_DGRAM
+    opt(libc::SO_TYPE) == Some(libc::SOCK_DGRAM) && opt(libc::SO_DOMAIN) == Some(libc::AF_UNIX)
 }
 
 #[cfg(test)]
@@ -404,11 +456,82 @@ mod tests {
     fn errors_name_the_variable() {
         let missing: Vec<_> = BASE.iter().copied().filter(|(k, _)| *k != "RANK").collect();
         let e = WorkerContext::from_vars(&vars(&missing)).unwrap_err().to_string();
-        assert!(e.contains("RANK is not set"), "{e}");
+        assert!(e.contains("variable RANK is not set"), "{e}");
         let mut bad: Vec<_> = BASE.iter().copied().filter(|(k, _)| *k != "WORLD_SIZE").collect();
         bad.push(("WORLD_SIZE", "four"));
         let e = WorkerContext::from_vars(&vars(&bad)).unwrap_err().to_string();
         assert!(e.contains("WORLD_SIZE=\"four\""), "{e}");
+    }
+
+    /// Each variable's range and its relations to the others, named with the values.
+    #[test]
+    fn inconsistent_values_are_named_with_both_sides() {
+        let with = |changes: &[(&'static str, Option<&'static str>)]| -> Result<WorkerContext, String> {
+            let mut map: Vec<(&str, &str)> = BASE.to_vec();
+            for (k, v) in changes {
+                map.retain(|(name, _)| name != k);
+                if let Some(v) = v {
+                    map.push((k, v));
+                }
+            }
+            WorkerContext::from_vars(&vars(&map)).map_err(|e| e.to_string())
+        };
+        let cases: &[(&[(&str, Option<&str>)], &str)] = &[
+            (&[("WORLD_SIZE", Some("0"))], "WORLD_SIZE=\"0\" is malformed: expected the number of ranks, a whole number from 1 to"),
+            (&[("RANK", Some("4"))], "RANK=\"4\" is malformed: expected a value below WORLD_SIZE=4"),
+            (&[("RANK", Some("-1"))], "RANK=\"-1\" is malformed: expected this process's rank, a whole number from 0 to"),
+            (&[("LOCAL_RANK", Some("2"))], "LOCAL_RANK=\"2\" is malformed: expected a value below LOCAL_WORLD_SIZE=2"),
+            (&[("LOCAL_WORLD_SIZE", Some("8"))], "LOCAL_WORLD_SIZE=\"8\" is malformed: expected at most WORLD_SIZE=4 ranks on this node"),
+            (&[("GROUP_RANK", Some("2"))], "GROUP_RANK=\"2\" is malformed: expected a value below GROUP_WORLD_SIZE=2"),
+            (&[("MASTER_PORT", Some("70000"))], "MASTER_PORT=\"70000\" is malformed: expected a TCP port, a whole number from 1 to 65535"),
+            (&[("MASTER_PORT", Some("0"))], "MASTER_PORT=\"0\" is malformed: expected a TCP port"),
+            (&[("MASTER_ADDR", Some(" "))], "MASTER_ADDR=\" \" is malformed: expected a host name or address"),
+            (&[("RSRUN_ROUND", Some("x"))], "RSRUN_ROUND=\"x\" is malformed: expected the rendezvous round"),
+        ];
+        for (changes, want) in cases {
+            let e = with(changes).err().unwrap_or_else(|| panic!("{changes:?} accepted"));
+            assert!(e.contains(want), "{changes:?}: {e}");
+        }
+        // Unset sizes default to the fewest ranks their index allows.
+        let ctx = with(&[("LOCAL_WORLD_SIZE", None), ("GROUP_WORLD_SIZE", None)]).unwrap();
+        assert_eq!((ctx.local_world_size, ctx.num_nodes), (2, 2));
+        let ctx = with(&[("GROUP_RANK", None), ("GROUP_WORLD_SIZE", None), ("TORCHELASTIC_RESTART_COUNT", None)]).unwrap();
+        assert_eq!((ctx.node_rank, ctx.num_nodes, ctx.restart_count), (0, 1, 0));
+    }
+
+    /// The report is replaced whole (no temporary left beside it), and only the first panic of
+    /// the process is written.
+    #[test]
+    fn error_reports_are_atomic_and_the_first_panic_wins() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("error.json");
+        write_error_file(&path, "first", None).unwrap();
+        write_error_file(&path, "second", None).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(v["message"]["message"], "second");
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1, "a temporary file was left");
+        let mut env: Vec<(&str, &str)> = BASE.to_vec();
+        let p = path.to_str().unwrap().to_owned();
+        env.push(("TORCHELASTIC_ERROR_FILE", &p));
+        let ctx = WorkerContext::from_vars(&vars(&env)).unwrap();
+        let before = std::panic::take_hook();
+        std::panic::set_hook(Box::new(|_| {}));
+        ctx.install_panic_hook();
+        let _ = std::thread::spawn(|| panic!("the cause")).join();
+        let _ = std::thread::spawn(|| panic!("a consequence")).join();
+        std::panic::set_hook(before);
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        let message = v["message"]["message"].as_str().unwrap();
+        assert!(message.starts_with("panic: the cause at "), "{message}");
+    }
+
+    /// Building the store inside an async context without a rendezvous fails with the reason,
+    /// instead of panicking while its private runtime is dropped.
+    #[tokio::test]
+    async fn an_engine_store_without_a_service_is_an_error_inside_a_runtime() {
+        let ctx = WorkerContext::from_vars(&vars(BASE)).unwrap();
+        let e = engine_store::EngineStore::new(&ctx).unwrap_err();
+        assert!(matches!(e, WorkerError::NoRendezvous), "{e}");
     }
 
     #[test]
