@@ -377,6 +377,40 @@ async fn request_and_store_size_caps_close_the_connection() {
     assert_eq!(server.stats().n_bytes, 1802);
 }
 
+/// Many small requests with big replies in one write: the server applies them as the peer
+/// reads (it holds about 16 MiB for the peer, not 40 GETs of 8 MiB at once) and every reply
+/// arrives whole and in order, a PING after them last.
+#[tokio::test]
+async fn small_requests_with_big_replies_are_applied_as_the_peer_reads() {
+    let server = server().await;
+    let mut c = TcpStoreClient::connect(server.local_addr()).await.unwrap();
+    let value: Vec<u8> = (0..8 << 20).map(|i: u32| (i % 251) as u8).collect();
+    c.set(b"/big", &value).await.unwrap();
+    // SET has no reply: a GET on the same connection makes sure it was applied.
+    assert_eq!(c.get(b"/big").await.unwrap().len(), value.len());
+    let mut s = validated(server.local_addr()).await;
+    let mut reqs = vec![Request::Get { key: k("/big") }; 40];
+    reqs.push(Request::Ping { nonce: 7 });
+    send(&mut s, &reqs).await;
+    for i in 0..40 {
+        let reply = read_n(&mut s, 8 + value.len()).await;
+        assert!(reply == blob(&value), "GET {i}: the reply differs");
+    }
+    assert_eq!(read_n(&mut s, 4).await, 7u32.to_le_bytes());
+    assert_eq!(c.get(b"/big").await.unwrap().len(), value.len());
+    // The budget (16 MiB) plus the reply that crossed it, not 40 replies.
+    let peak = server.stats().peak_held_bytes;
+    assert!(peak > 8 << 20 && peak <= (16 << 20) + 2 * (8 + value.len()), "held {peak} bytes at once");
+}
+
+/// Limits past their ceilings are refused up front, so the parser's arithmetic cannot overflow.
+#[tokio::test]
+async fn limits_past_their_ceilings_are_refused() {
+    let limits = TcpStoreLimits { max_value_bytes: 1 << 31, ..TcpStoreLimits::default() };
+    let e = TcpStoreServer::start("127.0.0.1:0".parse().unwrap(), limits, CancellationToken::new()).map(|_| ()).unwrap_err();
+    assert!(e.to_string().contains("max_value_bytes") && e.to_string().contains("must be at most 1073741824"), "{e}");
+}
+
 #[tokio::test]
 async fn barrier_with_two_connections_and_a_reused_key() {
     let server = server().await;

@@ -83,17 +83,22 @@ impl TcpStoreLimits {
     }
 
     /// # Errors
-    /// [`RdzvError::InvalidArgument`] naming a limit that is zero.
+    /// [`RdzvError::InvalidArgument`] naming a limit that is zero or above its ceiling (1 GiB
+    /// for sizes on the wire, 16 Mi keys per request, 1 TiB held), so the parser's arithmetic
+    /// on them cannot overflow.
     pub fn validate(&self) -> Result<(), RdzvError> {
-        for (name, v) in [
-            ("max_key_bytes", self.max_key_bytes),
-            ("max_value_bytes", self.max_value_bytes),
-            ("max_keys_per_request", self.max_keys_per_request),
-            ("max_request_bytes", self.max_request_bytes),
-            ("max_total_bytes", self.max_total_bytes),
+        for (name, v, max) in [
+            ("max_key_bytes", self.max_key_bytes, 1 << 30),
+            ("max_value_bytes", self.max_value_bytes, 1 << 30),
+            ("max_keys_per_request", self.max_keys_per_request, 1 << 24),
+            ("max_request_bytes", self.max_request_bytes, 1 << 30),
+            ("max_total_bytes", self.max_total_bytes, 1 << 40),
         ] {
             if v == 0 {
                 return Err(RdzvError::invalid(name, "0: must be at least 1"));
+            }
+            if v > max {
+                return Err(RdzvError::invalid(name, format!("{v}: must be at most {max}")));
             }
         }
         Ok(())

@@ -30,6 +30,8 @@ use tokio_util::sync::CancellationToken;
 
 use crate::RdzvError;
 use crate::tcpstore::TcpStoreLimits;
+use std::collections::VecDeque;
+
 use crate::tcpstore::proto::{Request, RequestParser};
 use crate::tcpstore::replies::ReplyQueue;
 use crate::tcpstore::state::{ConnId, StoreState, WaitId};
@@ -61,6 +63,7 @@ const ACCEPT_RETRY: Duration = Duration::from_millis(50);
 /// `KEEPALIVE_IDLE + 3 * KEEPALIVE_INTERVAL`, and its waits are dropped.
 const KEEPALIVE_IDLE: Duration = Duration::from_secs(60);
 const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+const KEEPALIVE_PROBES: u32 = 3;
 
 const LISTENER: Token = Token(usize::MAX);
 const WAKER: Token = Token(usize::MAX - 1);
@@ -78,6 +81,9 @@ pub struct TcpStoreStats {
     pub n_bytes: usize,
     /// Pending WAITs and BARRIERs.
     pub n_waits: usize,
+    /// The most reply bytes one connection has held at once (built, not yet taken by its peer):
+    /// about 16 MiB plus one reply at most, however a peer pipelines.
+    pub peak_held_bytes: usize,
 }
 
 /// A running TCPStore server: one listener, one keyspace, one event-loop thread. Dropping it (or
@@ -100,6 +106,8 @@ struct Shared {
     /// Locked by the loop once per turn, and by [`TcpStoreServer::stats`].
     state: Mutex<StoreState>,
     n_connections: AtomicUsize,
+    /// The most reply bytes one connection has held at once (see [`TcpStoreStats`]).
+    peak_held_bytes: AtomicUsize,
 }
 
 impl Shared {
@@ -133,7 +141,7 @@ impl TcpStoreServer {
         let local_addr = listener.local_addr().map_err(|e| RdzvError::invalid("listen", format!("listener address of {addr}: {e}")))?;
         let poll = Poll::new().map_err(bind_err)?;
         let waker = Arc::new(Waker::new(poll.registry(), WAKER).map_err(bind_err)?);
-        let shared = Arc::new(Shared { state: Mutex::new(StoreState::new(limits.max_total_bytes)), n_connections: AtomicUsize::new(0) });
+        let shared = Arc::new(Shared { state: Mutex::new(StoreState::with_limits(&limits)), n_connections: AtomicUsize::new(0), peak_held_bytes: AtomicUsize::new(0) });
         let cancel = shutdown.child_token();
         let (stopped_tx, stopped) = tokio::sync::oneshot::channel();
         let mut event_loop = EventLoop::new(poll, listener, shared.clone(), limits, cancel.clone()).map_err(bind_err)?;
@@ -183,6 +191,7 @@ impl TcpStoreServer {
             n_queues: s.n_queues,
             n_bytes: s.n_bytes,
             n_waits: s.n_waits,
+            peak_held_bytes: self.shared.peak_held_bytes.load(Ordering::Relaxed),
         }
     }
 
@@ -220,7 +229,10 @@ fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
 
 fn configure(stream: &TcpStream) -> std::io::Result<()> {
     stream.set_nodelay(true)?;
-    let keepalive = socket2::TcpKeepalive::new().with_time(KEEPALIVE_IDLE).with_interval(KEEPALIVE_INTERVAL);
+    let keepalive = socket2::TcpKeepalive::new()
+        .with_time(KEEPALIVE_IDLE)
+        .with_interval(KEEPALIVE_INTERVAL)
+        .with_retries(KEEPALIVE_PROBES);
     socket2::SockRef::from(stream).set_tcp_keepalive(&keepalive)
 }
 
@@ -246,14 +258,45 @@ struct Conn {
     closing: bool,
     /// An event said the peer closed or reset the connection.
     hung_up: bool,
+    /// Requests parsed but not applied yet: applying stops, request by request, once the
+    /// connection holds too much (so one read of small requests with large replies, or of many
+    /// WAITs, cannot make it hold more than about one reply past the budget).
+    pending: VecDeque<Request>,
 }
 
 impl Conn {
-    /// Reading is paused while too much is held back for this peer (unless it hung up: what it
-    /// sent is bounded then).
+    /// Reply bytes built for this peer and not yet written.
+    fn held_bytes(&self) -> usize {
+        self.queue.n_bytes() + (self.out.len() - self.out_at)
+    }
+
+    /// Too much is held back for this peer: reply bytes not yet written, or pending waits.
+    fn over_budget(&self) -> bool {
+        self.held_bytes() > MAX_HELD_BYTES || self.queue.n_pending() >= MAX_PENDING_WAITS
+    }
+
+    /// Reading is paused while the connection is over its budget, except for a peer that hung
+    /// up: that one is read to its end (what it sent is bounded then), which closes it.
     fn paused(&self) -> bool {
-        !self.hung_up
-            && (self.queue.n_bytes() + (self.out.len() - self.out_at) > MAX_HELD_BYTES || self.queue.n_pending() >= MAX_PENDING_WAITS)
+        self.over_budget() && !self.hung_up
+    }
+
+    /// Applies the held-back requests in order until the connection goes over its budget; wakes
+    /// of other connections' waits go to `woken`.
+    ///
+    /// # Errors
+    /// A request that must close the connection (the state is unchanged by it).
+    fn apply_pending(&mut self, state: &mut StoreState, woken: &mut Vec<WaitId>) -> Result<(), RdzvError> {
+        while !self.over_budget() {
+            let Some(req) = self.pending.pop_front() else { break };
+            let a = state.apply(self.id, req)?;
+            self.queue.cancelled(&a.cancelled);
+            self.queue.push(a.reply);
+            for id in a.woken {
+                if id.conn() == self.id { self.queue.woken(id) } else { woken.push(id) }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -404,6 +447,7 @@ impl EventLoop {
                 in_backlog: false,
                 closing: false,
                 hung_up: false,
+                pending: VecDeque::new(),
             });
             self.shared.n_connections.fetch_add(1, Ordering::Relaxed);
         }
@@ -428,13 +472,29 @@ impl EventLoop {
         // more, so what it sent before its close is still served and the end of the stream
         // closes the connection, instead of its socket and waits staying until the pause ended.
         c.hung_up |= hung_up;
-        if c.paused() {
+        let mut close = None;
+        // Requests held back by the budget go first; nothing more is read until they are applied.
+        if !c.pending.is_empty() {
+            if let Err(e) = c.apply_pending(state, &mut self.woken) {
+                close = Some(Close::Violation(e));
+            }
+            self.shared.peak_held_bytes.fetch_max(c.held_bytes(), Ordering::Relaxed);
+            Self::mark_dirty(&mut self.dirty, slot, c);
+        }
+        // A peer that hung up is read on to its end, which closes the connection: what it
+        // sent is bounded, and requests it can no longer be answered for are dropped with it.
+        if close.is_none() && !c.hung_up && (c.paused() || !c.pending.is_empty()) {
             c.unread = true;
+            self.deliver_wakes();
             return;
         }
-        c.unread = false;
-        let mut close = None;
+        if close.is_none() {
+            c.unread = false;
+        }
         for n_read in 1..=READS_PER_TURN {
+            if close.is_some() {
+                break;
+            }
             let n = match c.stream.read(&mut self.read_buf) {
                 Ok(0) => {
                     close = Some(Close::Peer);
@@ -451,26 +511,17 @@ impl EventLoop {
             };
             let parsed = c.parser.feed(&self.read_buf[..n], &mut self.reqs);
             // Requests parsed before a violation are still served, as they would be by torch.
-            let mut applied = Ok(());
-            for req in self.reqs.drain(..) {
-                match state.apply(c.id, req) {
-                    Ok(a) => {
-                        c.queue.cancelled(&a.cancelled);
-                        c.queue.push(a.reply);
-                        for id in a.woken {
-                            if id.conn() == c.id { c.queue.woken(id) } else { self.woken.push(id) }
-                        }
-                    }
-                    Err(e) => {
-                        applied = Err(e);
-                        break;
-                    }
-                }
-            }
-            self.reqs.clear();
+            c.pending.extend(self.reqs.drain(..));
+            let applied = c.apply_pending(state, &mut self.woken);
+            self.shared.peak_held_bytes.fetch_max(c.held_bytes(), Ordering::Relaxed);
             Self::mark_dirty(&mut self.dirty, slot, c);
-            if let Err(e) = parsed.and(applied) {
+            if let Err(e) = applied.and(parsed) {
                 close = Some(Close::Violation(e));
+                break;
+            }
+            if !c.pending.is_empty() && !c.hung_up {
+                // Over the budget with requests left: the rest waits for the peer to read.
+                c.unread = true;
                 break;
             }
             // A short read emptied the socket: the next bytes bring a new readiness event. Not
@@ -524,8 +575,10 @@ impl EventLoop {
         for slot in std::mem::take(&mut self.dirty) {
             let Some(c) = self.conns.get_mut(slot).and_then(Option::as_mut) else { continue };
             c.dirty = false;
-            if c.out_at == c.out.len() {
-                c.out.clear();
+            // Drop what was written before appending, so a peer that keeps reading a little
+            // behind does not grow the buffer with everything it was ever sent.
+            if c.out_at > 0 {
+                c.out.drain(..c.out_at);
                 c.out_at = 0;
             }
             c.queue.take_ready(&mut c.out);

@@ -18,6 +18,7 @@
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 
 use crate::RdzvError;
+use crate::tcpstore::TcpStoreLimits;
 use crate::tcpstore::proto::{self, NOT_READY, READY, Request, STOP_WAITING, WAIT_CANCELED};
 
 /// A key or queue name: raw bytes.
@@ -89,6 +90,9 @@ pub struct StoreStats {
 pub struct StoreState {
     /// Cap on `n_bytes`; a write that would pass it is refused (and its connection closed).
     max_total_bytes: usize,
+    /// Cap on one reply (a MULTI_GET, a LIST_KEYS) and on a value APPEND grows, so one small
+    /// request cannot make the server build a reply of any size.
+    max_reply_bytes: usize,
     kv: HashMap<Key, Vec<u8>>,
     /// FIFO queues, a namespace apart from `kv`; empty queues are removed.
     queues: HashMap<Key, VecDeque<Vec<u8>>>,
@@ -104,10 +108,18 @@ pub struct StoreState {
 }
 
 impl StoreState {
-    /// An empty keyspace holding at most `max_total_bytes` of keys and values.
+    /// An empty keyspace holding at most `max_total_bytes` of keys and values, with the default
+    /// cap on one reply (`TcpStoreLimits::max_request_bytes`).
     pub fn new(max_total_bytes: usize) -> Self {
+        StoreState { max_total_bytes, ..Self::with_limits(&TcpStoreLimits::default()) }
+    }
+
+    /// An empty keyspace under `limits`: at most `max_total_bytes` held, and no reply (nor
+    /// appended value) larger than `max_request_bytes`.
+    pub fn with_limits(limits: &TcpStoreLimits) -> Self {
         StoreState {
-            max_total_bytes,
+            max_total_bytes: limits.max_total_bytes,
+            max_reply_bytes: limits.max_request_bytes,
             kv: HashMap::new(),
             queues: HashMap::new(),
             n_bytes: 0,
@@ -185,6 +197,10 @@ impl StoreState {
                 match self.kv.get_mut(&key) {
                     // A present key has no waiters (waits register only on missing keys).
                     Some(v) => {
+                        let new_len = v.len() + value.len();
+                        if new_len > self.max_reply_bytes {
+                            return Err(reply_exceeded("appended value size", new_len, self.max_reply_bytes));
+                        }
                         let new_total = self.n_bytes + value.len();
                         if new_total > self.max_total_bytes {
                             return Err(total_exceeded(new_total, self.max_total_bytes));
@@ -197,7 +213,11 @@ impl StoreState {
                 Reply::None
             }
             Request::MultiGet { keys } => {
-                let mut out = Vec::new();
+                let size: usize = keys.iter().map(|k| 8 + self.kv.get(k).map_or(0, Vec::len)).sum();
+                if size > self.max_reply_bytes {
+                    return Err(reply_exceeded("MULTI_GET reply size", size, self.max_reply_bytes));
+                }
+                let mut out = Vec::with_capacity(size);
                 for k in &keys {
                     proto::put_bytes(&mut out, self.kv.get(k).map_or(&[][..], |v| v));
                 }
@@ -237,7 +257,11 @@ impl StoreState {
             }
             Request::QueueLen { key } => Reply::Bytes((self.queues.get(&key).map_or(0, VecDeque::len) as i64).to_le_bytes().to_vec()),
             Request::ListKeys => {
-                let mut out = Vec::new();
+                let size: usize = 8 + self.kv.keys().map(|k| 8 + k.len()).sum::<usize>();
+                if size > self.max_reply_bytes {
+                    return Err(reply_exceeded("LIST_KEYS reply size", size, self.max_reply_bytes));
+                }
+                let mut out = Vec::with_capacity(size);
                 proto::put_i64(&mut out, self.kv.len() as i64);
                 for k in self.kv.keys() {
                     proto::put_bytes(&mut out, k);
@@ -384,6 +408,11 @@ impl StoreState {
         }
         Ok(())
     }
+}
+
+/// A reply (or an appended value) past the store's reply cap: `limit` names the request.
+fn reply_exceeded(limit: &'static str, size: usize, max: usize) -> RdzvError {
+    RdzvError::TcpStoreLimit { limit, value: size as u64, max: max as u64 }
 }
 
 fn total_exceeded(new_total: usize, max: usize) -> RdzvError {

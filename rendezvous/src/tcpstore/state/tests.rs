@@ -316,6 +316,33 @@ fn the_total_byte_cap_refuses_writes_without_changing_anything() {
     assert_eq!(s.stats().n_bytes, 0);
 }
 
+/// One small request cannot make the store build a reply past its cap: a MULTI_GET naming a
+/// big value many times, a LIST_KEYS of many keys, an APPEND that grows a value past it.
+#[test]
+fn replies_and_appended_values_stay_under_the_reply_cap() {
+    let limits = TcpStoreLimits { max_request_bytes: 100, ..TcpStoreLimits::default() };
+    let mut s = StoreState::with_limits(&limits);
+    ok(&mut s, A, set("k", &"x".repeat(40)));
+    // Two copies (2 × (8 + 40) = 96 bytes) fit; three do not.
+    assert_eq!(bytes(&mut s, A, Request::MultiGet { keys: vec![k("k"), k("k")] }).len(), 96);
+    let e = s.apply(A, Request::MultiGet { keys: vec![k("k"); 3] }).unwrap_err();
+    assert_eq!(e, RdzvError::TcpStoreLimit { limit: "MULTI_GET reply size", value: 144, max: 100 });
+    // 40 + 60 = 100 bytes may be appended; one more byte may not, and the value is unchanged.
+    ok(&mut s, A, Request::Append { key: k("k"), value: vec![b'y'; 60] });
+    let e = s.apply(A, Request::Append { key: k("k"), value: k("z") }).unwrap_err();
+    assert_eq!(e, RdzvError::TcpStoreLimit { limit: "appended value size", value: 101, max: 100 });
+    assert_eq!(bytes(&mut s, A, Request::Get { key: k("k") }).len(), 8 + 100);
+    // LIST_KEYS: 8 + (8 + 1) per key; the keys of 10 one-byte names are 98 bytes, 11 are 107.
+    let mut s = StoreState::with_limits(&limits);
+    for i in 0..10u8 {
+        ok(&mut s, A, Request::Set { key: vec![b'a' + i], value: Vec::new() });
+    }
+    assert_eq!(bytes(&mut s, A, Request::ListKeys).len(), 98);
+    ok(&mut s, A, set("z", ""));
+    let e = s.apply(A, Request::ListKeys).unwrap_err();
+    assert_eq!(e, RdzvError::TcpStoreLimit { limit: "LIST_KEYS reply size", value: 107, max: 100 });
+}
+
 #[test]
 fn the_reply_queue_orders_a_raced_wake_before_the_cancel_reply() {
     // A waits; B's SET completes the wait (the wake-up is in flight); A's CANCEL_WAIT is applied
