@@ -104,7 +104,21 @@ pub struct StoreState {
     barrier_waiters: HashMap<Key, BTreeSet<WaitId>>,
     waits: HashMap<WaitId, PendingWait>,
     conn_waits: HashMap<ConnId, BTreeSet<WaitId>>,
+    /// Memory the keys of each connection's pending WAITs take (see [`wait_cost`]), held under
+    /// [`MAX_WAIT_BYTES_PER_CONN`].
+    conn_wait_bytes: HashMap<ConnId, usize>,
     next_seq: u64,
+}
+
+/// Most memory the keys of one connection's pending WAITs may take: a WAIT names up to 128 Ki
+/// keys in a 64 MiB request, and each missing key is kept twice over (the wait's list and the
+/// key's waiter set), so without it 1024 pending WAITs could hold tens of GiB.
+pub const MAX_WAIT_BYTES_PER_CONN: usize = 16 << 20;
+
+/// What the bookkeeping of a WAIT on `keys` costs: each key twice and about a hundred bytes of
+/// map and set entries.
+fn wait_cost(keys: &[Key]) -> usize {
+    keys.iter().map(|k| 2 * k.len() + 96).sum()
 }
 
 impl StoreState {
@@ -127,6 +141,7 @@ impl StoreState {
             barrier_waiters: HashMap::new(),
             waits: HashMap::new(),
             conn_waits: HashMap::new(),
+            conn_wait_bytes: HashMap::new(),
             next_seq: 0,
         }
     }
@@ -181,7 +196,7 @@ impl StoreState {
                 Reply::Bytes(new.to_le_bytes().to_vec())
             }
             Request::Check { keys } => Reply::Bytes(vec![if keys.iter().all(|k| self.present(k)) { READY } else { NOT_READY }]),
-            Request::Wait { keys } => self.wait(conn, keys),
+            Request::Wait { keys } => self.wait(conn, keys)?,
             Request::GetNumKeys => Reply::Bytes((self.kv.len() as i64).to_le_bytes().to_vec()),
             Request::DeleteKey { key } => {
                 let deleted = match self.kv.remove(&key) {
@@ -305,12 +320,21 @@ impl StoreState {
         self.kv.contains_key(key) || self.queues.contains_key(key)
     }
 
-    fn wait(&mut self, conn: ConnId, keys: Vec<Key>) -> Reply {
+    fn wait(&mut self, conn: ConnId, keys: Vec<Key>) -> Result<Reply, RdzvError> {
         let mut seen = HashSet::new();
         let missing: Vec<Key> = keys.into_iter().filter(|k| !self.present(k) && seen.insert(k.clone())).collect();
         if missing.is_empty() {
-            return Reply::Bytes(vec![STOP_WAITING]);
+            return Ok(Reply::Bytes(vec![STOP_WAITING]));
         }
+        let held = self.conn_wait_bytes.get(&conn).copied().unwrap_or(0) + wait_cost(&missing);
+        if held > MAX_WAIT_BYTES_PER_CONN {
+            return Err(RdzvError::TcpStoreLimit {
+                limit: "pending WAIT keys size",
+                value: held as u64,
+                max: MAX_WAIT_BYTES_PER_CONN as u64,
+            });
+        }
+        self.conn_wait_bytes.insert(conn, held);
         let id = self.register(conn, PendingWait::Keys { remaining: missing.len(), keys: Vec::new() });
         for k in &missing {
             self.key_waiters.entry(k.clone()).or_default().insert(id);
@@ -318,7 +342,17 @@ impl StoreState {
         if let Some(PendingWait::Keys { keys, .. }) = self.waits.get_mut(&id) {
             *keys = missing;
         }
-        Reply::Pending(id)
+        Ok(Reply::Pending(id))
+    }
+
+    /// `conn`'s pending WAITs no longer hold `keys`.
+    fn release_wait_bytes(&mut self, conn: ConnId, keys: &[Key]) {
+        if let Some(held) = self.conn_wait_bytes.get_mut(&conn) {
+            *held = held.saturating_sub(wait_cost(keys));
+            if *held == 0 {
+                self.conn_wait_bytes.remove(&conn);
+            }
+        }
     }
 
     fn register(&mut self, conn: ConnId, wait: PendingWait) -> WaitId {
@@ -331,7 +365,9 @@ impl StoreState {
 
     /// Removes a wait that completed (it is in no waiter set any more).
     fn finish(&mut self, id: WaitId) {
-        self.waits.remove(&id);
+        if let Some(PendingWait::Keys { keys, .. }) = self.waits.remove(&id) {
+            self.release_wait_bytes(id.conn, &keys);
+        }
         if let Some(set) = self.conn_waits.get_mut(&id.conn) {
             set.remove(&id);
             if set.is_empty() {
@@ -346,9 +382,10 @@ impl StoreState {
         for id in &ids {
             match self.waits.remove(id) {
                 Some(PendingWait::Keys { keys, .. }) => {
-                    for k in keys {
-                        remove_waiter(&mut self.key_waiters, &k, id);
+                    for k in &keys {
+                        remove_waiter(&mut self.key_waiters, k, id);
                     }
+                    self.release_wait_bytes(conn, &keys);
                 }
                 Some(PendingWait::Barrier { key }) => remove_waiter(&mut self.barrier_waiters, &key, id),
                 None => {}

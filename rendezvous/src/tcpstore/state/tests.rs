@@ -343,6 +343,34 @@ fn replies_and_appended_values_stay_under_the_reply_cap() {
     assert_eq!(e, RdzvError::TcpStoreLimit { limit: "LIST_KEYS reply size", value: 107, max: 100 });
 }
 
+/// The keys of one connection's pending WAITs are held under a cap: a WAIT that would pass it
+/// closes the connection, and what completed, was cancelled or left with its connection is
+/// given back.
+#[test]
+fn pending_wait_keys_are_held_under_a_cap_per_connection() {
+    let mut s = StoreState::new(1 << 30);
+    // One key of 1 MiB costs 2 MiB + 96 bytes: seven fit under 16 MiB, the eighth does not.
+    let big = |i: u8| vec![i; 1 << 20];
+    for i in 0..7 {
+        assert!(matches!(ok(&mut s, A, Request::Wait { keys: vec![big(i)] }).reply, Reply::Pending(_)));
+    }
+    let e = s.apply(A, Request::Wait { keys: vec![big(7)] }).unwrap_err();
+    assert!(matches!(e, RdzvError::TcpStoreLimit { limit: "pending WAIT keys size", .. }), "{e:?}");
+    // Another connection has a budget of its own.
+    assert!(matches!(ok(&mut s, B, Request::Wait { keys: vec![big(7)] }).reply, Reply::Pending(_)));
+    // A completed wait gives its share back; so do a cancel and a disconnect.
+    ok(&mut s, B, Request::Set { key: big(0), value: Vec::new() });
+    assert!(matches!(ok(&mut s, A, Request::Wait { keys: vec![big(8)] }).reply, Reply::Pending(_)));
+    ok(&mut s, A, Request::CancelWait);
+    for i in 10..17 {
+        assert!(matches!(ok(&mut s, A, Request::Wait { keys: vec![big(i)] }).reply, Reply::Pending(_)));
+    }
+    s.disconnect(A);
+    for i in 20..27 {
+        assert!(matches!(ok(&mut s, A, Request::Wait { keys: vec![big(i)] }).reply, Reply::Pending(_)));
+    }
+}
+
 #[test]
 fn the_reply_queue_orders_a_raced_wake_before_the_cancel_reply() {
     // A waits; B's SET completes the wait (the wake-up is in flight); A's CANCEL_WAIT is applied
