@@ -8,7 +8,7 @@
 use std::io::Write as _;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rsrun_rendezvous::tcpstore::proto::{Request, VALIDATE_MAGIC};
 use rsrun_rendezvous::tcpstore::{TcpStoreClient, TcpStoreLimits, TcpStoreServer, TcpStoreStats};
@@ -401,6 +401,44 @@ async fn small_requests_with_big_replies_are_applied_as_the_peer_reads() {
     // The budget (16 MiB) plus the reply that crossed it, not 40 replies.
     let peak = server.stats().peak_held_bytes;
     assert!(peak > 8 << 20 && peak <= (16 << 20) + 2 * (8 + value.len()), "held {peak} bytes at once");
+}
+
+/// A connection that never sends its handshake, or stops in the middle of a request, is closed
+/// after `stall_timeout`; one that is idle between requests, as torch's clients are for a whole
+/// job, is not.
+#[tokio::test]
+async fn stalled_connections_are_closed_and_idle_ones_are_not() {
+    let limits = TcpStoreLimits { stall_timeout: Duration::from_millis(300), ..TcpStoreLimits::default() };
+    let server = start(limits).await;
+    let mut silent = connect(server.local_addr()).await;
+    let mut half = validated(server.local_addr()).await;
+    let set = enc(&[Request::Set { key: k("/k"), value: vec![1; 100] }]);
+    half.write_all(&set[..set.len() / 2]).await.unwrap();
+    let mut idle = validated(server.local_addr()).await;
+    let start = Instant::now();
+    assert_closed(&mut silent).await;
+    assert_closed(&mut half).await;
+    assert!(start.elapsed() >= Duration::from_millis(250), "closed after {:?}", start.elapsed());
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert_quiet(&mut idle).await;
+    assert_eq!(server.stats().n_keys, 0, "the half-sent SET was applied");
+}
+
+/// One connection past `max_connections` is closed at once; a place freed is taken again.
+#[tokio::test]
+async fn connections_past_the_cap_are_closed_at_once() {
+    let server = start(TcpStoreLimits { max_connections: 2, ..TcpStoreLimits::default() }).await;
+    let mut a = validated(server.local_addr()).await;
+    let mut b = validated(server.local_addr()).await;
+    assert_quiet(&mut a).await;
+    assert_quiet(&mut b).await;
+    let mut c = validated(server.local_addr()).await;
+    assert_closed(&mut c).await;
+    drop(a);
+    until_stats(&server, "the closed connection was not counted out", |s| s.n_connections == 1).await;
+    let mut d = validated(server.local_addr()).await;
+    assert_quiet(&mut d).await;
+    assert_quiet(&mut b).await;
 }
 
 /// Limits past their ceilings are refused up front, so the parser's arithmetic cannot overflow.

@@ -374,6 +374,7 @@ async fn tcpstore(args: TcpStoreArgs) -> anyhow::Result<()> {
         max_keys_per_request: to_usize("max_keys_per_request", args.max_keys_per_request)?,
         max_request_bytes: to_usize("max_request_bytes", args.max_request_bytes)?,
         max_total_bytes: to_usize("max_total_bytes", args.max_total_bytes)?,
+        ..TcpStoreLimits::default()
     };
     raise_nofile_limit();
     let shutdown = cancel_on_signals();

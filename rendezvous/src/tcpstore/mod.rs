@@ -55,11 +55,17 @@ pub struct TcpStoreLimits {
     pub max_request_bytes: usize,
     /// Most bytes of keys and values the keyspace holds (queues included).
     pub max_total_bytes: usize,
+    /// Most client connections open at once; one more is closed at once, with a log line.
+    pub max_connections: usize,
+    /// A connection that has not sent its handshake, or that stopped in the middle of a request,
+    /// is closed after this long without a byte (idle time between requests is never limited:
+    /// torch's clients hold their connection for the whole job).
+    pub stall_timeout: std::time::Duration,
 }
 
 impl Default for TcpStoreLimits {
     /// torch's libuv caps (8 KiB keys, 8 MiB values, 128 Ki keys per request), 64 MiB per request,
-    /// 1 GiB per keyspace.
+    /// 1 GiB per keyspace, 50,000 connections, 60 s to finish a handshake or a started request.
     fn default() -> Self {
         TcpStoreLimits {
             max_key_bytes: 8 << 10,
@@ -67,6 +73,8 @@ impl Default for TcpStoreLimits {
             max_keys_per_request: 128 << 10,
             max_request_bytes: 64 << 20,
             max_total_bytes: 1 << 30,
+            max_connections: 50_000,
+            stall_timeout: std::time::Duration::from_secs(60),
         }
     }
 }
@@ -93,6 +101,7 @@ impl TcpStoreLimits {
             ("max_keys_per_request", self.max_keys_per_request, 1 << 24),
             ("max_request_bytes", self.max_request_bytes, 1 << 30),
             ("max_total_bytes", self.max_total_bytes, 1 << 40),
+            ("max_connections", self.max_connections, 1 << 24),
         ] {
             if v == 0 {
                 return Err(RdzvError::invalid(name, "0: must be at least 1"));
@@ -100,6 +109,9 @@ impl TcpStoreLimits {
             if v > max {
                 return Err(RdzvError::invalid(name, format!("{v}: must be at most {max}")));
             }
+        }
+        if self.stall_timeout.is_zero() {
+            return Err(RdzvError::invalid("stall_timeout", "0: must be longer than zero"));
         }
         Ok(())
     }

@@ -308,6 +308,11 @@ impl RequestParser {
         self.cur.is_some()
     }
 
+    /// Whether the handshake (VALIDATE) has arrived.
+    pub fn is_validated(&self) -> bool {
+        self.validated
+    }
+
     /// Consumes all of `input` and appends every request it completes to `out`, in order.
     ///
     /// # Errors

@@ -262,6 +262,8 @@ struct Conn {
     /// connection holds too much (so one read of small requests with large replies, or of many
     /// WAITs, cannot make it hold more than about one reply past the budget).
     pending: VecDeque<Request>,
+    /// When the peer's last bytes arrived (or the connection was accepted).
+    last_read: Instant,
 }
 
 impl Conn {
@@ -333,6 +335,8 @@ struct EventLoop {
     accept_retry: Option<Instant>,
     /// More connections may be waiting in the backlog than one turn accepted.
     accept_more: bool,
+    /// When to look for stalled connections next (see [`TcpStoreLimits::stall_timeout`]).
+    next_sweep: Instant,
 }
 
 impl EventLoop {
@@ -348,6 +352,7 @@ impl EventLoop {
             free: Vec::new(),
             generation: 0,
             read_buf: vec![0; READ_CHUNK],
+            next_sweep: Instant::now(),
             reqs: Vec::new(),
             woken: Vec::new(),
             dirty: Vec::new(),
@@ -365,7 +370,11 @@ impl EventLoop {
             let timeout = if !self.backlog.is_empty() || self.accept_more {
                 Some(Duration::ZERO)
             } else {
-                self.accept_retry.map(|at| at.saturating_duration_since(Instant::now()))
+                let retry = self.accept_retry.map(|at| at.saturating_duration_since(Instant::now()));
+                // Open connections: wake up for the next sweep too.
+                let sweep = (self.shared.n_connections.load(Ordering::Relaxed) > 0)
+                    .then(|| self.next_sweep.saturating_duration_since(Instant::now()));
+                retry.into_iter().chain(sweep).min()
             };
             match self.poll.poll(&mut events, timeout) {
                 Ok(()) => {}
@@ -401,8 +410,30 @@ impl EventLoop {
             if accept {
                 self.accept();
             }
+            if Instant::now() >= self.next_sweep {
+                self.sweep();
+            }
             self.flush_dirty();
             self.close_pending(&mut state);
+        }
+    }
+
+    /// Closes the connections that stalled: no handshake, or a request begun and not finished,
+    /// and not a byte for `stall_timeout` (a connection this server stopped reading is not one).
+    fn sweep(&mut self) {
+        let stall = self.limits.stall_timeout;
+        let now = Instant::now();
+        self.next_sweep = now + stall.min(Duration::from_secs(1)) / 2;
+        for (slot, c) in self.conns.iter_mut().enumerate() {
+            let Some(c) = c.as_mut() else { continue };
+            let waiting_on_peer = !c.parser.is_validated() || c.parser.is_mid_request();
+            if c.closing || c.unread || !c.pending.is_empty() || !waiting_on_peer || now.duration_since(c.last_read) < stall {
+                continue;
+            }
+            let what = if c.parser.is_validated() { "the rest of a request" } else { "the VALIDATE handshake" };
+            let e = RdzvError::TcpStoreProtocol(format!("no byte of {what} for {stall:?}"));
+            c.closing = true;
+            self.closing.push((slot, Close::Violation(e)));
         }
     }
 
@@ -419,6 +450,11 @@ impl EventLoop {
                     return;
                 }
             };
+            if self.shared.n_connections.load(Ordering::Relaxed) >= self.limits.max_connections {
+                tracing::warn!(%peer, max_connections = self.limits.max_connections, "tcpstore: too many connections; closing the new one");
+                drop(stream);
+                continue;
+            }
             if let Err(e) = configure(&stream) {
                 tracing::debug!(%peer, error = %e, "tcpstore: cannot set socket options");
             }
@@ -448,6 +484,7 @@ impl EventLoop {
                 closing: false,
                 hung_up: false,
                 pending: VecDeque::new(),
+                last_read: Instant::now(),
             });
             self.shared.n_connections.fetch_add(1, Ordering::Relaxed);
         }
@@ -500,7 +537,10 @@ impl EventLoop {
                     close = Some(Close::Peer);
                     break;
                 }
-                Ok(n) => n,
+                Ok(n) => {
+                    c.last_read = Instant::now();
+                    n
+                }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == ErrorKind::Interrupted => continue,
                 Err(e) => {
