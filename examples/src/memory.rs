@@ -63,9 +63,9 @@ pub struct Plan {
 pub fn need(plan: &Plan) -> Result<Need, rsrun_training_engine::EngineError> {
     let specs = Gpt::new(plan.gpt).specs();
     let psi = FlatLayout::new(1, &specs)?.total_numel() as u64;
-    let shard_world = if plan.strategy.zero_stage() == 0 { 1 } else { plan.shard_world.max(1) };
-    let s = FlatLayout::new(shard_world, &specs)?.total_shard_len() as u64;
     let stage = plan.strategy.zero_stage();
+    let shard_world = if stage == 0 { 1 } else { plan.shard_world.max(1) };
+    let s = FlatLayout::new(shard_world, &specs)?.total_shard_len() as u64;
     let mixed = plan.precision != Precision::Fp32;
     let compute = plan.precision.bytes() as u64;
     // Gradient buffers: the compute dtype, or fp32 when asked to reduce in fp32 (mixed).

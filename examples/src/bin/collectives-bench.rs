@@ -222,12 +222,6 @@ fn memcpy_paired(pg: &ProcessGroup, op: &str, bytes: usize, world: usize) -> Res
     Ok(rsrun_examples::machine::memcpy_gbps(footprint / 2))
 }
 
-fn median(v: &[f64]) -> f64 {
-    let mut s = v.to_vec();
-    s.sort_by(f64::total_cmp);
-    s[s.len() / 2]
-}
-
 /// `0.91/0.88/...` for the paired rounds, `n/a` without them.
 fn rounds_text(f: Option<&Vec<f64>>) -> String {
     f.map_or("n/a".to_string(), |f| f.iter().map(|x| format!("{x:.2}")).collect::<Vec<_>>().join("/"))
@@ -558,7 +552,7 @@ fn main() -> Result<()> {
             }
         };
         let frac_of = |b: &str, op: &str| match paired.get(&(b.to_string(), op.to_string())) {
-            Some(f) => format!("{:.2}", median(f)),
+            Some(f) => format!("{:.2}", rsrun_examples::median(f)),
             None => results.get(&(b.to_string(), op.to_string(), big)).map_or("n/a".to_string(), |(t, _)| {
                 let bound = traffic_bytes(op, big, world) / (memcpy_for(op) * 1e9);
                 format!("{:.2}", bound / t)
@@ -586,7 +580,7 @@ fn main() -> Result<()> {
         let tcp_bw = results.get(&("tcp".to_string(), "all_reduce".to_string(), big));
         let tcp_paired = paired.get(&("tcp".to_string(), "all_reduce".to_string()));
         let tcp_frac = match (tcp_paired, tcp_bw) {
-            (Some(f), _) => format!("{:.2}", median(f)),
+            (Some(f), _) => format!("{:.2}", rsrun_examples::median(f)),
             (None, Some((_, bw))) => format!("{:.2}", bw / loopback),
             (None, None) => "n/a".to_string(),
         };

@@ -62,6 +62,7 @@ use rsrun_training_engine::layout::Strategy;
 use rsrun_training_engine::model::{Batch, Gpt, GptConfig, global_batch, rank_rows};
 use rsrun_training_engine::native::profile::{self, GemmStat};
 use rsrun_training_engine::optim::{AdamW, OptimizerConfig};
+use rsrun_examples::median;
 
 /// Large buffers (activations, gradients, optimizer state) on transparent huge pages
 /// (`RSRUN_HUGE_PAGES=0` turns it off).
@@ -258,12 +259,12 @@ fn main() -> Result<()> {
     let mfu = if paired.is_empty() {
         mfu_first
     } else {
-        median(&mut paired.iter().map(|(t, p)| step_flops / t / (p * 1e9)).collect::<Vec<_>>())
+        median(&paired.iter().map(|(t, p)| step_flops / t / (p * 1e9)).collect::<Vec<_>>())
     };
     // Where the step goes (rank 0): waiting in collectives, and the rest (compute).
-    let wait_frac = median(&mut waits.iter().map(|(t, w)| w / t).collect::<Vec<_>>());
-    let wait_ms = median(&mut waits.iter().map(|(_, w)| w * 1e3).collect::<Vec<_>>());
-    let compute_ms = median(&mut waits.iter().map(|(t, w)| (t - w) * 1e3).collect::<Vec<_>>());
+    let wait_frac = median(&waits.iter().map(|(t, w)| w / t).collect::<Vec<_>>());
+    let wait_ms = median(&waits.iter().map(|(_, w)| w * 1e3).collect::<Vec<_>>());
+    let compute_ms = median(&waits.iter().map(|(t, w)| (t - w) * 1e3).collect::<Vec<_>>());
     let measured_s: f64 = waits.iter().map(|(t, _)| t).sum();
     let cpu_ms = comm_cpu.map_or_else(|| "na".to_string(), |c| format!("{:.1}", c * 1e3 / waits.len() as f64));
     let cpu_frac = comm_cpu.map_or_else(|| "na".to_string(), |c| format!("{:.3}", c / measured_s));
@@ -405,7 +406,7 @@ fn bench_run(mut engine: Engine<Gpt>, args: &Args, rank: usize, world: usize) ->
         (Some(a), Some(b)) => Some(b.saturating_sub(a) as f64 / 1e9),
         _ => None,
     };
-    let med = median(&mut times.iter().skip(warm as usize).copied().collect::<Vec<_>>());
+    let med = median(&times.iter().skip(warm as usize).copied().collect::<Vec<_>>());
     profile::enable(false);
     Ok(Run {
         engine,
@@ -435,12 +436,6 @@ fn comm_thread_cpu_ns() -> Option<u64> {
         total += stat.split_whitespace().next()?.parse::<u64>().ok()?;
     }
     Some(total)
-}
-
-/// The median of `v` (which must not be empty), reordering it.
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 /// How long the FMA peak is sampled after each measured single-process step.

@@ -155,13 +155,15 @@ enum LogFormat {
 struct Place {
     rank: usize,
     world: usize,
+    /// Ranks on this host (LOCAL_WORLD_SIZE).
+    local_world: usize,
     job: String,
     store: Arc<dyn Store>,
 }
 
 fn place() -> anyhow::Result<Place> {
     if std::env::var_os("RANK").is_none() {
-        return Ok(Place { rank: 0, world: 1, job: "local".into(), store: Arc::new(LocalStore::new()) });
+        return Ok(Place { rank: 0, world: 1, local_world: 1, job: "local".into(), store: Arc::new(LocalStore::new()) });
     }
     let ctx = rsrun_worker_runtime::WorkerContext::from_env().context("reading the rank environment")?;
     let store: Arc<dyn Store> = if std::env::var_os("RSRUN_RDZV_ENDPOINT").is_some() {
@@ -169,7 +171,13 @@ fn place() -> anyhow::Result<Place> {
     } else {
         bail!("train needs rsrun's rendezvous store to bootstrap its collectives: start it with rsrun (not torchrun or the static backend)");
     };
-    Ok(Place { rank: ctx.rank as usize, world: ctx.world_size as usize, job: ctx.job_id.clone(), store })
+    Ok(Place {
+        rank: ctx.rank as usize,
+        world: ctx.world_size as usize,
+        local_world: ctx.local_world_size as usize,
+        job: ctx.job_id.clone(),
+        store,
+    })
 }
 
 fn rss_mib() -> (f64, f64) {
@@ -375,18 +383,17 @@ fn run() -> anyhow::Result<()> {
     };
     // Refuse a model this host cannot hold before allocating any of it (it would abort on a
     // failed allocation, or be killed by the kernel partway through a step).
-    let local_ranks = std::env::var("LOCAL_WORLD_SIZE").ok().and_then(|v| v.parse::<u64>().ok()).unwrap_or(1).max(1);
     let plan = rsrun_examples::memory::Plan {
         gpt,
         strategy,
-        shard_world: if strategy.is_hybrid() { local_ranks as usize } else { world },
+        shard_world: if strategy.is_hybrid() { place.local_world } else { world },
         precision,
         reduce_dtype,
         offload: offload.clone(),
         batch: args.batch as usize,
     };
     let need = rsrun_examples::memory::need(&plan).map_err(|e| BadInput(format!("{e}")))?;
-    if let Some(why) = rsrun_examples::memory::available().and_then(|a| rsrun_examples::memory::refusal(&need, local_ranks, a)) {
+    if let Some(why) = rsrun_examples::memory::available().and_then(|a| rsrun_examples::memory::refusal(&need, place.local_world as u64, a)) {
         return Err(BadInput(why).into());
     }
     let mut cfg = EngineConfig::new(strategy, OptimizerConfig::AdamW(AdamW { lr: args.lr, ..AdamW::default() }));

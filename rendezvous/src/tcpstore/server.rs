@@ -18,6 +18,7 @@
 //! and the keyspace lock cost more than the work (and, on a machine the workers share, the CPU the
 //! workers need). The thread sleeps in `epoll_wait` when no client sends anything.
 
+use std::collections::VecDeque;
 use std::io::{ErrorKind, Read, Write};
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -30,8 +31,6 @@ use tokio_util::sync::CancellationToken;
 
 use crate::RdzvError;
 use crate::tcpstore::TcpStoreLimits;
-use std::collections::VecDeque;
-
 use crate::tcpstore::proto::{Request, RequestParser};
 use crate::tcpstore::replies::ReplyQueue;
 use crate::tcpstore::state::{ConnId, StoreState, WaitId};
