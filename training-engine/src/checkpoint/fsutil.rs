@@ -11,11 +11,44 @@ pub(crate) fn io(op: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -
     move |source| CheckpointError::Io { op, path, source }
 }
 
-/// fsyncs a directory (makes renames and creations inside it durable).
+/// fsyncs a directory (makes renames and creations inside it durable). An empty path is the
+/// current directory (the parent of a bare file name).
 pub(crate) fn sync_dir(dir: &Path) -> Result<(), CheckpointError> {
+    let dir = if dir.as_os_str().is_empty() { Path::new(".") } else { dir };
     File::open(dir)
         .and_then(|d| d.sync_all())
         .map_err(io("fsync directory", dir))
+}
+
+/// Swaps directories `a` and `b` in one step (`renameat2(RENAME_EXCHANGE)`): a crash leaves
+/// either both old names or both new ones. `Ok(false)` when the file system cannot
+/// (`EINVAL`, `ENOSYS`, `EOPNOTSUPP`: NFS, old kernels); nothing was changed then.
+pub(crate) fn exchange(a: &Path, b: &Path) -> Result<bool, CheckpointError> {
+    use std::os::unix::ffi::OsStrExt;
+    let cstr = |p: &Path| {
+        std::ffi::CString::new(p.as_os_str().as_bytes()).map_err(|_| {
+            CheckpointError::InvalidArgument(format!("path {} holds a NUL byte", p.display()))
+        })
+    };
+    let (ca, cb) = (cstr(a)?, cstr(b)?);
+    // SAFETY: both pointers are NUL-terminated strings that live across the call.
+    let rc = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            ca.as_ptr(),
+            libc::AT_FDCWD,
+            cb.as_ptr(),
+            libc::RENAME_EXCHANGE,
+        )
+    };
+    if rc == 0 {
+        return Ok(true);
+    }
+    let err = std::io::Error::last_os_error();
+    match err.raw_os_error() {
+        Some(libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP) => Ok(false),
+        _ => Err(io("exchange", a)(err)),
+    }
 }
 
 /// The temp name used for `path`.
@@ -51,7 +84,7 @@ pub(crate) fn commit_tmp(file: File, tmp: &Path, path: &Path) -> Result<(), Chec
         let _ = std::fs::remove_file(tmp);
         return Err(e);
     }
-    sync_dir(path.parent().unwrap_or(Path::new(".")))
+    sync_dir(path.parent().unwrap_or(Path::new("")))
 }
 
 /// Writes `bytes` to `path` atomically and durably.

@@ -61,7 +61,7 @@ pub use format::{FORMAT_VERSION, FileMeta, Metadata, ParamMeta, Section, ShardHe
 use crate::error::EngineError;
 use crate::layout::{FlatLayout, ShardState, Strategy};
 use format::{MAGIC, PREFIX};
-use fsutil::{commit_tmp, create_tmp, io, sync_dir, write_atomic};
+use fsutil::{commit_tmp, create_tmp, exchange, io, sync_dir, write_atomic};
 
 /// Name of the pointer file in the checkpoint root.
 pub const LATEST: &str = "latest";
@@ -275,6 +275,9 @@ pub fn save_shard(root: &Path, state: &ShardState) -> Result<Option<PathBuf>, Ch
     Ok(Some(path))
 }
 
+/// The longest shard header read: about 100 bytes a section, so room for a million sections.
+const MAX_HEADER_BYTES: u64 = 128 << 20;
+
 /// Reads and checks a shard file's header (magic, header CRC, declared size).
 fn read_header(path: &Path) -> Result<(ShardHeader, u32, u64), CheckpointError> {
     let corrupt = |reason: String| CheckpointError::Corrupt {
@@ -293,6 +296,11 @@ fn read_header(path: &Path) -> Result<(ShardHeader, u32, u64), CheckpointError> 
     }
     let len = u32::from_le_bytes([prefix[8], prefix[9], prefix[10], prefix[11]]) as u64;
     let crc = u32::from_le_bytes([prefix[12], prefix[13], prefix[14], prefix[15]]);
+    if len > MAX_HEADER_BYTES {
+        return Err(corrupt(format!(
+            "header length {len} bytes, more than the {MAX_HEADER_BYTES} any shard header needs"
+        )));
+    }
     if PREFIX as u64 + len > size {
         return Err(corrupt(format!("truncated header: {size} bytes")));
     }
@@ -374,15 +382,24 @@ pub fn commit(
     write_atomic(&inc.join(METADATA), &json)?;
     let fin = root.join(&name);
     let replaced = root.join(format!("{name}.replaced"));
-    if fin.exists() {
-        // Re-saving a step: move the old copy aside; `latest` falls back to the newest
-        // committed directory if a crash leaves it dangling.
-        if replaced.exists() {
-            std::fs::remove_dir_all(&replaced).map_err(io("remove", &replaced))?;
+    if fin.exists() && exchange(&inc, &fin)? {
+        // Re-saving a step: the new copy and the old one swapped names in one step, so a
+        // crash leaves `step-N` whole, old or new; the old copy is now the `.incomplete`
+        // directory, which the next save of this step removes if we do not get to it.
+        sync_dir(root)?;
+        std::fs::remove_dir_all(&inc).map_err(io("remove", &inc))?;
+    } else {
+        if fin.exists() {
+            // A file system without RENAME_EXCHANGE: move the old copy aside first. A crash
+            // before the next rename leaves `latest` naming `step-N`, and [`latest`] loads
+            // `step-N.replaced`, the same checkpoint.
+            if replaced.exists() {
+                std::fs::remove_dir_all(&replaced).map_err(io("remove", &replaced))?;
+            }
+            std::fs::rename(&fin, &replaced).map_err(io("rename", &fin))?;
         }
-        std::fs::rename(&fin, &replaced).map_err(io("rename", &fin))?;
+        std::fs::rename(&inc, &fin).map_err(io("rename", &inc))?;
     }
-    std::fs::rename(&inc, &fin).map_err(io("rename", &inc))?;
     sync_dir(root)?;
     write_atomic(&root.join(LATEST), format!("{name}\n").as_bytes())?;
     if replaced.exists() {
@@ -449,30 +466,51 @@ pub fn committed(root: &Path) -> Result<Vec<(u64, PathBuf)>, CheckpointError> {
 /// crash while a step was re-saved), the newest committed checkpoint.
 ///
 /// # Errors
-/// [`CheckpointError::NotFound`] when there is none; [`CheckpointError::Corrupt`] when `latest`
-/// names a directory without its `metadata.json` (a committed checkpoint always has one, so it
-/// was damaged: resuming from an older one instead would silently lose steps).
+/// [`CheckpointError::NotFound`] when there is none (no `latest`, no committed directory, or no
+/// root); [`CheckpointError::Corrupt`] when `latest` names a directory without its
+/// `metadata.json` (a committed checkpoint always has one, so it was damaged: resuming from an
+/// older one instead would silently lose steps); [`CheckpointError::Io`] when `latest` or the
+/// root cannot be read (permissions, I/O errors, a `latest` that is not text): never taken
+/// for "no checkpoint", which would start the job over.
 pub fn latest(root: &Path) -> Result<PathBuf, CheckpointError> {
-    if let Ok(s) = std::fs::read_to_string(root.join(LATEST)) {
-        let name = s.trim();
-        let dir = root.join(name);
-        if !name.is_empty() && dir.join(METADATA).is_file() {
-            return Ok(dir);
+    let pointer = root.join(LATEST);
+    match std::fs::read_to_string(&pointer) {
+        Ok(s) => {
+            let name = s.trim();
+            let dir = root.join(name);
+            if !name.is_empty() && dir.join(METADATA).is_file() {
+                return Ok(dir);
+            }
+            if !name.is_empty() && dir.is_dir() {
+                return Err(CheckpointError::Corrupt {
+                    path: dir.join(METADATA),
+                    reason: format!(
+                        "missing, though `latest` names {name}: the checkpoint is damaged (resume from another step-N explicitly, or remove `latest` to start from the newest intact one)"
+                    ),
+                });
+            }
+            // A crash between the two renames of a re-save on a file system without
+            // RENAME_EXCHANGE: the checkpoint `latest` names waits under its aside name.
+            let aside = root.join(format!("{name}.replaced"));
+            if !name.is_empty() && !name.contains('/') && aside.join(METADATA).is_file() {
+                tracing::warn!(latest = name, root = %root.display(), "`latest` names a checkpoint that was being re-saved; using its previous copy");
+                return Ok(aside);
+            }
+            tracing::warn!(latest = name, root = %root.display(), "`latest` names no checkpoint; using the newest committed one");
         }
-        if !name.is_empty() && dir.is_dir() {
-            return Err(CheckpointError::Corrupt {
-                path: dir.join(METADATA),
-                reason: format!(
-                    "missing, though `latest` names {name}: the checkpoint is damaged (resume from another step-N explicitly, or remove `latest` to start from the newest intact one)"
-                ),
-            });
-        }
-        tracing::warn!(latest = name, root = %root.display(), "`latest` names no checkpoint; using the newest committed one");
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io("read", &pointer)(e)),
     }
-    committed(root)
-        .ok()
-        .and_then(|c| c.last().map(|(_, d)| d.clone()))
-        .ok_or_else(|| CheckpointError::NotFound(root.to_path_buf()))
+    match committed(root) {
+        Ok(c) => c
+            .last()
+            .map(|(_, d)| d.clone())
+            .ok_or_else(|| CheckpointError::NotFound(root.to_path_buf())),
+        Err(CheckpointError::Io { source, .. }) if source.kind() == std::io::ErrorKind::NotFound => {
+            Err(CheckpointError::NotFound(root.to_path_buf()))
+        }
+        Err(e) => Err(e),
+    }
 }
 
 /// Reads `metadata.json` of a checkpoint directory.
@@ -523,13 +561,7 @@ impl Reader {
             )));
         }
         for u in &meta.units {
-            let sum: usize = u.params.iter().map(|p| p.numel).sum();
-            if sum != u.numel
-                || u.shard_len * meta.shard_world != u.padded_numel
-                || u.padded_numel < u.numel
-            {
-                return Err(bad(format!("inconsistent sizes in unit {:?}", u.name)));
-            }
+            check_unit(u, meta.shard_world).map_err(|reason| bad(format!("unit {:?}: {reason}", u.name)))?;
         }
         let mut files = Vec::with_capacity(meta.files.len());
         for (j, fm) in meta.files.iter().enumerate() {
@@ -553,7 +585,10 @@ impl Reader {
                     s.unit < meta.units.len()
                         && s.tensor <= meta.state_slots
                         && s.len == meta.units[s.unit].shard_len
-                        && s.offset + 4 * s.len as u64 <= size
+                        && (s.len as u64)
+                            .checked_mul(4)
+                            .and_then(|b| s.offset.checked_add(b))
+                            .is_some_and(|end| end <= size)
                 });
             if !sections_ok || h.step != meta.step || h.state_slots != meta.state_slots {
                 return Err(corrupt("sections do not match metadata.json".into()));
@@ -622,6 +657,39 @@ impl Reader {
         }
         Ok(())
     }
+}
+
+/// A unit of `metadata.json` is what [`FlatLayout`] makes of its parameters: offsets back to
+/// back from 0, each numel the product of its shape, and the shard length the numel split
+/// over `shard_world` (at least 1), all without overflow. The reason when it is not.
+fn check_unit(u: &UnitMeta, shard_world: usize) -> Result<(), String> {
+    let mut offset = 0usize;
+    for p in &u.params {
+        let numel = p.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
+        if numel != Some(p.numel) {
+            return Err(format!("parameter {:?} has numel {} for shape {:?}", p.name, p.numel, p.shape));
+        }
+        if p.offset != offset {
+            return Err(format!("parameter {:?} at offset {}, expected {offset}", p.name, p.offset));
+        }
+        offset = offset
+            .checked_add(p.numel)
+            .ok_or_else(|| format!("parameter {:?} ends past the address space", p.name))?;
+    }
+    if offset != u.numel {
+        return Err(format!("numel {}, its parameters hold {offset}", u.numel));
+    }
+    let shard_len = u.numel.div_ceil(shard_world);
+    if u.shard_len != shard_len || shard_len.checked_mul(shard_world) != Some(u.padded_numel) {
+        return Err(format!(
+            "shard_len {} and padded_numel {} for numel {} over {shard_world} shards (expected {shard_len} and {})",
+            u.shard_len,
+            u.padded_numel,
+            u.numel,
+            shard_len.saturating_mul(shard_world)
+        ));
+    }
+    Ok(())
 }
 
 fn tensor_name(tensor: usize) -> String {

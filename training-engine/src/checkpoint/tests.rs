@@ -280,3 +280,127 @@ fn only_first_replica_writes() {
         .collect();
     assert!(written[0].is_some() && written[1].is_none() && written[2].is_none());
 }
+
+#[test]
+fn resaving_a_step_is_whole_at_every_instant() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    let old = states(Strategy::Zero2, 2, 20);
+    let dir = save_local(root, &old, &progress(), 1).unwrap();
+    // The new copy swaps names with the old one in one step: nothing is left beside it.
+    let mut new = old.clone();
+    for s in &mut new {
+        s.master[0][0] += 1.0;
+    }
+    assert_eq!(save_local(root, &new, &progress(), 1).unwrap(), dir);
+    let mut names: Vec<_> = std::fs::read_dir(root)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    names.sort();
+    assert_eq!(names, ["latest", "step-000000020"]);
+    assert_eq!(load_as(&latest(root).unwrap(), Strategy::Zero2, 2, 0), new[0]);
+    // Where the file system cannot swap, a crash between the two renames leaves the step
+    // under its aside name with `latest` naming it: that copy is loaded, not "no checkpoint".
+    let aside = root.join("step-000000020.replaced");
+    std::fs::rename(&dir, &aside).unwrap();
+    assert_eq!(latest(root).unwrap(), aside);
+    assert_eq!(load_as(&aside, Strategy::Zero2, 2, 1), new[1]);
+    // And the next save of the step cleans it up.
+    save_local(root, &old, &progress(), 1).unwrap();
+    assert!(!aside.exists());
+    assert_eq!(latest(root).unwrap(), dir);
+}
+
+#[test]
+fn exchange_swaps_two_directories() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("a"), tmp.path().join("b"));
+    std::fs::create_dir(&a).unwrap();
+    std::fs::create_dir(&b).unwrap();
+    std::fs::write(a.join("x"), b"1").unwrap();
+    // tmpfs, ext4, xfs and btrfs can; elsewhere nothing changes and the caller renames.
+    if fsutil::exchange(&a, &b).unwrap() {
+        assert!(b.join("x").is_file() && !a.join("x").exists());
+    } else {
+        assert!(a.join("x").is_file());
+    }
+    let e = fsutil::exchange(&tmp.path().join("gone"), &b).unwrap_err().to_string();
+    assert!(e.contains("gone"), "{e}");
+}
+
+#[test]
+fn unreadable_latest_is_an_error_not_a_fresh_start() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    assert!(matches!(latest(&root.join("none")), Err(CheckpointError::NotFound(_))));
+    assert!(matches!(latest(root), Err(CheckpointError::NotFound(_))));
+    save_local(root, &states(Strategy::Ddp, 1, 3), &progress(), 0).unwrap();
+    std::fs::remove_file(root.join(LATEST)).unwrap();
+    std::fs::create_dir(root.join(LATEST)).unwrap();
+    let e = latest(root).unwrap_err();
+    assert!(matches!(e, CheckpointError::Io { .. }), "{e}");
+    assert!(e.to_string().contains("latest"), "{e}");
+    std::fs::remove_dir(root.join(LATEST)).unwrap();
+    std::fs::write(root.join(LATEST), [0xff, 0xfe]).unwrap();
+    assert!(matches!(latest(root), Err(CheckpointError::Io { .. })));
+}
+
+/// Rewrites `metadata.json` of `dir` through `edit`.
+fn edit_metadata(dir: &Path, edit: impl FnOnce(&mut Metadata)) {
+    let mut meta = read_metadata(dir).unwrap();
+    edit(&mut meta);
+    std::fs::write(dir.join(METADATA), serde_json::to_vec(&meta).unwrap()).unwrap();
+}
+
+#[test]
+fn inconsistent_parameter_table_is_named_not_a_panic() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = save_local(tmp.path(), &states(Strategy::Zero2, 2, 5), &progress(), 0).unwrap();
+    let good = std::fs::read(dir.join(METADATA)).unwrap();
+    let out = tmp.path().join("model.safetensors");
+    type Edit = fn(&mut Metadata);
+    let cases: [(&str, Edit); 5] = [
+        ("offset 8, expected 15", |m| m.units[0].params[1].offset = 8),
+        ("numel 16 for shape [4, 5]", |m| m.units[1].params[0].shape = vec![4, 5]),
+        ("numel 23, its parameters hold 22", |m| m.units[0].numel = 23),
+        ("shard_len 9223372036854775808", |m| {
+            m.units[0].shard_len = 1 << 63;
+            m.units[0].padded_numel = 0;
+        }),
+        ("numel 1 for shape [18446744073709551615, 2]", |m| {
+            m.units[2].params[0].shape = vec![usize::MAX, 2];
+            m.units[2].params[0].numel = 1;
+        }),
+    ];
+    for (want, edit) in cases {
+        edit_metadata(&dir, edit);
+        for e in [
+            export_safetensors(&dir, &out).unwrap_err().to_string(),
+            verify(&dir).unwrap_err().to_string(),
+        ] {
+            assert!(e.contains("metadata.json") && e.contains(want), "{want}: {e}");
+        }
+        std::fs::write(dir.join(METADATA), &good).unwrap();
+    }
+    export_safetensors(&dir, &out).unwrap();
+    assert!(!out.with_extension("safetensors.tmp").exists());
+}
+
+#[test]
+fn header_length_is_capped_before_reading() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = save_local(tmp.path(), &states(Strategy::Zero2, 2, 5), &progress(), 0).unwrap();
+    let shard = dir.join("shard-00000.bin");
+    let mut bytes = std::fs::read(&shard).unwrap();
+    bytes[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
+    std::fs::write(&shard, &bytes).unwrap();
+    let e = verify(&dir).unwrap_err().to_string();
+    assert!(e.contains("shard-00000.bin") && e.contains("header length 4294967295"), "{e}");
+}
+
+#[test]
+fn a_bare_file_name_has_the_current_directory_as_its_parent() {
+    fsutil::sync_dir(Path::new("")).unwrap();
+    fsutil::sync_dir(Path::new("model.safetensors").parent().unwrap()).unwrap();
+}

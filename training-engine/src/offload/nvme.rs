@@ -102,8 +102,11 @@ impl std::fmt::Debug for NvmeStore {
     }
 }
 
+/// The largest `block_size`: 1 GiB, well inside io_uring's 32-bit request length.
+const MAX_BLOCK: usize = 1 << 30;
+
 impl NvmeStore {
-    /// Creates (or truncates) the swap file for unit shards of `unit_lens` elements with
+    /// Creates (or truncates) the swap file, unlinks it at once, for unit shards of `unit_lens` elements with
     /// `slots` state slots per element, preallocates it and starts the I/O engine. The state
     /// starts at zero.
     ///
@@ -112,9 +115,10 @@ impl NvmeStore {
     /// preallocated (`ENOSPC` for a disk that is too small), [`OffloadError::Engine`] when the
     /// requested engine cannot start.
     pub fn new(unit_lens: &[usize], slots: usize, cfg: &NvmeConfig) -> Result<Self, OffloadError> {
-        if cfg.block_size == 0 || !cfg.block_size.is_multiple_of(ALIGN) {
+        // One request's length travels as a u32 (io_uring's `len`).
+        if cfg.block_size == 0 || !cfg.block_size.is_multiple_of(ALIGN) || cfg.block_size > MAX_BLOCK {
             return Err(OffloadError::InvalidArgument(format!(
-                "block_size {} is not a positive multiple of {ALIGN}",
+                "block_size {} is not a positive multiple of {ALIGN} up to {MAX_BLOCK}",
                 cfg.block_size
             )));
         }
@@ -145,9 +149,18 @@ impl NvmeStore {
         }
         let path: Arc<Path> = cfg.dir.join(&cfg.file_name).into();
         let (file, direct) = open_swap(&path)?;
+        // Unlinked at once: the space lives as long as the descriptor, so a rank that is killed
+        // (SIGKILL, an abort, a restart by the launcher) cannot leave gigabytes behind.
+        if let Err(e) = std::fs::remove_file(&path) {
+            return Err(OffloadError::Io {
+                op: "unlink",
+                path: path.to_path_buf(),
+                offset: 0,
+                source: e,
+            });
+        }
         let cleanup = |file: File, e: OffloadError| {
             drop(file);
-            let _ = std::fs::remove_file(&path);
             e
         };
         if let Err(e) = preallocate(&file, file_bytes) {
@@ -204,9 +217,16 @@ impl NvmeStore {
         self.direct
     }
 
-    /// The swap file.
+    /// Where the swap file was created (it is unlinked at once, and its space freed when the
+    /// store is dropped or the process ends, however it ends).
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The open swap file.
+    #[cfg(test)]
+    pub(crate) fn file(&self) -> &File {
+        &self.file
     }
 
     /// The tiles, in update order.
@@ -526,7 +546,6 @@ impl NvmeStore {
 impl Drop for NvmeStore {
     fn drop(&mut self) {
         let _ = self.drain();
-        let _ = std::fs::remove_file(&self.path);
     }
 }
 

@@ -114,10 +114,9 @@ fn nvme_matches_cpu_bitwise_for_every_engine_and_buffer_count() {
             let st = nvme.stats();
             assert_eq!(st.unit_updates, 16);
             assert!(st.bytes_read > 0 && st.bytes_written > 0);
-            let path = nvme.path().to_path_buf();
-            assert!(path.exists());
-            drop(nvme);
-            assert!(!path.exists(), "swap file removed on drop");
+            // Unlinked while open: nothing is left behind however the process ends.
+            assert!(!nvme.path().exists(), "swap file unlinked at once");
+            assert!(nvme.file().metadata().unwrap().len() > 0);
         }
     }
 }
@@ -163,12 +162,7 @@ fn truncated_swap_file_is_an_error_naming_the_file() {
         cfg.sub_group_elems = 2048;
         cfg.engine = Some(engine);
         let mut nvme = NvmeStore::new(&lens, 2, &cfg).unwrap();
-        std::fs::OpenOptions::new()
-            .write(true)
-            .open(nvme.path())
-            .unwrap()
-            .set_len(4096)
-            .unwrap();
+        nvme.file().set_len(4096).unwrap();
         let err = nvme.update_unit(0, &mut |_| Ok(())).unwrap_err();
         let msg = err.to_string();
         assert!(msg.contains("trunc.swap") && msg.contains("read"), "{msg}");
@@ -207,11 +201,13 @@ fn bad_fd_write_error_is_reported_by_both_engines() {
 fn invalid_arguments_are_errors() {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = NvmeConfig::new(dir.path(), "x.swap");
-    cfg.block_size = 1000;
-    assert!(matches!(
-        NvmeStore::new(&[10], 2, &cfg),
-        Err(OffloadError::InvalidArgument(_))
-    ));
+    for bad in [1000usize, 0, 4 << 30] {
+        cfg.block_size = bad;
+        let err = NvmeStore::new(&[10], 2, &cfg).unwrap_err();
+        assert!(matches!(err, OffloadError::InvalidArgument(_)), "{err}");
+        assert!(err.to_string().contains(&bad.to_string()), "{err}");
+    }
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "nothing created");
     let mut cpu = CpuStore::new(&[10], 2, 4).unwrap();
     assert!(cpu.init_unit(1, &[0.0; 10], 2).is_err());
     assert!(cpu.init_unit(0, &[0.0; 9], 2).is_err());
