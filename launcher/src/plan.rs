@@ -283,7 +283,7 @@ fn check_log_dir(dir: &Path, given: bool) -> Result<(), PlanError> {
 }
 
 /// A host name or address a resolver could take: not empty, no whitespace, no `/`.
-fn plausible_host(host: &str) -> bool {
+pub(crate) fn plausible_host(host: &str) -> bool {
     !host.is_empty() && !host.contains(char::is_whitespace) && !host.contains('/')
 }
 
@@ -1014,7 +1014,22 @@ impl LaunchPlan {
     /// # Errors
     /// The first user error found.
     pub fn resolve(args: &LaunchArgs, host: &HostInfo) -> Result<LaunchPlan, PlanError> {
-        Self::resolve_options(args, host).map_err(|err| match err {
+        Self::resolve_as(args, host, Role::Launcher)
+    }
+
+    /// [`LaunchPlan::resolve`] for an agent the head started (`rsrun agent --stdin`). The head decided
+    /// the topology and the rendezvous and passed them as options, so this host's cluster variables
+    /// (`SLURM_*`, `PET_*`) are not read; and the ranks the log options name were checked by the head
+    /// against the whole host table, whose nodes may differ in slots.
+    ///
+    /// # Errors
+    /// The first user error found.
+    pub fn resolve_agent(args: &LaunchArgs, host: &HostInfo) -> Result<LaunchPlan, PlanError> {
+        Self::resolve_as(args, host, Role::Agent)
+    }
+
+    fn resolve_as(args: &LaunchArgs, host: &HostInfo, role: Role) -> Result<LaunchPlan, PlanError> {
+        Self::resolve_options(args, host, role).map_err(|err| match err {
             // A value that came from the environment (`PET_NNODES=abc`) is named by its variable:
             // the user typed no such flag.
             PlanError::Invalid { flag, ref value, .. } => match args.origin(&flag.trim_start_matches('-').replace('-', "_")) {
@@ -1025,11 +1040,15 @@ impl LaunchPlan {
         })
     }
 
-    fn resolve_options(args: &LaunchArgs, host: &HostInfo) -> Result<LaunchPlan, PlanError> {
+    fn resolve_options(args: &LaunchArgs, host: &HostInfo, role: Role) -> Result<LaunchPlan, PlanError> {
         let mut notes = Vec::new();
         // The cluster path first: a host table, Slurm, Kubernetes (explicit options > Slurm >
-        // Kubernetes/PET_*); what it leaves undecided comes from the options below.
-        let cluster = multinode::resolve(args, host)?;
+        // Kubernetes/PET_*); what it leaves undecided comes from the options below. An agent has
+        // its place in the job from the head, as options.
+        let cluster = match role {
+            Role::Launcher => multinode::resolve(args, host)?,
+            Role::Agent => multinode::Cluster::plain(LaunchMode::SingleNode),
+        };
         notes.extend(cluster.notes.iter().cloned());
         let nodes = match cluster.nodes {
             Some(n) => n,
@@ -1082,9 +1101,12 @@ impl LaunchPlan {
         if let Some(addr) = args.local_addr.as_deref().filter(|a| !plausible_host(a.trim())) {
             return Err(invalid("--local-addr", addr, "this node's host name or IP address"));
         }
-        // A node rank no node of the job can have is a mistake whichever backend would use it.
+        // A node rank no node of the job can have is a mistake whichever backend would use it (a
+        // PET_NODE_RANK in a pod does not count against a typed --standalone, which uses none).
+        let typed = |id: &str| args.origin(id) == crate::cli::Origin::CommandLine;
         if let Some(r) = args.node_rank
             && r >= nodes.max
+            && (!typed("standalone") || typed("node_rank"))
         {
             return Err(invalid("--node-rank", &r.to_string(), format!("a rank below the number of nodes ({})", nodes.max)));
         }
@@ -1316,23 +1338,32 @@ impl LaunchPlan {
             dup_stdout: args.duplicate_stdout_filters.as_deref().map(split_escaped).unwrap_or_default(),
             dup_stderr: args.duplicate_stderr_filters.as_deref().map(split_escaped).unwrap_or_default(),
         };
-        // Ranks no worker of the job has: a typo that would hide every line or change nothing.
-        let world_max = nodes.max.saturating_mul(nproc_per_node);
+        // Ranks no worker of the job has: a typo that would hide every line or change nothing. Nodes
+        // of a host table may differ in slots: local ranks go up to the largest slot count, ranks to
+        // the table's world size (unknown while a host's slots are `auto`). An agent is one node of
+        // the head's table: the head checked them.
+        let limits = match (role, &cluster.hosts) {
+            (Role::Agent, _) => None,
+            (Role::Launcher, Some(table)) => table.max_slots().zip(table.world_size()),
+            (Role::Launcher, None) => Some((nproc_per_node, nodes.max.saturating_mul(nproc_per_node))),
+        };
         let beyond = |flag: &'static str, value: &Option<String>, rank: u32, limit: u32, what: &str| {
             if rank >= limit {
                 return Err(invalid(flag, value.as_deref().unwrap_or(""), format!("{what} below {limit} (rank {rank} does not exist)")));
             }
             Ok(())
         };
-        if let Some(set) = &logs.local_ranks {
-            beyond("--local-ranks-filter", &args.local_ranks_filter, set.max(), nproc_per_node, "local ranks")?;
-        }
-        if let Some(set) = &logs.ranks {
-            beyond("--ranks-filter", &args.ranks_filter, set.max(), world_max, "ranks")?;
-        }
-        for (flag, spec, value) in [("--redirects", &logs.redirects, &args.redirects), ("--tee", &logs.tee, &args.tee)] {
-            if let Some(&lr) = spec.per_rank.keys().next_back() {
-                beyond(flag, value, lr, nproc_per_node, "local ranks")?;
+        if let Some((local_max, world_max)) = limits {
+            if let Some(set) = &logs.local_ranks {
+                beyond("--local-ranks-filter", &args.local_ranks_filter, set.max(), local_max, "local ranks")?;
+            }
+            if let Some(set) = &logs.ranks {
+                beyond("--ranks-filter", &args.ranks_filter, set.max(), world_max, "ranks")?;
+            }
+            for (flag, spec, value) in [("--redirects", &logs.redirects, &args.redirects), ("--tee", &logs.tee, &args.tee)] {
+                if let Some(&lr) = spec.per_rank.keys().next_back() {
+                    beyond(flag, value, lr, local_max, "local ranks")?;
+                }
             }
         }
 
@@ -1515,6 +1546,14 @@ impl LaunchPlan {
             requeue,
         })
     }
+}
+
+/// Who resolves the plan: a launcher started by the user (or srun, or a pod), or an agent started by
+/// the head of a whole-job launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Role {
+    Launcher,
+    Agent,
 }
 
 /// The SIGTERM grace of a cluster whose SIGKILL follows SIGTERM after 30 s by default, and why.

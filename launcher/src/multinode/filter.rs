@@ -12,9 +12,10 @@
 //! DeepSpeed, a host named alone is kept whole (`-i w1`), a host before `@` is kept
 //! (`-i w0@w1:1`), and a slot out of range is an error (`-i w1:4` on a 4-slot host).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashMap};
 
 use super::hostfile::{self, HostEntry, Slots};
+use super::hostlist;
 use crate::plan::PlanError;
 
 /// Which filter.
@@ -67,6 +68,7 @@ impl Filter {
     pub fn parse(kind: Kind, text: &str) -> Result<Filter, PlanError> {
         let flag = kind.flag();
         let mut specs = Vec::new();
+        let mut hosts = 0usize;
         for spec in text.split('@').map(str::trim) {
             if spec.is_empty() {
                 return Err(err(format!("{flag} \"{text}\": empty host (write HOST[:SLOTS]@HOST[:SLOTS])")));
@@ -76,6 +78,10 @@ impl Filter {
                 .map_err(|e| PlanError::At { place: format!("{flag} \"{spec}\""), error: Box::new(e) })?;
             if expr.user.is_some() {
                 return Err(err(format!("{flag} \"{spec}\": a filter names hosts, not users")));
+            }
+            hosts += expr.hosts.len();
+            if hosts > hostlist::MAX_HOSTS {
+                return Err(err(format!("{flag}: more than {} hosts in all", hostlist::MAX_HOSTS)));
             }
             let slots = match slot_part {
                 None => None,
@@ -95,9 +101,11 @@ impl Filter {
         let flag = self.kind.flag();
         // Per table index: the selected (include) or removed (exclude) slots; None = all.
         let mut picked: Vec<Option<Option<BTreeSet<u32>>>> = vec![None; entries.len()];
+        // Host names are unique in a table (duplicates are errors).
+        let index: HashMap<&str, usize> = entries.iter().enumerate().map(|(i, e)| (e.host.as_str(), i)).collect();
         for spec in &self.specs {
             for h in &spec.hosts {
-                let Some(idx) = entries.iter().position(|e| &e.host == h) else {
+                let Some(&idx) = index.get(h.as_str()) else {
                     let names: Vec<&str> = entries.iter().take(8).map(|e| e.host.as_str()).collect();
                     return Err(err(format!(
                         "{flag}: host \"{h}\" is not in {what} ({} host{}: {}{})",

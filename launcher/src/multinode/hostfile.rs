@@ -17,7 +17,7 @@
 //! `--include`/`--exclude` → `--nnodes` (the first N nodes; MAX for `MIN:MAX`) →
 //! `--nproc-per-node` (slots `[0, N)`). Conflicts are errors, never silent truncation.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
 use super::{Source, filter, hostlist};
@@ -26,6 +26,8 @@ use crate::plan::{HostInfo, NodeRange, PlanError};
 
 /// Largest slot count.
 pub const MAX_SLOTS: u32 = 4096;
+// A slot count is a node's worker count: it must pass the plan's per-node limit.
+const _: () = assert!(MAX_SLOTS <= crate::plan::MAX_NPROC_PER_NODE);
 /// Largest hostfile.
 pub const MAX_HOSTFILE_BYTES: u64 = 1 << 20;
 
@@ -97,6 +99,14 @@ impl HostTable {
             .collect()
     }
 
+    /// The largest slot count, when every node's slots are known.
+    pub fn max_slots(&self) -> Option<u32> {
+        self.entries.iter().try_fold(0u32, |acc, e| match e.slots {
+            Slots::Count(n) => Some(acc.max(n)),
+            Slots::Auto => None,
+        })
+    }
+
     /// Workers in the job, when every node's slots are known.
     pub fn world_size(&self) -> Option<u32> {
         self.entries.iter().try_fold(0u32, |acc, e| match e.slots {
@@ -124,11 +134,16 @@ fn at(place: impl Into<String>, error: PlanError) -> PlanError {
 }
 
 /// Splits `item` into the host expression and what follows its `:` (`None` without one). An item
-/// that starts with `[` and has a `:` inside the brackets is an IPv6 literal: `[fe80::1]:4`.
+/// whose host (after any `user@`) starts with `[` and has a `:` inside the brackets is an IPv6
+/// literal: `[fe80::1]:4`, `root@[fe80::1]:4`.
 pub fn split_count(item: &str) -> (&str, Option<&str>) {
-    if item.starts_with('[')
-        && let Some(close) = item.find(']')
-        && item[..close].contains(':')
+    let start = match item.find('@') {
+        Some(at) if item[at + 1..].starts_with('[') => at + 1,
+        _ => 0,
+    };
+    if item[start..].starts_with('[')
+        && let Some(close) = item[start..].find(']').map(|c| start + c)
+        && item[start..close].contains(':')
     {
         return match item[close + 1..].strip_prefix(':') {
             Some(count) => (&item[..=close], Some(count)),
@@ -303,6 +318,11 @@ fn parse_line(text: &str) -> Result<LineEntry, PlanError> {
     Ok(entry)
 }
 
+/// The whole table's bound, the same as one hostlist expression's.
+fn too_many_hosts() -> PlanError {
+    hosts_err(format!("more than {} hosts in all", hostlist::MAX_HOSTS))
+}
+
 fn zero_slots(host: &str) -> PlanError {
     hosts_err(format!("slots=0 on host \"{host}\"; remove the line or use --exclude {host}"))
 }
@@ -348,6 +368,9 @@ pub fn parse_hostfile(name: &str, text: &str, default_slots: Option<u32>) -> Res
             continue;
         }
         let entry = parse_line(content).map_err(|e| at(place(), e))?;
+        if out.len() + entry.expr.hosts.len() > hostlist::MAX_HOSTS {
+            return Err(at(place(), too_many_hosts()));
+        }
         for h in entry.expr.hosts {
             if let Some(first) = first_line.get(&h) {
                 return Err(at(
@@ -403,6 +426,7 @@ fn split_items(list: &str) -> Vec<&str> {
 pub fn parse_hosts_arg(list: &str, default_slots: Option<u32>) -> Result<Vec<HostEntry>, PlanError> {
     let place = format!("-H \"{list}\"");
     let mut out: Vec<HostEntry> = Vec::new();
+    let mut seen: HashSet<String> = HashSet::new();
     for item in split_items(list).into_iter().map(str::trim) {
         if item.is_empty() {
             return Err(at(&place, hosts_err("empty host (two commas, or a comma at an end)")));
@@ -421,8 +445,11 @@ pub fn parse_hosts_arg(list: &str, default_slots: Option<u32>) -> Result<Vec<Hos
                 )
             })?,
         };
+        if out.len() + expr.hosts.len() > hostlist::MAX_HOSTS {
+            return Err(at(&place, too_many_hosts()));
+        }
         for h in expr.hosts {
-            if out.iter().any(|e| e.host == h) {
+            if !seen.insert(h.clone()) {
                 return Err(at(&place, hosts_err(format!("duplicate host \"{h}\"; list each host once with :N"))));
             }
             out.push(HostEntry {
@@ -450,12 +477,21 @@ pub fn resolve_table(args: &LaunchArgs, host: &HostInfo) -> Result<Option<HostTa
         if !args.given("nproc_per_node") {
             return Ok(None);
         }
-        args.nproc_per_node.trim().parse::<u32>().ok().filter(|n| *n > 0).map(Some).ok_or_else(|| {
+        let n = args.nproc_per_node.trim().parse::<u32>().ok().filter(|n| *n > 0).ok_or_else(|| {
             hosts_err(format!(
                 "--nproc-per-node {} with a host table: give a number (slots are per host; a bare host without it is detected at preflight)",
                 args.nproc_per_node
             ))
-        })
+        })?;
+        // It becomes the slot count of bare hosts: the plan's per-node limit applies.
+        if n > crate::plan::MAX_NPROC_PER_NODE {
+            return Err(PlanError::Invalid {
+                flag: "--nproc-per-node",
+                value: args.nproc_per_node.trim().to_owned(),
+                expected: format!("at most {} workers per node", crate::plan::MAX_NPROC_PER_NODE),
+            });
+        }
+        Ok(Some(n))
     };
     let (mut entries, origin, what, nproc) = match (&args.hostfile, &args.hosts) {
         (None, None) => {

@@ -16,7 +16,10 @@
 //! ```
 //!
 //! Numbers print zero-padded to the width of `lo` (`node[001-3]` is node001..node003, `node[9-011]`
-//! is node9..node11). A range holds at most 65,536 hosts; duplicates and order are kept.
+//! is node9..node11). A range holds at most 65,536 hosts; duplicates and order are kept. Sizes are
+//! checked before anything is expanded: a padding width or a host name longer than 253 characters
+//! (the DNS limit), more than [`MAX_HOSTS`] names, or more than [`MAX_EXPANDED_BYTES`] of names is an
+//! error.
 
 use crate::plan::PlanError;
 
@@ -25,9 +28,21 @@ pub const MAX_RANGE: u64 = 65_536;
 /// Most hosts one expression may expand to (rsrun's bound; Slurm has none, and `a[0-65535]b[0-65535]`
 /// would be four billion names).
 pub const MAX_HOSTS: usize = 1 << 20;
+/// Longest host name (and padding width): the DNS limit of RFC 1035.
+pub const MAX_NAME_LEN: usize = 253;
+/// Most bytes of host names one expression may expand to (MAX_HOSTS names of 64 characters).
+pub const MAX_EXPANDED_BYTES: u64 = 64 << 20;
 
 fn bad(list: &str, reason: impl Into<String>) -> PlanError {
-    PlanError::Hostlist { list: list.to_owned(), reason: reason.into() }
+    PlanError::Hostlist { list: clip(list), reason: reason.into() }
+}
+
+/// `s` for a message: its first 40 characters and "..." when it is longer.
+pub(crate) fn clip(s: &str) -> String {
+    match s.char_indices().nth(40) {
+        Some((end, _)) => format!("{}...", &s[..end]),
+        None => s.to_owned(),
+    }
 }
 
 /// Expands a hostlist expression into host names, in order, duplicates kept.
@@ -36,12 +51,23 @@ fn bad(list: &str, reason: impl Into<String>) -> PlanError {
 /// [`PlanError::Hostlist`] naming the offending token and why.
 pub fn expand(list: &str) -> Result<Vec<String>, PlanError> {
     let mut out = Vec::new();
+    let mut bytes = 0u64;
     for token in split_tokens(list)? {
-        let hosts = expand_token(token)?;
-        if out.len() + hosts.len() > MAX_HOSTS {
+        let groups = parse_token(token)?;
+        // Sized before anything is expanded: the count and the longest name.
+        let (count, len) = token_size(token, &groups)?;
+        let total = (out.len() as u64).saturating_add(count);
+        bytes = bytes.saturating_add(count.saturating_mul(len as u64));
+        if total > MAX_HOSTS as u64 {
             return Err(bad(list, format!("more than {MAX_HOSTS} hosts")));
         }
-        out.extend(hosts);
+        if bytes > MAX_EXPANDED_BYTES {
+            return Err(bad(
+                list,
+                format!("expands to more than {} MiB of host names (names of up to {len} characters)", MAX_EXPANDED_BYTES >> 20),
+            ));
+        }
+        out.extend(expand_groups(token, &groups));
     }
     Ok(out)
 }
@@ -101,42 +127,82 @@ struct Range {
     width: usize,
 }
 
-fn expand_token(token: &str) -> Result<Vec<String>, PlanError> {
+impl Range {
+    /// Characters of the longest number it prints (zero-padded to `width`).
+    fn max_len(&self) -> usize {
+        self.width.max(self.hi.to_string().len())
+    }
+}
+
+/// A token's pieces: the literal text before each bracket group, and the group's ranges.
+type Groups<'a> = Vec<(&'a str, Vec<Range>)>;
+
+/// Parses a token into its bracket groups (none for a plain name).
+fn parse_token(token: &str) -> Result<Groups<'_>, PlanError> {
+    let mut groups = Vec::new();
     if !token.contains('[') {
-        return Ok(vec![token.to_owned()]);
+        return Ok(groups);
     }
     if !token.ends_with(']') {
         // Slurm: "Invalid hostlist" (pdsh allows a suffix, Slurm does not).
         return Err(bad(token, "nothing may follow the last ']'"));
     }
-    // Pieces: literal text and bracket groups, alternating.
-    let mut names = vec![String::new()];
     let mut rest = token;
     while let Some(open) = rest.find('[') {
-        let literal = &rest[..open];
         // `split_tokens` guarantees every '[' has its ']' and that brackets do not nest.
         let Some(close) = rest[open..].find(']').map(|c| open + c) else {
             return Err(bad(token, "unclosed '['"));
         };
-        let ranges = parse_ranges(token, &rest[open + 1..close])?;
-        let count: u64 = ranges.iter().map(|r| r.hi - r.lo + 1).sum();
-        if (names.len() as u64).saturating_mul(count) > MAX_HOSTS as u64 {
-            return Err(bad(token, format!("more than {MAX_HOSTS} hosts")));
+        groups.push((&rest[..open], parse_ranges(token, &rest[open + 1..close])?));
+        rest = &rest[close + 1..];
+    }
+    // `token` ends with ']', so nothing is left after the last group.
+    debug_assert!(rest.is_empty());
+    Ok(groups)
+}
+
+/// How many names `token` expands to (saturating) and the length of the longest.
+///
+/// # Errors
+/// A name longer than [`MAX_NAME_LEN`].
+fn token_size(token: &str, groups: &Groups<'_>) -> Result<(u64, usize), PlanError> {
+    if groups.is_empty() {
+        if token.len() > MAX_NAME_LEN {
+            return Err(bad(token, format!("host name of {} characters (at most {MAX_NAME_LEN}, the DNS limit)", token.len())));
         }
-        let mut next = Vec::with_capacity(names.len() * count as usize);
+        return Ok((1, token.len()));
+    }
+    let mut count = 1u64;
+    let mut len = 0usize;
+    for (literal, ranges) in groups {
+        count = count.saturating_mul(ranges.iter().map(|r| r.hi - r.lo + 1).sum());
+        len = len.saturating_add(literal.len()).saturating_add(ranges.iter().map(Range::max_len).max().unwrap_or(0));
+    }
+    if len > MAX_NAME_LEN {
+        return Err(bad(token, format!("host names of up to {len} characters (at most {MAX_NAME_LEN}, the DNS limit)")));
+    }
+    Ok((count, len))
+}
+
+/// Expands a token whose size was checked by [`token_size`].
+fn expand_groups(token: &str, groups: &Groups<'_>) -> Vec<String> {
+    if groups.is_empty() {
+        return vec![token.to_owned()];
+    }
+    let mut names = vec![String::new()];
+    for (literal, ranges) in groups {
+        let count: u64 = ranges.iter().map(|r| r.hi - r.lo + 1).sum();
+        let mut next = Vec::with_capacity(names.len().saturating_mul(count as usize));
         for name in &names {
-            for r in &ranges {
+            for r in ranges {
                 for n in r.lo..=r.hi {
                     next.push(format!("{name}{literal}{n:0w$}", w = r.width));
                 }
             }
         }
         names = next;
-        rest = &rest[close + 1..];
     }
-    // `token` ends with ']', so nothing is left after the last group.
-    debug_assert!(rest.is_empty());
-    Ok(names)
+    names
 }
 
 fn parse_ranges(token: &str, inner: &str) -> Result<Vec<Range>, PlanError> {
@@ -151,14 +217,21 @@ fn parse_ranges(token: &str, inner: &str) -> Result<Vec<Range>, PlanError> {
         };
         let number = |s: &str| -> Result<u64, PlanError> {
             if s.is_empty() {
-                return Err(bad(token, format!("range \"{part}\" is not N or N-M")));
+                return Err(bad(token, format!("range \"{}\" is not N or N-M", clip(part))));
             }
             if !s.bytes().all(|b| b.is_ascii_digit()) {
-                return Err(bad(token, format!("\"{s}\" in range \"{part}\" is not a number")));
+                return Err(bad(token, format!("\"{}\" in range \"{}\" is not a number", clip(s), clip(part))));
             }
-            s.parse::<u64>().map_err(|_| bad(token, format!("number \"{s}\" is too large")))
+            s.parse::<u64>().map_err(|_| bad(token, format!("number \"{}\" is too large", clip(s))))
         };
         let lo = number(lo_s)?;
+        if lo_s.len() > MAX_NAME_LEN {
+            // Refused before the numbers are printed at this width.
+            return Err(bad(
+                token,
+                format!("padding width {} of \"{}\" is longer than a host name may be (at most {MAX_NAME_LEN}, the DNS limit)", lo_s.len(), clip(lo_s)),
+            ));
+        }
         let hi = match hi_s {
             Some(h) => number(h)?,
             None => lo,
@@ -167,7 +240,7 @@ fn parse_ranges(token: &str, inner: &str) -> Result<Vec<Range>, PlanError> {
             return Err(bad(token, format!("range start {lo} > end {hi}")));
         }
         if hi - lo + 1 > MAX_RANGE {
-            return Err(bad(token, format!("too many hosts in range \"{part}\" (at most {MAX_RANGE})")));
+            return Err(bad(token, format!("too many hosts in range \"{}\" (at most {MAX_RANGE})", clip(part))));
         }
         out.push(Range { lo, hi, width: lo_s.len() });
     }

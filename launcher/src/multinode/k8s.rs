@@ -14,13 +14,17 @@
 //!    `k8s-<PET_MASTER_ADDR>`. PyTorchJob v1 also sets `MASTER_ADDR` and `RANK`; a TrainJob sets only
 //!    `PET_*`.
 //!
+//! Options typed on the command line win over the operator's variables (multinode/mod.rs):
+//! `--standalone` runs this pod as a single node, and `--rdzv-endpoint` names the rendezvous service
+//! in place of `PET_MASTER_ADDR:PET_MASTER_PORT` (or `PET_RDZV_ENDPOINT`, which clap already replaces).
+//!
 //! Inherited worker-level names (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`)
 //! are ignored for planning (PyTorchJob's `RANK` is the node index) and overwritten for every worker.
 //! Workers get a `MASTER_PORT` picked free by node rank 0, never `PET_MASTER_PORT`: rsrun's service
 //! holds that port.
 
 use super::{Cluster, LaunchMode, Source, Sourced, option_source};
-use crate::cli::LaunchArgs;
+use crate::cli::{LaunchArgs, Origin};
 use crate::plan::{DEFAULT_RDZV_PORT, Endpoint, HostInfo, HostMode, NodeRange, PlanError, RdzvPlan};
 
 /// Worker-level names an operator may leave in the pod's environment.
@@ -37,6 +41,22 @@ fn var<'a>(host: &'a HostInfo, name: &str) -> Option<&'a str> {
 pub fn detect(args: &LaunchArgs, host: &HostInfo) -> Result<Option<Cluster>, PlanError> {
     let backend = args.rdzv_backend.trim().to_ascii_lowercase();
     let backend_given = args.given("rdzv_backend");
+    let typed = |id: &str| args.origin(id) == Origin::CommandLine;
+    let pod = var(host, "PET_RDZV_ENDPOINT").is_some() || (var(host, "PET_MASTER_ADDR").is_some() && var(host, "PET_MASTER_PORT").is_some());
+    if typed("standalone") {
+        if !pod {
+            return Ok(None);
+        }
+        // A single-node run: the operator's node count does not apply (a typed --nnodes still does,
+        // and --standalone refuses more than one node).
+        let mut c = Cluster::plain(LaunchMode::SingleNode);
+        c.notes.push("PET_* variables of a Kubernetes job but --standalone: a single-node run, the job's rendezvous not used".into());
+        if !typed("nnodes") {
+            c.nodes = Some(NodeRange { min: 1, max: 1 });
+            c.sources.push(Sourced::new("nnodes", 1, Source::Flag("--standalone".into())));
+        }
+        return Ok(Some(c));
+    }
     if var(host, "PET_RDZV_ENDPOINT").is_some() {
         let mut c = Cluster::plain(LaunchMode::K8sV1Elastic);
         ignored_env(host, &mut c);
@@ -103,7 +123,8 @@ pub fn detect(args: &LaunchArgs, host: &HostInfo) -> Result<Option<Cluster>, Pla
     // Both are set: checked above, and clap read them into the options unless a flag overrode them.
     let addr = args.master_addr.clone().unwrap_or_default();
     let port = args.master_port.unwrap_or(0);
-    if port == 0 {
+    let endpoint_typed = typed("rdzv_endpoint") && !args.rdzv_endpoint.trim().is_empty();
+    if port == 0 && !endpoint_typed {
         return Err(PlanError::Invalid { flag: "--master-port", value: "0".into(), expected: "a port in 1..65535".into() });
     }
     let addr_source = option_source(args, "master_addr", "--master-addr");
@@ -122,21 +143,33 @@ pub fn detect(args: &LaunchArgs, host: &HostInfo) -> Result<Option<Cluster>, Pla
     if backend_given && !matches!(backend.as_str(), "c10d" | "rsrun") {
         return Ok(Some(c));
     }
-    let endpoint = Endpoint { host: addr.clone(), port };
-    c.sources.push(Sourced::new(
-        "rendezvous",
-        &endpoint,
-        Source::Derived(format!("{addr_source} and {port_source}, hosted by node rank 0")),
-    ));
+    let (endpoint, host_mode) = if endpoint_typed {
+        // The service the user named: hosted as --rdzv-endpoint usually is (this host, if it is
+        // the endpoint's and nothing listens there).
+        let endpoint = Endpoint::parse(&args.rdzv_endpoint, "--rdzv-endpoint", DEFAULT_RDZV_PORT)?;
+        crate::plan::port_zero_only_alone(&endpoint, nodes, "--rdzv-endpoint", &args.rdzv_endpoint)?;
+        c.sources.push(Sourced::new("rendezvous", &endpoint, option_source(args, "rdzv_endpoint", "--rdzv-endpoint")));
+        (endpoint, HostMode::Auto)
+    } else {
+        let endpoint = Endpoint { host: addr.clone(), port };
+        c.sources.push(Sourced::new(
+            "rendezvous",
+            &endpoint,
+            Source::Derived(format!("{addr_source} and {port_source}, hosted by node rank 0")),
+        ));
+        let host_mode = if node_rank == 0 { HostMode::Always } else { HostMode::Never };
+        (endpoint, host_mode)
+    };
     let (job_id, id_source) = match &args.rdzv_id {
         Some(id) => (id.clone(), option_source(args, "rdzv_id", "--rdzv-id")),
         None => (format!("k8s-{addr}"), Source::Derived(format!("k8s-<{addr_source}>"))),
     };
     c.sources.push(Sourced::new("run id", &job_id, id_source));
-    c.notes.push(format!(
-        "workers get MASTER_PORT of the PyTorch store node rank 0 serves on an ephemeral port: {port} ({port_source}) is held by the rendezvous service; a NetworkPolicy must allow both"
-    ));
-    let host_mode = if node_rank == 0 { HostMode::Always } else { HostMode::Never };
+    if !endpoint_typed {
+        c.notes.push(format!(
+            "workers get MASTER_PORT of the PyTorch store node rank 0 serves on an ephemeral port: {port} ({port_source}) is held by the rendezvous service; a NetworkPolicy must allow both"
+        ));
+    }
     c.rdzv = Some((RdzvPlan::Daemon { endpoint, host: host_mode }, job_id, Some(node_rank)));
     Ok(Some(c))
 }

@@ -175,7 +175,8 @@ pub struct Cluster {
 }
 
 impl Cluster {
-    fn plain(mode: LaunchMode) -> Self {
+    /// The mode alone: everything else is left to the options.
+    pub(crate) fn plain(mode: LaunchMode) -> Self {
         Cluster {
             mode,
             hosts: None,

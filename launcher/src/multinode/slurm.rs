@@ -3,8 +3,9 @@
 //! ```text
 //! SLURM_JOB_ID unset                  not Slurm
 //! SLURM_STEP_NUM_TASKS set (srun)     hosts = SLURM_STEP_NODELIST, node = SLURM_NODEID
-//!     tasks on this node == 1         Mode A: one rsrun agent per node, rendezvous hosted by node 0
-//!     tasks on this node  > 1         Mode B: srun started every rank; RANK = SLURM_PROCID, ...
+//!     one task on every node          Mode A: one rsrun agent per node, rendezvous hosted by node 0
+//!     otherwise (any node > 1 task)   Mode B: srun started every rank; RANK = SLURM_PROCID, ...
+//!                                     (one mode for the whole step, even where a node has 1 task)
 //! batch script / salloc shell
 //!     --hostfile or -H                the ssh launcher (a note)
 //!     SLURM_JOB_NUM_NODES == 1        a local run
@@ -13,14 +14,15 @@
 //!
 //! The node list is expanded by our own parser ([`super::hostlist`]), never by `scontrol`.
 //! `SLURM_LAUNCH_NODE_IPADDR` (where srun ran) is never used. Options typed on the command line win
-//! over the Slurm values they replace (`--rdzv-endpoint`, `--rdzv-id`, `--rdzv-backend static`);
-//! options that contradict the step (`--nnodes`, `--node-rank`) are errors.
+//! over the Slurm values they replace (`--rdzv-endpoint`, `--rdzv-id`, `--rdzv-backend static`,
+//! `--master-addr`, `--master-port`); options that contradict the step (`--nnodes`, `--node-rank`)
+//! are errors.
 
 use std::collections::HashMap;
 
 use super::{Cluster, LaunchMode, Source, Sourced, TaskRanks, hostlist, option_source};
 use crate::cli::{LaunchArgs, Origin};
-use crate::plan::{DEFAULT_RDZV_PORT, Endpoint, HostInfo, HostMode, NodeRange, PlanError, RdzvPlan};
+use crate::plan::{DEFAULT_RDZV_PORT, Endpoint, HostInfo, HostMode, MAX_NPROC_PER_NODE, NodeRange, PlanError, RdzvPlan};
 
 /// First port of the derived rendezvous port range (above Linux's ephemeral range 32768-60999).
 pub const PORT_BASE: u16 = 61000;
@@ -68,6 +70,11 @@ fn nproc_per_node(args: &LaunchArgs, env: &Env<'_>, c: &mut Cluster) -> Result<b
             option_source(args, "nproc_per_node", "--nproc-per-node"),
         ));
     } else if let Some(g) = env.num("SLURM_GPUS_ON_NODE")?.filter(|g| *g > 0) {
+        if g > MAX_NPROC_PER_NODE {
+            return Err(err(format!(
+                "SLURM_GPUS_ON_NODE={g}: expected at most {MAX_NPROC_PER_NODE} (workers per node); pass --nproc-per-node"
+            )));
+        }
         c.nproc_per_node = Some(g);
         c.sources.push(Sourced::new("nproc per node", g, Source::Env("SLURM_GPUS_ON_NODE".into())));
     } else {
@@ -228,6 +235,8 @@ pub fn detect(args: &LaunchArgs, host: &HostInfo, table_given: bool, notes: &mut
         )));
     }
     let here = tpn[node as usize];
+    // One mode for the whole step (a node with one task in `srun -N2 -n3` runs Mode B too).
+    let mode_b = ntasks != n || tpn.iter().any(|t| *t > 1);
 
     // Options typed on the command line that contradict the step (PET_* values lose to Slurm).
     if args.origin("nnodes") == Origin::CommandLine {
@@ -251,6 +260,20 @@ pub fn detect(args: &LaunchArgs, host: &HostInfo, table_given: bool, notes: &mut
     c.nodes = Some(NodeRange { min: n, max: n });
 
     let typed = |id: &str| args.origin(id) == Origin::CommandLine;
+    // A typed --master-addr names node rank 0: it replaces the first host of the node list.
+    let master_addr = match args.master_addr.as_deref().map(str::trim) {
+        Some(a) if typed("master_addr") => {
+            if !crate::plan::plausible_host(a) {
+                return Err(PlanError::Invalid {
+                    flag: "--master-addr",
+                    value: a.to_owned(),
+                    expected: "the host name or IP address of node rank 0".into(),
+                });
+            }
+            Some(a.to_owned())
+        }
+        _ => None,
+    };
     let (endpoint, endpoint_source, flag_endpoint) = if typed("rdzv_endpoint") && !args.rdzv_endpoint.trim().is_empty() {
         (
             Endpoint::parse(&args.rdzv_endpoint, "--rdzv-endpoint", DEFAULT_RDZV_PORT)?,
@@ -261,11 +284,19 @@ pub fn detect(args: &LaunchArgs, host: &HostInfo, table_given: bool, notes: &mut
         let (port, port_source) = select_port(&host.env)?;
         c.sources.push(Sourced::new("rendezvous port", port, port_source));
         c.port_probe = PORT_PROBE;
-        (
-            Endpoint { host: hosts[0].clone(), port },
-            Source::Derived(format!("first host of {list_var}")),
-            false,
-        )
+        match &master_addr {
+            Some(a) => (Endpoint { host: a.clone(), port }, Source::Flag("--master-addr".into()), false),
+            None => (
+                Endpoint { host: hosts[0].clone(), port },
+                Source::Derived(format!("first host of {list_var}")),
+                false,
+            ),
+        }
+    };
+    // Where the static backend's node rank 0 is: --master-addr over the endpoint's host.
+    let (master_host, master_source) = match &master_addr {
+        Some(a) => (a.clone(), Source::Flag("--master-addr".into())),
+        None => (endpoint.host.clone(), endpoint_source.clone()),
     };
     let (job_id, id_source) = match &args.rdzv_id {
         Some(id) if typed("rdzv_id") => (id.clone(), option_source(args, "rdzv_id", "--rdzv-id")),
@@ -275,13 +306,14 @@ pub fn detect(args: &LaunchArgs, host: &HostInfo, table_given: bool, notes: &mut
         ),
     };
 
-    if here > 1 {
+    if mode_b {
         // Mode B: srun started every rank.
         c.mode = LaunchMode::SlurmB;
         if args.given("nproc_per_node") && args.nproc_per_node.trim() != "1" {
             let total = u64::from(ntasks) * args.nproc_per_node.trim().parse::<u64>().unwrap_or(u64::from(here));
             return Err(err(format!(
-                "srun started {here} tasks on this node ({tpn_var}={tpn_list}), and each task is already one worker: --nproc-per-node {} would start {total} workers instead of {ntasks}; use `srun --ntasks-per-node=1 rsrun --nproc-per-node {}` or drop --nproc-per-node",
+                "srun started {here} task{} on this node ({tpn_var}={tpn_list}), and each task is already one worker: --nproc-per-node {} would start {total} workers instead of {ntasks}; use `srun --ntasks-per-node=1 rsrun --nproc-per-node {}` or drop --nproc-per-node",
+                if here == 1 { "" } else { "s" },
                 args.nproc_per_node.trim(),
                 args.nproc_per_node.trim(),
             )));
@@ -290,6 +322,14 @@ pub fn detect(args: &LaunchArgs, host: &HostInfo, table_given: bool, notes: &mut
         let local_rank = env.need("SLURM_LOCALID")?;
         if rank >= ntasks {
             return Err(err(format!("SLURM_PROCID={rank} but SLURM_STEP_NUM_TASKS={ntasks}")));
+        }
+        // Rank 0 hosts the static rendezvous, which the others look for on node 0 of the list; a
+        // custom layout may put it elsewhere (the others would wait for nothing).
+        if rank == 0 && node != 0 && master_addr.is_none() && !flag_endpoint {
+            return Err(err(format!(
+                "SLURM_PROCID=0 runs on node SLURM_NODEID={node} ({me}), but the other tasks look for its rendezvous on node 0 of {list_var} ({}): a custom task layout (SLURM_HOSTFILE, srun --distribution=arbitrary) is not supported; put task 0 on the first node, or pass --master-addr {me}",
+                hosts[0]
+            )));
         }
         if local_rank >= here {
             return Err(err(format!("SLURM_LOCALID={local_rank} but this node runs {here} tasks ({tpn_var})")));
@@ -314,15 +354,11 @@ pub fn detect(args: &LaunchArgs, host: &HostInfo, table_given: bool, notes: &mut
         c.sources.push(Sourced::new("world size", ntasks, Source::Env("SLURM_STEP_NUM_TASKS".into())));
         c.sources.push(Sourced::new("local world size", here, Source::Env(tpn_var.into())));
         c.sources.push(Sourced::new("nproc per node", 1, Source::Derived("one worker per srun task".into())));
-        c.sources.push(Sourced::new("MASTER_ADDR", &endpoint.host, endpoint_source));
+        c.sources.push(Sourced::new("MASTER_ADDR", &master_host, master_source));
         c.sources.push(Sourced::new("run id", &job_id, id_source));
         c.nodes = Some(NodeRange { min: ntasks, max: ntasks });
         c.nproc_per_node = Some(1);
-        c.rdzv = Some((
-            RdzvPlan::Static { node_rank: rank, master_addr: endpoint.host.clone(), master_port: port },
-            job_id,
-            None,
-        ));
+        c.rdzv = Some((RdzvPlan::Static { node_rank: rank, master_addr: master_host, master_port: port }, job_id, None));
         c.task_ranks = Some(TaskRanks { rank, local_rank, world_size: ntasks, local_world_size: here, node_rank: node, num_nodes: n });
         return Ok(Some(c));
     }
@@ -342,12 +378,15 @@ pub fn detect(args: &LaunchArgs, host: &HostInfo, table_given: bool, notes: &mut
             _ => endpoint.port,
         };
         c.sources.push(Sourced::new("backend", "static", option_source(args, "rdzv_backend", "--rdzv-backend")));
-        c.sources.push(Sourced::new("MASTER_ADDR", &endpoint.host, endpoint_source));
+        c.sources.push(Sourced::new("MASTER_ADDR", &master_host, master_source));
         c.sources.push(Sourced::new("run id", &job_id, id_source));
-        c.rdzv = Some((RdzvPlan::Static { node_rank: node, master_addr: endpoint.host, master_port: port }, job_id, None));
+        c.rdzv = Some((RdzvPlan::Static { node_rank: node, master_addr: master_host, master_port: port }, job_id, None));
     } else {
+        if master_addr.is_some() && flag_endpoint {
+            notes.push("--master-addr is not used with --rdzv-endpoint under Slurm mode A: the rendezvous service is at --rdzv-endpoint, and node rank 0 picks the workers' MASTER_ADDR".into());
+        }
         // Node 0 hosts the embedded service: is_host forced by node rank, never guessed from
-        // addresses (a user-given endpoint keeps the usual rule).
+        // addresses (a user-given endpoint keeps the usual rule; --master-addr names node 0).
         let host_mode = if flag_endpoint {
             HostMode::Auto
         } else if node == 0 {

@@ -554,3 +554,130 @@ fn no_cluster_modes() {
     let p = plan(&["true"], &[("PET_MASTER_ADDR", "a"), ("PET_MASTER_PORT", "5")]).unwrap();
     assert_eq!(p.mode, LaunchMode::Static);
 }
+
+// ---- One mode per Slurm step, typed addresses, task 0's node, limits ----
+
+/// `srun -N2 -n3 rsrun true`: SLURM_STEP_TASKS_PER_NODE=2,1. Every task of the step runs mode B,
+/// including the one alone on node 1 (LOCAL_WORLD_SIZE=1): a mode A agent there would wait for a
+/// rendezvous nobody else joins.
+fn slurm_uneven(procid: u32) -> Vec<(&'static str, String)> {
+    let (node, local) = if procid < 2 { (0, procid) } else { (1, 0) };
+    let v = slurm_a(&node.to_string(), &format!("gpu0{}", node + 1));
+    let v = with(with(v, "SLURM_STEP_NUM_TASKS", "3"), "SLURM_STEP_TASKS_PER_NODE", "2,1");
+    with(with(v, "SLURM_PROCID", &procid.to_string()), "SLURM_LOCALID", &local.to_string())
+}
+
+#[test]
+fn slurm_uneven_tasks_per_node_run_mode_b_on_every_node() {
+    for procid in 0..3 {
+        let p = plan(&["true"], &env_ref(&slurm_uneven(procid))).unwrap();
+        assert_eq!(p.mode, LaunchMode::SlurmB, "task {procid}");
+        assert_eq!(p.rdzv, RdzvPlan::Static { node_rank: procid, master_addr: "gpu01".into(), master_port: SLURM_PORT });
+    }
+    let p = plan(&["true"], &env_ref(&slurm_uneven(2))).unwrap();
+    assert_eq!(
+        p.task_ranks,
+        Some(TaskRanks { rank: 2, local_rank: 0, world_size: 3, local_world_size: 1, node_rank: 1, num_nodes: 2 })
+    );
+    assert_eq!(p.nproc_per_node, 1);
+    assert!(render(&p).contains("    LOCAL_WORLD_SIZE=1\n"), "{}", render(&p));
+    // The double launch is refused on that node too.
+    let e = plan(&["--nproc-per-node", "4", "true"], &env_ref(&slurm_uneven(2))).unwrap_err();
+    assert!(e.starts_with("srun started 1 task on this node (SLURM_STEP_TASKS_PER_NODE=2,1)"), "{e}");
+}
+
+/// A typed --master-addr names node rank 0 under Slurm, where the mode uses one.
+#[test]
+fn slurm_typed_master_addr_is_used() {
+    // Mode B: the static rendezvous of task 0.
+    let p = plan(&["--master-addr", "gpu01-ib", "true"], &env_ref(&slurm_b(3))).unwrap();
+    assert_eq!(p.rdzv, RdzvPlan::Static { node_rank: 3, master_addr: "gpu01-ib".into(), master_port: SLURM_PORT });
+    assert!(sources(&p).contains(&"MASTER_ADDR = gpu01-ib (--master-addr)".to_owned()), "{:?}", sources(&p));
+    // Mode A, static backend.
+    let p = plan(&["--rdzv-backend", "static", "--master-addr", "gpu01-ib", "true"], &env_ref(&slurm_a("1", "gpu02"))).unwrap();
+    assert_eq!(p.rdzv, RdzvPlan::Static { node_rank: 1, master_addr: "gpu01-ib".into(), master_port: SLURM_PORT });
+    // Mode A, rendezvous service: still hosted by node 0, reached at the typed address.
+    let p = plan(&["--master-addr", "gpu01-ib", "true"], &env_ref(&slurm_a("1", "gpu02"))).unwrap();
+    assert_eq!(p.rdzv, RdzvPlan::Daemon { endpoint: Endpoint { host: "gpu01-ib".into(), port: SLURM_PORT }, host: HostMode::Never });
+    assert_eq!(
+        plan(&["--master-addr", "a b", "true"], &env_ref(&slurm_b(3))).unwrap_err(),
+        "invalid value 'a b' for --master-addr: expected the host name or IP address of node rank 0"
+    );
+    // PET_MASTER_ADDR is no typed option: the node list wins.
+    let env = with(slurm_b(3), "PET_MASTER_ADDR", "elsewhere");
+    let p = plan(&["true"], &env_ref(&env)).unwrap();
+    assert_eq!(p.rdzv, RdzvPlan::Static { node_rank: 3, master_addr: "gpu01".into(), master_port: SLURM_PORT });
+}
+
+/// Mode B: task 0 hosts the static rendezvous the others look for on node 0 of the list; with
+/// SLURM_HOSTFILE or `--distribution=arbitrary` it may run elsewhere.
+#[test]
+fn slurm_mode_b_task_0_must_run_on_node_0() {
+    let env = with(with(slurm_b(0), "SLURM_NODEID", "1"), "SLURMD_NODENAME", "gpu02");
+    let e = plan(&["true"], &env_ref(&env)).unwrap_err();
+    assert_eq!(
+        e,
+        "SLURM_PROCID=0 runs on node SLURM_NODEID=1 (gpu02), but the other tasks look for its rendezvous on node 0 of SLURM_STEP_NODELIST (gpu01): a custom task layout (SLURM_HOSTFILE, srun --distribution=arbitrary) is not supported; put task 0 on the first node, or pass --master-addr gpu02"
+    );
+    // The user says where task 0 is.
+    let p = plan(&["--master-addr", "gpu02", "true"], &env_ref(&env)).unwrap();
+    assert_eq!(p.rdzv, RdzvPlan::Static { node_rank: 0, master_addr: "gpu02".into(), master_port: SLURM_PORT });
+    // Other tasks on other nodes are fine.
+    let env = with(with(slurm_b(1), "SLURM_NODEID", "1"), "SLURMD_NODENAME", "gpu02");
+    assert!(plan(&["true"], &env_ref(&env)).is_ok());
+}
+
+/// SLURM_GPUS_ON_NODE becomes the worker count: the per-node limit of --nproc-per-node applies.
+#[test]
+fn slurm_gpus_on_node_is_bounded() {
+    let env = with(slurm_a("1", "gpu02"), "SLURM_GPUS_ON_NODE", "5000");
+    assert_eq!(
+        plan(&["true"], &env_ref(&env)).unwrap_err(),
+        "SLURM_GPUS_ON_NODE=5000: expected at most 4096 (workers per node); pass --nproc-per-node"
+    );
+    let env = with(slurm_a("1", "gpu02"), "SLURM_GPUS_ON_NODE", "4096");
+    assert_eq!(plan(&["true"], &env_ref(&env)).unwrap().nproc_per_node, 4096);
+}
+
+/// Typed options win over the operator's variables: --rdzv-endpoint names the service, --standalone
+/// runs one node.
+#[test]
+fn k8s_typed_rdzv_endpoint_and_standalone_win() {
+    let p = plan(&["--rdzv-endpoint", "rdzv.svc:29400", "true"], &trainjob_v2("1")).unwrap();
+    assert_eq!(p.mode, LaunchMode::K8sV2);
+    assert_eq!(p.rdzv, RdzvPlan::Daemon { endpoint: Endpoint { host: "rdzv.svc".into(), port: 29400 }, host: HostMode::Auto });
+    assert_eq!(p.rank_hint, Some(1));
+    assert!(sources(&p).contains(&"rendezvous = rdzv.svc:29400 (--rdzv-endpoint)".to_owned()), "{:?}", sources(&p));
+    let p = plan(&["--standalone", "true"], &trainjob_v2("1")).unwrap();
+    assert_eq!(p.rdzv, RdzvPlan::Standalone);
+    assert_eq!(p.nodes, NodeRange { min: 1, max: 1 });
+    assert!(p.notes.iter().any(|n| n.contains("--standalone")), "{:?}", p.notes);
+    let env = [("PET_RDZV_ENDPOINT", "job-worker-0:29400"), ("PET_NNODES", "1:3")];
+    let p = plan(&["--standalone", "true"], &env).unwrap();
+    assert_eq!(p.rdzv, RdzvPlan::Standalone);
+    // A typed node count still contradicts --standalone.
+    assert!(plan(&["--standalone", "--nnodes", "2", "true"], &trainjob_v2("1")).unwrap_err().contains("--standalone runs a single node"));
+}
+
+/// Nodes of a host table may differ in slots: the ranks filters are checked against the table's world
+/// size and the largest slot count, not the first host's.
+#[test]
+fn hosts_with_mixed_slots_check_ranks_against_the_table() {
+    let ok = |args: &[&str]| plan(args, &[]).map(|_| ()).map_err(|e| e.to_string());
+    assert_eq!(ok(&["-H", "a:2,b:8", "--ranks-filter", "9", "true"]), Ok(()));
+    assert_eq!(
+        ok(&["-H", "a:2,b:8", "--ranks-filter", "10", "true"]).unwrap_err(),
+        "invalid value '10' for --ranks-filter: expected ranks below 10 (rank 10 does not exist)"
+    );
+    assert_eq!(ok(&["-H", "a:2,b:8", "--local-ranks-filter", "5", "true"]), Ok(()));
+    assert_eq!(ok(&["-H", "a:8,b:2", "--tee", "7:3", "true"]), Ok(()));
+    assert_eq!(
+        ok(&["-H", "a:8,b:2", "--local-ranks-filter", "8", "true"]).unwrap_err(),
+        "invalid value '8' for --local-ranks-filter: expected local ranks below 8 (rank 8 does not exist)"
+    );
+    // Bare hosts get --nproc-per-node: its per-node limit applies.
+    assert_eq!(
+        ok(&["-H", "a,b", "--nproc-per-node", "5000", "true"]).unwrap_err(),
+        "invalid value '5000' for --nproc-per-node: expected at most 4096 workers per node"
+    );
+}

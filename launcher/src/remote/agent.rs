@@ -20,7 +20,6 @@ use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
-use clap::Parser;
 use nix::sys::signal::Signal;
 use prost::Message;
 use rsrun_rendezvous::proto::{AgentEvent, ConsoleLine, Control, NodeLaunch, agent_event, console_line, control};
@@ -141,7 +140,16 @@ pub unsafe fn prepare(launch: &NodeLaunch) -> Result<PreparedAgent, String> {
         token_file: token_file.as_deref(),
     };
     let argv = agent_argv(&launch.options, place, &launch.program);
-    let mut args = LaunchArgs::try_parse_from(std::iter::once("rsrun".to_owned()).chain(argv))
+    let info = HostInfo::probe();
+    let plan = node_plan(argv, &info, host)?;
+    let node_id = crate::plan::node_id(&plan.hostname, std::process::id());
+    Ok(PreparedAgent { plan, host: host.clone(), node_id, private_dir, gpus: info.gpus, rdzv_in_head: launch.rdzv_in_head })
+}
+
+/// Resolves this node's plan from the head's `argv` ([`agent_argv`]) on `info`; `host` names the host
+/// in errors.
+fn node_plan(argv: Vec<String>, info: &HostInfo, host: &str) -> Result<LaunchPlan, String> {
+    let mut args = LaunchArgs::try_parse_with_origins_from(std::iter::once("rsrun".to_owned()).chain(argv))
         .map_err(|e| format!("invalid options on {host}: {}", e.to_string().lines().next().unwrap_or("")))?;
     // Whatever this host's environment says (RSRUN_* variables are forwarded), this process is an
     // agent, never a head: the head's own options do not apply here.
@@ -149,12 +157,14 @@ pub unsafe fn prepare(launch: &NodeLaunch) -> Result<PreparedAgent, String> {
     args.hostfile = None;
     args.dry_run = false;
     args.check = false;
-    let info = HostInfo::probe();
-    let mut plan = LaunchPlan::resolve(&args, &info).map_err(|e| format!("{e} (on {host})"))?;
+    // The head chose the rendezvous (--rdzv-endpoint in `argv`): a PET_STANDALONE here does not apply.
+    args.standalone = false;
+    // The head placed this node (node rank, nnodes, nproc, rendezvous): the cluster variables of this
+    // host (PET_MASTER_*, SLURM_*) are not read.
+    let mut plan = LaunchPlan::resolve_agent(&args, info).map_err(|e| format!("{e} (on {host})"))?;
     // The head chose the node rank (the host order); saying so on every host is noise.
     plan.notes.retain(|n| !n.starts_with("--node-rank "));
-    let node_id = crate::plan::node_id(&plan.hostname, std::process::id());
-    Ok(PreparedAgent { plan, host: host.clone(), node_id, private_dir, gpus: info.gpus, rdzv_in_head: launch.rdzv_in_head })
+    Ok(plan)
 }
 
 /// The head's word after `AgentReady`.
@@ -315,6 +325,45 @@ mod tests {
         // SAFETY: prepare returns at the cwd check, before it touches the environment.
         let err = unsafe { prepare(&launch) }.unwrap_err();
         assert!(err.starts_with("cwd /nonexistent/rsrun-test does not exist on w2"), "{err}");
+    }
+
+    /// The head placed the node: cluster variables in this host's environment (a pod's PET_MASTER_*,
+    /// Slurm's SLURM_*) do not replace its rendezvous or worker count, and the log filters name ranks
+    /// of the whole job (hosts a:8,b:2: local rank 5 exists on a, not on this node b).
+    #[test]
+    fn the_heads_options_win_over_this_hosts_cluster_variables() {
+        let mut info = crate::plan::tests::host();
+        for (k, v) in [
+            ("PET_MASTER_ADDR", "pod-master-0"),
+            ("PET_MASTER_PORT", "23456"),
+            ("PET_NODE_RANK", "0"),
+            ("SLURM_JOB_ID", "77"),
+            ("SLURM_JOB_NUM_NODES", "4"),
+            ("SLURM_GPUS_ON_NODE", "8"),
+        ] {
+            info.env.insert(k.into(), v.into());
+        }
+        let place = NodePlace {
+            nnodes: 2,
+            nproc_per_node: "2",
+            node_rank: 1,
+            endpoint: "10.0.0.1:29400",
+            job_id: "ssh-head-1-2",
+            token_file: None,
+        };
+        let argv = agent_argv(&["--local-ranks-filter=5".into(), "--rdzv-conf=is_host=false".into()], place, &["true".into()]);
+        let plan = node_plan(argv, &info, "b").unwrap();
+        assert_eq!(plan.mode, crate::multinode::LaunchMode::Rendezvous);
+        assert_eq!(
+            plan.rdzv,
+            crate::plan::RdzvPlan::Daemon {
+                endpoint: crate::plan::Endpoint { host: "10.0.0.1".into(), port: 29400 },
+                host: crate::plan::HostMode::Never
+            }
+        );
+        assert_eq!(plan.nproc_per_node, 2);
+        assert_eq!(plan.rank_hint, Some(1));
+        assert_eq!(plan.job_id, "ssh-head-1-2");
     }
 
     #[test]

@@ -415,7 +415,7 @@ impl RemotePlan {
         let check = agent_argv(&options, place, &program);
         let check_args = <LaunchArgs as clap::Parser>::try_parse_from(std::iter::once("rsrun".to_owned()).chain(check))
             .map_err(|e| conflict(format!("invalid per-node options: {}", e.to_string().lines().next().unwrap_or(""))))?;
-        let plan = match LaunchPlan::resolve(&check_args, host) {
+        let plan = match LaunchPlan::resolve_agent(&check_args, host) {
             Ok(p) => Some(p),
             Err(e @ PlanError::Invalid { .. }) => return Err(e),
             Err(_) => None,

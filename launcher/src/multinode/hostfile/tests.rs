@@ -350,3 +350,42 @@ fn r1_5_messages_reach_the_plan_and_name_the_line() {
     assert!(matches!(e, PlanError::At { .. }));
     assert_eq!(e.to_string(), "hostfile ./hosts:2: duplicate host \"w1\" (first on line 1); list each host once with slots=N");
 }
+
+// ---- Users with IPv6 literals; limits across lines and items ----
+
+#[test]
+fn user_at_ipv6_literal() {
+    let t = table("", &["-H", "root@[fe80::1]:4,bob@h2:1"]).unwrap();
+    assert_eq!(summary(&t), ["fe80::1:4", "h2:1"]);
+    assert_eq!(t.entries[0].user.as_deref(), Some("root"));
+    let t = table("root@[fe80::1]:2\nroot@[fe80::2] slots=3\n", &["--hostfile", "./hosts"]).unwrap();
+    assert_eq!(summary(&t), ["fe80::1:2", "fe80::2:3"]);
+    assert_eq!(t.entries[1].user.as_deref(), Some("root"));
+    assert_eq!(split_count("root@[fe80::1]:4"), ("root@[fe80::1]", Some("4")));
+    assert_eq!(split_count("root@[fe80::1]"), ("root@[fe80::1]", None));
+    assert_eq!(split_count("root@n[1-2]:4"), ("root@n[1-2]", Some("4")));
+}
+
+/// The 1M-host bound of one hostlist expression holds for the whole table: across hostfile lines and
+/// `-H` items (65,536 × 16 = 1,048,576 hosts, then one more).
+#[test]
+fn the_host_limit_holds_across_lines_and_items() {
+    assert_eq!(
+        file_err("a[0-65535]x[0-15]\nb\n"),
+        "hostfile ./hosts:2: more than 1048576 hosts in all"
+    );
+    assert_eq!(
+        table("", &["-H", "a[0-65535]x[0-15]:1,b:1"]).unwrap_err(),
+        "-H \"a[0-65535]x[0-15]:1,b:1\": more than 1048576 hosts in all"
+    );
+}
+
+/// Duplicate checks and filter lookups are hashed: a table of 262,144 hosts filtered by 196,608 names
+/// takes no time (a scan per name would take 5e10 comparisons).
+#[test]
+fn large_tables_and_filters_are_not_quadratic() {
+    let t = table("", &["-H", "n[0-65535]x[0-3]:1", "-e", "n[0-65535]x[0-2]"]).unwrap();
+    assert_eq!(t.entries.len(), 65_536);
+    assert_eq!(t.entries[0].host, "n0x3");
+    assert!(table("", &["-H", "n[0-65535]x[0-3]:1,n7x2:1"]).unwrap_err().contains("duplicate host \"n7x2\""));
+}

@@ -146,3 +146,22 @@ proptest! {
         prop_assert_eq!(again, hosts);
     }
 }
+
+/// Sizes are checked before anything is expanded: a long padding width or prefix would allocate
+/// gigabytes (65,536 names of 100,000 characters). Messages truncate the value.
+#[test]
+fn long_names_and_padding_are_refused_before_expanding() {
+    assert_eq!(fails(&"b".repeat(254)), format!("invalid hostlist \"{}...\": host name of 254 characters (at most 253, the DNS limit)", "b".repeat(40)));
+    assert_eq!(names(&"c".repeat(253)).len(), 1);
+    assert_eq!(names(&format!("{}[1-2]", "d".repeat(252)))[1].len(), 253);
+    let e = fails(&format!("{}[0-65535]x[0-15]", "a".repeat(1000)));
+    assert!(e.ends_with(": host names of up to 1008 characters (at most 253, the DNS limit)"), "{e}");
+    assert!(e.len() < 200, "{e}");
+    let e = fails(&format!("n[{}-65535]", "0".repeat(100_000)));
+    assert!(e.starts_with("invalid hostlist \"n[0000"), "{e}");
+    assert!(e.contains("padding width 100000 of \"0000") && e.contains("(at most 253, the DNS limit)"), "{e}");
+    assert!(e.len() < 300, "{e}");
+    // Count × length: a million names of 101 characters.
+    let e = fails(&format!("{}[0-65535]x[0-15]", "e".repeat(93)));
+    assert!(e.ends_with("expands to more than 64 MiB of host names (names of up to 101 characters)"), "{e}");
+}

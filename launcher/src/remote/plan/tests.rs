@@ -174,3 +174,11 @@ fn chdir_sets_every_hosts_directory() {
     let node = LaunchPlan::resolve(&parse(&["-H", "w1:1", "-x", "A=1", "--chdir", "/x", "true"]), &host()).unwrap();
     assert!(!node.notes.iter().any(|n| n.contains("no effect")), "{:?}", node.notes);
 }
+
+/// The per-node check resolves node 0 as its agent will: the log filters name ranks of the whole
+/// table (world 10 here), which the first host's slots alone do not bound.
+#[test]
+fn per_node_check_takes_ranks_of_the_whole_table() {
+    assert!(resolve(&["-H", "w1:2,w2:8", "--rdzv-endpoint", "127.0.0.1:0", "--ranks-filter", "9", "true"]).is_ok());
+    assert!(resolve(&["-H", "w1:2,w2:8", "--rdzv-endpoint", "127.0.0.1:0", "--local-ranks-filter", "5", "true"]).is_ok());
+}
