@@ -109,7 +109,9 @@ struct Flushed {
 }
 
 enum Work {
-    Records { bytes: Vec<u8>, last_seq: u64 },
+    /// `tried`: a write of these bytes was attempted and may have landed (an uncertain outcome),
+    /// so a retry must write exactly them: later records go into an item of their own.
+    Records { bytes: Vec<u8>, last_seq: u64, tried: bool },
     Compact { state: Box<State>, seq: u64 },
 }
 
@@ -390,11 +392,11 @@ impl Core {
                 g.log_bytes += bytes.len() as u64;
                 let mut q = d.lock();
                 match q.items.last_mut() {
-                    Some(Work::Records { bytes: buf, last_seq }) => {
+                    Some(Work::Records { bytes: buf, last_seq, tried: false }) => {
                         buf.extend_from_slice(&bytes);
                         *last_seq = g.seq;
                     }
-                    _ => q.items.push(Work::Records { bytes, last_seq: g.seq }),
+                    _ => q.items.push(Work::Records { bytes, last_seq: g.seq, tried: false }),
                 }
                 if g.log_bytes >= d.compact_every {
                     g.log_bytes = 0;
@@ -466,14 +468,19 @@ impl Core {
     pub async fn execute(&self, cmd: Command) -> Result<Outcome, RdzvError> {
         let (outcome, settle) = {
             let mut g = self.lock();
+            Self::serving(&g)?;
             let before = g.seq;
-            let (outcome, seq) = self.apply_locked(&mut g, &cmd)?;
-            // A logged command is proven by its own guarded append, which begins after it was
-            // applied; one that logged nothing needs a confirmation.
-            (outcome, Self::settle_point(&g, seq, seq == before))
+            match self.apply_locked(&mut g, &cmd) {
+                // A logged command is proven by its own guarded append, which begins after it
+                // was applied; one that logged nothing needs a confirmation.
+                Ok((outcome, seq)) => (Ok(outcome), Self::settle_point(&g, seq, seq == before)),
+                // A refusal is read from the state like any answer: an HA leader that may have
+                // been deposed while it was paused must confirm before it says so.
+                Err(e) => (Err(e), Self::settle_point(&g, g.seq, true)),
+            }
         };
         self.settle(settle).await?;
-        Ok(outcome)
+        outcome
     }
 
     /// Waits until `settle.seq` is durable (and, for HA leaders, leadership was confirmed after the
@@ -610,16 +617,17 @@ impl Core {
         Ok((g.views.entry(job.to_string()).or_insert_with(|| watch::channel((view, seq)).0).subscribe(), term))
     }
 
-    /// Waits until `seq` of `term` is durable (for pushed views: a view changes only with a
-    /// logged command, whose guarded append proves leadership).
-    pub async fn durable(&self, term: u64, seq: u64) -> Result<(), RdzvError> {
+    /// Waits until `seq` of `term` is durable. A view pushed because it changed is proven by the
+    /// guarded append of the command that changed it; the first view of a watch is a read of
+    /// state that may be old, so `confirm` asks for a leadership confirmation begun after it.
+    pub async fn durable(&self, term: u64, seq: u64, confirm: bool) -> Result<(), RdzvError> {
         let settle = {
             let g = self.lock();
             if g.term != term {
                 drop(g);
                 return Err(self.not_leader());
             }
-            Self::settle_point(&g, seq, false)
+            Self::settle_point(&g, seq, confirm)
         };
         self.settle(settle).await
     }
@@ -947,7 +955,7 @@ fn flusher(mut store: Box<dyn LogStore>, term: u64, mut durable: u64, d: Arc<Dur
             (work, ticket)
         };
         let result = match &work {
-            Some(Work::Records { bytes, last_seq }) => store.append(bytes, durable + 1, *last_seq).map(|()| {
+            Some(Work::Records { bytes, last_seq, .. }) => store.append(bytes, durable + 1, *last_seq).map(|()| {
                 metrics.journal_syncs.inc();
                 metrics.journal_bytes.inc_by(bytes.len() as u64);
                 (*last_seq, ticket)
@@ -974,7 +982,10 @@ fn flusher(mut store: Box<dyn LogStore>, term: u64, mut durable: u64, d: Arc<Dur
                 publish(Flushed { term, seq: durable, confirmed, error: Some(e.to_string()), fatal: None });
                 // Put the work back in front and retry after a pause.
                 let mut q = d.lock();
-                if let Some(w) = work {
+                if let Some(mut w) = work {
+                    if let Work::Records { tried, .. } = &mut w {
+                        *tried = true;
+                    }
                     q.items.insert(0, w);
                 }
                 let stop = q.closed;
@@ -1223,7 +1234,7 @@ impl pb::rendezvous_server::Rendezvous for Service {
             }
             let (view, seq) = rx.borrow_and_update().clone();
             // Push only what a crash cannot take back.
-            if let Err(e) = core.durable(term, seq).await {
+            if let Err(e) = core.durable(term, seq, first).await {
                 return Some((Err(Status::from(e)), (rx, false, cancel, core)));
             }
             Some((Ok(pb::JobEvent { view: Some(view) }), (rx, false, cancel, core)))

@@ -206,3 +206,100 @@ fn step_downs_with_callers_waiting_for_durability_never_deadlock() {
     // The callers' calls went through the log (each acknowledged one waited for durability).
     assert!(acknowledged > 0, "no call was acknowledged in 200 rounds");
 }
+
+/// The log of a leader that was deposed while it was paused: every guarded write fails.
+struct DeposedLog;
+
+impl LogStore for DeposedLog {
+    fn append(&mut self, _records: &[u8], _first_seq: u64, _last_seq: u64) -> Result<(), RdzvError> {
+        Err(RdzvError::NotLeader { leader: String::new(), epoch: 0 })
+    }
+    fn compact(&mut self, _state: &State, _seq: u64) -> Result<(), RdzvError> {
+        Ok(())
+    }
+    fn confirm(&mut self) -> Result<(), RdzvError> {
+        Err(RdzvError::NotLeader { leader: String::new(), epoch: 0 })
+    }
+    fn reads_need_confirmation(&self) -> bool {
+        true
+    }
+    fn compact_every(&self) -> u64 {
+        u64::MAX
+    }
+}
+
+/// A leader resuming from a pause past its lease answers nothing read from its state before a
+/// confirmation: not a refusal the state implies, nor the first view of a watch.
+#[tokio::test]
+async fn a_deposed_leader_answers_neither_refusals_nor_first_views() {
+    let core = standby_core();
+    core.replica_apply(&[Entry { seq: 1, at: 1_000, cmd: join("a") }]).unwrap();
+    core.promote(3, Box::new(DeposedLog)).unwrap();
+    let (_rx, term) = core.subscribe_view("j").unwrap();
+    let seq = core.position().0;
+    let first = tokio::time::timeout(Duration::from_secs(10), core.durable(term, seq, true)).await.unwrap();
+    assert!(matches!(first, Err(RdzvError::NotLeader { .. })), "{first:?}");
+    let missing = Scope { job: "no-such-job".into(), round: 1, round_scoped: false };
+    let refused = tokio::time::timeout(Duration::from_secs(10), core.execute(Command::StoreSet { scope: missing, key: "k".into(), value: vec![1] }))
+        .await
+        .unwrap();
+    assert!(matches!(refused, Err(RdzvError::NotLeader { .. })), "{refused:?}");
+}
+
+/// One write: its first and last sequence numbers and its bytes.
+type Attempt = (u64, u64, Vec<u8>);
+
+/// A log whose first write lands but is not acknowledged (etcd did not answer): it records
+/// every attempt.
+#[derive(Default, Clone)]
+struct UnsureLog {
+    attempts: Arc<Mutex<Vec<Attempt>>>,
+}
+
+impl LogStore for UnsureLog {
+    fn append(&mut self, records: &[u8], first_seq: u64, last_seq: u64) -> Result<(), RdzvError> {
+        let mut a = self.attempts.lock().unwrap();
+        a.push((first_seq, last_seq, records.to_vec()));
+        if a.len() == 1 {
+            return Err(RdzvError::Unavailable("etcd did not answer".into()));
+        }
+        Ok(())
+    }
+    fn compact(&mut self, _state: &State, _seq: u64) -> Result<(), RdzvError> {
+        Ok(())
+    }
+    fn compact_every(&self) -> u64 {
+        u64::MAX
+    }
+}
+
+/// A write retried after an uncertain outcome carries exactly the bytes of the first attempt
+/// (the etcd log's slot holds them if it landed); commands that came meanwhile follow in a
+/// write of their own.
+#[tokio::test]
+async fn a_retried_write_is_the_same_bytes_and_later_commands_follow_it() {
+    let core = standby_core();
+    let log = UnsureLog::default();
+    core.promote(1, Box::new(log.clone())).unwrap();
+    let first = tokio::spawn({
+        let core = core.clone();
+        async move { core.execute(join("a")).await }
+    });
+    // The retry comes 500 ms after the failed attempt; a command arrives in between.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert_eq!(log.attempts.lock().unwrap().len(), 1);
+    let scope = Scope { job: "j".into(), round: 1, round_scoped: false };
+    let second = core.execute(Command::StoreSet { scope, key: "k".into(), value: b"v".to_vec() });
+    // Both callers are told their change is not durable yet (the client retries such calls).
+    let (a, b) = tokio::time::timeout(Duration::from_secs(10), async { (first.await.unwrap(), second.await) }).await.unwrap();
+    assert!(matches!(a, Err(RdzvError::Unavailable(_))), "{a:?}");
+    assert!(b.is_err(), "{b:?}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while log.attempts.lock().unwrap().len() < 3 && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let attempts = log.attempts.lock().unwrap().clone();
+    assert_eq!(attempts.len(), 3, "{:?}", attempts.iter().map(|(f, l, _)| (f, l)).collect::<Vec<_>>());
+    assert_eq!(attempts[0], attempts[1], "the retry changed the write");
+    assert_eq!((attempts[2].0, attempts[2].1), (2, 2));
+}

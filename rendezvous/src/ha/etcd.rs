@@ -217,11 +217,24 @@ impl Etcd {
             Some((c, k)) => Some(Identity::from_pem(read(c, "client certificate")?, read(k, "client key")?)),
             None => None,
         };
+        // No system roots are loaded: etcd's certificate is verified against --etcd-ca only.
+        if identity.is_some() && ca.is_none() {
+            return Err(RdzvError::invalid("etcd_tls", "--etcd-cert without --etcd-ca: expected the CA that signed etcd's certificate too"));
+        }
         let tls = ca.is_some() || identity.is_some();
         let mut channels = Vec::new();
         for raw in &cfg.endpoints {
             let u = uri(raw, tls);
             let bad = |m: String| RdzvError::invalid("etcd_endpoints", format!("{raw:?}: {m}; expected HOST:PORT or https://HOST:PORT"));
+            // tonic speaks TLS by the scheme alone: an http:// endpoint would send the password
+            // in the clear despite the TLS files, and https:// without a CA cannot verify etcd.
+            let scheme = raw.trim();
+            if tls && scheme.starts_with("http://") {
+                return Err(bad("http:// with --etcd-ca/--etcd-cert would not use TLS".into()));
+            }
+            if ca.is_none() && scheme.starts_with("https://") {
+                return Err(bad("https:// needs --etcd-ca, the CA that signed etcd's certificate".into()));
+            }
             let parsed: tonic::codegen::http::Uri = u.parse().map_err(|e| bad(format!("{e}")))?;
             let host = parsed.host().filter(|h| !h.is_empty()).ok_or_else(|| bad("no host".into()))?.to_owned();
             if parsed.port_u16().is_none() {
@@ -540,26 +553,42 @@ impl WatchStream {
     /// The next response; an error or the end of the stream means the watch is gone (and the
     /// connection moves on to the next endpoint).
     pub async fn next(&mut self) -> Result<epb::WatchResponse, EtcdError> {
-        match self.stream.message().await {
-            Ok(Some(r)) => {
-                if r.compact_revision != 0 {
-                    return Err(EtcdError::Compacted(format!("{}: history compacted up to {}", self.endpoint, r.compact_revision)));
-                }
-                if r.canceled {
+        // A watch created with `fragment` gets a large response in pieces (each under etcd's
+        // request size): they are joined here, so callers see whole revisions.
+        let mut joined: Option<epb::WatchResponse> = None;
+        loop {
+            let r = match self.stream.message().await {
+                Ok(Some(r)) => r,
+                Ok(None) => {
                     self.etcd.rotate(self.index);
-                    return Err(EtcdError::Uncertain(format!("{}: the watch was cancelled: {}", self.endpoint, r.cancel_reason)));
+                    return Err(EtcdError::Uncertain(format!("{}: the watch stream ended", self.endpoint)));
                 }
-                Ok(r)
+                Err(s) => {
+                    let e = classify(&self.endpoint, &s);
+                    self.etcd.rotate(self.index);
+                    return Err(e);
+                }
+            };
+            if r.compact_revision != 0 {
+                return Err(EtcdError::Compacted(format!("{}: history compacted up to {}", self.endpoint, r.compact_revision)));
             }
-            Ok(None) => {
+            if r.canceled {
                 self.etcd.rotate(self.index);
-                Err(EtcdError::Uncertain(format!("{}: the watch stream ended", self.endpoint)))
+                return Err(EtcdError::Uncertain(format!("{}: the watch was cancelled: {}", self.endpoint, r.cancel_reason)));
             }
-            Err(s) => {
-                let e = classify(&self.endpoint, &s);
-                self.etcd.rotate(self.index);
-                Err(e)
+            let last = !r.fragment;
+            let whole = match joined.take() {
+                None => r,
+                Some(mut j) => {
+                    j.events.extend(r.events);
+                    j.header = r.header;
+                    j
+                }
+            };
+            if last {
+                return Ok(epb::WatchResponse { fragment: false, ..whole });
             }
+            joined = Some(whole);
         }
     }
 
@@ -574,5 +603,46 @@ impl WatchStream {
     /// The endpoint the watch runs on.
     pub fn endpoint(&self) -> &str {
         &self.endpoint
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn connect(endpoint: &str, ca: Option<PathBuf>) -> Result<Etcd, RdzvError> {
+        Etcd::connect(EtcdConfig {
+            endpoints: vec![endpoint.to_owned()],
+            ca,
+            request_timeout: Duration::from_secs(1),
+            ..EtcdConfig::default()
+        })
+    }
+
+    #[tokio::test]
+    async fn the_scheme_must_agree_with_the_tls_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca.pem");
+        let key = rcgen::KeyPair::generate().unwrap();
+        std::fs::write(&ca, rcgen::CertificateParams::new(Vec::<String>::new()).unwrap().self_signed(&key).unwrap().pem()).unwrap();
+        let e = connect("http://etcd-a:2379", Some(ca.clone())).err().unwrap().to_string();
+        assert!(e.contains("\"http://etcd-a:2379\"") && e.contains("would not use TLS"), "{e}");
+        let e = connect("https://etcd-a:2379", None).err().unwrap().to_string();
+        assert!(e.contains("\"https://etcd-a:2379\"") && e.contains("needs --etcd-ca"), "{e}");
+        // Without a scheme the TLS files pick it; matching schemes are accepted.
+        let cert = dir.path().join("cert.pem");
+        std::fs::write(&cert, b"").unwrap();
+        let e = Etcd::connect(EtcdConfig {
+            endpoints: vec!["etcd-a:2379".into()],
+            cert_key: Some((cert.clone(), cert)),
+            ..EtcdConfig::default()
+        })
+        .err()
+        .unwrap()
+        .to_string();
+        assert!(e.contains("--etcd-cert without --etcd-ca"), "{e}");
+        for (endpoint, ca) in [("etcd-a:2379", Some(ca.clone())), ("etcd-a:2379", None), ("https://etcd-a:2379", Some(ca)), ("http://etcd-a:2379", None)] {
+            connect(endpoint, ca).unwrap();
+        }
     }
 }

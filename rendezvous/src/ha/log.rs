@@ -330,8 +330,9 @@ impl std::fmt::Debug for EtcdLog {
 enum Refusal {
     /// The election key is gone or another: this writer was deposed.
     Deposed,
-    /// The write had committed earlier (an uncertain attempt that did land).
-    AlreadyDone,
+    /// The write had committed earlier (an uncertain attempt that did land), at this revision
+    /// (the written key's mod revision: the failed Txn's own revision is later).
+    AlreadyDone(i64),
     /// The slot holds other bytes.
     Conflict,
 }
@@ -379,7 +380,7 @@ impl EtcdLog {
             match self.rt.block_on(self.etcd.txn(req.clone())) {
                 Ok(r) if r.succeeded => return Ok(r.header.map(|h| h.revision).unwrap_or(0)),
                 Ok(r) => match judge(&r) {
-                    Refusal::AlreadyDone => return Ok(r.header.map(|h| h.revision).unwrap_or(0)),
+                    Refusal::AlreadyDone(revision) => return Ok(revision),
                     Refusal::Deposed => return Err(self.deposed("the election key is gone or belongs to a later campaign")),
                     Refusal::Conflict => {
                         self.metrics.ha_log_conflicts.inc();
@@ -405,8 +406,8 @@ impl EtcdLog {
     fn judge(&self, r: &epb::TxnResponse, value: &[u8]) -> Refusal {
         if !self.ours(r, 0) {
             Refusal::Deposed
-        } else if txn_range(r, 1).first().is_some_and(|kv| kv.value == value) {
-            Refusal::AlreadyDone
+        } else if let Some(kv) = txn_range(r, 1).into_iter().next().filter(|kv| kv.value == value) {
+            Refusal::AlreadyDone(kv.mod_revision)
         } else {
             Refusal::Conflict
         }
@@ -554,7 +555,7 @@ impl LogStore for EtcdLog {
             success: vec![put_op(&leader, self.leader_value.clone(), 0)],
             failure: vec![get_op(&self.election_key)],
         };
-        self.guarded(req, |r| if self.ours(r, 0) { Refusal::AlreadyDone } else { Refusal::Deposed }).map(|_| ())
+        self.guarded(req, |r| if self.ours(r, 0) { Refusal::AlreadyDone(r.header.map_or(0, |h| h.revision)) } else { Refusal::Deposed }).map(|_| ())
     }
 
     fn reads_need_confirmation(&self) -> bool {

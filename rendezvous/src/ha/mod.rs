@@ -385,6 +385,8 @@ impl Node {
                 match decide(&s.key, s.epoch, &list) {
                     Decision::Lost => return End::Restart("the campaign key is gone (lease expired)".into()),
                     Decision::Lead => break,
+                    // Still the same predecessor (the periodic look below): keep its watch.
+                    Decision::WaitFor { key, .. } if predecessor.as_ref().is_some_and(|(k, _)| *k == key) => {}
                     Decision::WaitFor { key, .. } => {
                         let create = epb::WatchCreateRequest { key: key.clone(), start_revision: rev + 1, ..Default::default() };
                         let watched = tokio::select! {
@@ -453,6 +455,9 @@ impl Node {
                     if let Some(w) = &follow.watch {
                         w.request_progress();
                     }
+                    // The predecessor's delete may never arrive (a stalled stream, a lost
+                    // event: ha-etcd.md §3.4): look at the campaigners again now and then.
+                    decide_now = true;
                     if follow.last_heard.elapsed() > Duration::from_secs(15) {
                         tracing::warn!("no word from the log watch for 15 s; reopening it");
                         follow.watch = None;
@@ -514,18 +519,49 @@ impl Node {
             success: vec![put_op(&self.keys.leader(), value.clone(), 0)],
             failure: vec![get_op(&s.key)],
         };
-        let h = loop {
+        // Catch up with everything committed before the barrier, read at its revision. A read
+        // etcd did not answer (an election of its own, a compaction) is tried again behind a
+        // new barrier, up to the fence: one hiccup must not cost a whole campaign.
+        let (h, snap_mod) = loop {
             if s.fence.fenced() {
                 return Err(End::Restart("the lease lapsed before the takeover barrier".into()));
             }
-            match self.etcd.txn(barrier.clone()).await {
-                Ok(r) if r.succeeded => break r.header.map(|h| h.revision).unwrap_or(0),
+            let h = match self.etcd.txn(barrier.clone()).await {
+                Ok(r) if r.succeeded => r.header.map(|h| h.revision).unwrap_or(0),
                 Ok(_) => return Err(End::Restart("the campaign key is gone at takeover".into())),
-                Err(EtcdError::Uncertain(_)) => tokio::time::sleep(Duration::from_millis(50)).await,
+                Err(EtcdError::Uncertain(_)) => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            };
+            match self.catch_up(h).await {
+                Ok(Ok(snap_mod)) => break (h, snap_mod),
+                Ok(Err(why)) => return Err(End::Restart(why)),
+                Err(RecoverError::Etcd(e @ (EtcdError::Uncertain(_) | EtcdError::Compacted(_)))) => {
+                    tracing::debug!(error = %e, barrier_revision = h, "takeover read not answered; again behind a new barrier");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
                 Err(e) => return Err(e.into()),
             }
         };
-        // Catch up with everything committed before the barrier, read at its revision.
+        let _ = follow;
+        let owner = Owner { election_key: s.key.clone(), epoch: s.epoch, leader_value: value, fence: s.fence.clone() };
+        let store = EtcdLog::new(self.etcd.clone(), self.keys.clone(), tokio::runtime::Handle::current(), owner, snap_mod, self.core.metrics.clone())
+            .with_snapshot_every(self.cfg.snapshot_bytes);
+        if s.fence.fenced() {
+            return Err(End::Restart("the lease lapsed during the takeover".into()));
+        }
+        self.core.promote(s.epoch as u64, Box::new(store)).map_err(|e| End::Restart(e.to_string()))?;
+        let (seq, _) = self.core.position();
+        tracing::info!(epoch = s.epoch, barrier_revision = h, seq, "leading");
+        Ok(())
+    }
+
+    /// Brings the replica to barrier revision `h`: the log after its position, or the snapshot
+    /// and the log after it when the replica is behind the snapshot. The snapshot pointer's mod
+    /// revision, or why the replica could not take the state.
+    async fn catch_up(&self, h: i64) -> Result<Result<i64, String>, RecoverError> {
         let (seq, _) = self.core.position();
         let (ptr, _) = self.etcd.range_all(&self.keys.snap_current(), &[], h, 1).await?;
         let snap: Option<SnapPointer> = ptr.first().and_then(|kv| postcard::from_bytes(&kv.value).ok());
@@ -539,19 +575,11 @@ impl Node {
         };
         if !caught_up {
             let r = recover(&self.etcd, &self.keys, h).await?;
-            self.core.replica_reset(r.state, r.seq, r.last_at).map_err(|e| End::Restart(e.to_string()))?;
+            if let Err(e) = self.core.replica_reset(r.state, r.seq, r.last_at) {
+                return Ok(Err(e.to_string()));
+            }
         }
-        let _ = follow;
-        let owner = Owner { election_key: s.key.clone(), epoch: s.epoch, leader_value: value, fence: s.fence.clone() };
-        let store = EtcdLog::new(self.etcd.clone(), self.keys.clone(), tokio::runtime::Handle::current(), owner, snap_mod, self.core.metrics.clone())
-            .with_snapshot_every(self.cfg.snapshot_bytes);
-        if s.fence.fenced() {
-            return Err(End::Restart("the lease lapsed during the takeover".into()));
-        }
-        self.core.promote(s.epoch as u64, Box::new(store)).map_err(|e| End::Restart(e.to_string()))?;
-        let (seq, _) = self.core.position();
-        tracing::info!(epoch = s.epoch, barrier_revision = h, seq, "leading");
-        Ok(())
+        Ok(Ok(snap_mod))
     }
 
     /// Decodes log values and applies them to the replica.
@@ -650,6 +678,9 @@ impl Node {
             start_revision: f.revision + 1,
             progress_notify: true,
             filters: vec![epb::watch_create_request::FilterType::Nodelete as i32],
+            // Catching up, etcd may send a thousand revisions of 512 KiB snapshot chunks at
+            // once: in pieces, none can pass the decoding limit and stall the replica.
+            fragment: true,
             ..Default::default()
         };
         let mut pause = Duration::from_millis(50);
