@@ -270,7 +270,7 @@ pub struct LaunchArgs {
     // ------------------------------------------------------------------------------------------------
     // rsrun: the cluster path
     /// Hostfile: one host per line, `host slots=N`, `host:N`, a bare `host` (slots from
-    /// --nproc-per-node, else detected on the host), Slurm hostlists `node[01-04] slots=8`, `#`
+    /// --nproc-per-node, which it then needs), Slurm hostlists `node[01-04] slots=8`, `#`
     /// comments. File order is node order. The job is started on every host over ssh.
     #[arg(long, env = "RSRUN_HOSTFILE", value_name = "FILE", help_heading = "Cluster")]
     pub hostfile: Option<PathBuf>,

@@ -430,6 +430,9 @@ fn batch(args: &LaunchArgs, host: &HostInfo, table_given: bool, notes: &mut Vec<
     let srun: Vec<String> = vec![
         "srun".into(),
         format!("--nodes={n}"),
+        // Typed, so a batch script's SLURM_NTASKS (#SBATCH --ntasks=16), which --export=ALL
+        // passes on and srun reads as -n, cannot start several agents per node.
+        format!("--ntasks={n}"),
         "--ntasks-per-node=1".into(),
         "--kill-on-bad-exit=1".into(),
         "--export=ALL".into(),

@@ -311,10 +311,10 @@ fn slurm_batch(nodes: &str) -> Vec<(&'static str, String)> {
 #[test]
 fn slurm_mode_c_reruns_under_srun() {
     let p = plan(&["true"], &env_ref(&slurm_batch("2"))).unwrap();
-    let srun = ["srun", "--nodes=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--export=ALL"];
+    let srun = ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--export=ALL"];
     assert_eq!(p.mode, LaunchMode::SlurmC { srun: srun.iter().map(|s| s.to_string()).collect() });
     let text = render(&p);
-    assert!(text.contains("srun         : srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 --export=ALL <absolute path of rsrun> <the same arguments>"), "{text}");
+    assert!(text.contains("srun         : srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --kill-on-bad-exit=1 --export=ALL <absolute path of rsrun> <the same arguments>"), "{text}");
     // Explicit rendezvous options: this node only, as configured.
     let p = plan(&["--nnodes", "2", "--master-addr", "h", "true"], &env_ref(&slurm_batch("2"))).unwrap();
     assert_eq!(p.mode, LaunchMode::Static);
