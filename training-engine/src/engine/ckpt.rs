@@ -57,6 +57,13 @@ impl<M: UnitModel> Engine<M> {
     /// A state for another model, sharding, shard rank or optimizer ([`EngineError::Layout`],
     /// [`EngineError::Checkpoint`], [`EngineError::Length`]); tier or collective failures.
     pub fn load_shard_state(&mut self, s: ShardState) -> EngineResult<()> {
+        self.install_shard_state(s)?;
+        self.gather_installed_params()
+    }
+
+    /// The local part of [`Engine::load_shard_state`]: checks `s` and installs it in this rank's
+    /// tiers, without a collective (so the ranks can agree on its outcome first).
+    fn install_shard_state(&mut self, s: ShardState) -> EngineResult<()> {
         self.layout.check_same_model(&s.layout)?;
         if s.layout.world != self.layout.world || s.shard_rank != self.shard_rank {
             return Err(EngineError::Layout(format!(
@@ -110,15 +117,21 @@ impl<M: UnitModel> Engine<M> {
         for (ui, (m, st)) in master.into_iter().zip(state).enumerate() {
             self.set_master_and_state(ui, m, st)?;
         }
-        if matches!(self.cfg.strategy.zero_stage(), 1 | 2) {
-            for ui in 0..self.units.len() {
-                self.all_gather_params(ui)?;
-            }
-        }
         self.step = step;
         if let (Some(sc), Some(ls)) = (self.scaler.as_mut(), loss_scale) {
             sc.scale = ls;
             sc.good_steps = 0;
+        }
+        Ok(())
+    }
+
+    /// The collective part of [`Engine::load_shard_state`]: under ZeRO-1/2 every rank's updated
+    /// range of the parameters is all-gathered.
+    fn gather_installed_params(&mut self) -> EngineResult<()> {
+        if matches!(self.cfg.strategy.zero_stage(), 1 | 2) {
+            for ui in 0..self.units.len() {
+                self.all_gather_params(ui)?;
+            }
         }
         Ok(())
     }
@@ -198,9 +211,12 @@ impl<M: UnitModel> Engine<M> {
                 .map(|(s, p)| (dir, s, p))
                 .map_err(EngineError::from)
         });
-        self.agree(loaded.as_ref().map(drop).map_err(Clone::clone), "checkpoint load")?;
-        let (dir, state, progress) = loaded?;
-        self.load_shard_state(state)?;
+        // Installing the shard (which writes an offload tier: ENOSPC, EIO) is part of what the
+        // ranks agree on: a rank that failed there must not leave the others in the gather.
+        let installed = loaded.and_then(|(dir, state, progress)| self.install_shard_state(state).map(|()| (dir, progress)));
+        self.agree(installed.as_ref().map(drop).map_err(Clone::clone), "checkpoint load")?;
+        let (dir, progress) = installed?;
+        self.gather_installed_params()?;
         Ok((dir, progress))
     }
 }
