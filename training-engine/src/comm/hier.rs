@@ -65,13 +65,12 @@ impl HierBackend {
     }
 }
 
-fn sub_header(h: &OpHeader, kind: OpKind, root: usize, redop: Option<ReduceOp>) -> OpHeader {
-    OpHeader {
-        kind,
-        root: root as u32,
-        redop: redop.map_or(0, |r| r as u8),
-        ..*h
-    }
+/// The header a stage compares: the stage's kind, with the caller's reduce op and global root
+/// (the stage's own op and root travel as arguments). So every stage a rank shares with others
+/// checks what the caller asked for: an Avg against a Sum, or broadcasts from different roots,
+/// are a mismatch even where the stage would sum, or broadcast from local rank 0, alike.
+fn sub_header(h: &OpHeader, kind: OpKind) -> OpHeader {
+    OpHeader { kind, ..*h }
 }
 
 impl Backend for HierBackend {
@@ -97,7 +96,7 @@ impl Backend for HierBackend {
         };
         if let Some(l) = &mut self.local {
             l.reduce(
-                &sub_header(h, OpKind::Reduce, 0, Some(stage_op)),
+                &sub_header(h, OpKind::Reduce),
                 buf,
                 stage_op,
                 0,
@@ -106,14 +105,14 @@ impl Backend for HierBackend {
         }
         if let Some(x) = &mut self.leaders {
             x.all_reduce(
-                &sub_header(h, OpKind::AllReduce, 0, Some(stage_op)),
+                &sub_header(h, OpKind::AllReduce),
                 buf,
                 stage_op,
                 t,
             )?;
         }
         if let Some(l) = &mut self.local {
-            l.broadcast(&sub_header(h, OpKind::Broadcast, 0, None), buf, 0, t)?;
+            l.broadcast(&sub_header(h, OpKind::Broadcast), buf, 0, t)?;
         }
         if op == ReduceOp::Avg {
             divide(h.dtype, buf, self.ctx.world)?;
@@ -138,7 +137,7 @@ impl Backend for HierBackend {
                 .position(|r| *r == root)
                 .unwrap_or(0);
             l.broadcast(
-                &sub_header(h, OpKind::Broadcast, local_root, None),
+                &sub_header(h, OpKind::Broadcast),
                 buf,
                 local_root,
                 t,
@@ -146,7 +145,7 @@ impl Backend for HierBackend {
         }
         if let Some(x) = &mut self.leaders {
             x.broadcast(
-                &sub_header(h, OpKind::Broadcast, root_host, None),
+                &sub_header(h, OpKind::Broadcast),
                 buf,
                 root_host,
                 t,
@@ -155,7 +154,7 @@ impl Backend for HierBackend {
         if my_host != root_host
             && let Some(l) = &mut self.local
         {
-            l.broadcast(&sub_header(h, OpKind::Broadcast, 0, None), buf, 0, t)?;
+            l.broadcast(&sub_header(h, OpKind::Broadcast), buf, 0, t)?;
         }
         Ok(())
     }

@@ -845,7 +845,8 @@ impl Mesh {
                 l.copy_from_slice(&body[off..off + 8]);
                 let l = u64::from_le_bytes(l) as usize;
                 off += 8;
-                if off + l > body.len() {
+                // `off` is at most the body's length here; a garbled length cannot overflow.
+                if l > body.len() - off {
                     return Err(self.peer_error(from, op, "truncated message".into()));
                 }
                 held.push(body[off..off + l].to_vec());

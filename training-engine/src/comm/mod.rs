@@ -422,6 +422,17 @@ impl std::fmt::Debug for ProcessGroup {
     }
 }
 
+/// The options every rank of a group must share: each rank picks the backend, the algorithm
+/// (one-sync or chunked, small or ring) and the slot size by them without asking its peers, so
+/// a difference would pair different protocols (a stale read, a garbled blob, a panic on a
+/// length) instead of failing. Compared at [`ProcessGroup::new`].
+fn agreed_options(o: &CommOptions) -> String {
+    format!(
+        "backend={:?} deterministic={} shm_chunk_bytes={} shm_small_bytes={} tcp_small_bytes={}",
+        o.backend, o.deterministic, o.shm_chunk_bytes, o.shm_small_bytes, o.tcp_small_bytes
+    )
+}
+
 impl ProcessGroup {
     /// Creates the group; every rank calls this with the same `world`, `prefix` and options.
     ///
@@ -459,8 +470,9 @@ impl ProcessGroup {
             opts,
         };
         let my_id = ctx.opts.host_identity.clone().unwrap_or_else(host_identity);
+        let ours = agreed_options(&ctx.opts);
         ctx.store
-            .set(&format!("{prefix}/host/{rank}"), my_id.as_bytes())?;
+            .set(&format!("{prefix}/host/{rank}"), format!("{ours}\n{my_id}").as_bytes())?;
         let deadline = std::time::Instant::now() + ctx.opts.timeout;
         let mut ids = Vec::with_capacity(world);
         for j in 0..world {
@@ -468,7 +480,17 @@ impl ProcessGroup {
                 &format!("{prefix}/host/{j}"),
                 deadline.saturating_duration_since(std::time::Instant::now()),
             )?;
-            ids.push(String::from_utf8_lossy(&v).to_string());
+            let v = String::from_utf8_lossy(&v).to_string();
+            let (theirs, id) = v.split_once('\n').unwrap_or(("", v.as_str()));
+            if theirs != ours {
+                return Err(CommError::Bootstrap {
+                    prefix: ctx.prefix.clone(),
+                    reason: format!(
+                        "rank {j} has {theirs:?} but rank {rank} has {ours:?}: every rank must pass the same options (each picks its algorithm by them alone)"
+                    ),
+                });
+            }
+            ids.push(id.to_string());
         }
         Self::from_ctx(ctx, ids)
     }

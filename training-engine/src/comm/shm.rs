@@ -282,17 +282,27 @@ impl ShmBackend {
         let deadline = Instant::now() + ctx.opts.timeout;
         let name_key = format!("{}/shm/name", ctx.prefix);
         let (map, path) = if rank == 0 {
-            let (file, path) = create_segment_file("comm", len, false)?;
-            let map = map_file(&file, len)?;
-            // SAFETY: offset 0..24 is inside the mapping, 8-aligned; nobody else has it yet.
-            unsafe {
-                (map.base as *mut u64).write(MAGIC);
-                (map.base as *mut u64).add(1).write(world as u64);
-                (map.base as *mut u64).add(2).write(slot as u64);
+            // Reserved, not sparse: a full /dev/shm (Docker's 64 MiB) is an error here, not a
+            // SIGBUS at the first touch of a page.
+            let (file, path) = create_segment_file("comm", len, true)?;
+            let made = map_file(&file, len).and_then(|map| {
+                // SAFETY: offset 0..24 is inside the mapping, 8-aligned; nobody else has it yet.
+                unsafe {
+                    (map.base as *mut u64).write(MAGIC);
+                    (map.base as *mut u64).add(1).write(world as u64);
+                    (map.base as *mut u64).add(2).write(slot as u64);
+                }
+                ctx.store
+                    .set(&name_key, format!("{}\n{len}", path.display()).as_bytes())?;
+                Ok(map)
+            });
+            match made {
+                Ok(map) => (map, Some(path)),
+                Err(e) => {
+                    let _ = std::fs::remove_file(&path);
+                    return Err(e);
+                }
             }
-            ctx.store
-                .set(&name_key, format!("{}\n{len}", path.display()).as_bytes())?;
-            (map, Some(path))
         } else {
             let v = ctx.store.get(
                 &name_key,
@@ -346,12 +356,17 @@ impl ShmBackend {
         let pid = std::process::id();
         me.u32_at(me.ctrl(rank) + PID_OFF)
             .store(pid, Ordering::Release);
-        ctx.store.set(
-            &format!("{}/shm/attached/{rank}", ctx.prefix),
-            pid.to_string().as_bytes(),
-        )?;
-        let mut attach_err = None;
+        let mut attach_err = ctx
+            .store
+            .set(
+                &format!("{}/shm/attached/{rank}", ctx.prefix),
+                pid.to_string().as_bytes(),
+            )
+            .err();
         for j in 0..world {
+            if attach_err.is_some() {
+                break;
+            }
             let key = format!("{}/shm/attached/{j}", ctx.prefix);
             match ctx
                 .store

@@ -122,6 +122,72 @@ fn mismatched_calls_are_reported_on_every_rank() {
     }
 }
 
+/// Under the hierarchical backend, stages that rewrite the op (Avg sums in every stage) or the
+/// root (a host's local broadcast is from its local rank 0) still see what each caller asked
+/// for: ranks 0,2 on one host and 1,3 on the other, one rank asking for another reduce op or
+/// root is named on every rank instead of leaving the ranks with different results.
+#[test]
+fn hierarchical_stages_check_the_callers_op_and_root() {
+    let res = run_threads(
+        4,
+        |r| opts_for(BackendKind::Hierarchical, r),
+        |pg| {
+            let mut v = vec![1.0f32; 64];
+            let op = if pg.rank() == 0 { ReduceOp::Avg } else { ReduceOp::Sum };
+            Ok(pg.all_reduce(&mut v, op))
+        },
+    );
+    for (rank, r) in res.into_iter().enumerate() {
+        let r = r.unwrap();
+        assert!(matches!(r, Err(CommError::Mismatch { .. }) | Err(CommError::Aborted { .. })), "rank {rank} avg/sum: {r:?}");
+    }
+    // Rank 3 asks for root 2, the others for root 0: ranks 1 and 3 (host B) fail in the op; ranks
+    // 0 and 2 hold root 0's data, as asked, and learn of the failure at their next call.
+    let res = run_threads(
+        4,
+        |r| opts_for(BackendKind::Hierarchical, r),
+        |pg| {
+            let mut v = vec![pg.rank() as f32; 64];
+            let root = if pg.rank() == 3 { 2 } else { 0 };
+            let first = pg.broadcast(&mut v, root).map(|()| v[0]);
+            Ok((first, pg.barrier()))
+        },
+    );
+    for (rank, r) in res.into_iter().enumerate() {
+        let (first, next) = r.unwrap();
+        match rank {
+            1 | 3 => assert!(first.is_err(), "rank {rank} roots: {first:?}"),
+            _ => assert!(matches!(first, Ok(0.0) | Err(_)), "rank {rank} roots: {first:?}"),
+        }
+        assert!(next.is_err(), "rank {rank}: the call after a mismatch succeeded");
+    }
+}
+
+/// Ranks pick their algorithm by their own options: ranks created with different ones fail at
+/// creation, naming both, instead of pairing a one-sync path with a chunked one.
+#[test]
+fn ranks_with_different_options_fail_at_creation() {
+    for kind in KINDS {
+        let res = run_threads(
+            2,
+            |r| {
+                let mut o = opts_for(kind, r);
+                if r == 1 {
+                    o.shm_small_bytes *= 2;
+                    o.tcp_small_bytes *= 2;
+                }
+                o
+            },
+            |_pg| Ok(()),
+        );
+        for (rank, r) in res.into_iter().enumerate() {
+            let e = r.unwrap_err();
+            let msg = e.to_string();
+            assert!(matches!(e, CommError::Bootstrap { .. }) && msg.contains("shm_small_bytes=8192") && msg.contains("shm_small_bytes=4096"), "{kind:?} rank {rank}: {msg}");
+        }
+    }
+}
+
 #[test]
 fn argument_errors_do_not_poison_the_group() {
     let res = run_threads(
