@@ -441,6 +441,43 @@ async fn connections_past_the_cap_are_closed_at_once() {
     assert_quiet(&mut b).await;
 }
 
+/// Many connections that each start a large SET and never finish it cannot make the server hold
+/// more than `max_buffered_bytes` together: past it, the ones holding the most are closed, and
+/// the others, and new clients, are served as before.
+#[tokio::test]
+async fn unfinished_requests_over_all_connections_are_held_to_the_budget() {
+    let limits = TcpStoreLimits { max_buffered_bytes: 1 << 20, ..TcpStoreLimits::default() };
+    let server = start(limits).await;
+    // Each sends 400 KiB of a 1 MiB value, a little at a time, and stops.
+    let set = enc(&[Request::Set { key: k("/big"), value: vec![7; 1 << 20] }]);
+    let part = &set[..400 << 10];
+    let mut open = Vec::new();
+    for i in 0..3 {
+        let mut s = validated(server.local_addr()).await;
+        s.write_all(part).await.unwrap();
+        until_stats(&server, "the partial request was not read", |st| st.buffered_bytes >= (i + 1).min(2) * (390 << 10)).await;
+        open.push(s);
+    }
+    // The third pushed the total past 1 MiB: one connection was closed, two are held.
+    until_stats(&server, "no connection was shed", |st| st.shed_connections == 1 && st.n_connections == 2).await;
+    let st = server.stats();
+    assert!(st.buffered_bytes <= 1 << 20, "{st:?}");
+    let mut closed = 0;
+    for s in &mut open {
+        let mut b = [0u8; 1];
+        match tokio::time::timeout(Duration::from_millis(200), s.read(&mut b)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => closed += 1,
+            Ok(Ok(_)) => panic!("a reply to a request that was never finished"),
+            Err(_) => {}
+        }
+    }
+    assert_eq!(closed, 1);
+    // A client that finishes what it sends is served.
+    let mut c = TcpStoreClient::connect(server.local_addr()).await.unwrap();
+    c.set(b"/k", b"v").await.unwrap();
+    assert_eq!(c.get(b"/k").await.unwrap(), b"v");
+}
+
 /// Limits past their ceilings are refused up front, so the parser's arithmetic cannot overflow.
 #[tokio::test]
 async fn limits_past_their_ceilings_are_refused() {

@@ -67,6 +67,10 @@ struct TcpStoreArgs {
     /// Most bytes of keys and values the store holds.
     #[arg(long, default_value_t = 1 << 30, value_parser = clap::value_parser!(u64).range(1..=(1 << 40)))]
     max_total_bytes: u64,
+    /// Most bytes held for all connections together in unfinished requests and unread replies;
+    /// past it the connections holding the most are closed.
+    #[arg(long, default_value_t = 1 << 30, value_parser = clap::value_parser!(u64).range(1..=(1 << 40)))]
+    max_buffered_bytes: u64,
 }
 
 #[derive(Parser, Debug)]
@@ -374,6 +378,7 @@ async fn tcpstore(args: TcpStoreArgs) -> anyhow::Result<()> {
         max_keys_per_request: to_usize("max_keys_per_request", args.max_keys_per_request)?,
         max_request_bytes: to_usize("max_request_bytes", args.max_request_bytes)?,
         max_total_bytes: to_usize("max_total_bytes", args.max_total_bytes)?,
+        max_buffered_bytes: to_usize("max_buffered_bytes", args.max_buffered_bytes)?,
         ..TcpStoreLimits::default()
     };
     raise_nofile_limit();

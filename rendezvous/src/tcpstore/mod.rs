@@ -57,6 +57,12 @@ pub struct TcpStoreLimits {
     pub max_total_bytes: usize,
     /// Most client connections open at once; one more is closed at once, with a log line.
     pub max_connections: usize,
+    /// Most bytes the server holds for all connections together in requests not yet applied
+    /// (partly read, or parsed and held back) and replies not yet taken by their peers. Past it,
+    /// the connections holding the most are closed, with a log line, until it holds less: a
+    /// peer cannot make the daemon grow by opening many connections that never finish a request
+    /// or never read (each one alone is held to about `max_request_bytes` and 16 MiB of replies).
+    pub max_buffered_bytes: usize,
     /// A connection that has not sent its handshake, or that stopped in the middle of a request,
     /// is closed after this long without a byte (idle time between requests is never limited:
     /// torch's clients hold their connection for the whole job).
@@ -65,7 +71,8 @@ pub struct TcpStoreLimits {
 
 impl Default for TcpStoreLimits {
     /// torch's libuv caps (8 KiB keys, 8 MiB values, 128 Ki keys per request), 64 MiB per request,
-    /// 1 GiB per keyspace, 50,000 connections, 60 s to finish a handshake or a started request.
+    /// 1 GiB per keyspace, 50,000 connections, 1 GiB buffered over all connections, 60 s to
+    /// finish a handshake or a started request.
     fn default() -> Self {
         TcpStoreLimits {
             max_key_bytes: 8 << 10,
@@ -74,6 +81,7 @@ impl Default for TcpStoreLimits {
             max_request_bytes: 64 << 20,
             max_total_bytes: 1 << 30,
             max_connections: 50_000,
+            max_buffered_bytes: 1 << 30,
             stall_timeout: std::time::Duration::from_secs(60),
         }
     }
@@ -102,6 +110,7 @@ impl TcpStoreLimits {
             ("max_request_bytes", self.max_request_bytes, 1 << 30),
             ("max_total_bytes", self.max_total_bytes, 1 << 40),
             ("max_connections", self.max_connections, 1 << 24),
+            ("max_buffered_bytes", self.max_buffered_bytes, 1 << 40),
         ] {
             if v == 0 {
                 return Err(RdzvError::invalid(name, "0: must be at least 1"));

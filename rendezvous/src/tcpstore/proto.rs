@@ -120,6 +120,24 @@ pub enum Request {
 }
 
 impl Request {
+    /// Key and value bytes the request holds (what it costs while it waits to be applied).
+    pub fn payload_bytes(&self) -> usize {
+        let keys = |k: &[Vec<u8>]| k.iter().map(Vec::len).sum::<usize>();
+        match self {
+            Request::Validate { .. } | Request::GetNumKeys | Request::CancelWait | Request::Ping { .. } | Request::ListKeys => 0,
+            Request::Set { key, value } | Request::Append { key, value } | Request::QueuePush { key, value } => key.len() + value.len(),
+            Request::CompareSet { key, expected, desired } => key.len() + expected.len() + desired.len(),
+            Request::Get { key }
+            | Request::Add { key, .. }
+            | Request::DeleteKey { key }
+            | Request::QueuePop { key }
+            | Request::QueueLen { key }
+            | Request::Barrier { key, .. } => key.len(),
+            Request::Check { keys: k } | Request::Wait { keys: k } | Request::MultiGet { keys: k } => keys(k),
+            Request::MultiSet { pairs } => pairs.iter().map(|(k, v)| k.len() + v.len()).sum(),
+        }
+    }
+
     /// The request's command byte.
     pub fn command(&self) -> Command {
         match self {
@@ -291,6 +309,8 @@ pub struct RequestParser {
     fields: Vec<Field>,
     /// Bytes of the integer or length header being read (at most 8).
     scratch: Vec<u8>,
+    /// Key and value bytes of the current request received so far (see [`RequestParser::held_bytes`]).
+    held: usize,
 }
 
 /// Bodies are grown as their bytes arrive, never reserved from the declared length up front, so a
@@ -300,7 +320,13 @@ const MAX_RESERVE: usize = 64 << 10;
 impl RequestParser {
     /// A parser for a new connection (expects VALIDATE first).
     pub fn new(limits: ParseLimits) -> Self {
-        RequestParser { limits, validated: false, cur: None, fields: Vec::new(), scratch: Vec::with_capacity(8) }
+        RequestParser { limits, validated: false, cur: None, fields: Vec::new(), scratch: Vec::with_capacity(8), held: 0 }
+    }
+
+    /// Key and value bytes of the request being read that arrived so far: what a partly sent
+    /// request costs the server (a declared length costs nothing until its bytes come).
+    pub fn held_bytes(&self) -> usize {
+        self.held
     }
 
     /// True while a request is partly read.
@@ -338,6 +364,7 @@ impl RequestParser {
             let Some(kind) = next_kind(p.cmd, &self.fields) else {
                 let cmd = p.cmd;
                 self.cur = None;
+                self.held = 0;
                 let req = build(cmd, &mut self.fields)?;
                 if let Request::Validate { magic } = req {
                     if magic != VALIDATE_MAGIC {
@@ -353,6 +380,7 @@ impl RequestParser {
             if let (Kind::Key | Kind::Value, Some(len)) = (kind, p.body_len) {
                 let take = (len - p.body.len()).min(input.len());
                 p.body.extend_from_slice(&input[..take]);
+                self.held += take;
                 input = &input[take..];
                 if p.body.len() < len {
                     return Ok(());

@@ -21,7 +21,7 @@
 use std::collections::VecDeque;
 use std::io::{ErrorKind, Read, Write};
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -83,6 +83,11 @@ pub struct TcpStoreStats {
     /// The most reply bytes one connection has held at once (built, not yet taken by its peer):
     /// about 16 MiB plus one reply at most, however a peer pipelines.
     pub peak_held_bytes: usize,
+    /// Bytes held now for all connections together: requests not yet applied and replies not
+    /// yet taken (see [`super::TcpStoreLimits::max_buffered_bytes`]).
+    pub buffered_bytes: usize,
+    /// Connections closed because the server held more than `max_buffered_bytes`.
+    pub shed_connections: u64,
 }
 
 /// A running TCPStore server: one listener, one keyspace, one event-loop thread. Dropping it (or
@@ -107,6 +112,10 @@ struct Shared {
     n_connections: AtomicUsize,
     /// The most reply bytes one connection has held at once (see [`TcpStoreStats`]).
     peak_held_bytes: AtomicUsize,
+    /// Bytes buffered over all connections at the end of the last turn (see [`TcpStoreStats`]).
+    buffered_bytes: AtomicUsize,
+    /// Connections closed for the store-wide budget.
+    shed_connections: AtomicU64,
 }
 
 impl Shared {
@@ -140,7 +149,11 @@ impl TcpStoreServer {
         let local_addr = listener.local_addr().map_err(|e| RdzvError::invalid("listen", format!("listener address of {addr}: {e}")))?;
         let poll = Poll::new().map_err(bind_err)?;
         let waker = Arc::new(Waker::new(poll.registry(), WAKER).map_err(bind_err)?);
-        let shared = Arc::new(Shared { state: Mutex::new(StoreState::with_limits(&limits)), n_connections: AtomicUsize::new(0), peak_held_bytes: AtomicUsize::new(0) });
+        let shared = Arc::new(Shared { state: Mutex::new(StoreState::with_limits(&limits)), n_connections: AtomicUsize::new(0),
+            peak_held_bytes: AtomicUsize::new(0),
+            buffered_bytes: AtomicUsize::new(0),
+            shed_connections: AtomicU64::new(0),
+        });
         let cancel = shutdown.child_token();
         let (stopped_tx, stopped) = tokio::sync::oneshot::channel();
         let mut event_loop = EventLoop::new(poll, listener, shared.clone(), limits, cancel.clone()).map_err(bind_err)?;
@@ -191,6 +204,8 @@ impl TcpStoreServer {
             n_bytes: s.n_bytes,
             n_waits: s.n_waits,
             peak_held_bytes: self.shared.peak_held_bytes.load(Ordering::Relaxed),
+            buffered_bytes: self.shared.buffered_bytes.load(Ordering::Relaxed),
+            shed_connections: self.shared.shed_connections.load(Ordering::Relaxed),
         }
     }
 
@@ -261,6 +276,10 @@ struct Conn {
     /// connection holds too much (so one read of small requests with large replies, or of many
     /// WAITs, cannot make it hold more than about one reply past the budget).
     pending: VecDeque<Request>,
+    /// Key and value bytes of the `pending` requests.
+    pending_bytes: usize,
+    /// What this connection counts for in the loop's `buffered` total (as of its last update).
+    accounted: usize,
     /// When the peer's last bytes arrived (or the connection was accepted).
     last_read: Instant,
 }
@@ -269,6 +288,12 @@ impl Conn {
     /// Reply bytes built for this peer and not yet written.
     fn held_bytes(&self) -> usize {
         self.queue.n_bytes() + (self.out.len() - self.out_at)
+    }
+
+    /// Everything held for this peer: the request being read, requests held back, and replies
+    /// not yet taken.
+    fn buffered(&self) -> usize {
+        self.parser.held_bytes() + self.pending_bytes + self.held_bytes()
     }
 
     /// Too much is held back for this peer: reply bytes not yet written, or pending waits.
@@ -290,6 +315,7 @@ impl Conn {
     fn apply_pending(&mut self, state: &mut StoreState, woken: &mut Vec<WaitId>) -> Result<(), RdzvError> {
         while !self.over_budget() {
             let Some(req) = self.pending.pop_front() else { break };
+            self.pending_bytes = self.pending_bytes.saturating_sub(req.payload_bytes());
             let a = state.apply(self.id, req)?;
             self.queue.cancelled(&a.cancelled);
             self.queue.push(a.reply);
@@ -336,6 +362,8 @@ struct EventLoop {
     accept_more: bool,
     /// When to look for stalled connections next (see [`TcpStoreLimits::stall_timeout`]).
     next_sweep: Instant,
+    /// Bytes held for all connections together: the sum of their `accounted`.
+    buffered: usize,
 }
 
 impl EventLoop {
@@ -359,6 +387,7 @@ impl EventLoop {
             closing: Vec::new(),
             accept_retry: None,
             accept_more: false,
+            buffered: 0,
         })
     }
 
@@ -413,7 +442,9 @@ impl EventLoop {
                 self.sweep();
             }
             self.flush_dirty();
+            self.shed();
             self.close_pending(&mut state);
+            self.shared.buffered_bytes.store(self.buffered, Ordering::Relaxed);
         }
     }
 
@@ -483,11 +514,52 @@ impl EventLoop {
                 closing: false,
                 hung_up: false,
                 pending: VecDeque::new(),
+                pending_bytes: 0,
+                accounted: 0,
                 last_read: Instant::now(),
             });
             self.shared.n_connections.fetch_add(1, Ordering::Relaxed);
         }
         self.accept_more = true;
+    }
+
+    /// Brings connection `c`'s share of the `buffered` total up to date.
+    fn account(buffered: &mut usize, c: &mut Conn) {
+        let now = c.buffered();
+        *buffered = buffered.saturating_sub(c.accounted) + now;
+        c.accounted = now;
+    }
+
+    /// Over [`TcpStoreLimits::max_buffered_bytes`]: closes the connections holding the most until
+    /// the rest hold less. Only a peer that sends requests it does not finish, or asks for
+    /// replies it does not read, on many connections at once gets here.
+    fn shed(&mut self) {
+        let max = self.limits.max_buffered_bytes;
+        if self.buffered <= max {
+            return;
+        }
+        let mut holders: Vec<(usize, usize)> = self
+            .conns
+            .iter()
+            .enumerate()
+            .filter_map(|(slot, c)| c.as_ref().filter(|c| !c.closing && c.accounted > 0).map(|c| (c.accounted, slot)))
+            .collect();
+        holders.sort_unstable_by(|a, b| b.cmp(a));
+        let total = self.buffered;
+        let mut left = total;
+        for (bytes, slot) in holders {
+            if left <= max {
+                break;
+            }
+            let Some(c) = self.conns.get_mut(slot).and_then(Option::as_mut) else { continue };
+            let e = RdzvError::TcpStoreProtocol(format!(
+                "it holds {bytes} of the {total} bytes the server holds for all connections (unfinished requests and unread replies), past max_buffered_bytes {max}"
+            ));
+            c.closing = true;
+            self.closing.push((slot, Close::Violation(e)));
+            self.shared.shed_connections.fetch_add(1, Ordering::Relaxed);
+            left -= bytes;
+        }
     }
 
     fn mark_dirty(dirty: &mut Vec<usize>, slot: usize, c: &mut Conn) {
@@ -521,6 +593,7 @@ impl EventLoop {
         // sent is bounded, and requests it can no longer be answered for are dropped with it.
         if close.is_none() && !c.hung_up && (c.paused() || !c.pending.is_empty()) {
             c.unread = true;
+            Self::account(&mut self.buffered, c);
             self.deliver_wakes();
             return;
         }
@@ -550,7 +623,10 @@ impl EventLoop {
             };
             let parsed = c.parser.feed(&self.read_buf[..n], &mut self.reqs);
             // Requests parsed before a violation are still served, as they would be by torch.
-            c.pending.extend(self.reqs.drain(..));
+            for req in self.reqs.drain(..) {
+                c.pending_bytes += req.payload_bytes();
+                c.pending.push_back(req);
+            }
             let applied = c.apply_pending(state, &mut self.woken);
             self.shared.peak_held_bytes.fetch_max(c.held_bytes(), Ordering::Relaxed);
             Self::mark_dirty(&mut self.dirty, slot, c);
@@ -582,6 +658,7 @@ impl EventLoop {
             c.closing = true;
             self.closing.push((slot, close));
         }
+        Self::account(&mut self.buffered, c);
         self.deliver_wakes();
     }
 
@@ -594,6 +671,7 @@ impl EventLoop {
             c.queue.woken(id);
             Self::mark_dirty(&mut self.dirty, slot, c);
             // A pause on pending waits may be over.
+            Self::account(&mut self.buffered, c);
             if c.unread && !c.paused() && !c.in_backlog {
                 c.in_backlog = true;
                 self.backlog.push(slot);
@@ -663,6 +741,7 @@ impl EventLoop {
                 Close::Peer => tracing::trace!(peer = %c.peer, "tcpstore: connection closed"),
             }
             state.disconnect(c.id);
+            self.buffered = self.buffered.saturating_sub(c.accounted);
             let _ = self.poll.registry().deregister(&mut c.stream);
             drop(c);
             self.free.push(slot);
