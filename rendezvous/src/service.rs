@@ -551,7 +551,12 @@ impl Core {
             let (found, settle, mut view_rx, mut topic_rx) = {
                 let mut g = self.lock();
                 Self::serving(&g)?;
-                let found = check(&g.state);
+                // Nothing more comes to a job that ended (failed or completed): its waiters are
+                // told at once, not at their deadline (a key, a barrier, a unique id, a round).
+                let found = match check(&g.state) {
+                    Ok(None) => g.state.jobs.get(job).and_then(|j| j.ended_error()).map_or(Ok(None), Err),
+                    other => other,
+                };
                 let seq = g.seq;
                 let settle = match &found {
                     Ok(None) => None,

@@ -632,6 +632,31 @@ async fn a_spare_waiting_to_join_is_told_when_the_job_completes() {
     assert!(e.to_string().contains("has completed"), "{e}");
 }
 
+/// Every blocking wait of a job (a key, keys, a barrier, a unique id) ends when the job fails,
+/// naming the failure, instead of sleeping to its deadline.
+#[tokio::test]
+async fn waits_end_when_the_job_fails() {
+    let (_srv, client) = embedded().await;
+    let s = spec(1, 1, 5_000);
+    let round = client.join(join_spec("job", "a", &s)).await.unwrap().round.unwrap().round;
+    let store = client.store("job", round);
+    let round_store = client.store("job", round).round_scoped();
+    let (s1, s2, s3, s4, s5) = (store.clone(), store.clone(), store.clone(), store.clone(), round_store.clone());
+    let waits = vec![
+        tokio::spawn(async move { s1.get("never", WAIT).await.map(drop) }),
+        tokio::spawn(async move { s2.wait(&["never"], WAIT).await }),
+        tokio::spawn(async move { s3.barrier("b", "0", 2, WAIT).await.map(drop) }),
+        tokio::spawn(async move { s4.get_unique_id("", WAIT).await.map(drop) }),
+        tokio::spawn(async move { s5.multi_get(&["never"], WAIT).await.map(drop) }),
+    ];
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    client.fail_job("job", "a", "cuda error").await.unwrap();
+    for w in waits {
+        let e = tokio::time::timeout(Duration::from_secs(5), w).await.expect("a wait outlived the job").unwrap().unwrap_err();
+        assert!(e.to_string().contains("has failed") && e.to_string().contains("cuda error"), "{e}");
+    }
+}
+
 #[tokio::test]
 async fn every_running_round_gets_its_own_pytorch_store() {
     use rsrun_rendezvous::tcpstore::TcpStoreClient;
