@@ -50,6 +50,19 @@ impl RoundStores {
         }
     }
 
+    /// Jobs with an interface noted.
+    pub(crate) fn n_interfaces(&self) -> usize {
+        self.interfaces.len()
+    }
+
+    /// Forgets the interface noted for `job` when the job does not exist (a Join that was refused
+    /// before it created it): one entry per refused job id would otherwise stay forever.
+    pub(crate) fn forget_if_unknown(&mut self, job: &str, state: &State) {
+        if state.job(job).is_err() {
+            self.interfaces.remove(job);
+        }
+    }
+
     /// Brings `job`'s store in line with its phase: started when a round runs, stopped otherwise.
     pub(crate) fn sync(&mut self, job: &str, state: &State) {
         let running_round = state.job(job).ok().and_then(|j| matches!(j.phase, Phase::Running { .. }).then_some(j.round));

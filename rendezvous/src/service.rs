@@ -459,6 +459,20 @@ impl Core {
         }
     }
 
+    /// Undoes [`Core::note_interface`] for a job that does not exist (its Join was refused).
+    pub fn forget_interface_if_unknown(&self, job: &str) {
+        let mut g = self.lock();
+        let Inner { stores, state, .. } = &mut *g;
+        if let Some(stores) = stores.as_mut() {
+            stores.forget_if_unknown(job, state);
+        }
+    }
+
+    /// How many jobs have an interface noted (tests: it must not grow with refused joins).
+    pub fn noted_interfaces(&self) -> usize {
+        self.lock().stores.as_ref().map_or(0, |s| s.n_interfaces())
+    }
+
     /// The PyTorch store serving `round` of `job`, if the service hosts one.
     pub fn round_store(&self, job: &str, round: u64) -> Option<std::net::SocketAddr> {
         self.lock().stores.as_ref().and_then(|s| s.endpoint(job, round))
@@ -1116,6 +1130,10 @@ impl pb::rendezvous_server::Rendezvous for Service {
             if let Some(local) = local {
                 self.core.note_interface(&r.job_id, local.ip());
             }
+            let forget = |e: RdzvError| {
+                self.core.forget_interface_if_unknown(&r.job_id);
+                e
+            };
             let cmd = Command::Join(JoinCmd {
                 job: r.job_id.clone(),
                 node: r.node_id.clone(),
@@ -1124,9 +1142,9 @@ impl pb::rendezvous_server::Rendezvous for Service {
                 local_world_size: r.local_world_size,
                 rank_hint: r.rank_hint,
                 master_port: r.master_port,
-                spec: job_spec(r.config.as_ref())?,
+                spec: job_spec(r.config.as_ref()).map_err(forget)?,
             });
-            self.core.execute(cmd).await?;
+            self.core.execute(cmd).await.map_err(forget)?;
             let (job, node) = (r.job_id.as_str(), r.node_id.as_str());
             // Instrumented, never entered across an await: an entered span would leak into whatever
             // else runs on this thread meanwhile, and spans would nest into each other.
@@ -1448,6 +1466,7 @@ impl pb::rendezvous_server::Rendezvous for Service {
             let deadline = self.deadline(r.timeout_ms)?;
             let job = scope.job.clone();
             let mut values = Vec::with_capacity(r.keys.len());
+            let mut total = 0usize;
             for key in &r.keys {
                 let v = if r.timeout_ms == 0 {
                     self.core
@@ -1460,6 +1479,16 @@ impl pb::rendezvous_server::Rendezvous for Service {
                         })
                         .await?
                 };
+                // A key may be asked for more than once, but the answer holds no more than the
+                // job's store may: 10,000 copies of a 1 MiB value would be a 10 GiB reply.
+                total = total.saturating_add(v.len());
+                let max = self.core.limits().max_store_bytes_per_job;
+                if total > max {
+                    return Err(RdzvError::ResourceExhausted(format!(
+                        "the values of {} keys take more than {max} bytes, the job's store limit: ask for fewer keys at a time",
+                        r.keys.len()
+                    )));
+                }
                 values.push(v);
             }
             Ok(pb::StoreMultiGetResponse { values })

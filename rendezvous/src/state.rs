@@ -747,6 +747,12 @@ impl Job {
         }
         self.unique_ids.clear();
         self.barriers.retain(|(round_scoped, _), _| !round_scoped);
+        // A job-wide barrier keeps its generation, but the arrivals of the round that ended are
+        // void: its workers are gone, and the next round's must all arrive again (else one rank
+        // of the new round would be let through on a dead one's arrival).
+        for b in self.barriers.values_mut() {
+            b.arrived.clear();
+        }
         let mut joined = BTreeSet::new();
         while (joined.len() as u32) < self.spec.max_nodes {
             let Some(id) = self.waiting.pop_first() else { break };
@@ -861,6 +867,14 @@ impl Job {
         }
         Ok(self.barriers.get(&(scope.round_scoped, name.to_string())).map(|b| b.generation).unwrap_or(0))
     }
+}
+
+/// A join without a node rank in `0..max_nodes` to a job with fixed node ranks.
+fn fixed_rank_error(j: &JoinCmd, max_nodes: u32) -> RdzvError {
+    RdzvError::invalid(
+        "rank_hint",
+        format!("{:?}; job {:?} has fixed node ranks: every node names its rank in 0..{max_nodes}", j.rank_hint, j.job),
+    )
 }
 
 impl State {
@@ -1130,6 +1144,18 @@ impl State {
                         job.barriers.len()
                     )));
                 }
+                // Arrivals over all of the job's barriers are held to one barrier's most, so
+                // 10,000 barriers cannot each hold a million names.
+                let new_member = !job.barriers.get(&bkey).is_some_and(|b| b.arrived.contains(member));
+                if new_member {
+                    let held: usize = job.barriers.values().map(|b| b.arrived.len()).sum();
+                    if held >= MAX_BARRIER_PARTICIPANTS as usize {
+                        return Err(RdzvError::ResourceExhausted(format!(
+                            "job {:?} holds {held} barrier arrivals, the limit is {MAX_BARRIER_PARTICIPANTS}",
+                            job.id
+                        )));
+                    }
+                }
                 let barrier = job.barriers.entry(bkey).or_default();
                 if barrier.arrived.is_empty() {
                     barrier.participants = *participants;
@@ -1209,6 +1235,13 @@ impl State {
         if j.master_port > u32::from(u16::MAX) {
             return Err(RdzvError::invalid("master_port", format!("{}; expected 0 to 65535", j.master_port)));
         }
+        // Everything that can refuse the join is checked before the job is created or started
+        // over: a refused command changes nothing (it is not journaled, so a change would not
+        // survive a restart, and a job created by it would hold its spec against every later join).
+        let fresh = self.jobs.get(&j.job).is_none_or(|job| job.is_terminal() && job.nodes.is_empty());
+        if fresh && j.spec.fixed_ranks && j.rank_hint.is_none_or(|r| r >= j.spec.max_nodes) {
+            return Err(fixed_rank_error(j, j.spec.max_nodes));
+        }
         if !self.jobs.contains_key(&j.job) {
             if self.jobs.len() >= limits.max_jobs {
                 return Err(RdzvError::ResourceExhausted(format!(
@@ -1261,13 +1294,7 @@ impl State {
         let mut duplicate = None;
         if job.spec.fixed_ranks && !known {
             let Some(want) = j.rank_hint.filter(|r| *r < job.spec.max_nodes) else {
-                return Err(RdzvError::invalid(
-                    "rank_hint",
-                    format!(
-                        "{:?}; job {:?} has fixed node ranks: every node names its rank in 0..{}",
-                        j.rank_hint, job.id, job.spec.max_nodes
-                    ),
-                ));
+                return Err(fixed_rank_error(j, job.spec.max_nodes));
             };
             if let Some(holder) = job.nodes.values().find(|n| n.rank_hint == Some(want)) {
                 duplicate = Some(format!(

@@ -632,6 +632,22 @@ async fn a_spare_waiting_to_join_is_told_when_the_job_completes() {
     assert!(e.to_string().contains("has completed"), "{e}");
 }
 
+/// A MultiGet that names one big key many times cannot make a reply bigger than the job's store
+/// may hold (256 MiB): 300 copies of a 1 MiB value are refused, naming the limit.
+#[tokio::test]
+async fn a_multi_get_reply_is_held_to_the_store_limit() {
+    let (_srv, client) = embedded().await;
+    let s = spec(1, 1, 5_000);
+    let round = client.join(join_spec("job", "a", &s)).await.unwrap().round.unwrap().round;
+    let store = client.store("job", round);
+    store.set("k", &vec![1u8; 1 << 20]).await.unwrap();
+    let keys = vec!["k"; 300];
+    let e = store.multi_get(&keys, Duration::ZERO).await.unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted);
+    assert!(e.to_string().contains("300 keys") && e.to_string().contains("268435456"), "{e}");
+    assert_eq!(store.multi_get(&["k", "k"], Duration::ZERO).await.unwrap().len(), 2);
+}
+
 /// Every blocking wait of a job (a key, keys, a barrier, a unique id) ends when the job fails,
 /// naming the failure, instead of sleeping to its deadline.
 #[tokio::test]
@@ -726,4 +742,40 @@ async fn a_durable_service_restarts_in_process_on_its_directory_at_once() {
         assert_eq!(client.store("job", round).add("starts", 1).await.unwrap(), i + 1, "start {i}");
         tokio::time::timeout(WAIT, srv.shutdown()).await.expect("shutdown hung").unwrap();
     }
+}
+
+/// Joins refused before they created their job (here: no job config) leave no address noted for
+/// the job behind: one entry per refused job id used to stay forever.
+#[tokio::test]
+async fn refused_joins_leave_no_interface_behind() {
+    use rsrun_rendezvous::proto::rendezvous_server::Rendezvous as _;
+    use rsrun_rendezvous::service::{Core, CoreConfig, Service};
+    let cfg = CoreConfig { tcpstore: Some(rsrun_rendezvous::tcpstore::TcpStoreLimits::default()), ..CoreConfig::default() };
+    let core = Core::start(cfg, tokio_util::sync::CancellationToken::new(), &tokio_util::task::TaskTracker::new()).unwrap();
+    let service = Service::new(core.clone());
+    let local: SocketAddr = "127.0.0.1:29400".parse().unwrap();
+    let join = |job: String, config: Option<pb::JobConfig>| {
+        let mut req = tonic::Request::new(pb::JoinRequest {
+            job_id: job,
+            node_id: "n".into(),
+            addrs: vec!["127.0.0.1".into()],
+            local_world_size: 1,
+            config,
+            timeout_ms: 1_000,
+            master_port: 1,
+            hostname: "h".into(),
+            ..Default::default()
+        });
+        req.extensions_mut().insert(tonic::transport::server::TcpConnectInfo { local_addr: Some(local), remote_addr: Some(local) });
+        req
+    };
+    for i in 0..50 {
+        let e = service.join(join(format!("refused-{i}"), None)).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{e}");
+    }
+    assert_eq!(core.noted_interfaces(), 0);
+    // A join that creates its job keeps the address its round's store listens on.
+    let config = pb::JobConfig { min_nodes: 1, max_nodes: 1, last_call_ms: 0, lease_ms: 5_000, max_restarts: 0, fixed_ranks: false };
+    service.join(join("kept".into(), Some(config))).await.unwrap();
+    assert_eq!(core.noted_interfaces(), 1);
 }

@@ -253,7 +253,20 @@ fn fixed_ranks_need_a_rank_in_range_and_a_fixed_node_count() {
     for hint in [None, Some(2)] {
         let e = w.join_with("n0", 1, hint).unwrap_err().to_string();
         assert!(e.contains("rank_hint") && e.contains("0..2"), "{e}");
+        // Refused, the join changed nothing: no job was created for it (a journal replay would not
+        // have it, and its spec would be held against the next join).
+        assert!(w.state.jobs.is_empty(), "a refused join created its job");
     }
+    // Nor does a refused join start over a job that ended.
+    w.join_with("n0", 1, Some(0)).unwrap();
+    w.join_with("n1", 1, Some(1)).unwrap();
+    w.apply(Command::FailJob { job: "job".into(), node: "n0".into(), reason: "boom".into() }).unwrap();
+    for n in ["n0", "n1"] {
+        w.apply(Command::Leave { job: "job".into(), node: n.into(), reason: String::new() }).unwrap();
+    }
+    let before = format!("{:?}", w.state.jobs["job"].phase);
+    assert!(w.join_with("n2", 1, None).is_err());
+    assert_eq!(format!("{:?}", w.state.jobs["job"].phase), before);
     let mut w = World::new(1, 2, 0);
     w.spec.fixed_ranks = true;
     let e = w.join_with("n0", 1, Some(0)).unwrap_err().to_string();
@@ -499,6 +512,40 @@ fn barrier_releases_once_per_generation() {
     // A retried arrival after release is answered from memory, not counted in generation 1.
     assert_eq!(w.apply(arrive("2", 3, "x2")).unwrap(), Outcome::Arrived(0));
     assert!(w.job().barriers.values().all(|b| b.arrived.is_empty()));
+}
+
+/// A job-wide barrier outlives a restart, but not the arrivals of the round that ended: the new
+/// round's ranks must all arrive again.
+#[test]
+fn a_restart_voids_the_arrivals_at_a_job_wide_barrier() {
+    let mut w = World::new(1, 1, 1);
+    w.join("a").unwrap();
+    let arrive = |round, m: &str| Command::BarrierArrive {
+        scope: scope(round),
+        name: "b".into(),
+        member: m.into(),
+        participants: 2,
+        request_id: String::new(),
+    };
+    w.apply(arrive(1, "0")).unwrap();
+    let failure = Failure {
+        node_id: "a".into(),
+        round: 1,
+        rank: 0,
+        local_rank: 0,
+        exit_code: 1,
+        signal: 0,
+        message: "boom".into(),
+        time_unix_ms: 5,
+        hostname: "host-a".into(),
+    };
+    w.apply(Command::ReportFailure { job: "job".into(), round: 1, node: "a".into(), failure, restartable: true }).unwrap();
+    w.join("a").unwrap();
+    assert_eq!(w.job().round, 2);
+    w.apply(arrive(2, "1")).unwrap();
+    assert_eq!(w.job().barrier_generation(&scope(2), "b").unwrap(), 0, "released on an arrival of the round that ended");
+    w.apply(arrive(2, "0")).unwrap();
+    assert_eq!(w.job().barrier_generation(&scope(2), "b").unwrap(), 1);
 }
 
 #[test]
