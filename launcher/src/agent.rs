@@ -96,7 +96,22 @@ pub async fn run(plan: LaunchPlan, mut cx: RunContext) -> anyhow::Result<Outcome
     }
     let result = agent_loop(&plan, &mut cx, &mut rdzv, &note).await;
     rdzv.close().await;
+    if let (Ok(Outcome { report: Some(report), .. }), Some(path)) = (&result, &plan.parent_error_file) {
+        write_parent_error_file(path, report).await;
+    }
     result
+}
+
+/// Copies the root cause into rsrun's own `TORCHELASTIC_ERROR_FILE` ([`crate::report::write_parent_error_file`]),
+/// off the runtime (it reads the worker's error file). A failure to write is logged: the job's
+/// outcome stands.
+async fn write_parent_error_file(path: &std::path::Path, report: &FailureReport) {
+    let (path, report) = (path.to_owned(), report.clone());
+    match tokio::task::spawn_blocking(move || crate::report::write_parent_error_file(&path, &report)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(err)) => tracing::warn!(%err, "cannot copy the root cause to TORCHELASTIC_ERROR_FILE"),
+        Err(err) => tracing::warn!(%err, "cannot copy the root cause to TORCHELASTIC_ERROR_FILE"),
+    }
 }
 
 async fn agent_loop<F, Fut>(

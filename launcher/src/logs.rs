@@ -19,6 +19,7 @@ use std::sync::{Arc, Mutex};
 
 use tokio::io::{AsyncRead, AsyncReadExt};
 use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
 
 use crate::progress::{Action, LineAssembler, Show};
 
@@ -150,6 +151,9 @@ pub struct StreamSink {
     pub tail: Option<SharedTail>,
     /// `--duplicate-std*-filters`: substrings and the shared filtered file.
     pub duplicate: Option<DuplicateSink>,
+    /// Once cancelled, lines no longer go to the console (the round is over but the pipe is still
+    /// open); the file, tail and filtered file still get them.
+    pub quiet: Option<CancellationToken>,
 }
 
 /// Lines longer than this are cut into pieces for the console.
@@ -219,6 +223,9 @@ async fn emit(sink: &mut StreamSink, kind: StreamKind, source: u64, action: Acti
             (text, Some(show))
         }
     };
+    if sink.quiet.as_ref().is_some_and(CancellationToken::is_cancelled) {
+        sink.console = None;
+    }
     let Some(console) = &sink.console else { return };
     let mut line = Vec::with_capacity(console.prefix.len() + text.len() + 1);
     line.extend_from_slice(&console.prefix);
@@ -236,8 +243,17 @@ async fn emit(sink: &mut StreamSink, kind: StreamKind, source: u64, action: Acti
             }
         }
     };
-    if console.tx.send(ev).await.is_err() {
-        // The console is gone (rsrun is exiting): keep writing files only.
+    let sent = match &sink.quiet {
+        // A send waiting on a full console channel ends when the console is muted.
+        Some(quiet) => tokio::select! {
+            biased;
+            () = quiet.cancelled() => false,
+            sent = console.tx.send(ev) => sent.is_ok(),
+        },
+        None => console.tx.send(ev).await.is_ok(),
+    };
+    if !sent {
+        // The console is gone (rsrun is exiting) or muted: keep writing files only.
         sink.console = None;
     }
 }
@@ -250,8 +266,13 @@ fn keep_line(sink: &StreamSink, line: &[u8]) {
     if let Some((needles, file)) = &sink.duplicate {
         let text = String::from_utf8_lossy(line);
         if needles.iter().any(|n| text.contains(n.as_str())) {
+            // One write per line: the file is opened for appending and shared with the other agents
+            // of the node, whose lines must not land between a line and its newline.
+            let mut buf = Vec::with_capacity(line.len() + 1);
+            buf.extend_from_slice(line);
+            buf.push(b'\n');
             let mut f = file.lock().unwrap_or_else(|e| e.into_inner());
-            let _ = f.write_all(line).and_then(|_| f.write_all(b"\n"));
+            let _ = f.write_all(&buf);
         }
     }
 }

@@ -662,6 +662,10 @@ pub struct LaunchPlan {
     pub sources: Vec<Sourced>,
     /// `--requeue-on-preempt`: the Slurm job node rank 0 requeues after a preemption signal.
     pub requeue: Option<multinode::slurm::Requeue>,
+    /// rsrun's own `TORCHELASTIC_ERROR_FILE` (relative to the current directory), when it was given
+    /// one: a failed job's root cause is copied there, as torchrun does (workers get their own). An
+    /// agent started by a head has none.
+    pub parent_error_file: Option<PathBuf>,
 }
 
 /// Parses `30`, `2.5`, `500ms`, `30s`, `5m`, `1h`.
@@ -1544,6 +1548,10 @@ impl LaunchPlan {
             node_list: cluster.node_list,
             sources,
             requeue,
+            parent_error_file: match role {
+                Role::Launcher => host.var("TORCHELASTIC_ERROR_FILE").filter(|p| !p.is_empty()).map(|p| host.cwd.join(p)),
+                Role::Agent => None,
+            },
         })
     }
 }

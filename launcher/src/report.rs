@@ -1,15 +1,25 @@
 //! The failure report: one summary naming the root cause, then the other affected ranks.
 //!
-//! The root cause is the first failure observed: on this node, the first worker whose exit (or hang)
-//! rsrun saw; across nodes, the failure the rendezvous daemon recorded first for the job. Workers that
-//! rsrun itself stopped afterwards are listed as affected, never as causes.
+//! The root cause on this node is the failure with the smallest error-file timestamp (torchrun's
+//! rule), among the first worker whose exit rsrun saw and the workers that failed on their own
+//! (not stopped by rsrun) with a timestamp no later than that exit; without such a timestamp it is
+//! the first exit (or the hang) rsrun saw. Across nodes it is the failure the rendezvous daemon
+//! recorded first for the job. Workers that rsrun itself stopped afterwards are listed as affected,
+//! never as causes.
 //!
 //! Error files use torchelastic's schema, so PyTorch's `@record` tracebacks (and the worker runtime's
 //! panic reports) show up:
 //! `{"message": {"message": "<Type>: <msg>", "extraInfo": {"py_callstack": "<traceback>",
-//! "timestamp": "<epoch s>"}}, "errorCode": <n>}` (`message` may also be a plain string).
+//! "timestamp": "<epoch s>"}}, "errorCode": <n>}` (`message` may also be a plain string). A worker
+//! writes its file itself, so rsrun reads it defensively ([`read_error_file`]): regular files of at
+//! most [`ERROR_FILE_LIMIT`] bytes only, never following a symbolic link or waiting on a FIFO.
+//!
+//! When rsrun itself was given a `TORCHELASTIC_ERROR_FILE` (a scheduler such as TorchX watching it),
+//! a failed job's root cause is copied there with `message.errorCode` set, as torchrun's `@record`
+//! does ([`write_parent_error_file`]).
 
 use std::fmt::Write as _;
+use std::io::Read as _;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -48,6 +58,16 @@ impl ExitKind {
         }
     }
 
+    /// The worker's exit code as torch's `ProcessFailure.exitcode` has it: the code, or minus the
+    /// signal; rsrun's own code ([`ExitKind::exit_code`]) for what is not a worker's exit.
+    pub fn worker_exit_code(&self) -> i32 {
+        match self {
+            ExitKind::Code(c) => *c,
+            ExitKind::Signal(s) => -s,
+            other => other.exit_code(),
+        }
+    }
+
     fn describe(&self) -> String {
         match self {
             ExitKind::Code(c) => format!("exit code {c}"),
@@ -72,10 +92,102 @@ pub struct ErrorFileInfo {
     pub timestamp: Option<SystemTime>,
 }
 
-/// Reads a torchelastic error file. `None` when absent or unreadable.
+/// The most of an error file rsrun reads (a larger one is reported, not parsed).
+pub const ERROR_FILE_LIMIT: u64 = 1 << 20;
+
+/// Why an error file was not read.
+#[derive(Debug)]
+enum ErrorFileProblem {
+    /// No such file: the worker wrote none.
+    Absent,
+    /// Not JSON, or not torchelastic's schema.
+    NotJson,
+    /// A symbolic link (not followed).
+    Symlink,
+    /// Not a regular file: what it is.
+    NotRegular(&'static str),
+    /// Larger than [`ERROR_FILE_LIMIT`]: its size.
+    TooLarge(u64),
+    /// Opening or reading failed.
+    Io(std::io::Error),
+}
+
+impl std::fmt::Display for ErrorFileProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ErrorFileProblem::Absent => f.write_str("it does not exist"),
+            ErrorFileProblem::NotJson => f.write_str("it is not torchelastic's JSON"),
+            ErrorFileProblem::Symlink => f.write_str("it is a symbolic link (not followed)"),
+            ErrorFileProblem::NotRegular(kind) => write!(f, "it is a {kind}, not a regular file"),
+            ErrorFileProblem::TooLarge(n) => {
+                write!(f, "it is {n} bytes, over the {} KiB read limit", ERROR_FILE_LIMIT / 1024)
+            }
+            ErrorFileProblem::Io(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+/// The JSON of an error file, read defensively: the worker controls the path's last component, so
+/// it is opened with `O_NOFOLLOW` (a link to `/dev/zero` is not followed), `O_NONBLOCK` (a FIFO
+/// does not block the open) and `O_CLOEXEC`, must be a regular file (`fstat` of the open file), and
+/// at most [`ERROR_FILE_LIMIT`] bytes are read.
+fn read_error_json(path: &Path) -> Result<serde_json::Value, ErrorFileProblem> {
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| match (e.kind(), e.raw_os_error()) {
+            (std::io::ErrorKind::NotFound, _) => ErrorFileProblem::Absent,
+            (_, Some(libc::ELOOP)) => ErrorFileProblem::Symlink,
+            _ => ErrorFileProblem::Io(e),
+        })?;
+    let meta = file.metadata().map_err(ErrorFileProblem::Io)?;
+    let ft = meta.file_type();
+    if !ft.is_file() {
+        let kind = if ft.is_fifo() {
+            "FIFO"
+        } else if ft.is_char_device() {
+            "character device"
+        } else if ft.is_block_device() {
+            "block device"
+        } else if ft.is_socket() {
+            "socket"
+        } else if ft.is_dir() {
+            "directory"
+        } else {
+            "special file"
+        };
+        return Err(ErrorFileProblem::NotRegular(kind));
+    }
+    // One byte past the limit tells a file at the limit from a larger one (its size may still grow).
+    let mut buf = Vec::new();
+    (&file).take(ERROR_FILE_LIMIT + 1).read_to_end(&mut buf).map_err(ErrorFileProblem::Io)?;
+    if buf.len() as u64 > ERROR_FILE_LIMIT {
+        return Err(ErrorFileProblem::TooLarge(meta.len().max(buf.len() as u64)));
+    }
+    let v: serde_json::Value = serde_json::from_slice(&buf).map_err(|_| ErrorFileProblem::NotJson)?;
+    if v.get("message").is_none() {
+        return Err(ErrorFileProblem::NotJson);
+    }
+    Ok(v)
+}
+
+/// Reads a torchelastic error file (see [`read_error_json`] for how). `None` when absent or not
+/// torchelastic's JSON; a file that is not read (a FIFO, a device, a symbolic link, one over
+/// [`ERROR_FILE_LIMIT`], an open error) gives an [`ErrorFileInfo`] whose message says why, for the
+/// report.
+///
+/// Blocking I/O (bounded, but the log directory may be on a network file system): call it off the
+/// async runtime.
 pub fn read_error_file(path: &Path) -> Option<ErrorFileInfo> {
-    let text = std::fs::read_to_string(path).ok()?;
-    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let v = match read_error_json(path) {
+        Ok(v) => v,
+        Err(ErrorFileProblem::Absent | ErrorFileProblem::NotJson) => return None,
+        Err(problem) => {
+            return Some(ErrorFileInfo { message: format!("<error file not read: {problem}>"), traceback: None, timestamp: None });
+        }
+    };
     let msg = v.get("message")?;
     if let Some(s) = msg.as_str() {
         return Some(ErrorFileInfo { message: s.to_owned(), traceback: None, timestamp: None });
@@ -88,6 +200,58 @@ pub fn read_error_file(path: &Path) -> Option<ErrorFileInfo> {
         .and_then(|t| t.as_str().and_then(|s| s.parse::<u64>().ok()).or_else(|| t.as_u64()))
         .map(|s| UNIX_EPOCH + Duration::from_secs(s));
     Some(ErrorFileInfo { message, traceback, timestamp })
+}
+
+/// torchrun's copy of the root cause for its own parent (`@record` on the launcher, torchrun.md
+/// §4.4): the root cause's error file, read as [`read_error_file`] does, with `message.errorCode`
+/// set to the worker's exit code (negative for a signal, as torch's `ProcessFailure`); without a
+/// readable one (a binary, a worker on another node), a record of the failure in the same schema.
+/// Written atomically (a temporary file in the same directory, then a rename).
+///
+/// # Errors
+/// Writing or renaming the file failed (the message names the path).
+pub fn write_parent_error_file(path: &Path, report: &FailureReport) -> std::io::Result<()> {
+    let root = &report.root;
+    let code = root.exit.worker_exit_code();
+    let copied = root.error.as_ref().and(root.error_file.as_deref()).and_then(|p| read_error_json(p).ok());
+    let mut data = copied.unwrap_or_else(|| {
+        let time = root.error.as_ref().and_then(|e| e.timestamp).unwrap_or(root.time);
+        let secs = time.duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        serde_json::json!({
+            "message": {
+                "message": format!("ChildFailedError: {} FAILED: {}", report.program, root.headline()),
+                "extraInfo": { "py_callstack": report.render(), "timestamp": secs.to_string() },
+            }
+        })
+    });
+    // As torch: a plain-string `message` is copied as it is.
+    if let Some(m) = data.get_mut("message").and_then(serde_json::Value::as_object_mut) {
+        m.insert("errorCode".into(), code.into());
+    }
+    let bytes = serde_json::to_vec(&data).map_err(std::io::Error::other)?;
+    write_atomically(path, &bytes).map_err(|e| std::io::Error::new(e.kind(), format!("error file {}: {e}", path.display())))
+}
+
+/// Writes `bytes` to `path` through a temporary file in the same directory and a rename, so a
+/// reader sees the old file or the whole new one.
+fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write as _;
+    let name = path.file_name().ok_or_else(|| std::io::Error::other("the path names no file"))?;
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(name);
+    tmp_name.push(format!(".rsrun-{}.tmp", std::process::id()));
+    let tmp = path.with_file_name(tmp_name);
+    let _ = std::fs::remove_file(&tmp);
+    let result = (|| {
+        let mut f = std::fs::OpenOptions::new().write(true).create_new(true).open(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if result.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    result
 }
 
 /// One failed or affected worker.
@@ -369,5 +533,110 @@ mod tests {
         assert!(text.contains("| boom"), "{text}");
         assert!(text.contains("rank 0 (local_rank 0) on host: killed by SIGTERM (signal 15) (stopped by rsrun)"), "{text}");
         assert_eq!(report.exit_code(), 139);
+    }
+
+    /// Runs `f` on a thread of its own; fails (instead of hanging) when it takes over 10 s.
+    fn within_10s<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let _ = tx.send(f());
+        });
+        rx.recv_timeout(Duration::from_secs(10)).expect("reading the error file blocked")
+    }
+
+    #[test]
+    fn error_file_fifo_is_reported_without_blocking() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("error.json");
+        nix::unistd::mkfifo(&p, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        let e = within_10s(move || read_error_file(&p)).expect("a FIFO is reported");
+        assert_eq!(e.message, "<error file not read: it is a FIFO, not a regular file>");
+        assert_eq!((e.traceback, e.timestamp), (None, None));
+    }
+
+    #[test]
+    fn error_file_over_the_limit_and_links_are_not_read() {
+        let dir = tempfile::tempdir().unwrap();
+        let big = dir.path().join("big.json");
+        let mut text = String::from(r#"{"message": "#);
+        text.push('"');
+        text.push_str(&"x".repeat(2 << 20));
+        text.push_str("\"}");
+        std::fs::write(&big, &text).unwrap();
+        let e = read_error_file(&big).expect("an oversized file is reported");
+        assert_eq!(e.message, format!("<error file not read: it is {} bytes, over the 1024 KiB read limit>", text.len()));
+        // A link to /dev/zero would be read forever if followed.
+        let link = dir.path().join("zero.json");
+        std::os::unix::fs::symlink("/dev/zero", &link).unwrap();
+        let e = within_10s(move || read_error_file(&link)).expect("a link is reported");
+        assert_eq!(e.message, "<error file not read: it is a symbolic link (not followed)>");
+        // At the limit is still read.
+        let edge = dir.path().join("edge.json");
+        let mut text = String::from(r#"{"message": ""#);
+        text.push_str(&"y".repeat(ERROR_FILE_LIMIT as usize - text.len() - 2));
+        text.push_str("\"}");
+        assert_eq!(text.len() as u64, ERROR_FILE_LIMIT);
+        std::fs::write(&edge, &text).unwrap();
+        assert!(read_error_file(&edge).unwrap().message.starts_with("yyy"));
+    }
+
+    fn report_with(root: WorkerFailure) -> FailureReport {
+        FailureReport {
+            job_id: "j".into(),
+            program: "train".into(),
+            round: 0,
+            restart_count: 0,
+            max_restarts: 0,
+            root,
+            others: Vec::new(),
+            reason: "no restarts left".into(),
+        }
+    }
+
+    #[test]
+    fn parent_error_file_copies_the_root_cause_with_its_error_code() {
+        let dir = tempfile::tempdir().unwrap();
+        let child = dir.path().join("error.json");
+        std::fs::write(
+            &child,
+            r#"{"message": {"message": "RuntimeError: boom", "extraInfo": {"py_callstack": "tb", "timestamp": "1700000000"}}}"#,
+        )
+        .unwrap();
+        let mut root = failure(ExitKind::Signal(11));
+        root.error = read_error_file(&child);
+        root.error_file = Some(child);
+        let parent = dir.path().join("parent.json");
+        std::fs::write(&parent, "stale").unwrap();
+        write_parent_error_file(&parent, &report_with(root)).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&parent).unwrap()).unwrap();
+        assert_eq!(v["message"]["message"], "RuntimeError: boom");
+        assert_eq!(v["message"]["extraInfo"]["py_callstack"], "tb");
+        assert_eq!(v["message"]["errorCode"], -11, "torch's exit code of a signal");
+        let names: Vec<_> = std::fs::read_dir(dir.path()).unwrap().map(|e| e.unwrap().file_name()).collect();
+        assert_eq!(names.len(), 2, "no temporary file is left: {names:?}");
+    }
+
+    #[test]
+    fn parent_error_file_without_a_worker_error_file_records_the_failure() {
+        let dir = tempfile::tempdir().unwrap();
+        let parent = dir.path().join("parent.json");
+        write_parent_error_file(&parent, &report_with(failure(ExitKind::Code(7)))).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&parent).unwrap()).unwrap();
+        assert_eq!(v["message"]["errorCode"], 7);
+        let msg = v["message"]["message"].as_str().unwrap();
+        assert!(msg.starts_with("ChildFailedError: train FAILED: rank 1 (local_rank 1) on host: exit code 7"), "{msg}");
+        assert_eq!(v["message"]["extraInfo"]["timestamp"], "1795854780");
+        assert!(v["message"]["extraInfo"]["py_callstack"].as_str().unwrap().contains("| boom"));
+        // The file a worker made unreadable is not copied: the failure is recorded instead.
+        let fifo = dir.path().join("fifo.json");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        let mut root = failure(ExitKind::Code(3));
+        root.error = read_error_file(&fifo);
+        root.error_file = Some(fifo);
+        let report = report_with(root);
+        within_10s(move || write_parent_error_file(&parent, &report)).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.path().join("parent.json")).unwrap()).unwrap();
+        assert_eq!(v["message"]["errorCode"], 3);
+        assert!(v["message"]["message"].as_str().unwrap().starts_with("ChildFailedError: "));
     }
 }

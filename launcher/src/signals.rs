@@ -3,7 +3,8 @@
 //! torchrun turns every handled signal into a shutdown. rsrun lets each signal choose:
 //! - `stop`: send the signal to every worker's process group, wait `--shutdown-timeout`, SIGKILL what
 //!   is left, and exit with 128 + the signal number. A second stop signal during the grace period kills
-//!   at once.
+//!   at once. One that arrives while rsrun is already stopping the workers (after a failure, a hang,
+//!   or the round ending elsewhere) still ends the job: no restart, no re-join, 128 + the signal.
 //! - `forward`: send the signal to every worker's process group and keep supervising (SLURM's SIGUSR1
 //!   "checkpoint now" warning, for example).
 //! - `ignore`: log it and do nothing.

@@ -40,7 +40,7 @@ use tracing::{debug, info, info_span, warn, Instrument};
 use crate::env::{RoundAssignment, worker_env};
 use crate::logs::{ConsoleModes, ConsoleSink, ConsoleTx, DuplicateSink, SharedTail, StreamKind, StreamSink, Tail, pump};
 use crate::plan::{LaunchPlan, expand_prefix};
-use crate::report::{ExitKind, WorkerFailure, read_error_file};
+use crate::report::{ErrorFileInfo, ExitKind, WorkerFailure, read_error_file};
 use crate::signals::{SignalAction, Signals};
 use crate::worker::{Guardian, SpawnSpec, WorkerProcess, spawn};
 
@@ -102,6 +102,8 @@ const TAIL_LINES: usize = 20;
 const KILL_WAIT: Duration = Duration::from_secs(5);
 /// After the group ended, how long the log pumps get to drain the pipes.
 const DRAIN_WAIT: Duration = Duration::from_secs(2);
+/// How long the failure report waits for the workers' error files to be read.
+const ERROR_FILE_WAIT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Default)]
 struct Progress {
@@ -128,7 +130,21 @@ struct Group<'a> {
     tasks: JoinSet<()>,
     /// Log pumps; drained after the group ends.
     pumps: JoinSet<()>,
+    /// Cancelled when the pumps stop sending to the console (pipes still open after the drain).
+    quiet: CancellationToken,
     state: WorkerGroupState,
+    /// The stop signal rsrun received, once one arrived: the round then ends as
+    /// [`GroupOutcome::Signalled`], whatever else ended it.
+    signalled: Option<Signal>,
+}
+
+/// How [`Group::monitor`] ended.
+enum Ended {
+    /// The round's outcome.
+    Done(GroupOutcome),
+    /// Workers failed (`causes`: the first failure seen) or hung (`causes`: the stalled workers,
+    /// `hang_idle` set); the group is stopped. The report is built once the pipes are drained.
+    Failed { causes: Vec<usize>, hang_idle: Option<Duration> },
 }
 
 /// Runs one round of this node's workers until they succeed, fail, or `stop` / a signal /
@@ -148,12 +164,24 @@ pub async fn run_group(
                 let (mut group, failure) = *failed;
                 group.stop(Signal::SIGKILL, Duration::ZERO, signals).await;
                 let others = group.finish().await;
+                if let Some(sig) = group.signalled {
+                    info!(signal = %sig, "stop signal while stopping a group that failed to start");
+                    return GroupOutcome::Signalled(sig);
+                }
                 return GroupOutcome::Failed { root: Box::new(failure), others, hang: false };
             }
         };
-        let outcome = group.monitor(signals, stop, cancel).await;
+        let ended = group.monitor(signals, stop, cancel).await;
+        // The last lines (a traceback) may still be in the pipes: the report's stderr tails are taken
+        // after the drain.
         group.drain().await;
-        outcome
+        match ended {
+            Ended::Done(outcome) => outcome,
+            Ended::Failed { causes, hang_idle } => {
+                let (root, others) = group.failures(&causes, hang_idle).await;
+                GroupOutcome::Failed { root: Box::new(root), others, hang: hang_idle.is_some() }
+            }
+        }
     }
     .instrument(span)
     .await
@@ -171,7 +199,9 @@ impl<'a> Group<'a> {
             alive: 0,
             tasks: JoinSet::new(),
             pumps: JoinSet::new(),
+            quiet: CancellationToken::new(),
             state: WorkerGroupState::Init,
+            signalled: None,
         };
         let dup_files = open_dup_files(plan, a);
         for local_rank in 0..a.local_world_size {
@@ -268,13 +298,19 @@ impl<'a> Group<'a> {
                 mode: self.ctx.console_modes.of(kind),
             })
         };
-        let out_sink =
-            StreamSink { file: out_file, console: console(1, StreamKind::Stdout), tail: None, duplicate: dup.stdout.clone() };
+        let out_sink = StreamSink {
+            file: out_file,
+            console: console(1, StreamKind::Stdout),
+            tail: None,
+            duplicate: dup.stdout.clone(),
+            quiet: Some(self.quiet.clone()),
+        };
         let err_sink = StreamSink {
             file: err_file,
             console: console(2, StreamKind::Stderr),
             tail: Some(tail.clone()),
             duplicate: dup.stderr.clone(),
+            quiet: Some(self.quiet.clone()),
         };
         self.pumps.spawn(pump(spawned.stdout, StreamKind::Stdout, out_sink));
         self.pumps.spawn(pump(spawned.stderr, StreamKind::Stderr, err_sink));
@@ -311,7 +347,7 @@ impl<'a> Group<'a> {
         signals: &mut Signals,
         stop: impl Future<Output = String>,
         cancel: &CancellationToken,
-    ) -> GroupOutcome {
+    ) -> Ended {
         let plan = self.ctx.plan;
         let grace = plan.timeouts.shutdown;
         tokio::pin!(stop);
@@ -322,36 +358,33 @@ impl<'a> Group<'a> {
                 biased;
                 _ = cancel.cancelled() => {
                     self.stop(Signal::SIGTERM, grace, signals).await;
-                    return GroupOutcome::Stopped("shutdown requested".into());
+                    return self.after_stop(Ended::Done(GroupOutcome::Stopped("shutdown requested".into())));
                 }
                 (sig, action) = signals.recv() => match action {
                     SignalAction::Stop => {
                         info!(signal = %sig, "stop signal: stopping workers");
+                        self.signalled = Some(sig);
                         self.stop(sig, grace, signals).await;
-                        return GroupOutcome::Signalled(sig);
+                        return Ended::Done(GroupOutcome::Signalled(sig));
                     }
                     SignalAction::Forward => {
                         info!(signal = %sig, "forwarding signal to workers");
-                        for s in self.slots.iter().filter(|s| s.exited.is_none()) {
-                            s.process.signal_group(sig);
-                        }
+                        self.signal_live(sig);
                     }
                     SignalAction::Ignore => info!(signal = %sig, "signal ignored (--signal-policy)"),
                 },
                 reason = &mut stop => {
                     info!(%reason, "round ended elsewhere: stopping workers");
                     self.stop(Signal::SIGTERM, grace, signals).await;
-                    return GroupOutcome::Stopped(reason);
+                    return self.after_stop(Ended::Done(GroupOutcome::Stopped(reason)));
                 }
                 Some((idx, status, at)) = self.exits.recv() => {
                     let kind = self.record_exit(idx, status, at);
                     if let Some(kind) = kind {
-                        let root_idx = idx;
                         info!(rank = self.slots[idx].rank, exit = ?kind, "worker failed: stopping the group");
                         self.state = WorkerGroupState::Failed;
                         self.stop(Signal::SIGTERM, grace, signals).await;
-                        let (root, others) = self.failures(&[root_idx], None);
-                        return GroupOutcome::Failed { root: Box::new(root), others, hang: false };
+                        return self.after_stop(Ended::Failed { causes: vec![idx], hang_idle: None });
                     }
                     if self.alive == 0 {
                         self.state = WorkerGroupState::Succeeded;
@@ -359,7 +392,7 @@ impl<'a> Group<'a> {
                         self.kill_leftovers();
                         // Every leader is reaped: its group id may be reused from now on.
                         self.release_exited();
-                        return GroupOutcome::Succeeded;
+                        return Ended::Done(GroupOutcome::Succeeded);
                     }
                 }
                 _ = tick.tick(), if plan.timeouts.hang.is_some() => {
@@ -368,11 +401,30 @@ impl<'a> Group<'a> {
                         let ranks: Vec<u32> = stalled.iter().map(|&i| self.slots[i].rank).collect();
                         info!(?ranks, "no progress: worker group UNHEALTHY");
                         self.stop(Signal::SIGTERM, grace, signals).await;
-                        let (root, others) = self.failures(&stalled, Some(idle));
-                        return GroupOutcome::Failed { root: Box::new(root), others, hang: true };
+                        return self.after_stop(Ended::Failed { causes: stalled, hang_idle: Some(idle) });
                     }
                 }
             }
+        }
+    }
+
+    /// How a round that rsrun stopped ends: a stop signal that arrived while the workers were being
+    /// stopped means shutdown (torchrun.md §4.5), so the round ends as [`GroupOutcome::Signalled`]
+    /// (the agent neither restarts nor re-joins, and rsrun exits 128 + the signal) instead of `ended`.
+    fn after_stop(&self, ended: Ended) -> Ended {
+        match self.signalled {
+            Some(sig) => {
+                info!(signal = %sig, "workers stopped: ending on the stop signal received meanwhile");
+                Ended::Done(GroupOutcome::Signalled(sig))
+            }
+            None => ended,
+        }
+    }
+
+    /// Sends `sig` to the groups of the workers still running.
+    fn signal_live(&self, sig: Signal) {
+        for s in self.slots.iter().filter(|s| s.exited.is_none()) {
+            s.process.signal_group(sig);
         }
     }
 
@@ -399,6 +451,7 @@ impl<'a> Group<'a> {
         debug!(rank = slot.rank, exit = ?kind, "worker exited");
         let failed = kind != ExitKind::Code(0);
         slot.exited = Some((kind.clone(), at));
+        self.release_if_gone(idx);
         failed.then_some(kind)
     }
 
@@ -429,6 +482,8 @@ impl<'a> Group<'a> {
         if !matches!(was, WorkerGroupState::Failed | WorkerGroupState::Unhealthy) {
             self.state = WorkerGroupState::Stopped;
         }
+        // Exited workers' groups are signalled too (what they started), unless already empty.
+        self.release_gone();
         for s in &self.slots {
             s.process.signal_group(sig);
         }
@@ -442,12 +497,24 @@ impl<'a> Group<'a> {
                     warn!(remaining = self.alive, grace = ?grace, "workers did not exit in time: SIGKILL");
                     break;
                 }
-                (s, action) = signals.recv() => {
-                    if action == SignalAction::Stop {
+                (s, action) = signals.recv() => match action {
+                    // A stop signal is shutdown even while a failed (or ended) round is torn down: it
+                    // is remembered (the round ends as `Signalled`, see `after_stop`) and reaches the
+                    // workers, within the grace already running.
+                    SignalAction::Stop if self.signalled.is_none() => {
+                        info!(signal = %s, "stop signal while stopping the workers: rsrun exits once they are stopped");
+                        self.signalled = Some(s);
+                        if s != sig {
+                            self.signal_live(s);
+                        }
+                    }
+                    SignalAction::Stop => {
                         warn!(signal = %s, "second stop signal: SIGKILL now");
                         break;
                     }
-                }
+                    SignalAction::Forward => self.signal_live(s),
+                    SignalAction::Ignore => info!(signal = %s, "signal ignored (--signal-policy)"),
+                },
             }
         }
         self.kill_leftovers();
@@ -466,6 +533,27 @@ impl<'a> Group<'a> {
         self.release_exited();
     }
 
+    /// Releases the group of reaped worker `idx` when no process is left in it: from then on its id
+    /// may be taken by an unrelated process group, which must never be signalled (by rsrun, by the
+    /// drop, or by the guardian). A group that still has members (what the worker started) keeps its
+    /// id, so it stays armed until the final SIGKILL.
+    fn release_if_gone(&mut self, idx: usize) {
+        let s = &mut self.slots[idx];
+        if s.exited.is_some() && s.process.is_armed() && !s.process.group_exists() {
+            if let Some(g) = self.ctx.guardian {
+                g.unwatch(s.process.pid());
+            }
+            s.process.disarm();
+        }
+    }
+
+    /// [`Group::release_if_gone`] for every worker (just before signalling the groups).
+    fn release_gone(&mut self) {
+        for i in 0..self.slots.len() {
+            self.release_if_gone(i);
+        }
+    }
+
     /// Forgets the groups of exited (reaped) workers: the guardian stops watching them and dropping
     /// the group no longer signals them. A reaped leader's pid — its group id — may be reused by an
     /// unrelated process group, which must never be signalled. Call after the final SIGKILL.
@@ -482,17 +570,96 @@ impl<'a> Group<'a> {
 
     /// SIGKILL to every group: what is left of exited workers (their children) and anything alive.
     fn kill_leftovers(&mut self) {
+        self.release_gone();
         for s in &mut self.slots {
             s.process.signal_group(Signal::SIGKILL);
         }
     }
 
-    /// The failure list: `root_idxs[0]` first, then the other failed or stopped workers.
-    fn failures(&self, root_idxs: &[usize], hang_idle: Option<Duration>) -> (WorkerFailure, Vec<WorkerFailure>) {
-        let build = |i: usize, is_cause: bool| -> WorkerFailure {
+    /// The failure list: the root cause first, then the other failed or stopped workers. `causes` is
+    /// the first failure seen, or the stalled workers of a hang (`hang_idle`). The error files are
+    /// read first ([`Group::read_error_files`]); a failure's root cause is chosen by their timestamps
+    /// ([`Group::root_cause`]).
+    async fn failures(&self, causes: &[usize], hang_idle: Option<Duration>) -> (WorkerFailure, Vec<WorkerFailure>) {
+        let errors = self.read_error_files().await;
+        let mut roots = causes.to_vec();
+        if hang_idle.is_none()
+            && let Some(&first) = causes.first()
+        {
+            let root = self.root_cause(first, &errors);
+            if root != first {
+                info!(rank = self.slots[root].rank, first = self.slots[first].rank, "root cause: the earliest error file, not the first exit");
+                roots = vec![root];
+            }
+        }
+        self.build_failures(&roots, causes, hang_idle, &errors)
+    }
+
+    /// torchrun's root cause: the smallest error-file timestamp (torchrun.md §4.4), among the first
+    /// failure seen and the workers that failed on their own (not by rsrun's SIGTERM or SIGKILL),
+    /// counting only timestamps no later than that first exit (a later one is a consequence of it).
+    /// Without any, the first failure seen. Ties go to the earlier exit.
+    fn root_cause(&self, first: usize, errors: &[Option<ErrorFileInfo>]) -> usize {
+        let Some((_, first_at)) = self.slots[first].exited else { return first };
+        self.slots
+            .iter()
+            .enumerate()
+            .filter(|(i, s)| *i == first || s.exited.as_ref().is_some_and(|(k, _)| failed_on_its_own(k)))
+            .filter_map(|(i, s)| {
+                let ts = errors.get(i)?.as_ref()?.timestamp?;
+                let at = s.exited.as_ref().map(|(_, at)| *at);
+                (ts <= first_at).then_some((ts, at, i))
+            })
+            .min()
+            .map_or(first, |(_, _, i)| i)
+    }
+
+    /// Every failed worker's error file (`None` for the others), read on a thread of its own: the
+    /// worker controls the file and the log directory may be on a network file system, so the read
+    /// must not stall the runtime, which also serves rsrun's signals and the other pipes. Waited for
+    /// up to [`ERROR_FILE_WAIT`]; the report goes without the files after that.
+    async fn read_error_files(&self) -> Vec<Option<ErrorFileInfo>> {
+        let n = self.slots.len();
+        let paths: Vec<Option<PathBuf>> = self
+            .slots
+            .iter()
+            .map(|s| s.error_file.clone().filter(|_| !matches!(s.exited, Some((ExitKind::Code(0), _)))))
+            .collect();
+        if paths.iter().all(Option::is_none) {
+            return vec![None; n];
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let read = move || {
+            let errors: Vec<Option<ErrorFileInfo>> = paths.iter().map(|p| p.as_deref().and_then(read_error_file)).collect();
+            let _ = tx.send(errors);
+        };
+        if let Err(err) = std::thread::Builder::new().name("error-files".into()).spawn(read) {
+            warn!(%err, "no thread to read the workers' error files: the report goes without them");
+            return vec![None; n];
+        }
+        match tokio::time::timeout(ERROR_FILE_WAIT, rx).await {
+            Ok(Ok(errors)) => errors,
+            _ => {
+                warn!(wait = ?ERROR_FILE_WAIT, "the workers' error files were not read in time: the report goes without them");
+                vec![None; n]
+            }
+        }
+    }
+
+    /// The failure list: `roots[0]` first (then the other `roots`), then the other failed or stopped
+    /// workers. `causes` failed on their own; the others that ended by SIGTERM or SIGKILL were
+    /// stopped by rsrun.
+    fn build_failures(
+        &self,
+        roots: &[usize],
+        causes: &[usize],
+        hang_idle: Option<Duration>,
+        errors: &[Option<ErrorFileInfo>],
+    ) -> (WorkerFailure, Vec<WorkerFailure>) {
+        let build = |i: usize, is_root: bool| -> WorkerFailure {
             let s = &self.slots[i];
             let (mut exit, time) = s.exited.clone().unwrap_or((ExitKind::Other, SystemTime::now()));
-            if is_cause && let Some(idle) = hang_idle {
+            if is_root && let Some(idle) = hang_idle {
                 let step = s.progress.last.lock().unwrap_or_else(|e| e.into_inner()).map(|(_, st)| st).unwrap_or(0);
                 exit = ExitKind::Hang { idle, last_step: step };
             }
@@ -504,20 +671,21 @@ impl<'a> Group<'a> {
                 pid: s.process.pid(),
                 exit,
                 time,
-                error: s.error_file.as_deref().and_then(read_error_file),
+                error: errors.get(i).cloned().flatten(),
                 error_file: s.error_file.clone(),
                 stderr_tail: s.tail.lock().unwrap_or_else(|e| e.into_inner()).lines(),
                 message: None,
                 // A worker that ended by SIGTERM/SIGKILL after the root cause was stopped by rsrun; one that
                 // exited on its own meanwhile (a peer noticing the failure) is listed with its own code.
-                stopped_by_rsrun: !is_cause
+                stopped_by_rsrun: !is_root
+                    && !causes.contains(&i)
                     && matches!(exit_kind_of(s), Some(ExitKind::Signal(sig)) if sig == libc::SIGTERM || sig == libc::SIGKILL),
             }
         };
-        let root = build(root_idxs[0], true);
-        let mut others: Vec<WorkerFailure> = root_idxs[1..].iter().map(|&i| build(i, true)).collect();
+        let root = build(roots[0], true);
+        let mut others: Vec<WorkerFailure> = roots[1..].iter().map(|&i| build(i, true)).collect();
         for (i, s) in self.slots.iter().enumerate() {
-            if root_idxs.contains(&i) {
+            if roots.contains(&i) {
                 continue;
             }
             match &s.exited {
@@ -528,19 +696,22 @@ impl<'a> Group<'a> {
         (root, others)
     }
 
-    /// Lets the log pumps reach EOF (bounded), so the last lines are out before any report.
+    /// Lets the log pumps reach EOF (bounded), so the last lines are out before any report. A pipe
+    /// still open after [`DRAIN_WAIT`] (a process that left the worker's group holds it) keeps being
+    /// copied to its log file by its pump, detached; only the console stops getting its lines.
     async fn drain(&mut self) {
         let deadline = tokio::time::Instant::now() + DRAIN_WAIT;
         while !self.pumps.is_empty() {
             tokio::select! {
                 _ = self.pumps.join_next() => {}
                 _ = tokio::time::sleep_until(deadline) => {
-                    debug!("log pipes still open after the group ended; dropping them");
-                    break;
+                    debug!(pipes = self.pumps.len(), "log pipes still open after the group ended: to the log files only from now on");
+                    self.quiet.cancel();
+                    self.pumps.detach_all();
+                    return;
                 }
             }
         }
-        self.pumps.abort_all();
     }
 
     /// For a group that failed to start: drain and list what was started.
@@ -549,8 +720,8 @@ impl<'a> Group<'a> {
         if self.slots.is_empty() {
             return Vec::new();
         }
-        let idxs: Vec<usize> = (0..self.slots.len()).collect();
-        let (first, mut rest) = self.failures(&idxs[..1], None);
+        let errors = self.read_error_files().await;
+        let (first, mut rest) = self.build_failures(&[0], &[], None, &errors);
         let mut all = vec![WorkerFailure { stopped_by_rsrun: true, ..first }];
         all.append(&mut rest);
         all
@@ -559,6 +730,11 @@ impl<'a> Group<'a> {
 
 fn exit_kind_of(s: &Slot) -> Option<ExitKind> {
     s.exited.as_ref().map(|(k, _)| k.clone())
+}
+
+/// A failure of the worker's own: not a success, and not the SIGTERM or SIGKILL of a stop.
+fn failed_on_its_own(kind: &ExitKind) -> bool {
+    !matches!(kind, ExitKind::Code(0)) && !matches!(kind, ExitKind::Signal(s) if *s == libc::SIGTERM || *s == libc::SIGKILL)
 }
 
 #[derive(Debug, Default)]
@@ -574,7 +750,9 @@ fn open_dup_files(plan: &LaunchPlan, a: &RoundAssignment) -> DupFiles {
             return None;
         }
         std::fs::create_dir_all(&dir).ok()?;
-        let f = std::fs::File::create(dir.join(name)).ok()?;
+        // Agents of one node (one job, one round) share this file: it is appended to, never
+        // truncated, and each line goes in one write (`logs::keep_line`), so their lines never mix.
+        let f = std::fs::OpenOptions::new().create(true).append(true).open(dir.join(name)).ok()?;
         Some((Arc::new(needles.clone()), Arc::new(Mutex::new(f))))
     };
     DupFiles {
@@ -626,7 +804,13 @@ mod tests {
         };
         let Ok(mut group) = Group::start(&ctx) else { panic!("workers did not start") };
         let mut signals = Signals::none();
-        let outcome = group.monitor(&mut signals, std::future::pending::<String>(), &CancellationToken::new()).await;
+        let outcome = match group.monitor(&mut signals, std::future::pending::<String>(), &CancellationToken::new()).await {
+            Ended::Done(outcome) => outcome,
+            Ended::Failed { causes, hang_idle } => {
+                let (root, others) = group.failures(&causes, hang_idle).await;
+                GroupOutcome::Failed { root: Box::new(root), others, hang: hang_idle.is_some() }
+            }
+        };
         let armed = group.slots.iter().any(|s| s.process.is_armed());
         drop(group);
         (outcome, armed, std::fs::read_to_string(record.path()).unwrap())
@@ -655,5 +839,166 @@ mod tests {
         assert!(matches!(outcome, GroupOutcome::Failed { .. }), "{outcome:?}");
         assert!(!armed);
         balanced(&told);
+    }
+
+    /// The plan of `sh -c script` with `nproc` workers and `extra` options.
+    fn plan_of(nproc: u32, extra: &[&str], script: &str) -> LaunchPlan {
+        let n = nproc.to_string();
+        let mut argv = vec!["--nproc-per-node", n.as_str()];
+        argv.extend_from_slice(extra);
+        argv.extend(["--no-python", "sh", "-c", script]);
+        LaunchPlan::resolve(&parse(&argv), &host()).unwrap()
+    }
+
+    /// Runs a whole round of `plan` (`run_group`) with `signals` and `stop`.
+    async fn run_round(plan: &LaunchPlan, signals: &mut Signals, stop: impl Future<Output = String>) -> GroupOutcome {
+        let a = assignment(plan.nproc_per_node);
+        let (console, mut rx) = tokio::sync::mpsc::channel(1024);
+        tokio::spawn(async move { while rx.recv().await.is_some() {} });
+        let ctx = GroupContext { plan, assignment: &a, console: &console, console_modes: ConsoleModes::PLAIN, guardian: None };
+        run_group(&ctx, signals, stop, &CancellationToken::new()).await
+    }
+
+    /// Waits until every path exists.
+    async fn exist(paths: &[PathBuf]) {
+        while !paths.iter().all(|p| p.exists()) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Injects SIGTERM (`stop`) into `signals` once `paths` exist, `after` later.
+    fn sigterm_once(signals: &Signals, paths: Vec<PathBuf>, after: Duration) {
+        let injector = signals.injector();
+        tokio::spawn(async move {
+            exist(&paths).await;
+            tokio::time::sleep(after).await;
+            injector.inject(Signal::SIGTERM, SignalAction::Stop);
+        });
+    }
+
+    /// A stop signal while the group is torn down after a failure is shutdown, not a failure to
+    /// restart from (torchrun.md §4.5).
+    #[tokio::test(flavor = "current_thread")]
+    async fn stop_signal_during_failure_teardown_ends_as_signalled() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().display();
+        // Rank 0 ignores SIGTERM, so the teardown after rank 1's failure waits out the grace.
+        let script = format!(
+            "if [ $LOCAL_RANK = 1 ]; then while [ ! -f {d}/ready ]; do sleep 0.02; done; touch {d}/failing; exit 3; fi; \
+             trap '' TERM; touch {d}/ready; while true; do sleep 0.05; done"
+        );
+        let plan = plan_of(2, &["--log-dir", "/dev/null", "--shutdown-timeout", "2"], &script);
+        let mut signals = Signals::none();
+        sigterm_once(&signals, vec![dir.path().join("failing")], Duration::from_millis(400));
+        let outcome = run_round(&plan, &mut signals, std::future::pending::<String>()).await;
+        assert!(matches!(outcome, GroupOutcome::Signalled(Signal::SIGTERM)), "{outcome:?}");
+    }
+
+    /// The same while the group is stopped because the round ended elsewhere.
+    #[tokio::test(flavor = "current_thread")]
+    async fn stop_signal_while_an_ended_round_is_stopped_ends_as_signalled() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().display();
+        let script = format!("trap '' TERM; touch {d}/ready.$LOCAL_RANK; while true; do sleep 0.05; done");
+        let plan = plan_of(2, &["--log-dir", "/dev/null", "--shutdown-timeout", "2"], &script);
+        let ready = vec![dir.path().join("ready.0"), dir.path().join("ready.1")];
+        let mut signals = Signals::none();
+        sigterm_once(&signals, ready.clone(), Duration::from_millis(400));
+        let ended = async move {
+            exist(&ready).await;
+            "round 0 ended elsewhere".to_owned()
+        };
+        let outcome = run_round(&plan, &mut signals, ended).await;
+        assert!(matches!(outcome, GroupOutcome::Signalled(Signal::SIGTERM)), "{outcome:?}");
+    }
+
+    /// The report's stderr tail is taken once the pipe is drained: the last line of a worker that
+    /// wrote a lot just before it failed is in it.
+    #[tokio::test(flavor = "current_thread")]
+    async fn failure_tail_is_taken_after_the_pipes_are_drained() {
+        let script = "yes 'a line of a long traceback, written just before the failure' | head -n 8000 >&2; echo LAST-LINE >&2; exit 1";
+        let plan = plan_of(1, &["--log-dir", "/dev/null", "--shutdown-timeout", "1"], script);
+        let outcome = run_round(&plan, &mut Signals::none(), std::future::pending::<String>()).await;
+        let GroupOutcome::Failed { root, .. } = outcome else { panic!("{outcome:?}") };
+        assert_eq!(root.exit, ExitKind::Code(1));
+        assert_eq!(root.stderr_tail.last().map(String::as_str), Some("LAST-LINE"), "{:?}", root.stderr_tail);
+    }
+
+    /// torchrun's root cause is the smallest error-file timestamp: a worker that wrote its error
+    /// file before a peer's bare exit is the cause, though it exits later.
+    #[tokio::test(flavor = "current_thread")]
+    async fn root_cause_is_the_earliest_error_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let logs = dir.path().display().to_string();
+        let script = r#"if [ $RANK = 0 ]; then trap '' TERM; printf '{"message": {"message": "RuntimeError: first", "extraInfo": {"py_callstack": "tb", "timestamp": "%s"}}}' "$(date +%s)" > "$TORCHELASTIC_ERROR_FILE.tmp"; mv "$TORCHELASTIC_ERROR_FILE.tmp" "$TORCHELASTIC_ERROR_FILE"; sleep 1; exit 1; fi; while [ ! -f "${TORCHELASTIC_ERROR_FILE%/1/error.json}/0/error.json" ]; do sleep 0.01; done; exit 1"#;
+        let plan = plan_of(2, &["--log-dir", &logs, "--shutdown-timeout", "10"], script);
+        let outcome = run_round(&plan, &mut Signals::none(), std::future::pending::<String>()).await;
+        let GroupOutcome::Failed { root, others, hang } = outcome else { panic!("{outcome:?}") };
+        assert!(!hang);
+        assert_eq!(root.rank, Some(0), "{root:?}");
+        assert_eq!(root.exit, ExitKind::Code(1));
+        assert_eq!(root.error.as_ref().map(|e| e.message.as_str()), Some("RuntimeError: first"));
+        assert_eq!(others.len(), 1, "{others:?}");
+        assert_eq!((others[0].rank, &others[0].exit, others[0].stopped_by_rsrun), (Some(1), &ExitKind::Code(1), false));
+    }
+
+    /// A worker that makes its error file a FIFO gets a clear report, not a launcher stuck in
+    /// open(2) (the round runs on a thread of its own so that the test fails instead of hanging).
+    #[test]
+    fn error_file_fifo_does_not_block_the_report() {
+        let dir = tempfile::tempdir().unwrap();
+        let logs = dir.path().display().to_string();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let plan = plan_of(1, &["--log-dir", &logs, "--shutdown-timeout", "1"], r#"mkfifo "$TORCHELASTIC_ERROR_FILE"; exit 1"#);
+            let outcome = rt.block_on(run_round(&plan, &mut Signals::none(), std::future::pending::<String>()));
+            let _ = tx.send(outcome);
+        });
+        let outcome = rx.recv_timeout(Duration::from_secs(20)).expect("the round did not end: blocked on the error file");
+        let GroupOutcome::Failed { root, .. } = outcome else { panic!("{outcome:?}") };
+        let msg = root.error.as_ref().map(|e| e.message.clone()).unwrap_or_default();
+        assert!(msg.contains("not read") && msg.contains("FIFO"), "{msg}");
+    }
+
+    /// A reaped worker whose group is empty is released at once: its id may be reused by an unrelated
+    /// group while the others are still being stopped.
+    #[tokio::test(flavor = "current_thread")]
+    async fn an_empty_group_is_released_when_its_exit_is_recorded() {
+        let args = parse(&["--nproc-per-node", "3", "--log-dir", "/dev/null", "--no-python", "sh", "-c", "if [ $LOCAL_RANK = 1 ]; then exit 3; fi; sleep 30"]);
+        let plan = LaunchPlan::resolve(&args, &host()).unwrap();
+        let a = assignment(3);
+        let (console, mut rx) = tokio::sync::mpsc::channel(1024);
+        tokio::spawn(async move { while rx.recv().await.is_some() {} });
+        let record = tempfile::NamedTempFile::new().unwrap();
+        let guardian = Guardian::recording(record.reopen().unwrap());
+        let ctx = GroupContext { plan: &plan, assignment: &a, console: &console, console_modes: ConsoleModes::PLAIN, guardian: Some(&guardian) };
+        let Ok(mut group) = Group::start(&ctx) else { panic!("workers did not start") };
+        let (idx, status, at) = group.exits.recv().await.unwrap();
+        assert_eq!(group.slots[idx].local_rank, 1);
+        let pid = group.slots[idx].process.pid();
+        assert_eq!(group.record_exit(idx, status, at), Some(ExitKind::Code(3)));
+        assert!(!group.slots[idx].process.is_armed(), "an empty group's id would still be signalled");
+        assert!(std::fs::read_to_string(record.path()).unwrap().lines().any(|l| l == format!("-{pid}")));
+        assert!(group.slots.iter().filter(|s| s.exited.is_none()).all(|s| s.process.is_armed()));
+        drop(group);
+    }
+
+    /// Agents of one node share the attempt's filtered files: a second open keeps the first's lines.
+    #[test]
+    fn filtered_files_are_appended_not_truncated() {
+        use std::io::Write as _;
+        let dir = tempfile::tempdir().unwrap();
+        let logs = dir.path().display().to_string();
+        let plan = plan_of(1, &["--log-dir", &logs, "--duplicate-stdout-filters", "loss"], "true");
+        let a = assignment(1);
+        let first = open_dup_files(&plan, &a);
+        let (_, file) = first.stdout.expect("the filtered file of the first agent");
+        file.lock().unwrap().write_all(b"agent 0: loss=1\n").unwrap();
+        let second = open_dup_files(&plan, &a);
+        let (_, file2) = second.stdout.expect("the filtered file of the second agent");
+        file2.lock().unwrap().write_all(b"agent 1: loss=2\n").unwrap();
+        let path = plan.logs.attempt_dir(&plan.job_id, 0).unwrap().join("filtered_stdout.log");
+        assert_eq!(std::fs::read_to_string(path).unwrap(), "agent 0: loss=1\nagent 1: loss=2\n");
     }
 }

@@ -8,7 +8,10 @@
 //!   follows the *thread* that forked, and the main thread lives as long as the process;
 //! - is owned by a [`WorkerProcess`] whose drop kills its group;
 //! - gets stdin from /dev/null and stdout/stderr as pipes (see [`crate::logs`]);
-//! - optionally gets a datagram socket for progress reports (`RSRUN_PROGRESS_FD`) and a CPU affinity.
+//! - optionally gets a datagram socket for progress reports (`RSRUN_PROGRESS_FD`) and a CPU affinity;
+//! - inherits no other descriptor: whatever rsrun itself inherited without `FD_CLOEXEC` (a
+//!   scheduler's pipe, a shell's redirection) is closed at exec (`close_range(3, ~0,
+//!   CLOSE_RANGE_CLOEXEC)`; on kernels without it, before 5.11, they still leak).
 //!
 //! Grandchildren that outlive their worker would escape PDEATHSIG; the [`Guardian`] covers them: a
 //! small process forked at startup, in its own session, that holds the read end of a pipe from rsrun.
@@ -94,6 +97,12 @@ impl WorkerProcess {
     pub fn is_armed(&self) -> bool {
         self.armed
     }
+
+    /// Whether the group still has a process (`killpg(pgid, 0)`; `EPERM` means it has one). Once the
+    /// leader is reaped and this is false, the id may be reused by an unrelated group.
+    pub fn group_exists(&self) -> bool {
+        !matches!(killpg(Pid::from_raw(self.pid), None), Err(nix::errno::Errno::ESRCH))
+    }
 }
 
 impl Drop for WorkerProcess {
@@ -140,7 +149,8 @@ pub fn spawn(spec: SpawnSpec<'_>) -> io::Result<Spawned> {
         cmd.env(crate::env::PROGRESS_FD_VAR, fd.to_string());
     }
     // SAFETY: the closure runs in the forked child before exec and only makes async-signal-safe
-    // system calls (prctl, getppid, fcntl, sched_setaffinity, _exit); it allocates nothing.
+    // system calls (prctl, getppid, close_range, fcntl, sched_setaffinity, _exit); it allocates
+    // nothing.
     unsafe {
         cmd.pre_exec(move || {
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
@@ -150,6 +160,11 @@ pub fn spawn(spec: SpawnSpec<'_>) -> io::Result<Spawned> {
             if libc::getppid() != parent {
                 libc::_exit(137);
             }
+            // Descriptors rsrun inherited without FD_CLOEXEC must not reach the worker: mark every
+            // one above stderr close-on-exec (std's stdio are already in place), then clear it on
+            // the progress socket alone. A kernel without close_range (ENOSYS, before 5.9) or its
+            // CLOEXEC flag (EINVAL, 5.9 and 5.10) leaves them as they are.
+            libc::syscall(libc::SYS_close_range, 3_u32, u32::MAX, libc::CLOSE_RANGE_CLOEXEC);
             if let Some(fd) = child_fd {
                 let flags = libc::fcntl(fd, libc::F_GETFD);
                 if flags < 0 || libc::fcntl(fd, libc::F_SETFD, flags & !libc::FD_CLOEXEC) < 0 {

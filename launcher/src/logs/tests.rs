@@ -23,6 +23,7 @@ async fn lines_are_prefixed_tailed_and_filed() {
             Arc::new(vec!["loss".into()]),
             Arc::new(Mutex::new(std::fs::File::create(&dup_path).unwrap())),
         )),
+        quiet: None,
     };
     let input: &[u8] = b"one\ntwo loss=1\r\nthree";
     pump(input, StreamKind::Stderr, sink).await;
@@ -66,6 +67,7 @@ async fn terminal_progress_is_in_place_and_files_keep_raw_bytes() {
         console: Some(ConsoleSink { tx, prefix: b"[r0] ".to_vec(), mode: ConsoleMode::Terminal }),
         tail: Some(tail.clone()),
         duplicate: None,
+        quiet: None,
     };
     let chunks: [&'static [u8]; 4] = [b"start\n\r 1/2", b"\r 2/2", b"\r\n", b"end\r\n"];
     pump(Chunks(chunks.into_iter().collect()), StreamKind::Stderr, sink).await;
@@ -109,4 +111,30 @@ async fn plain_progress_stalled_on_a_pipe_is_printed_after_a_second() {
     drop(w);
     task.await.unwrap();
     assert_eq!(events(&mut rx), vec![ConsoleEvent::Stdout(b"> loading 100%\n".to_vec())]);
+}
+
+/// A muted pump (the round is over, the pipe still open) keeps the file, not the console.
+#[tokio::test]
+async fn muted_pump_keeps_writing_the_file_only() {
+    use tokio::io::AsyncWriteExt;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("stdout.log");
+    let (mut w, r) = tokio::io::duplex(1024);
+    let (tx, mut rx) = mpsc::channel(16);
+    let quiet = CancellationToken::new();
+    let sink = StreamSink {
+        file: Some(std::fs::File::create(&path).unwrap()),
+        console: Some(ConsoleSink { tx, prefix: b"> ".to_vec(), mode: ConsoleMode::Plain }),
+        quiet: Some(quiet.clone()),
+        ..StreamSink::default()
+    };
+    let task = tokio::spawn(pump(r, StreamKind::Stdout, sink));
+    w.write_all(b"before\n").await.unwrap();
+    assert_eq!(rx.recv().await, Some(ConsoleEvent::Stdout(b"> before\n".to_vec())));
+    quiet.cancel();
+    w.write_all(b"after\n").await.unwrap();
+    drop(w);
+    task.await.unwrap();
+    assert_eq!(events(&mut rx), vec![]);
+    assert_eq!(std::fs::read_to_string(&path).unwrap(), "before\nafter\n");
 }

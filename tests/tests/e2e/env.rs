@@ -136,3 +136,36 @@ fn static_backend_hosts_the_rendezvous_at_master_addr_and_port() {
     assert_eq!(env["TORCHELASTIC_RUN_ID"], "none");
     assert_eq!((env["RANK"].as_str(), env["WORLD_SIZE"].as_str(), env["GROUP_RANK"].as_str()), ("1", "2", "0"));
 }
+
+/// A descriptor rsrun inherited without FD_CLOEXEC (a scheduler's pipe, a shell redirection) does
+/// not reach the workers; the progress socket still does.
+#[test]
+fn inherited_descriptors_do_not_leak_into_workers() {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+    const LEAKED: i32 = 57;
+    let dir = tempfile::tempdir().unwrap();
+    let file = std::fs::File::open("/dev/null").unwrap();
+    let raw = file.as_raw_fd();
+    let mut cmd = rsrun(dir.path());
+    cmd.args(["--nproc-per-node", "2", "sh", "-c", "ls /proc/self/fd > fds.$RANK; echo $RSRUN_PROGRESS_FD > progress.$RANK"]);
+    // SAFETY: dup2 is async-signal-safe; the new descriptor has no FD_CLOEXEC, as one a shell or
+    // scheduler hands down.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::dup2(raw, LEAKED) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let out = run(&mut cmd);
+    drop(file);
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    for rank in 0..2 {
+        let fds: Vec<String> = std::fs::read_to_string(dir.path().join(format!("fds.{rank}"))).unwrap().split_whitespace().map(str::to_owned).collect();
+        let progress = std::fs::read_to_string(dir.path().join(format!("progress.{rank}"))).unwrap().trim().to_owned();
+        assert!(!fds.contains(&LEAKED.to_string()), "rank {rank} inherited fd {LEAKED}: {fds:?}");
+        assert!(fds.contains(&progress), "rank {rank} lost its progress socket {progress}: {fds:?}");
+    }
+}

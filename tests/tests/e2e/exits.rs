@@ -40,3 +40,19 @@ fn panic_writes_the_error_file_and_the_report_shows_it() {
     assert!(stderr.contains("error_file : ") && stderr.contains("/1/error.json"), "{stderr}");
     assert!(stderr.contains("traceback  :"), "{stderr}");
 }
+
+/// rsrun's own TORCHELASTIC_ERROR_FILE gets the root cause's error file with `message.errorCode`
+/// (torchrun's `@record` on the launcher; TorchX reads it); the workers keep their own files.
+#[test]
+fn root_cause_is_copied_to_the_launchers_error_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let parent = dir.path().join("parent_error.json");
+    let script = r#"if [ $RANK = 1 ]; then printf '{"message": {"message": "ValueError: bad shard", "extraInfo": {"py_callstack": "Traceback: x", "timestamp": "%s"}}}' "$(date +%s)" > "$TORCHELASTIC_ERROR_FILE"; exit 3; fi; sleep 30"#;
+    let out = run(rsrun(dir.path()).env("TORCHELASTIC_ERROR_FILE", &parent).args(["--nproc-per-node", "2", "sh", "-c", script]));
+    assert_eq!(code(&out.status), 3, "{}", text(&out));
+    let raw = std::fs::read(&parent).unwrap_or_else(|e| panic!("{}: {e}\n{}", parent.display(), text(&out)));
+    let v: serde_json::Value = serde_json::from_slice(&raw).unwrap();
+    assert_eq!(v["message"]["message"], "ValueError: bad shard", "{v}");
+    assert_eq!(v["message"]["extraInfo"]["py_callstack"], "Traceback: x", "{v}");
+    assert_eq!(v["message"]["errorCode"], 3, "{v}");
+}

@@ -78,3 +78,41 @@ fn nix_kill(pid: i32, sig: i32) {
         libc::kill(pid, sig);
     }
 }
+
+/// A stop signal while rsrun tears the group down after a worker failure is shutdown (torchrun.md
+/// §4.5): rsrun exits 128 + 15 once the workers are stopped, and starts no second round, whatever
+/// restart budget is left.
+#[test]
+fn sigterm_during_failure_teardown_exits_143_without_restarting() {
+    let dir = tempfile::tempdir().unwrap();
+    // Rank 1 ignores SIGTERM, so the teardown after rank 0's failure waits out the grace; rank 0 fails
+    // once rank 1 is ready, and leaves its pid for the test to see it gone.
+    let script = "echo $TORCHELASTIC_RESTART_COUNT >> attempts; \
+                  if [ $RANK = 0 ]; then echo $$ > pid0; while [ ! -f ready ]; do sleep 0.02; done; exit 3; fi; \
+                  trap '' TERM; echo $$ >> pids; touch ready; while true; do sleep 0.05; done";
+    let child = KillOnDrop::spawn(rsrun(dir.path()).args([
+        "--max-restarts",
+        "3",
+        "--shutdown-timeout",
+        "3",
+        "--nproc-per-node",
+        "2",
+        "sh",
+        "-c",
+        script,
+    ]));
+    let (ready, pid0) = (dir.path().join("ready"), dir.path().join("pid0"));
+    let failed = wait_until(Duration::from_secs(20), || ready.exists() && read_pids(&pid0).first().is_some_and(|&p| !alive(p)));
+    assert!(failed, "rank 0 did not fail");
+    // rsrun reaps rank 0 at once: it is in the 3 s grace for rank 1 now.
+    std::thread::sleep(Duration::from_millis(500));
+    nix_kill(child.pid(), libc::SIGTERM);
+    let out = child.output_within(Duration::from_secs(30));
+    assert_eq!(code(&out.status), 143, "{}", text(&out));
+    let attempts = std::fs::read_to_string(dir.path().join("attempts")).unwrap();
+    assert_eq!(attempts, "0\n0\n", "no second round: {}", text(&out));
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("restarting the job"), "{}", text(&out));
+    for pid in read_pids(&dir.path().join("pids")) {
+        assert!(!alive(pid), "worker {pid} survived");
+    }
+}
