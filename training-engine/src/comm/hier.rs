@@ -5,6 +5,8 @@
 //! reduce_scatter, reduce and send/recv use a flat TCP mesh over all ranks. In deterministic
 //! mode all_reduce also uses the flat TCP algorithm, so the fold order is rank order.
 
+use std::time::Instant;
+
 use super::dtype::{ReduceOp, divide};
 use super::error::{CommError, Result};
 use super::op::{OpHeader, OpKind, Traffic};
@@ -210,6 +212,16 @@ impl Backend for HierBackend {
 
     fn recv(&mut self, h: &OpHeader, buf: &mut [u8], src: usize, t: &mut Traffic) -> Result<()> {
         self.flat.recv(h, buf, src, t)
+    }
+
+    fn set_op_deadline(&mut self, deadline: Option<Instant>) {
+        if let Some(l) = &mut self.local {
+            l.set_op_deadline(deadline);
+        }
+        if let Some(x) = &mut self.leaders {
+            x.set_op_deadline(deadline);
+        }
+        self.flat.set_op_deadline(deadline);
     }
 
     fn abort(&mut self, err: &CommError) {

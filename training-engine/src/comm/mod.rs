@@ -75,7 +75,7 @@ use std::net::IpAddr;
 use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, mpsc};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{CommError, Result};
@@ -250,6 +250,10 @@ pub(crate) trait Backend: Send {
     fn alloc_window(&mut self, _bytes: usize) -> Result<Option<Arc<window::WindowMap>>> {
         Ok(None)
     }
+    /// The deadline of the op about to run (`None` after it): every wait of the op, in every
+    /// stage and sub-backend, ends by it, so one op never takes more than the timeout (plus
+    /// the blame wait) however many synchronizations it has.
+    fn set_op_deadline(&mut self, _deadline: Option<Instant>) {}
 }
 
 /// The single-rank backend.
@@ -914,11 +918,13 @@ impl Inner {
             h.seq = st.seq;
         }
         let mut t = Traffic::default();
+        st.backend.set_op_deadline(Some(Instant::now() + self.ctx.opts.timeout));
         // A panic inside a backend leaves it mid-protocol: the group is failed (and the peers
         // told) before the panic goes on, so no later op runs on the broken state.
         let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             f(&mut *st.backend, &h, &mut t)
         }));
+        st.backend.set_op_deadline(None);
         let outcome = match run {
             Ok(r) => r,
             Err(panic) => {

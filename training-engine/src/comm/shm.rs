@@ -214,6 +214,8 @@ pub(crate) struct ShmBackend {
     windows_made: u64,
     /// Live windows, for finding the one an op's buffer lies in.
     windows: Vec<Weak<WindowMap>>,
+    /// The running op's deadline (see `Backend::set_op_deadline`).
+    op_deadline: Option<Instant>,
 }
 
 /// Which synchronization a wait is: the first of an op, where peers may still be computing
@@ -352,6 +354,7 @@ impl ShmBackend {
             budget: std::cell::Cell::new(SpinBudget::new()),
             windows_made: 0,
             windows: Vec::new(),
+            op_deadline: None,
         };
         let pid = std::process::id();
         me.u32_at(me.ctrl(rank) + PID_OFF)
@@ -605,7 +608,8 @@ impl ShmBackend {
     }
 
     fn deadline(&self) -> Instant {
-        Instant::now() + self.ctx.opts.timeout
+        let own = Instant::now() + self.ctx.opts.timeout;
+        self.op_deadline.map_or(own, |d| d.min(own))
     }
 
     /// Allocates a registered window of `bytes` per rank (collective, in the same order on every
@@ -1270,6 +1274,13 @@ impl Backend for ShmBackend {
                 backend: "shm",
                 reason: "send/recv inside a hierarchical group".into(),
             }),
+        }
+    }
+
+    fn set_op_deadline(&mut self, deadline: Option<Instant>) {
+        self.op_deadline = deadline;
+        if let Some(p) = &mut self.p2p {
+            p.set_op_deadline(deadline);
         }
     }
 

@@ -178,6 +178,8 @@ pub(crate) struct TcpBackend {
     /// The pipelining segment of the current op: the smallest `tcp_segment_bytes` of all
     /// ranks, settled by the op's header exchange (each host may default to its own).
     segment: usize,
+    /// The running op's deadline (see `Backend::set_op_deadline`).
+    op_deadline: Option<Instant>,
 }
 
 /// The default `tcp_segment_bytes` of a host whose L2 cache per core is `l2` bytes: the largest
@@ -266,6 +268,7 @@ impl TcpBackend {
             scratch: AlignedBuf::new(),
             work: AlignedBuf::new(),
             segment: ctx.opts.tcp_segment_bytes.max(1),
+            op_deadline: None,
         })
     }
 
@@ -280,7 +283,8 @@ impl TcpBackend {
     }
 
     fn deadline(&self) -> Instant {
-        Instant::now() + self.ctx().opts.timeout
+        let own = Instant::now() + self.ctx().opts.timeout;
+        self.op_deadline.map_or(own, |d| d.min(own))
     }
 
     /// Compares every rank's header with ours; the same verdict is reached on every rank.
@@ -718,6 +722,10 @@ impl Backend for TcpBackend {
         }
         self.mesh
             .run_plain(&mut [], &mut [RecvOp::new(src, buf)], deadline, "recv", t)
+    }
+
+    fn set_op_deadline(&mut self, deadline: Option<Instant>) {
+        self.op_deadline = deadline;
     }
 
     fn abort(&mut self, err: &CommError) {
