@@ -334,6 +334,7 @@ impl<M: UnitModel> Engine<M> {
         if cfg.max_live_units == 0 {
             return Err(EngineError::Config("max_live_units must be at least 1".into()));
         }
+        model.check().map_err(|e| EngineError::Config(format!("model: {e}")))?;
         let strategy = cfg.strategy;
         let (shard_pg, rep_pg) = if strategy.is_hybrid() {
             let (intra, inter) = pg.split_by_host()?;

@@ -47,7 +47,15 @@ fn rows_and_bias<'a>(
 /// # Errors
 /// Candle errors (shapes).
 pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f32) -> candle_core::Result<Tensor> {
-    if x.dtype() != DType::F32 {
+    let d = x.dims().last().copied().unwrap_or(1);
+    if w.elem_count() != d || b.elem_count() != d {
+        return Err(candle_core::Error::Msg(format!(
+            "layer norm over rows of {d}: weight of {} and bias of {} elements",
+            w.elem_count(),
+            b.elem_count()
+        )));
+    }
+    if x.dtype() != DType::F32 || w.dtype() != DType::F32 || b.dtype() != DType::F32 {
         let x32 = x.to_dtype(DType::F32)?;
         let y = layer_norm(
             &x32,
@@ -186,6 +194,11 @@ pub fn causal_softmax(att: &Tensor) -> candle_core::Result<Tensor> {
 /// # Errors
 /// Candle errors (shapes).
 pub fn causal_softmax_scaled(att: &Tensor, scale: f32) -> candle_core::Result<Tensor> {
+    // The mask is the lower triangle of square T×T blocks: row r of a block sees r + 1 columns.
+    let dims = att.dims();
+    if dims.len() < 2 || dims[dims.len() - 1] != dims[dims.len() - 2] {
+        return Err(candle_core::Error::Msg(format!("causal softmax of scores {dims:?}: the last two dimensions must be equal (T×T)")));
+    }
     if att.dtype() != DType::F32 {
         let y = causal_softmax_scaled(&att.to_dtype(DType::F32)?, scale)?;
         return y.to_dtype(att.dtype());
@@ -309,8 +322,9 @@ fn erf_f32(x: f32) -> f32 {
     crate::native::ops::erf::<false>(x)
 }
 
-/// Runs `$f(args)` compiled for AVX-512F, AVX2 or baseline x86-64, whichever the CPU has
-/// (runtime detection; the crate itself is built for baseline x86-64). The kernels are plain
+/// Runs `$f(args)` compiled for AVX-512F, AVX2 or baseline x86-64, as the engine's ISA level
+/// says (the CPU's, or a lower one forced by RSRUN_ISA; the crate itself is built for baseline
+/// x86-64). The kernels are plain
 /// element-wise IEEE arithmetic without `mul_add`, so every variant returns bitwise the same.
 macro_rules! simd_dispatch {
     ($f:ident($($a:expr),*)) => {{
@@ -324,14 +338,13 @@ macro_rules! simd_dispatch {
             fn avx2(f: impl FnOnce()) {
                 f()
             }
-            if std::arch::is_x86_feature_detected!("avx512f") {
-                // SAFETY: the CPU supports AVX-512F (checked above).
-                unsafe { avx512(|| $f($($a),*)) }
-            } else if std::arch::is_x86_feature_detected!("avx2") {
-                // SAFETY: the CPU supports AVX2 (checked above).
-                unsafe { avx2(|| $f($($a),*)) }
-            } else {
-                $f($($a),*)
+            // The engine's level (RSRUN_ISA may force a lower one, to measure or test).
+            match crate::native::isa::isa() {
+                // SAFETY: `isa()` only reports levels the CPU supports (AVX-512F among them).
+                crate::native::isa::Isa::Avx512 => unsafe { avx512(|| $f($($a),*)) },
+                // SAFETY: as above (the AVX2 level has AVX2).
+                crate::native::isa::Isa::Avx2 => unsafe { avx2(|| $f($($a),*)) },
+                crate::native::isa::Isa::Baseline => $f($($a),*),
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -808,5 +821,30 @@ impl CustomOp2 for AttentionBwd {
             }
         }
         Ok((CpuStorage::F32(dqkv), l1.shape().clone()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use candle_core::{DType, Device, Tensor};
+
+    /// Shapes the kernels cannot serve are errors naming them, not a panic inside a custom op
+    /// (a short LayerNorm weight) or a silently wrong mask (non-square scores).
+    #[test]
+    fn mismatched_shapes_are_errors() {
+        let dev = Device::Cpu;
+        let x = Tensor::zeros((3, 8), DType::F32, &dev).unwrap();
+        let short = Tensor::ones(7, DType::F32, &dev).unwrap();
+        let ok = Tensor::ones(8, DType::F32, &dev).unwrap();
+        let e = super::layer_norm(&x, &short, &ok, 1e-5).unwrap_err().to_string();
+        assert!(e.contains("rows of 8") && e.contains("weight of 7"), "{e}");
+        // A bf16 weight with f32 rows is converted, not refused.
+        let y = super::layer_norm(&x, &ok.to_dtype(DType::BF16).unwrap(), &ok, 1e-5).unwrap();
+        assert_eq!(y.dims(), &[3, 8]);
+        let scores = Tensor::zeros((2, 4, 5), DType::F32, &dev).unwrap();
+        let e = super::causal_softmax(&scores).unwrap_err().to_string();
+        assert!(e.contains("[2, 4, 5]") && e.contains("T×T"), "{e}");
+        let square = Tensor::zeros((2, 4, 4), DType::F32, &dev).unwrap();
+        assert_eq!(super::causal_softmax(&square).unwrap().dims(), &[2, 4, 4]);
     }
 }

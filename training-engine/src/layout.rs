@@ -98,14 +98,19 @@ impl UnitLayout {
             if params[..i].iter().any(|(n, _)| n == pname) {
                 return Err(EngineError::Layout(format!("parameter {pname:?} listed twice")));
             }
-            let numel = shape.iter().product::<usize>();
+            let numel = shape
+                .iter()
+                .try_fold(1usize, |a, &d| a.checked_mul(d))
+                .ok_or_else(|| EngineError::Layout(format!("parameter {pname:?} of shape {shape:?} has more elements than memory can address")))?;
             infos.push(ParamInfo {
                 name: pname.clone(),
                 shape: shape.clone(),
                 offset,
                 numel,
             });
-            offset += numel;
+            offset = offset
+                .checked_add(numel)
+                .ok_or_else(|| EngineError::Layout(format!("unit parameters past {pname:?} have more elements than memory can address")))?;
         }
         let shard_len = offset.div_ceil(world);
         Ok(UnitLayout {

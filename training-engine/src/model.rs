@@ -48,6 +48,15 @@ impl Batch {
 
 /// A model split into units for per-unit gather/free and unit-by-unit backward.
 pub trait UnitModel: Send + Sync {
+    /// Why the model cannot be built, if it cannot (checked before anything else by
+    /// [`crate::engine::Engine::new`]). `Ok` by default.
+    ///
+    /// # Errors
+    /// What is wrong with the configuration, naming the values.
+    fn check(&self) -> Result<(), String> {
+        Ok(())
+    }
+
     /// Units in forward order with their parameters (names and shapes).
     fn specs(&self) -> Vec<UnitSpec>;
 
@@ -91,6 +100,34 @@ pub struct GptConfig {
 }
 
 impl GptConfig {
+    /// Whether these hyper-parameters make a model: every size at least 1, `d_model` a multiple
+    /// of `heads`, and every matrix (and the whole model) addressable.
+    ///
+    /// # Errors
+    /// The first value that does not fit, named.
+    pub fn check(&self) -> Result<(), String> {
+        let GptConfig { vocab: v, d_model: d, layers, heads: h, seq: t } = *self;
+        for (name, x) in [("vocab", v), ("d_model", d), ("heads", h), ("seq", t)] {
+            if x == 0 {
+                return Err(format!("{name} 0: must be at least 1"));
+            }
+        }
+        if d % h != 0 {
+            return Err(format!("d_model {d} is not a multiple of heads {h}"));
+        }
+        // Elements of the largest matrices and of the whole model, in 64-bit arithmetic.
+        let block = d.checked_mul(d).and_then(|dd| dd.checked_mul(12)).and_then(|x| x.checked_add(d.checked_mul(13)?));
+        let total = block
+            .and_then(|b| b.checked_mul(layers))
+            .and_then(|x| x.checked_add(v.checked_mul(d)?.checked_mul(2)?))
+            .and_then(|x| x.checked_add(t.checked_mul(d)?))
+            .and_then(|x| x.checked_add(t.checked_mul(t)?));
+        match total {
+            Some(n) if n <= (isize::MAX as usize) / 4 => Ok(()),
+            _ => Err(format!("a model of vocab {v}, d_model {d}, {layers} layers and seq {t} has more parameters than memory can address")),
+        }
+    }
+
     /// Matrix-multiply FLOPs of one training step per token (forward and backward, nothing
     /// recomputed), as MFU counts them (PaLM, appendix B): `3 × (L·(24·D² + 4·T·D) + 2·D·V)`;
     /// the attention scores and values count the whole `T×T` square.
@@ -197,6 +234,10 @@ fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> candle_core::Result<Ten
 }
 
 impl UnitModel for Gpt {
+    fn check(&self) -> Result<(), String> {
+        self.cfg.check()
+    }
+
     fn specs(&self) -> Vec<UnitSpec> {
         let GptConfig {
             vocab: v,
@@ -284,6 +325,7 @@ impl UnitModel for Gpt {
         x: Option<&Tensor>,
         batch: &Batch,
     ) -> candle_core::Result<Tensor> {
+        self.cfg.check().map_err(candle_core::Error::Msg)?;
         let GptConfig {
             d_model: d,
             layers,

@@ -139,6 +139,26 @@ fn max_rel(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
     (d / n).sqrt()
 }
 
+/// A GPT the kernels cannot run is refused when the engine is built, naming the value: heads 0
+/// divided by zero, heads 3 of d_model 10 left a column of attention output unwritten on the
+/// native path, and sizes past memory wrapped the parameter counts.
+#[test]
+fn impossible_models_are_refused_by_name() {
+    let cases = [
+        (GptConfig { heads: 0, ..tiny() }, "heads 0"),
+        (GptConfig { d_model: 10, heads: 3, ..tiny() }, "d_model 10 is not a multiple of heads 3"),
+        (GptConfig { vocab: 0, ..tiny() }, "vocab 0"),
+        (GptConfig { d_model: 1 << 32, heads: 1, ..tiny() }, "more parameters than memory can address"),
+    ];
+    for (bad, want) in cases {
+        let pg = ProcessGroup::new(0, 1, Arc::new(LocalStore::new()), "bad-model", CommOptions::default()).unwrap();
+        let e = Engine::new(Gpt::new(bad), cfg(Strategy::Ddp), pg).err().expect("built an impossible model").to_string();
+        assert!(e.contains(want), "{want}: {e}");
+    }
+    let l = crate::layout::UnitLayout::new("u", &[("w".into(), vec![usize::MAX, 2])], 1).unwrap_err();
+    assert!(l.to_string().contains("more elements than memory can address"), "{l}");
+}
+
 #[test]
 fn single_process_loss_decreases() {
     one_thread();

@@ -48,6 +48,7 @@ impl Gpt {
             seq,
             ..
         } = self.config();
+        self.config().check().map_err(bad)?;
         if unit > layers + 1 {
             return Err(bad(format!("unit {unit} of a GPT with {} units", layers + 2)));
         }

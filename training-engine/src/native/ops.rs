@@ -355,7 +355,10 @@ simd_fn! {
             }
             let inv = 1.0 / s;
             let pt = row[tg as usize] * inv;
-            total -= f64::from(pt.max(f32::MIN_POSITIVE)).ln();
+            // A NaN or infinite logit makes the loss NaN, as the reference's does: `max` would
+            // turn a NaN probability into MIN_POSITIVE, a finite loss that hides the divergence
+            // from the engine's check while NaN gradients reach the weights.
+            total -= if pt.is_nan() { f64::NAN } else { f64::from(pt.max(f32::MIN_POSITIVE)).ln() };
             for x in row.iter_mut() {
                 *x *= inv;
             }
@@ -367,6 +370,27 @@ simd_fn! {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_nan_or_infinite_logit_gives_a_nan_loss() {
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            // Two rows of 19 (a vector body and a tail): the bad value in row 1, target elsewhere.
+            let mut logits: Vec<f32> = (0..38).map(|i| (i % 7) as f32 * 0.1).collect();
+            logits[19 + 5] = bad;
+            let mut out = 0f64;
+            softmax_xent(&mut logits, 19, &[3, 2], &mut out);
+            if bad == f32::NEG_INFINITY {
+                // exp(-inf) is 0: a finite row, as in the reference.
+                assert!(out.is_finite(), "{bad}: {out}");
+            } else {
+                assert!(out.is_nan(), "{bad}: {out}");
+            }
+        }
+        let mut logits = vec![0f32; 19];
+        let mut out = 0f64;
+        softmax_xent(&mut logits, 19, &[0], &mut out);
+        assert!((out - (19f64).ln()).abs() < 1e-5, "{out}");
+    }
 
     #[test]
     fn exp_and_the_normal_distribution_are_accurate_at_every_level() {

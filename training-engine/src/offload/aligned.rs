@@ -75,7 +75,7 @@ impl AlignedBuf {
     /// # Panics
     /// Panics if `len` elements do not fit the allocation (a caller bug).
     pub fn set_len(&mut self, len: usize) {
-        assert!(len * 4 <= self.capacity_bytes, "aligned buffer overflow");
+        assert!(len <= self.capacity_bytes / 4, "aligned buffer overflow");
         self.len = len;
     }
 
