@@ -163,20 +163,27 @@ impl<M: UnitModel> Engine<M> {
         keep_last: usize,
     ) -> EngineResult<PathBuf> {
         let _span = tracing::info_span!("save_checkpoint", rank = self.rank, step = self.step).entered();
-        let state = self.shard_state();
+        // Only the ranks that write (the first replica of the sharding group, rank 0 among them)
+        // copy their state out of the tiers: under DDP every other rank would copy the whole
+        // master and optimizer state (12 bytes a parameter, read back from an offload tier) for
+        // nothing.
+        let writer = self.rank == self.shard_rank;
+        let state = writer.then(|| self.shard_state());
         let begun = match (&state, self.rank) {
-            (Err(e), _) => Err(e.clone()),
-            (Ok(_), 0) => checkpoint::begin_save(root, self.step).map(drop).map_err(Into::into),
-            (Ok(_), _) => Ok(()),
+            (Some(Err(e)), _) => Err(e.clone()),
+            (_, 0) => checkpoint::begin_save(root, self.step).map(drop).map_err(Into::into),
+            _ => Ok(()),
         };
         self.agree(begun, "checkpoint begin")?;
-        let state = state?;
-        let written = checkpoint::save_shard(root, &state).map(drop).map_err(Into::into);
+        let state = state.transpose()?;
+        let written = match &state {
+            Some(state) => checkpoint::save_shard(root, state).map(drop).map_err(Into::into),
+            None => Ok(()),
+        };
         self.agree(written, "checkpoint shard write")?;
-        let committed = if self.rank == 0 {
-            checkpoint::commit(root, &state, progress, keep_last).map(drop).map_err(Into::into)
-        } else {
-            Ok(())
+        let committed = match (&state, self.rank) {
+            (Some(state), 0) => checkpoint::commit(root, state, progress, keep_last).map(drop).map_err(Into::into),
+            _ => Ok(()),
         };
         self.agree(committed, "checkpoint commit")?;
         Ok(root.join(checkpoint::step_dir_name(self.step)))
