@@ -51,6 +51,9 @@ impl std::fmt::Debug for Corpus {
     }
 }
 
+/// The most windows one epoch shuffles (u32 indices, 4 bytes each in memory: 4 GiB at most).
+pub const MAX_WINDOWS: usize = u32::MAX as usize;
+
 impl Corpus {
     /// Loads the corpus. The synthetic one is `synthetic_bytes` long and generated from `seed`.
     ///
@@ -62,10 +65,15 @@ impl Corpus {
             DataSpec::File(path) => Corpus::Mapped(map(path)?),
         };
         let need = seq_len + 2;
-        if corpus.bytes().len() < need {
+        let len = corpus.bytes().len();
+        if len < need {
+            anyhow::bail!("the data has {len} bytes; at least {need} are needed for one window of --seq-len {seq_len}");
+        }
+        // The sampler shuffles window indices as u32 (4 bytes a window in memory).
+        let windows = (len - 1) / seq_len.max(1);
+        if windows > MAX_WINDOWS {
             anyhow::bail!(
-                "the data has {} bytes; at least {need} are needed for one window of --seq-len {seq_len}",
-                corpus.bytes().len()
+                "the data has {len} bytes: {windows} windows of --seq-len {seq_len}, more than the {MAX_WINDOWS} one epoch can shuffle; use a longer --seq-len or a smaller file"
             );
         }
         Ok(corpus)
@@ -146,6 +154,92 @@ pub fn synthetic(seed: u64, len: usize) -> Vec<u8> {
     out
 }
 
+/// What a checkpoint must share with the run that resumes it for the data to go on where it
+/// stopped: the sampler's seed, the samples per global step, and the data itself. Saved by
+/// `train` as the checkpoint's `rng_state` (a tagged little-endian record).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DataIdentity {
+    pub seed: u64,
+    /// Samples per global step (batch × grad-accum × ranks).
+    pub global_batch: u64,
+    /// [`fingerprint`] of the corpus.
+    pub data: u64,
+}
+
+const IDENTITY_TAG: &[u8; 8] = b"rsrunDI1";
+
+impl DataIdentity {
+    /// The bytes saved in a checkpoint.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut b = IDENTITY_TAG.to_vec();
+        for v in [self.seed, self.global_batch, self.data] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        b
+    }
+
+    /// What a checkpoint saved: the full record, or the seed alone (the 8 bytes older versions of
+    /// `train` saved); `None` for anything else.
+    pub fn decode(b: &[u8]) -> Option<SavedIdentity> {
+        let word = |i: usize| b.get(i..i + 8).and_then(|w| w.try_into().ok()).map(u64::from_le_bytes);
+        if b.len() == 8 {
+            return word(0).map(SavedIdentity::SeedOnly);
+        }
+        if b.len() == 32 && b.starts_with(IDENTITY_TAG) {
+            return Some(SavedIdentity::Full(DataIdentity { seed: word(8)?, global_batch: word(16)?, data: word(24)? }));
+        }
+        None
+    }
+
+    /// Why a run with `self` cannot resume from `saved` (each difference named), or `None`.
+    pub fn mismatch(&self, saved: &SavedIdentity) -> Option<String> {
+        let mut why = Vec::new();
+        let (seed, rest) = match saved {
+            SavedIdentity::SeedOnly(seed) => (*seed, None),
+            SavedIdentity::Full(d) => (d.seed, Some(d)),
+        };
+        if seed != self.seed {
+            why.push(format!("--seed {} (the checkpoint's is {seed}: another data order)", self.seed));
+        }
+        if let Some(d) = rest {
+            if d.global_batch != self.global_batch {
+                why.push(format!(
+                    "a global batch of {} samples (the checkpoint's is {}: resuming would skip or repeat data; keep batch × grad-accum × ranks the same)",
+                    self.global_batch, d.global_batch
+                ));
+            }
+            if d.data != self.data {
+                why.push(format!("other data (fingerprint {:016x}, the checkpoint's is {:016x}: another --data)", self.data, d.data));
+            }
+        }
+        (!why.is_empty()).then(|| why.join("; "))
+    }
+}
+
+/// A checkpoint's saved [`DataIdentity`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SavedIdentity {
+    /// The seed alone (older checkpoints).
+    SeedOnly(u64),
+    Full(DataIdentity),
+}
+
+/// A 64-bit FNV-1a fingerprint of `bytes`: their length, the first and the last MiB (a full
+/// pass over a large corpus would cost seconds at every start).
+pub fn fingerprint(bytes: &[u8]) -> u64 {
+    const PART: usize = 1 << 20;
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let mut eat = |b: &[u8]| {
+        for &x in b {
+            h = (h ^ u64::from(x)).wrapping_mul(0x100_0000_01b3);
+        }
+    };
+    eat(&(bytes.len() as u64).to_le_bytes());
+    eat(&bytes[..bytes.len().min(PART)]);
+    eat(&bytes[bytes.len().saturating_sub(PART)..]);
+    h
+}
+
 /// The distributed sampler (see the module documentation for the rule).
 #[derive(Debug, Clone)]
 pub struct Sampler {
@@ -221,6 +315,36 @@ impl Sampler {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn data_identity_round_trips_and_names_each_difference() {
+        let id = DataIdentity { seed: 1, global_batch: 16, data: fingerprint(b"hello world") };
+        let saved = DataIdentity::decode(&id.encode()).unwrap();
+        assert_eq!(saved, SavedIdentity::Full(id));
+        assert_eq!(id.mismatch(&saved), None);
+        let other = DataIdentity { seed: 2, global_batch: 32, data: fingerprint(b"hello there") };
+        let why = other.mismatch(&saved).unwrap();
+        assert!(why.contains("--seed 2") && why.contains("global batch of 32") && why.contains("other data"), "{why}");
+        // Older checkpoints saved the seed alone: only the seed is checked.
+        assert_eq!(DataIdentity::decode(&1u64.to_le_bytes()), Some(SavedIdentity::SeedOnly(1)));
+        assert_eq!(other.mismatch(&SavedIdentity::SeedOnly(2)), None);
+        assert_eq!(DataIdentity::decode(b"junk"), None);
+        // The fingerprint sees the length and both ends.
+        let big = vec![7u8; 3 << 20];
+        let mut end = big.clone();
+        *end.last_mut().unwrap() = 8;
+        assert_ne!(fingerprint(&big), fingerprint(&end));
+        assert_ne!(fingerprint(&big), fingerprint(&big[1..]));
+    }
+
+    #[test]
+    fn data_with_more_windows_than_an_epoch_shuffles_is_refused() {
+        // A sparse file: nothing is read, only its length counts.
+        let f = tempfile::NamedTempFile::new().unwrap();
+        f.as_file().set_len(5 << 30).unwrap();
+        let e = Corpus::load(&DataSpec::File(f.path().to_path_buf()), 1, 0, 1).err().unwrap().to_string();
+        assert!(e.contains("more than the 4294967295 one epoch can shuffle") && e.contains("--seq-len 1"), "{e}");
+    }
 
     #[test]
     fn synthetic_is_deterministic_text() {

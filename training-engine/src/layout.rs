@@ -510,6 +510,9 @@ pub struct ShardState {
     pub state: Vec<Vec<Vec<f32>>>,
     /// Dynamic loss scale (f16 mixed precision), if any.
     pub loss_scale: Option<f32>,
+    /// Steps without overflow since the loss scale last changed (it grows after the scaler's
+    /// growth interval of them): saved so a resumed run grows it at the same step.
+    pub loss_scale_good_steps: u32,
 }
 
 #[cfg(test)]

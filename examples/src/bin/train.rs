@@ -130,6 +130,10 @@ struct Args {
     /// the first attempt (TORCHELASTIC_RESTART_COUNT unset or 0).
     #[arg(long, hide = true)]
     fail_at_step: Option<u64>,
+    /// Test hook for hang detection: rank 1 (rank 0 alone) stops making progress just before
+    /// step N (it sleeps), in every attempt.
+    #[arg(long, hide = true)]
+    hang_at_step: Option<u64>,
 }
 
 /// Where training starts.
@@ -159,13 +163,17 @@ struct Place {
     local_world: usize,
     job: String,
     store: Arc<dyn Store>,
+    /// The launcher's context (None when run alone): the progress heartbeat and the error file.
+    ctx: Option<rsrun_worker_runtime::WorkerContext>,
 }
 
 fn place() -> anyhow::Result<Place> {
     if std::env::var_os("RANK").is_none() {
-        return Ok(Place { rank: 0, world: 1, local_world: 1, job: "local".into(), store: Arc::new(LocalStore::new()) });
+        return Ok(Place { rank: 0, world: 1, local_world: 1, job: "local".into(), store: Arc::new(LocalStore::new()), ctx: None });
     }
     let ctx = rsrun_worker_runtime::WorkerContext::from_env().context("reading the rank environment")?;
+    // A panic reaches rsrun's failure summary (TORCHELASTIC_ERROR_FILE) with its message.
+    ctx.install_panic_hook();
     let store: Arc<dyn Store> = if std::env::var_os("RSRUN_RDZV_ENDPOINT").is_some() {
         Arc::new(rsrun_worker_runtime::engine_store::EngineStore::new(&ctx).context("connecting to the rendezvous store")?)
     } else {
@@ -177,6 +185,7 @@ fn place() -> anyhow::Result<Place> {
         local_world: ctx.local_world_size as usize,
         job: ctx.job_id.clone(),
         store,
+        ctx: Some(ctx),
     })
 }
 
@@ -359,10 +368,22 @@ fn run() -> anyhow::Result<()> {
     };
     let place = place()?;
     let (rank, world) = (place.rank, place.world);
+    signals::install();
+    let run_dir = args.run_dir.clone().unwrap_or_else(|| PathBuf::from(".rsrun/runs").join(&place.job));
+    if rank == 0 {
+        // Before the engine is built: a bad --run-dir is a bad flag (exit 2), found at once.
+        check_writable_dir(&run_dir, "--run-dir")?;
+    }
     // One compute thread per rank: ranks share the machine's cores.
     let seq = args.seq_len as usize;
     let corpus = Corpus::load(&data, args.seed, 4 << 20, seq).map_err(|e| BadInput(format!("{e:#}")))?;
     let mut sampler = Sampler::new(corpus.bytes().len(), seq, args.seed, args.batch as usize, args.grad_accum as usize, world);
+    // Saved with every checkpoint; a resume must match it for the data to go on where it stopped.
+    let identity = rsrun_examples::data::DataIdentity {
+        seed: args.seed,
+        global_batch: sampler.global_batch(),
+        data: rsrun_examples::data::fingerprint(corpus.bytes()),
+    };
 
     let opts = CommOptions {
         backend: BackendKind::Auto,
@@ -418,6 +439,18 @@ fn run() -> anyhow::Result<()> {
         },
         _ => None,
     };
+    // Every rank must take the same decision: a checkpoint directory on node-local disks lets
+    // rank 0 resume while the others start afresh, and their collectives no longer pair.
+    let mut found = [f32::from(u8::from(resume_from.is_some())), f32::from(u8::from(resume_from.is_none()))];
+    stats_pg.all_reduce(&mut found, rsrun_training_engine::comm::ReduceOp::Sum)?;
+    if found[0] > 0.0 && found[1] > 0.0 {
+        let dir = args.checkpoint_dir.as_deref().map_or_else(|| args.resume.clone(), |d| d.display().to_string());
+        return Err(BadInput(format!(
+            "{dir}: {} of {world} ranks find a checkpoint to resume from and {} do not; the checkpoint directory must be one that every rank shares",
+            found[0], found[1]
+        ))
+        .into());
+    }
     let mut start = 0u64;
     if let Some(from) = &resume_from {
         let (dir, progress) = engine.load_checkpoint(from).with_context(|| format!("resuming from {}", from.display()))?;
@@ -443,13 +476,20 @@ fn run() -> anyhow::Result<()> {
             ))
             .into());
         }
+        match rsrun_examples::data::DataIdentity::decode(&progress.rng_state) {
+            Some(saved) => {
+                if let Some(why) = identity.mismatch(&saved) {
+                    return Err(BadInput(format!("cannot resume from {}: this run has {why}", dir.display())).into());
+                }
+            }
+            None => tracing_note(rank, &format!("checkpoint {}: no data record of train's; the data order is not checked", dir.display())),
+        }
         if rank == 0 && args.log_format == LogFormat::Text {
             println!("resumed from {} at step {start} (restart {})", dir.display(), restart_count());
         }
     }
     let n_params: usize = engine.layout().units.iter().map(|u| u.numel).sum();
 
-    let run_dir = args.run_dir.clone().unwrap_or_else(|| PathBuf::from(".rsrun/runs").join(&place.job));
     let mut metrics = None;
     let mut losses = Vec::with_capacity(args.steps as usize);
     if rank == 0 {
@@ -477,7 +517,7 @@ fn run() -> anyhow::Result<()> {
         metrics = Some(std::io::BufWriter::new(file.with_context(|| format!("cannot open {}", path.display()))?));
     }
     let json = args.log_format == LogFormat::Json;
-    let tokens_per_step = (args.batch * args.seq_len * args.grad_accum) as f64 * world as f64;
+    let tokens_per_step = f64::from(args.batch) * f64::from(args.seq_len) * f64::from(args.grad_accum) * world as f64;
     let mut view = (rank == 0 && !json).then(|| ProgressView::choose(args.steps));
     if rank == 0 && !json {
         println!(
@@ -504,6 +544,10 @@ fn run() -> anyhow::Result<()> {
             eprintln!("train: --fail-at-step {}: rank {rank} aborts (test hook)", step + 1);
             std::process::abort();
         }
+        if args.hang_at_step == Some(step + 1) && rank == fail_rank {
+            eprintln!("train: --hang-at-step {}: rank {rank} stops making progress (test hook)", step + 1);
+            std::thread::sleep(std::time::Duration::from_secs(3600));
+        }
         let micro: Vec<Batch> = (0..args.grad_accum as usize)
             .map(|m| {
                 let (x, y) = sampler.batch(corpus.bytes(), step, rank, m);
@@ -516,12 +560,21 @@ fn run() -> anyhow::Result<()> {
             .collect::<candle_core::Result<_>>()?;
         let t0 = Instant::now();
         let out = engine.train_step(&micro).with_context(|| format!("step {}", step + 1))?;
+        // The heartbeat of rsrun's --hang-timeout: a rank stuck in a step stops sending it.
+        if let Some(ctx) = &place.ctx {
+            ctx.progress(step + 1);
+        }
         let dt = t0.elapsed();
         step_ms.push(dt.as_secs_f64() * 1e3);
-        // The loss shown is the mean over ranks (a tiny all-reduce of one number).
-        let mut loss = [out.loss];
-        stats_pg.all_reduce(&mut loss, rsrun_training_engine::comm::ReduceOp::Avg)?;
-        let loss = loss[0];
+        // The loss shown is the mean over ranks, in the same tiny all-reduce as whether any rank
+        // got SIGUSR1/SIGUSR2 (Slurm's `--signal` warning, passed on by rsrun): every rank then
+        // sees the request at the same step and checkpoints there together.
+        let mut shared = [out.loss, if signals::take_save_request() { 1.0 } else { 0.0 }];
+        stats_pg.all_reduce(&mut shared, rsrun_training_engine::comm::ReduceOp::Sum)?;
+        let loss = shared[0] / world as f32;
+        let save_requested = shared[1] > 0.0;
+        // JSON has no NaN or infinity (a skipped f16 step's loss): null.
+        let loss_json = if loss.is_finite() { loss.to_string() } else { "null".to_string() };
         losses.push((step + 1, f64::from(loss)));
         let (rss, _) = rss_mib();
         let mut rss_all = vec![rss as f32; 1];
@@ -536,17 +589,18 @@ fn run() -> anyhow::Result<()> {
             if let Some(m) = metrics.as_mut() {
                 writeln!(
                     m,
-                    "{{\"step\":{},\"loss\":{loss},\"lr\":{},\"step_ms\":{:.3},\"tok_per_s\":{tok_s:.1},\"grad_norm\":{},\"rss_mib\":[{mem_json}]}}",
+                    "{{\"step\":{},\"loss\":{loss_json},\"lr\":{},\"step_ms\":{:.3},\"tok_per_s\":{tok_s:.1},\"grad_norm\":{},\"rss_mib\":[{mem_json}]}}",
                     step + 1,
                     out.lr,
                     dt.as_secs_f64() * 1e3,
-                    out.grad_norm.map_or("null".to_string(), |g| format!("{g}")),
+                    // JSON has no NaN or infinity: an overflowing norm is null.
+                    out.grad_norm.filter(|g| g.is_finite()).map_or("null".to_string(), |g| format!("{g}")),
                     mem_json = rss_all.iter().map(|m| format!("{m:.1}")).collect::<Vec<_>>().join(",")
                 )?;
             }
             if json {
                 println!(
-                    "{{\"event\":\"step\",\"step\":{},\"steps\":{},\"loss\":{loss},\"tok_per_s\":{tok_s:.1},\"eta_s\":{:.1}}}",
+                    "{{\"event\":\"step\",\"step\":{},\"steps\":{},\"loss\":{loss_json},\"tok_per_s\":{tok_s:.1},\"eta_s\":{:.1}}}",
                     step + 1,
                     args.steps,
                     eta.as_secs_f64()
@@ -560,11 +614,14 @@ fn run() -> anyhow::Result<()> {
         if let Some(root) = &args.checkpoint_dir {
             let done = step + 1;
             let every = args.checkpoint_every > 0 && done % args.checkpoint_every == 0;
-            if every || done == args.steps {
+            if save_requested && rank == 0 {
+                eprintln!("train: checkpoint of step {done} on SIGUSR1/SIGUSR2");
+            }
+            if every || done == args.steps || save_requested {
                 if let Some(m) = metrics.as_mut() {
                     m.flush()?;
                 }
-                let progress = Progress { data_position: done, epoch: 0, rng_state: args.seed.to_le_bytes().to_vec() };
+                let progress = Progress { data_position: done, epoch: sampler.epoch_of(done), rng_state: identity.encode() };
                 let dir = engine
                     .save_checkpoint(root, &progress, args.keep_checkpoints)
                     .with_context(|| format!("saving the checkpoint of step {done} under {}", root.display()))?;
@@ -603,7 +660,12 @@ fn run() -> anyhow::Result<()> {
         let tok_per_s = tokens_per_step * step_ms.len() as f64 / total_time;
         let peak_max = peak_all.iter().cloned().fold(0f32, f32::max);
         if json {
-            println!("{{\"event\":\"done\",\"metrics\":\"{}\",\"plot\":\"{}\"}}", run_dir.join("metrics.jsonl").display(), svg_path.display());
+            let done = serde_json::json!({
+                "event": "done",
+                "metrics": run_dir.join("metrics.jsonl").display().to_string(),
+                "plot": svg_path.display().to_string(),
+            });
+            println!("{done}");
         } else {
             println!("metrics: {}", run_dir.join("metrics.jsonl").display());
             println!("loss curve: {}", svg_path.display());
@@ -626,6 +688,44 @@ fn run() -> anyhow::Result<()> {
 }
 
 /// TORCHELASTIC_RESTART_COUNT (0 outside rsrun/torchrun or in the first attempt).
+/// SIGUSR1 and SIGUSR2 ask for a checkpoint at the next step boundary (their default action would
+/// end the process: a preemption warning would kill the job it warns).
+mod signals {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    static SAVE: AtomicBool = AtomicBool::new(false);
+
+    extern "C" fn on_signal(_: libc::c_int) {
+        // Async-signal-safe: one atomic store.
+        SAVE.store(true, Ordering::SeqCst);
+    }
+
+    pub(super) fn install() {
+        for sig in [libc::SIGUSR1, libc::SIGUSR2] {
+            // SAFETY: the handler only stores to an atomic; the sigaction struct is fully set.
+            unsafe {
+                let mut sa: libc::sigaction = std::mem::zeroed();
+                sa.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as libc::sighandler_t;
+                sa.sa_flags = libc::SA_RESTART;
+                libc::sigemptyset(&mut sa.sa_mask);
+                libc::sigaction(sig, &sa, std::ptr::null_mut());
+            }
+        }
+    }
+
+    /// Whether a signal asked for a checkpoint since the last call.
+    pub(super) fn take_save_request() -> bool {
+        SAVE.swap(false, Ordering::SeqCst)
+    }
+}
+
+/// A note on rank 0's stderr.
+fn tracing_note(rank: usize, msg: &str) {
+    if rank == 0 {
+        eprintln!("train: note: {msg}");
+    }
+}
+
 fn restart_count() -> u64 {
     std::env::var("TORCHELASTIC_RESTART_COUNT").ok().and_then(|v| v.parse().ok()).unwrap_or(0)
 }

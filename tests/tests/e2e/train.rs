@@ -183,6 +183,41 @@ fn resume_at_the_end_and_a_damaged_latest_checkpoint() {
     assert!(text(&out).contains("step-000000008/metadata.json") && text(&out).contains("damaged"), "{}", text(&out));
 }
 
+/// A checkpoint resumes only the data order it was saved with: another global batch (which would
+/// skip or repeat samples), another --seed or other data is refused with exit 2, each difference
+/// named; the same global batch over other shapes (batch 1 × grad-accum 2) resumes.
+#[test]
+fn a_resume_with_another_data_order_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = checkpointed_run(dir.path());
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    std::fs::write(dir.path().join("other.txt"), vec![b'x'; 10_000]).unwrap();
+    let cases: [(&[&str], &str); 3] = [
+        (&["--batch", "4"], "a global batch of 4 samples (the checkpoint's is 2"),
+        (&["--seed", "9"], "--seed 9 (the checkpoint's is"),
+        (&["--data", "other.txt"], "other data (fingerprint"),
+    ];
+    // MODEL with `extra`'s flags in place of its own.
+    let resume = |extra: &[&str]| {
+        let mut args = model_with_steps("12");
+        for pair in extra.chunks(2) {
+            match args.iter().position(|a| *a == pair[0]) {
+                Some(at) => args[at + 1] = pair[1],
+                None => args.extend_from_slice(pair),
+            }
+        }
+        Command::new(bin("train")).current_dir(dir.path()).args(args).args(["--resume", "ck"]).output().unwrap()
+    };
+    for (extra, want) in cases {
+        let out = resume(extra);
+        assert_eq!(code(&out.status), 2, "{extra:?}: {}", text(&out));
+        assert!(text(&out).contains("cannot resume from") && text(&out).contains(want), "{extra:?}: {}", text(&out));
+    }
+    let out = resume(&["--batch", "1", "--grad-accum", "2"]);
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    assert_eq!(summary_field(&String::from_utf8_lossy(&out.stdout), "resumed_from_step"), "8");
+}
+
 /// A checkpoint's data position is where the sampler resumes: one behind the checkpoint's own
 /// optimizer step is damage, and one beyond `--steps` is named as the position it is, next to
 /// the step, instead of being reported as the step.
@@ -276,6 +311,70 @@ fn killed_worker_on_one_of_two_nodes_restarts_both_from_the_checkpoint() {
 }
 
 /// The tiny model of [`MODEL`] for `steps` steps.
+/// `train` sends rsrun's progress heartbeat every step (rsrun watches only workers that sent one),
+/// so a rank that stops making progress mid-run is found by `--hang-timeout` and the job ends
+/// with 124 instead of waiting out the collectives' timeout.
+#[test]
+fn a_train_rank_that_stops_making_progress_is_found_by_the_hang_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = rsrun_tests::run(
+        rsrun(dir.path())
+            .args(["--standalone", "--nproc-per-node", "2", "--hang-timeout", "3s", "--monitor-interval", "0.1"])
+            .arg(bin("train"))
+            .args(model_with_steps("40"))
+            .args(["--hang-at-step", "4"]),
+    );
+    let all = text(&out);
+    assert_eq!(code(&out.status), 124, "{all}");
+    assert!(all.contains("--hang-at-step 4: rank 1 stops making progress"), "{all}");
+    assert!(all.contains("hung: no progress for"), "{all}");
+}
+
+/// SIGUSR1 (Slurm's `--signal` warning, which rsrun passes on) makes every rank of `train` save a
+/// checkpoint at the same next step, and training goes on to the end: the default action of the
+/// signal used to end the job it warned.
+#[test]
+fn sigusr1_checkpoints_at_the_next_step_and_training_goes_on() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = KillOnDrop::spawn(
+        rsrun(dir.path())
+            .args(["--standalone", "--nproc-per-node", "2"])
+            .arg(bin("train"))
+            .args(model_with_steps("600"))
+            .args(["--checkpoint-dir", "ck", "--log-format", "json"]),
+    );
+    let stdout = child.0.stdout.take().unwrap();
+    let stderr = child.0.stderr.take().unwrap();
+    let err_reader = std::thread::spawn(move || std::io::read_to_string(stderr).unwrap_or_default());
+    let mut lines = std::io::BufReader::new(stdout).lines();
+    let mut out = String::new();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        out.push_str(&line);
+        out.push('\n');
+        if line.contains("\"event\":\"step\"") {
+            break;
+        }
+    }
+    // SAFETY: a plain kill(2) of our own child.
+    unsafe { libc::kill(child.pid(), libc::SIGUSR1) };
+    for line in lines {
+        out.push_str(&line.unwrap());
+        out.push('\n');
+    }
+    let status = child.0.wait().unwrap();
+    let err = err_reader.join().unwrap();
+    assert_eq!(code(&status), 0, "{out}{err}");
+    assert!(err.contains("on SIGUSR1/SIGUSR2"), "{err}");
+    let steps: Vec<String> = std::fs::read_dir(dir.path().join("ck"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.starts_with("step-") && n != "step-000000600")
+        .collect();
+    assert!(!steps.is_empty(), "no checkpoint before the end: {err}");
+}
+
 fn model_with_steps(steps: &str) -> Vec<&str> {
     let mut args: Vec<&str> = MODEL.to_vec();
     let at = args.iter().position(|a| *a == "--steps").unwrap();

@@ -91,6 +91,9 @@ pub struct Metadata {
     pub optimizer: String,
     pub state_slots: usize,
     pub loss_scale: Option<f32>,
+    /// See [`crate::layout::ShardState::loss_scale_good_steps`] (0 in older checkpoints).
+    #[serde(default)]
+    pub loss_scale_good_steps: u32,
     /// Samples consumed (the data loader's position).
     pub data_position: u64,
     pub epoch: u64,

@@ -371,6 +371,7 @@ pub fn commit(
         optimizer: state.optimizer.clone(),
         state_slots: slots,
         loss_scale: state.loss_scale,
+        loss_scale_good_steps: state.loss_scale_good_steps,
         data_position: progress.data_position,
         epoch: progress.epoch,
         rng_state: format::to_hex(&progress.rng_state),
@@ -406,7 +407,11 @@ pub fn commit(
         std::fs::remove_dir_all(&replaced).map_err(io("remove", &replaced))?;
     }
     if keep_last > 0 {
-        let all = committed(root)?;
+        // Only this run's line counts: checkpoints of later steps left by another run (a
+        // `--resume` from an older step into the same root) are not this run's to keep or to
+        // count, else each save would delete this run's previous one.
+        let mut all = committed(root)?;
+        all.retain(|(step, _)| *step <= state.step);
         for (_, dir) in all.iter().rev().skip(keep_last) {
             if *dir != fin {
                 std::fs::remove_dir_all(dir).map_err(io("remove old checkpoint", dir))?;
@@ -774,6 +779,7 @@ pub fn load(
             master,
             state,
             loss_scale: r.meta.loss_scale,
+            loss_scale_good_steps: r.meta.loss_scale_good_steps,
         },
         Progress {
             data_position: r.meta.data_position,

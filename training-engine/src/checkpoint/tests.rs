@@ -51,6 +51,7 @@ fn states(strategy: Strategy, world: usize, step: u64) -> Vec<ShardState> {
                 master: (0..3).map(|u| tensor(u, 0)).collect(),
                 state: (0..3).map(|u| vec![tensor(u, 1), tensor(u, 2)]).collect(),
                 loss_scale: Some(1024.0),
+                loss_scale_good_steps: 7,
             }
         })
         .collect()
@@ -403,4 +404,19 @@ fn header_length_is_capped_before_reading() {
 fn a_bare_file_name_has_the_current_directory_as_its_parent() {
     fsutil::sync_dir(Path::new("")).unwrap();
     fsutil::sync_dir(Path::new("model.safetensors").parent().unwrap()).unwrap();
+}
+
+/// Pruning keeps this run's newest checkpoints: later steps left in the root by another run are
+/// neither counted nor deleted.
+#[test]
+fn pruning_counts_only_steps_up_to_the_one_saved() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    save_local(root, &states(Strategy::Ddp, 1, 900), &progress(), 0).unwrap();
+    for step in [100, 200, 300] {
+        save_local(root, &states(Strategy::Ddp, 1, step), &progress(), 2).unwrap();
+    }
+    let steps: Vec<u64> = committed(root).unwrap().into_iter().map(|(s, _)| s).collect();
+    assert_eq!(steps, [200, 300, 900]);
+    assert_eq!(latest(root).unwrap(), root.join("step-000000300"));
 }

@@ -46,6 +46,7 @@ impl<M: UnitModel> Engine<M> {
             master,
             state,
             loss_scale: self.loss_scale(),
+            loss_scale_good_steps: self.scaler.as_ref().map_or(0, |sc| sc.good_steps),
         })
     }
 
@@ -112,7 +113,7 @@ impl<M: UnitModel> Engine<M> {
             self.free_unit(ui)?;
         }
         let ShardState {
-            master, state, step, loss_scale, ..
+            master, state, step, loss_scale, loss_scale_good_steps, ..
         } = s;
         for (ui, (m, st)) in master.into_iter().zip(state).enumerate() {
             self.set_master_and_state(ui, m, st)?;
@@ -120,7 +121,7 @@ impl<M: UnitModel> Engine<M> {
         self.step = step;
         if let (Some(sc), Some(ls)) = (self.scaler.as_mut(), loss_scale) {
             sc.scale = ls;
-            sc.good_steps = 0;
+            sc.good_steps = loss_scale_good_steps;
         }
         Ok(())
     }

@@ -225,4 +225,15 @@ fn f16_loss_scaling_skips_overflowing_steps() {
     }
     assert!(last < first.loss - 1.0, "f16 loss {} -> {last}", first.loss);
     assert_eq!(e.step_count(), 13);
+
+    // A checkpoint keeps the scaler's count of good steps, so a resumed run doubles the scale at
+    // the same step as an uninterrupted one.
+    let good = e.scaler.as_ref().map(|sc| sc.good_steps).unwrap();
+    assert!(good > 0, "no good step to keep");
+    let dir = tempfile::tempdir().unwrap();
+    e.save_checkpoint(dir.path(), &crate::checkpoint::Progress { data_position: 13, epoch: 0, rng_state: Vec::new() }, 0).unwrap();
+    let pg = ProcessGroup::new(0, 1, std::sync::Arc::new(LocalStore::new()), "f16-resumed", CommOptions::default()).unwrap();
+    let mut r = Engine::new(Gpt::new(tiny()), mixed(Strategy::Ddp, Precision::F16), pg).unwrap();
+    r.load_checkpoint(dir.path()).unwrap();
+    assert_eq!(r.scaler, e.scaler);
 }

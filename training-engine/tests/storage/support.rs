@@ -54,6 +54,7 @@ pub(crate) fn states(strategy: Strategy, world: usize, step: u64, scale: usize) 
                 master: (0..3).map(|u| t(u, 0)).collect(),
                 state: (0..3).map(|u| vec![t(u, 1), t(u, 2)]).collect(),
                 loss_scale: None,
+                loss_scale_good_steps: 0,
             }
         })
         .collect()
