@@ -5,6 +5,7 @@
 //! the hidden `rsrun agent --stdin` that a head starts on each host (the plan arrives on stdin).
 
 use std::io::{IsTerminal, Write};
+use std::os::fd::AsFd;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Instant;
@@ -158,9 +159,11 @@ fn head_main(args: &LaunchArgs) -> ExitCode {
         }
     };
     let host = HostInfo::probe();
-    // The node plan (host table, ranks, sources) and the remote plan (ssh argv, forwarded env).
-    let resolved = LaunchPlan::resolve(args, &host).and_then(|node| Ok((node, RemotePlan::resolve(args, &host, &exe)?)));
-    let (mut node_plan, plan) = match resolved {
+    // The node plan (ranks, sources: shown by --dry-run) and the remote plan (ssh argv, forwarded
+    // env). The program is each host's to find: a head on a login node need not have it.
+    let resolved = rsrun_launcher::remote::plan::head_node_plan(args, &host)
+        .and_then(|node| Ok((node, RemotePlan::resolve(args, &host, &exe)?)));
+    let (node_plan, plan) = match resolved {
         Ok(plans) => plans,
         Err(err) => {
             eprintln!("rsrun: error: {err}");
@@ -169,13 +172,23 @@ fn head_main(args: &LaunchArgs) -> ExitCode {
     };
     if plan.dry_run {
         let mut out = std::io::stdout().lock();
-        for note in node_plan.notes.iter().chain(&plan.notes) {
-            let _ = writeln!(out, "rsrun: {note}");
+        match node_plan {
+            Ok(mut node_plan) => {
+                for note in node_plan.notes.iter().chain(&plan.notes) {
+                    let _ = writeln!(out, "rsrun: {note}");
+                }
+                // One job id: the remote plan's, which the agents will use.
+                node_plan.job_id.clone_from(&plan.job_id);
+                let _ = out.write_all(rsrun_launcher::dry_run::render(&node_plan).as_bytes());
+                let _ = writeln!(out);
+            }
+            Err(err) => {
+                for note in &plan.notes {
+                    let _ = writeln!(out, "rsrun: {note}");
+                }
+                let _ = writeln!(out, "rsrun: no node plan on this machine ({err}); each host's agent checks it there");
+            }
         }
-        // One job id: the remote plan's, which the agents will use.
-        node_plan.job_id.clone_from(&plan.job_id);
-        let _ = out.write_all(rsrun_launcher::dry_run::render(&node_plan).as_bytes());
-        let _ = writeln!(out);
         let _ = out.write_all(rsrun_launcher::remote::dry_run::render(&plan).as_bytes());
         return ExitCode::SUCCESS;
     }
@@ -223,7 +236,9 @@ fn agent_main() -> ExitCode {
         ExitCode::from(2)
     };
     // Still single-threaded: the plan is read, and the environment set, before any thread starts.
-    let launch = match agent::read_launch(&mut std::io::stdin().lock(), &hostname) {
+    // stdin is read directly, with a deadline, until START; the control thread reads on after it.
+    let stdin = std::io::stdin();
+    let launch = match agent::read_launch(&mut agent::DeadlineReader::new(stdin.as_fd(), agent::LAUNCH_WAIT), &hostname) {
         Ok(l) => l,
         Err(msg) => return fail(&mut out, msg),
     };
@@ -253,10 +268,24 @@ fn agent_main() -> ExitCode {
     );
     // Still single-threaded: nothing starts before the head has seen every host (same-machine check,
     // --check).
-    if agent::wait_for_start(&mut std::io::stdin().lock()) == agent::Go::Stop {
-        drop(private_dir);
-        agent::send(&mut out, Event::Exit(AgentExit { code: 0 }));
-        return ExitCode::SUCCESS;
+    let wait = agent::start_wait(&launch);
+    match agent::wait_for_start(&mut agent::DeadlineReader::new(stdin.as_fd(), wait)) {
+        agent::Go::Start => {}
+        agent::Go::Stop => {
+            drop(private_dir);
+            agent::send(&mut out, Event::Exit(AgentExit { code: 0 }));
+            return ExitCode::SUCCESS;
+        }
+        agent::Go::TimedOut => {
+            drop(private_dir);
+            return fail(
+                &mut out,
+                format!(
+                    "no word from the head within {:.0}s after {host} was ready (is the head unreachable?); nothing was started",
+                    wait.as_secs_f64()
+                ),
+            );
+        }
     }
     // The rendezvous lives in the head: when the head is gone, so is the service (no leave there).
     let head_gone = CancellationToken::new();

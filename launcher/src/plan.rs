@@ -109,7 +109,7 @@ pub struct HostInfo {
 impl HostInfo {
     /// Reads the real host.
     pub fn probe() -> Self {
-        let env: HashMap<String, String> = std::env::vars().collect();
+        let env = unicode_env(std::env::vars_os());
         let cwd = std::env::current_dir().unwrap_or_else(|_| PathBuf::from("."));
         let cpus = crate::worker::allowed_cpus();
         let numa_nodes = read_numa_nodes(&cpus);
@@ -124,6 +124,13 @@ impl HostInfo {
     fn var(&self, name: &str) -> Option<&str> {
         self.env.get(name).map(String::as_str)
     }
+}
+
+/// The variables of `vars` whose name and value are Unicode. The others (a value in Latin-1, which
+/// an `--env-file` forwards byte-exact) are left out here, where a `String` is needed; the process
+/// environment still holds them, and workers inherit them as they are.
+fn unicode_env(vars: impl Iterator<Item = (std::ffi::OsString, std::ffi::OsString)>) -> HashMap<String, String> {
+    vars.filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?))).collect()
 }
 
 fn read_numa_nodes(allowed: &[usize]) -> Vec<Vec<usize>> {

@@ -473,3 +473,19 @@ fn requeue_on_preempt_needs_slurm_and_names_node_rank_0() {
     let e = err(&["-H", "w1:1", "--requeue-on-preempt", "--rdzv-endpoint", "127.0.0.1", "true"]);
     assert!(e.starts_with("--requeue-on-preempt needs a Slurm job"), "{e}");
 }
+
+/// A variable that is not Unicode (a Latin-1 value) is no panic: it is left out of the `String`
+/// view, the others are kept.
+#[test]
+fn a_non_unicode_variable_is_left_out_of_the_host_env() {
+    use std::ffi::OsString;
+    use std::os::unix::ffi::OsStringExt;
+    let vars = vec![
+        (OsString::from("PATH"), OsString::from("/bin")),
+        (OsString::from("LABEL"), OsString::from_vec(b"caf\xe9".to_vec())),
+        (OsString::from_vec(b"N\xff".to_vec()), OsString::from("x")),
+    ];
+    let env = unicode_env(vars.into_iter());
+    assert_eq!(env.len(), 1);
+    assert_eq!(env["PATH"], "/bin");
+}

@@ -1,13 +1,15 @@
 //! The agent side: `rsrun agent --stdin`, started by the head on each host.
 //!
 //! The binary calls, in order and before any thread starts:
-//! 1. [`read_launch`]: the first frame on stdin, a `NodeLaunch`, version-checked;
-//! 2. [`prepare`]: enter the cwd, set the forwarded environment, write the token to a private file,
-//!    and resolve this node's [`LaunchPlan`] with rsrun's own parser and validation. A failure is
+//! 1. [`read_launch`]: the first frame on stdin, a `NodeLaunch`, version-checked (within
+//!    [`LAUNCH_WAIT`]);
+//! 2. [`prepare`]: enter the cwd, set the forwarded environment, write the token and the TLS CA to
+//!    private files, and resolve this node's [`LaunchPlan`] with rsrun's own parser and validation. A failure is
 //!    one line for the head (`cwd /x does not exist on w2`), and exit 2;
 //! 3. it says `AgentReady` (with its host identity) and waits for the head's word ([`wait_for_start`]):
 //!    `Control{START}` once every host is ready and the identities were checked; STOP (a refusal, or
-//!    `--check`) or EOF ends it with exit 0 before anything started;
+//!    `--check`) or EOF ends it with exit 0 before anything started; no word within the plan's
+//!    `start_wait_secs` (the head is unreachable) ends it with exit 2;
 //! 4. then it runs the ordinary agent ([`crate::agent::run`], daemon-backed rendezvous) with its
 //!    console going to stdout as `AgentEvent` frames ([`console_loop`]), and a reader of the rest of
 //!    stdin ([`control_loop`]) that turns `Control{STOP}`, `Control{FORCE}` and EOF into stop signals.
@@ -16,9 +18,11 @@
 
 use std::ffi::OsStr;
 use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, BorrowedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use prost::Message;
@@ -33,16 +37,84 @@ use crate::signals::{SignalAction, SignalInjector};
 use super::plan::{NodePlace, agent_argv};
 use super::wire::{decode_launch, read_frame, write_frame};
 
-/// Reads and checks the `NodeLaunch` (blocking).
+/// How long an agent waits for its launch plan on stdin (the head writes it as soon as ssh runs).
+pub const LAUNCH_WAIT: Duration = Duration::from_secs(300);
+/// How long an agent waits for START after `AgentReady` when the plan does not say.
+pub const START_WAIT: Duration = Duration::from_secs(600);
+
+/// Reads a file descriptor (stdin) directly, each read waiting at most until a deadline: a head that
+/// is unreachable before START does not keep an agent (and its token file) waiting for hours.
+/// Unbuffered: nothing past a frame is taken from the stream, which later readers (std's `Stdin`)
+/// read on.
+#[derive(Debug)]
+pub struct DeadlineReader<'a> {
+    fd: BorrowedFd<'a>,
+    deadline: Instant,
+    limit: Duration,
+}
+
+impl<'a> DeadlineReader<'a> {
+    /// Reads `fd` until `limit` from now.
+    pub fn new(fd: BorrowedFd<'a>, limit: Duration) -> Self {
+        DeadlineReader { fd, deadline: Instant::now() + limit, limit }
+    }
+}
+
+impl Read for DeadlineReader<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        loop {
+            let left = self.deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("nothing came within {:.0}s", self.limit.as_secs_f64()),
+                ));
+            }
+            let ms = i32::try_from(left.as_millis().max(1)).unwrap_or(i32::MAX);
+            let mut pfd = libc::pollfd { fd: self.fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+            // SAFETY: one valid pollfd, for the duration of the call.
+            let n = unsafe { libc::poll(&mut pfd, 1, ms) };
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == std::io::ErrorKind::Interrupted {
+                    continue;
+                }
+                return Err(e);
+            }
+            if n == 0 {
+                continue;
+            }
+            // Readable, or hung up (the read says EOF).
+            match nix::unistd::read(self.fd, buf) {
+                Ok(n) => return Ok(n),
+                Err(nix::errno::Errno::EINTR | nix::errno::Errno::EAGAIN) => continue,
+                Err(e) => return Err(e.into()),
+            }
+        }
+    }
+}
+
+/// Reads and checks the `NodeLaunch` (blocking; give a [`DeadlineReader`] to bound the wait).
 ///
 /// # Errors
-/// EOF before the message, a read error, or a message this rsrun refuses (see
+/// EOF before the message, a read error (the deadline passed), or a message this rsrun refuses (see
 /// [`super::wire::decode_launch`]); the text is meant for the head.
 pub fn read_launch(stdin: &mut impl Read, this_host: &str) -> Result<NodeLaunch, String> {
     match read_frame(stdin) {
         Ok(Some(buf)) => decode_launch(&buf, this_host),
         Ok(None) => Err("stdin closed before the launch plan arrived".into()),
+        Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+            Err(format!("no launch plan on stdin: {e} (is the head unreachable from {this_host}?)"))
+        }
         Err(e) => Err(format!("cannot read the launch plan from stdin: {e}")),
+    }
+}
+
+/// How long this agent waits for START (`start_wait_secs` of the plan, else [`START_WAIT`]).
+pub fn start_wait(launch: &NodeLaunch) -> Duration {
+    match launch.start_wait_secs {
+        0 => START_WAIT,
+        s => Duration::from_secs(u64::from(s)),
     }
 }
 
@@ -85,7 +157,7 @@ pub struct PreparedAgent {
     pub host: String,
     /// This agent's node id at the rendezvous.
     pub node_id: String,
-    /// Holds the token file for the agent's lifetime.
+    /// Holds the token and TLS CA files for the agent's lifetime.
     pub private_dir: Option<PrivateDir>,
     /// GPUs this host shows the agent.
     pub gpus: u32,
@@ -122,28 +194,56 @@ pub unsafe fn prepare(launch: &NodeLaunch) -> Result<PreparedAgent, String> {
         // SAFETY: as above.
         unsafe { std::env::set_var("CUDA_VISIBLE_DEVICES", list.join(",")) };
     }
-    let (private_dir, token_file) = if launch.token.is_empty() {
-        (None, None)
-    } else {
-        let dir = PrivateDir::create("rsrun-agent").map_err(|e| format!("cannot create a private directory for the token on {host}: {e}"))?;
-        let f = dir
-            .write("token", format!("{}\n", launch.token).as_bytes())
-            .map_err(|e| format!("cannot write the token file on {host}: {e}"))?;
-        (Some(dir), Some(f))
-    };
+    let secrets = write_secrets(launch)?;
     let place = NodePlace {
         nnodes: launch.nnodes,
         nproc_per_node: &launch.nproc_per_node,
         node_rank: launch.node_rank,
         endpoint: &launch.rdzv_endpoint,
         job_id: &launch.job_id,
-        token_file: token_file.as_deref(),
+        token_file: secrets.token_file.as_deref(),
+        tls_ca_file: secrets.tls_ca_file.as_deref(),
     };
     let argv = agent_argv(&launch.options, place, &launch.program);
     let info = HostInfo::probe();
     let plan = node_plan(argv, &info, host)?;
     let node_id = crate::plan::node_id(&plan.hostname, std::process::id());
-    Ok(PreparedAgent { plan, host: host.clone(), node_id, private_dir, gpus: info.gpus, rdzv_in_head: launch.rdzv_in_head })
+    Ok(PreparedAgent { plan, host: host.clone(), node_id, private_dir: secrets.dir, gpus: info.gpus, rdzv_in_head: launch.rdzv_in_head })
+}
+
+/// The token and the TLS CA of a launch plan, in files only this user can read.
+#[derive(Debug)]
+struct Secrets {
+    /// Holds the files; removed on drop.
+    dir: Option<PrivateDir>,
+    token_file: Option<PathBuf>,
+    tls_ca_file: Option<PathBuf>,
+}
+
+/// Writes the token and the TLS CA of `launch` (those it has) to a new private directory (0700,
+/// files 0600).
+///
+/// # Errors
+/// The directory or a file cannot be written, as one line naming the host.
+fn write_secrets(launch: &NodeLaunch) -> Result<Secrets, String> {
+    let host = &launch.host;
+    let mut s = Secrets { dir: None, token_file: None, tls_ca_file: None };
+    if launch.token.is_empty() && launch.rdzv_tls_ca.is_empty() {
+        return Ok(s);
+    }
+    let dir = PrivateDir::create("rsrun-agent").map_err(|e| format!("cannot create a private directory for the token on {host}: {e}"))?;
+    if !launch.token.is_empty() {
+        let f = dir
+            .write("token", format!("{}\n", launch.token).as_bytes())
+            .map_err(|e| format!("cannot write the token file on {host}: {e}"))?;
+        s.token_file = Some(f);
+    }
+    if !launch.rdzv_tls_ca.is_empty() {
+        let f = dir.write("ca.pem", &launch.rdzv_tls_ca).map_err(|e| format!("cannot write the TLS CA file on {host}: {e}"))?;
+        s.tls_ca_file = Some(f);
+    }
+    s.dir = Some(dir);
+    Ok(s)
 }
 
 /// Resolves this node's plan from the head's `argv` ([`agent_argv`]) on `info`; `host` names the host
@@ -174,10 +274,13 @@ pub enum Go {
     Start,
     /// Stop without starting anything: `--check`, a refused host list, or the head is gone (EOF).
     Stop,
+    /// No word from the head in time (given a [`DeadlineReader`]): stop without starting anything,
+    /// as a start failure.
+    TimedOut,
 }
 
 /// Waits (blocking) for `Control{START}` after `AgentReady`. STOP, FORCE, EOF, a read error or a
-/// message that is not a `Control` mean [`Go::Stop`].
+/// message that is not a `Control` mean [`Go::Stop`]; the reader's deadline, [`Go::TimedOut`].
 pub fn wait_for_start(stdin: &mut impl Read) -> Go {
     match read_frame(stdin) {
         Ok(Some(frame)) => match Control::decode(frame.as_slice()) {
@@ -191,6 +294,7 @@ pub fn wait_for_start(stdin: &mut impl Read) -> Go {
                 Go::Stop
             }
         },
+        Err(e) if e.kind() == std::io::ErrorKind::TimedOut => Go::TimedOut,
         Ok(None) | Err(_) => {
             tracing::info!("stdin closed before the start: the head is gone");
             Go::Stop
@@ -319,6 +423,41 @@ mod tests {
         assert_eq!(wait_for_start(&mut std::io::Cursor::new(vec![2, 0xff, 0xff])), Go::Stop, "garbage");
     }
 
+    /// A head that is unreachable before START does not keep the agent waiting: reading the plan,
+    /// and waiting for START, end at their deadline, with an error that says so.
+    #[test]
+    fn reading_stdin_before_start_has_a_deadline() {
+        use std::os::fd::AsFd;
+        let (r, w) = nix::unistd::pipe().unwrap();
+        let started = Instant::now();
+        let err = read_launch(&mut DeadlineReader::new(r.as_fd(), Duration::from_millis(200)), "w2").unwrap_err();
+        assert_eq!(err, "no launch plan on stdin: nothing came within 0s (is the head unreachable from w2?)");
+        assert_eq!(wait_for_start(&mut DeadlineReader::new(r.as_fd(), Duration::from_millis(200))), Go::TimedOut);
+        let took = started.elapsed();
+        assert!(took >= Duration::from_millis(400) && took < Duration::from_secs(5), "{took:?}");
+        // In time: the plan, then START, read without taking a byte past either (the rest of the
+        // stream is the control loop's).
+        let launch = NodeLaunch {
+            protocol_version: super::super::wire::NODE_LAUNCH_PROTOCOL,
+            rsrun_version: super::super::wire::RSRUN_VERSION.into(),
+            host: "w2".into(),
+            start_wait_secs: 7,
+            ..Default::default()
+        };
+        let mut bytes = super::super::wire::encode(&launch);
+        bytes.extend(super::super::wire::encode(&Control { action: control::Action::Start as i32, signal: 0 }));
+        bytes.extend(super::super::wire::encode(&Control { action: control::Action::Stop as i32, signal: 2 }));
+        nix::unistd::write(&w, &bytes).unwrap();
+        let got = read_launch(&mut DeadlineReader::new(r.as_fd(), Duration::from_secs(5)), "w2").unwrap();
+        assert_eq!(got, launch);
+        assert_eq!(start_wait(&got), Duration::from_secs(7));
+        assert_eq!(start_wait(&NodeLaunch::default()), START_WAIT);
+        assert_eq!(wait_for_start(&mut DeadlineReader::new(r.as_fd(), Duration::from_secs(5))), Go::Start);
+        drop(w);
+        let rest = read_frame(&mut std::fs::File::from(r)).unwrap().unwrap();
+        assert_eq!(Control::decode(rest.as_slice()).unwrap().action(), control::Action::Stop);
+    }
+
     #[test]
     fn a_missing_cwd_names_the_host() {
         let launch = NodeLaunch { host: "w2".into(), cwd: "/nonexistent/rsrun-test".into(), ..Default::default() };
@@ -350,6 +489,7 @@ mod tests {
             endpoint: "10.0.0.1:29400",
             job_id: "ssh-head-1-2",
             token_file: None,
+            tls_ca_file: None,
         };
         let argv = agent_argv(&["--local-ranks-filter=5".into(), "--rdzv-conf=is_host=false".into()], place, &["true".into()]);
         let plan = node_plan(argv, &info, "b").unwrap();
@@ -364,6 +504,38 @@ mod tests {
         assert_eq!(plan.nproc_per_node, 2);
         assert_eq!(plan.rank_hint, Some(1));
         assert_eq!(plan.job_id, "ssh-head-1-2");
+    }
+
+    /// The TLS CA of the launch plan becomes a private file that the node plan verifies the daemon
+    /// with; the token file sits beside it; both go with the directory.
+    #[test]
+    fn the_tls_ca_and_the_token_become_private_files() {
+        use std::os::unix::fs::PermissionsExt;
+        let key = rcgen::KeyPair::generate().unwrap();
+        let pem = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap().self_signed(&key).unwrap().pem();
+        let launch = NodeLaunch { host: "w2".into(), token: "0123456789abcdef".into(), rdzv_tls_ca: pem.clone().into_bytes(), ..Default::default() };
+        let secrets = write_secrets(&launch).unwrap();
+        let (token, ca) = (secrets.token_file.clone().unwrap(), secrets.tls_ca_file.clone().unwrap());
+        assert_eq!(std::fs::read_to_string(&ca).unwrap(), pem);
+        assert_eq!(std::fs::read_to_string(&token).unwrap(), "0123456789abcdef\n");
+        for f in [&token, &ca] {
+            assert_eq!(std::fs::metadata(f).unwrap().permissions().mode() & 0o777, 0o600, "{}", f.display());
+        }
+        let place = NodePlace {
+            nnodes: 1,
+            nproc_per_node: "1",
+            node_rank: 0,
+            endpoint: "10.0.0.1:29400",
+            job_id: "j",
+            token_file: secrets.token_file.as_deref(),
+            tls_ca_file: secrets.tls_ca_file.as_deref(),
+        };
+        let plan = node_plan(agent_argv(&["--rdzv-conf=is_host=false".into()], place, &["true".into()]), &crate::plan::tests::host(), "w2").unwrap();
+        assert_eq!(plan.tls_ca.as_deref(), Some(ca.as_path()));
+        drop(secrets);
+        assert!(!ca.exists() && !token.exists(), "removed with the agent");
+        // Neither: no directory at all.
+        assert!(write_secrets(&NodeLaunch::default()).unwrap().dir.is_none());
     }
 
     #[test]

@@ -13,6 +13,8 @@
 //! - The only string a remote shell parses is that constant; the plan travels on stdin.
 //! - The host-key policy is the user's ssh configuration: rsrun never adds
 //!   `StrictHostKeyChecking=no`.
+//! - ssh keeps the first value of an option: one of the four `-o` defaults that `--ssh-option` also
+//!   sets (`--ssh-option ServerAliveInterval=5`) is left out, so the user's value applies.
 //!
 //! A local host (see [`is_local_host`]) starts `rsrun agent --stdin` directly, unless `--ssh-local`.
 
@@ -63,14 +65,20 @@ pub fn ssh_argv(ssh: &SshConfig, host: &super::RemoteHost, rsrun: &Path) -> Vec<
     let mut v: Vec<OsString> = ssh.program.iter().map(OsString::from).collect();
     let mut push = |s: &str| v.push(OsString::from(s));
     push("-T");
-    push("-o");
-    push("BatchMode=yes");
-    push("-o");
-    push(&format!("ConnectTimeout={}", ssh.connect_timeout.as_secs().max(1)));
-    push("-o");
-    push("ServerAliveInterval=15");
-    push("-o");
-    push("ServerAliveCountMax=4");
+    // ssh keeps the first value it gets for an option: a default of ours that the user sets with
+    // --ssh-option is left out, so that the user's value (later on the line) is the one ssh uses.
+    let defaults = [
+        ("BatchMode", "yes".to_owned()),
+        ("ConnectTimeout", ssh.connect_timeout.as_secs().max(1).to_string()),
+        ("ServerAliveInterval", "15".to_owned()),
+        ("ServerAliveCountMax", "4".to_owned()),
+    ];
+    for (key, value) in defaults {
+        if !ssh.options.iter().any(|o| option_key(o).eq_ignore_ascii_case(key)) {
+            push("-o");
+            push(&format!("{key}={value}"));
+        }
+    }
     if let Some(cfg) = &ssh.config {
         v.push("-F".into());
         v.push(cfg.clone().into_os_string());
@@ -95,6 +103,11 @@ pub fn ssh_argv(ssh: &SshConfig, host: &super::RemoteHost, rsrun: &Path) -> Vec<
     v.push(host.target().into());
     v.push(remote_command(rsrun).into());
     v
+}
+
+/// The key of an ssh `-o` option: `KEY=VALUE` (or `KEY VALUE`, as ssh also reads it).
+pub fn option_key(option: &str) -> &str {
+    option.split(['=', ' ', '\t']).next().unwrap_or("").trim()
 }
 
 /// The argv of a local agent (no ssh).
@@ -144,6 +157,32 @@ mod tests {
                 "StrictHostKeyChecking=accept-new", "--", "w2", "exec '/opt/it'\\''s/rsrun' agent --stdin",
             ]
         );
+    }
+
+    /// ssh keeps the first value of an option: the user's `--ssh-option` for one of rsrun's own
+    /// settings (any case) replaces it instead of coming after it, ignored.
+    #[test]
+    fn ssh_options_override_the_defaults() {
+        let ssh = SshConfig {
+            program: vec!["ssh".into()],
+            connect_timeout: Duration::from_secs(10),
+            config: None,
+            port: None,
+            identity: None,
+            user: None,
+            options: vec!["ServerAliveInterval=5".into(), "connecttimeout=30".into(), "Compression=yes".into()],
+        };
+        let argv: Vec<String> =
+            ssh_argv(&ssh, &super::super::RemoteHost::named("w1", 1), Path::new("/r")).into_iter().map(|s| s.into_string().unwrap()).collect();
+        assert_eq!(
+            argv,
+            [
+                "ssh", "-T", "-o", "BatchMode=yes", "-o", "ServerAliveCountMax=4", "-o", "ServerAliveInterval=5", "-o",
+                "connecttimeout=30", "-o", "Compression=yes", "--", "w1", "exec '/r' agent --stdin",
+            ]
+        );
+        assert_eq!(option_key("ServerAliveInterval=5"), "ServerAliveInterval");
+        assert_eq!(option_key("ServerAliveInterval 5"), "ServerAliveInterval");
     }
 
     #[test]

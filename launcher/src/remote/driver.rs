@@ -5,18 +5,22 @@
 //! resolve plan ─▶ rendezvous (embedded, token per job) ─▶ one task per host:
 //!   wait for a place in the fan-out window (--ssh-fanout hosts connecting at once)
 //!   spawn `ssh … HOST 'exec rsrun agent --stdin'` (or the local agent), own process group
-//!   stdin  ◀─ NodeLaunch, then Control{START|STOP|FORCE}; closing it is the last word (EOF)
+//!   stdin  ◀─ NodeLaunch, then Control{START|STOP|FORCE}; closing it is the last word (EOF);
+//!     written by a task of its own, so an ssh that never reads it blocks no timer and no kill
 //!   stdout ─▶ AgentEvent frames: Ready (checked, waiting), worker lines, notes, StartFailed, Exit;
 //!     a stream that does not begin with one (a wrapper printed there) fails the host at once,
 //!     quoting its first bytes
-//!   stderr ─▶ ssh's and the agent's own diagnostics (kept until Ready, for the start-failure line)
+//!   stderr ─▶ ssh's and the agent's own diagnostics (kept until Ready, for the start-failure line),
+//!     read as bytes (a line need not be UTF-8)
+//!   output ─▶ console through bounded queues: a slow console holds back ssh's pipes, not the head
 //!   Ready (or failure) frees the place in the window; no Ready within the start timeout fails it
 //!   a start that sshd dropped in the key exchange is retried
 //! every host Ready: compare the host identities the agents reported (two entries on one machine →
 //!   STOP to all, exit 2); --check → STOP to all, one line per host, exit 0; else START to all
 //! event loop: console lines prefixed with the host; start failures → stop everyone, exit 2;
 //!   first stop signal → Control STOP(sig) to all, wait --shutdown-timeout + 5 s;
-//!   second signal / that deadline → Control FORCE and EOF, 2 s, SIGKILL the ssh clients;
+//!   second signal / that deadline → Control FORCE and EOF, 2 s, SIGKILL the ssh clients' process
+//!     groups (a forking --rsh wrapper's ssh included);
 //!   an agent gone without its Exit frame (connection lost) → stop the others.
 //! exit: start failures 2; a stop signal 128 + sig; else the job's root cause as the rendezvous
 //!   recorded it (its exit code or 128 + signal), named with host, rank and code.
@@ -129,13 +133,62 @@ struct Ended {
     stopped: bool,
 }
 
+/// What a host's task tells the event loop: a few per host, never held back by the console.
 #[derive(Debug)]
 enum HostEvent {
     Ready(AgentReady),
+    Ended(Ended),
+}
+
+/// A host's output for the console. It goes through bounded queues: a slow console holds back the
+/// agents' output (down to ssh's pipes and the agents' own writes), not the event loop, and the
+/// head's memory stays bounded.
+#[derive(Debug)]
+enum HostOutput {
     Line(console_line::Stream, Vec<u8>),
     Note(String),
     Stderr(String),
-    Ended(Ended),
+}
+
+/// The console queue shared by every host's task (then [`relay_output`] to the console).
+const OUTPUT_QUEUE: usize = 1024;
+/// Per host: messages read from the agent's stdout and stderr lines not yet handled.
+const READ_QUEUE: usize = 64;
+/// Per host: output waiting for a place in the console queue; while it is full the host's pipes
+/// are not read.
+const HOST_QUEUE: usize = 256;
+/// stderr lines held until the agent is ready (the newest ones are kept).
+const HELD: usize = 1000;
+/// Longest stderr line kept whole (a longer one is cut into lines of this size).
+const STDERR_LINE: usize = 64 * 1024;
+
+/// Sends every host's output to the console, prefixed with its host, until every host's task has
+/// ended.
+async fn relay_output(mut rx: mpsc::Receiver<(usize, HostOutput)>, hosts: Vec<String>, console: ConsoleTx) {
+    while let Some((idx, out)) = rx.recv().await {
+        let host = hosts.get(idx).map_or("?", String::as_str);
+        match out {
+            HostOutput::Line(stream, data) => {
+                let mut line = Vec::with_capacity(host.len() + 1 + data.len());
+                line.extend_from_slice(host.as_bytes());
+                line.push(b' ');
+                line.extend_from_slice(&data);
+                let ev = match stream {
+                    console_line::Stream::Stderr => ConsoleEvent::Stderr(line),
+                    _ => ConsoleEvent::Stdout(line),
+                };
+                let _ = console.send(ev).await;
+            }
+            HostOutput::Note(text) => {
+                for l in text.lines() {
+                    let _ = console.send(ConsoleEvent::Note(format!("{host} {l}"))).await;
+                }
+            }
+            HostOutput::Stderr(l) => {
+                let _ = console.send(ConsoleEvent::Stderr(format!("{host} {l}\n").into_bytes())).await;
+            }
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -177,20 +230,21 @@ async fn start_rendezvous(plan: &RemotePlan) -> anyhow::Result<Rendezvous> {
             let port = server.addr.port();
             let endpoint = if advertise.contains(':') { format!("[{advertise}]:{port}") } else { format!("{advertise}:{port}") };
             info!(job = %plan.job_id, %endpoint, "hosting the rendezvous service");
-            let client = client(&endpoint, plan.token.clone());
+            let client = client(&endpoint, plan.token.clone(), None);
             Ok(Rendezvous { _server: Some(server), _token_dir: dir, endpoint, client })
         }
         RemoteRdzv::External { endpoint } => {
             let endpoint = endpoint.to_string();
-            let client = client(&endpoint, plan.token.clone());
+            let client = client(&endpoint, plan.token.clone(), plan.tls_ca.as_ref().map(|ca| ca.path.clone()));
             Ok(Rendezvous { _server: None, _token_dir: None, endpoint, client })
         }
     }
 }
 
-fn client(endpoint: &str, token: Option<String>) -> Option<RdzvClient> {
+fn client(endpoint: &str, token: Option<String>, tls_ca: Option<std::path::PathBuf>) -> Option<RdzvClient> {
     let mut cfg = ClientConfig::new(endpoint.to_owned());
     cfg.token = token;
+    cfg.tls_ca = tls_ca;
     cfg.rpc_timeout = Duration::from_secs(5);
     match RdzvClient::connect(cfg) {
         Ok(c) => Some(c),
@@ -218,7 +272,18 @@ fn node_launch(plan: &RemotePlan, node: &RemoteNode, endpoint: &str) -> NodeLaun
         program: plan.program.clone(),
         options: plan.options.clone(),
         rdzv_in_head: matches!(plan.rdzv, RemoteRdzv::Embedded { .. }),
+        rdzv_tls_ca: plan.tls_ca.as_ref().map(|ca| ca.pem.clone()).unwrap_or_default(),
+        start_wait_secs: u32::try_from(start_wait(plan).as_secs()).unwrap_or(u32::MAX),
     }
+}
+
+/// How long an agent waits for START after it said it is ready: until every other host could have
+/// started (each window of `--ssh-fanout` hosts in turn, each with every retry of a dropped key
+/// exchange), and a minute more.
+fn start_wait(plan: &RemotePlan) -> Duration {
+    let waves = u32::try_from(plan.nodes.len().div_ceil(plan.fanout.max(1))).unwrap_or(u32::MAX);
+    let per_host = plan.start_timeout.saturating_mul(preflight::KEX_RETRIES + 1) + Duration::from_secs(8);
+    per_host.saturating_mul(waves) + Duration::from_secs(60)
 }
 
 /// Runs the whole job from this head until every agent has ended.
@@ -230,6 +295,9 @@ pub async fn run_head(plan: RemotePlan, mut cx: HeadContext) -> anyhow::Result<H
     let started = Instant::now();
     let rdzv = start_rendezvous(&plan).await?;
     let (ev_tx, mut ev_rx) = mpsc::unbounded_channel::<(usize, HostEvent)>();
+    let (out_tx, out_rx) = mpsc::channel::<(usize, HostOutput)>(OUTPUT_QUEUE);
+    let names = plan.nodes.iter().map(|n| n.host.host.clone()).collect();
+    let relay = tokio::spawn(relay_output(out_rx, names, cx.console.clone()));
     let mut tasks = JoinSet::new();
     let mut cmds = Vec::with_capacity(plan.nodes.len());
     // The fan-out window: a host holds a place from its ssh's start until its agent is ready (or
@@ -241,9 +309,10 @@ pub async fn run_head(plan: RemotePlan, mut cx: HeadContext) -> anyhow::Result<H
         cmds.push(tx);
         let span = info_span!("agent", job = %plan.job_id, node = node.node_rank, host = %node.host.host);
         let start = HostStart { idx, node: node.clone(), frame, timeout: plan.start_timeout, window: window.clone() };
-        tasks.spawn(host_task(start, rx, ev_tx.clone()).instrument(span));
+        tasks.spawn(host_task(start, rx, ev_tx.clone(), out_tx.clone()).instrument(span));
     }
     drop(ev_tx);
+    drop(out_tx);
 
     let n = plan.nodes.len();
     let mut hosts: Vec<HostState> = (0..n).map(|_| HostState::default()).collect();
@@ -316,25 +385,6 @@ pub async fn run_head(plan: RemotePlan, mut cx: HeadContext) -> anyhow::Result<H
                             info!(hosts = n, after = ?started.elapsed(), "every agent started");
                         }
                     }
-                    HostEvent::Line(stream, data) => {
-                        let mut line = Vec::with_capacity(host.len() + 1 + data.len());
-                        line.extend_from_slice(host.as_bytes());
-                        line.push(b' ');
-                        line.extend_from_slice(&data);
-                        let ev = match stream {
-                            console_line::Stream::Stderr => ConsoleEvent::Stderr(line),
-                            _ => ConsoleEvent::Stdout(line),
-                        };
-                        let _ = cx.console.send(ev).await;
-                    }
-                    HostEvent::Note(text) => {
-                        for l in text.lines() {
-                            let _ = cx.console.send(ConsoleEvent::Note(format!("{host} {l}"))).await;
-                        }
-                    }
-                    HostEvent::Stderr(l) => {
-                        let _ = cx.console.send(ConsoleEvent::Stderr(format!("{host} {l}\n").into_bytes())).await;
-                    }
                     HostEvent::Ended(e) => {
                         debug!(host, status = ?e.status, exit_frame = ?e.exit_frame, stopped = e.stopped, "agent ended");
                         // A host the head stopped before it was ready did not fail (it was not let
@@ -403,6 +453,8 @@ pub async fn run_head(plan: RemotePlan, mut cx: HeadContext) -> anyhow::Result<H
     }
     drop(cmds);
     while tasks.join_next().await.is_some() {}
+    // Every host's output reaches the console before the summary.
+    let _ = relay.await;
     let mut outcome = match refused {
         Some(msg) => HeadOutcome {
             exit_code: 2,
@@ -553,11 +605,17 @@ struct HostStart {
 /// One host: wait for a place in the fan-out window, start its agent (retrying a dropped key
 /// exchange), feed its stdin, relay its output. A stop that comes while the host still waits for its
 /// place ends it without starting anything.
-async fn host_task(start: HostStart, mut cmds: mpsc::UnboundedReceiver<HostCmd>, events: mpsc::UnboundedSender<(usize, HostEvent)>) {
+async fn host_task(
+    start: HostStart,
+    mut cmds: mpsc::UnboundedReceiver<HostCmd>,
+    events: mpsc::UnboundedSender<(usize, HostEvent)>,
+    output: mpsc::Sender<(usize, HostOutput)>,
+) {
     let HostStart { idx, node, frame, timeout, window } = start;
     let send = |ev: HostEvent| {
         let _ = events.send((idx, ev));
     };
+    let outlet = Outlet { idx, tx: output };
     let not_started = || Ended { status: None, exit_frame: None, ready: false, failure: None, tail: Vec::new(), stopped: true };
     let mut attempt = 0;
     loop {
@@ -576,7 +634,7 @@ async fn host_task(start: HostStart, mut cmds: mpsc::UnboundedReceiver<HostCmd>,
                 return;
             }
         };
-        let ended = run_attempt(&node, &frame, timeout, permit, &mut cmds, &send).await;
+        let ended = run_attempt(&node, &frame, timeout, permit, &mut cmds, &send, &outlet).await;
         if !ended.ready
             && !ended.stopped
             && attempt < preflight::KEX_RETRIES
@@ -593,8 +651,66 @@ async fn host_task(start: HostStart, mut cmds: mpsc::UnboundedReceiver<HostCmd>,
     }
 }
 
+/// Where a host's console output goes: the shared, bounded console queue, tagged with the host.
+struct Outlet {
+    idx: usize,
+    tx: mpsc::Sender<(usize, HostOutput)>,
+}
+
+/// The process group of a host's transport: ssh (or the `--rsh` wrapper and whatever it started, a
+/// forked ssh included), or a local agent. It is killed as a whole, and on drop, unless it was
+/// released: once its leader is reaped and it is empty, its id may be reused by an unrelated group.
+#[derive(Debug)]
+struct TransportGroup {
+    pgid: Option<nix::unistd::Pid>,
+}
+
+impl TransportGroup {
+    /// SIGKILLs every process of the group (errors: the group is gone).
+    fn kill(&self) {
+        if let Some(pgid) = self.pgid {
+            let _ = nix::sys::signal::killpg(pgid, Signal::SIGKILL);
+        }
+    }
+
+    /// Forgets the group if it has no process left (call once its leader is reaped).
+    fn release_if_empty(&mut self) {
+        if let Some(pgid) = self.pgid
+            && matches!(nix::sys::signal::killpg(pgid, None), Err(nix::errno::Errno::ESRCH))
+        {
+            self.pgid = None;
+        }
+    }
+}
+
+impl Drop for TransportGroup {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Reads one line (at most `max` bytes: a longer one comes as several) and converts it lossily: the
+/// stream's bytes need not be UTF-8 (a login banner in Latin-1). `None` at EOF or on a read error.
+async fn next_line_lossy(r: &mut (impl tokio::io::AsyncBufRead + Unpin), max: usize) -> Option<String> {
+    let mut buf = Vec::new();
+    match (&mut *r).take(max as u64).read_until(b'\n', &mut buf).await {
+        Ok(0) | Err(_) => None,
+        Ok(_) => {
+            if buf.last() == Some(&b'\n') {
+                buf.pop();
+            }
+            Some(String::from_utf8_lossy(&buf).into_owned())
+        }
+    }
+}
+
 /// One start of a host's agent, until the process ended and its pipes drained. `permit` (the host's
 /// place in the fan-out window) is given back when the agent is ready or the attempt ended.
+///
+/// Nothing here waits on the agent or the console while a command, the start deadline or the
+/// agent's end is due: stdin is written by a task of its own (an ssh that never reads it cannot
+/// block a STOP or a kill), and output waits in bounded queues, which are read only while there is
+/// room further on (a slow console holds back the agent, not the head).
 async fn run_attempt(
     node: &RemoteNode,
     frame: &[u8],
@@ -602,6 +718,7 @@ async fn run_attempt(
     permit: tokio::sync::OwnedSemaphorePermit,
     cmds: &mut mpsc::UnboundedReceiver<HostCmd>,
     send: &impl Fn(HostEvent),
+    outlet: &Outlet,
 ) -> Ended {
     let mut permit = Some(permit);
     let mut cmd = Command::new(&node.argv[0]);
@@ -610,7 +727,7 @@ async fn run_attempt(
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         // Its own process group: a Ctrl-C on the terminal reaches the head only, which stops the
-        // agents in order.
+        // agents in order; and a kill reaches whatever the transport started.
         .process_group(0)
         .kill_on_drop(true);
     let mut child = match cmd.spawn() {
@@ -620,11 +737,29 @@ async fn run_attempt(
             return Ended { status: None, exit_frame: None, ready: false, failure: Some(failure), tail: Vec::new(), stopped: false };
         }
     };
+    // The child leads its own group (process_group(0)): its pid is the group id.
+    let mut group = TransportGroup { pgid: child.id().and_then(|p| i32::try_from(p).ok()).map(nix::unistd::Pid::from_raw) };
+    let ready_by = Instant::now() + timeout;
     debug!(pid = child.id(), argv = ?node.argv, "agent process started");
-    let mut stdin = child.stdin.take();
-    // Readers run as tasks: a frame or a line is never cut by the select below.
-    let (out_tx, mut out_rx) = mpsc::unbounded_channel::<FromAgent>();
     let mut readers = JoinSet::new();
+    // stdin: the plan, then Control messages, in order; dropping the sender is EOF (after what is
+    // queued).
+    let mut stdin_tx: Option<mpsc::UnboundedSender<Vec<u8>>> = None;
+    if let Some(mut stdin) = child.stdin.take() {
+        let (tx, mut rx) = mpsc::unbounded_channel::<Vec<u8>>();
+        let _ = tx.send(frame.to_vec());
+        stdin_tx = Some(tx);
+        readers.spawn(async move {
+            while let Some(buf) = rx.recv().await {
+                if let Err(err) = stdin.write_all(&buf).await {
+                    debug!(%err, "cannot write to the agent's stdin (the agent will say why)");
+                    return;
+                }
+            }
+        });
+    }
+    // Readers run as tasks: a frame or a line is never cut by the select below.
+    let (out_tx, mut out_rx) = mpsc::channel::<FromAgent>(READ_QUEUE);
     if let Some(stdout) = child.stdout.take() {
         let tx = out_tx.clone();
         readers.spawn(async move {
@@ -638,7 +773,7 @@ async fn run_attempt(
                     FirstFrame::Plausible => break,
                     FirstFrame::Garbled => {
                         head.extend_from_slice(r.buffer());
-                        let _ = tx.send(FromAgent::Garbled(head));
+                        let _ = tx.send(FromAgent::Garbled(head)).await;
                         return;
                     }
                     FirstFrame::NeedMore => {
@@ -649,7 +784,7 @@ async fn run_attempt(
                             // nothing at all is an agent that exited silently.
                             _ => {
                                 if !head.is_empty() {
-                                    let _ = tx.send(FromAgent::Garbled(head));
+                                    let _ = tx.send(FromAgent::Garbled(head)).await;
                                 }
                                 return;
                             }
@@ -664,13 +799,16 @@ async fn run_attempt(
                 match read_frame_async(&mut r).await {
                     Ok(Some(buf)) => match (decode_event(&buf), length_bytes.take()) {
                         (Ok(ev), _) => {
-                            if let Some(e) = ev.event {
-                                let _ = tx.send(FromAgent::Event(e));
+                            // A full queue holds this reader back, and with it the agent's stdout.
+                            if let Some(e) = ev.event
+                                && tx.send(FromAgent::Event(e)).await.is_err()
+                            {
+                                return;
                             }
                         }
                         (Err(_), Some(mut raw)) => {
                             raw.extend_from_slice(&buf);
-                            let _ = tx.send(FromAgent::Garbled(raw));
+                            let _ = tx.send(FromAgent::Garbled(raw)).await;
                             return;
                         }
                         (Err(err), None) => warn!(%err, "undecodable message from the agent"),
@@ -684,29 +822,27 @@ async fn run_attempt(
             }
         });
     }
-    let (err_tx, mut err_rx) = mpsc::unbounded_channel::<String>();
+    let (err_tx, mut err_rx) = mpsc::channel::<String>(READ_QUEUE);
     if let Some(stderr) = child.stderr.take() {
         readers.spawn(async move {
-            let mut lines = BufReader::new(stderr).lines();
-            while let Ok(Some(l)) = lines.next_line().await {
-                let _ = err_tx.send(l);
+            let mut r = BufReader::new(stderr);
+            while let Some(l) = next_line_lossy(&mut r, STDERR_LINE).await {
+                if err_tx.send(l).await.is_err() {
+                    return;
+                }
             }
         });
     }
     drop(out_tx);
-    if let Some(s) = stdin.as_mut()
-        && let Err(err) = s.write_all(frame).await
-    {
-        debug!(%err, "cannot write the launch plan (the agent will say why)");
-    }
 
-    let ready_by = Instant::now() + timeout;
     let mut timed_out = false;
     let mut ready = false;
     let mut exit_frame = None;
     let mut start_failed: Option<String> = None;
     let mut tail: VecDeque<String> = VecDeque::new();
-    let mut held: Vec<String> = Vec::new();
+    let mut held: VecDeque<String> = VecDeque::new();
+    // Output for the console queue, in the order it was read.
+    let mut queue: VecDeque<HostOutput> = VecDeque::new();
     let mut status: Option<ExitStatus> = None;
     let mut stop_asked = false;
     let mut cmds_open = true;
@@ -716,58 +852,87 @@ async fn run_attempt(
         if status.is_some() && !out_open && !err_open {
             break;
         }
+        let room = queue.len() < HOST_QUEUE;
+        // After the agent process ended, its pipes get DRAIN from the last progress to deliver the rest.
+        let progress = |drain_until: &mut Option<Instant>| {
+            if drain_until.is_some() {
+                *drain_until = Some(Instant::now() + DRAIN);
+            }
+        };
         tokio::select! {
             c = cmds.recv(), if cmds_open => match c {
                 Some(HostCmd::Control(ctl)) => {
                     stop_asked = true;
-                    if let Some(s) = stdin.as_mut() && s.write_all(&wire::encode(&ctl)).await.is_err() {
-                        stdin = None;
+                    if let Some(tx) = &stdin_tx {
+                        let _ = tx.send(wire::encode(&ctl));
                     }
                 }
                 Some(HostCmd::Close) => {
                     stop_asked = true;
-                    stdin = None;
+                    stdin_tx = None;
                 }
                 Some(HostCmd::Kill) => {
                     stop_asked = true;
-                    let _ = child.start_kill();
+                    group.kill();
                 }
                 None => {
                     cmds_open = false;
-                    stdin = None;
+                    stdin_tx = None;
                 }
             },
-            ev = out_rx.recv(), if out_open => match ev {
-                Some(FromAgent::Garbled(bytes)) => {
-                    start_failed = Some(garbled(&bytes));
-                    let _ = child.start_kill();
-                }
-                Some(FromAgent::Event(agent_event::Event::Ready(r))) => {
-                    ready = true;
-                    permit = None;
-                    for l in held.drain(..) {
-                        send(HostEvent::Stderr(l));
+            permit = outlet.tx.reserve(), if !queue.is_empty() => match permit {
+                Ok(p) => {
+                    if let Some(o) = queue.pop_front() {
+                        p.send((outlet.idx, o));
                     }
-                    send(HostEvent::Ready(r));
+                    progress(&mut drain_until);
                 }
-                Some(FromAgent::Event(agent_event::Event::Line(l))) => send(HostEvent::Line(l.stream(), l.data)),
-                Some(FromAgent::Event(agent_event::Event::Note(t))) => send(HostEvent::Note(t)),
-                Some(FromAgent::Event(agent_event::Event::StartFailed(m))) => start_failed = Some(m),
-                Some(FromAgent::Event(agent_event::Event::Exit(x))) => exit_frame = Some(x.code),
-                None => out_open = false,
+                // The head is ending: nobody shows output any more.
+                Err(_) => queue.clear(),
             },
-            l = err_rx.recv(), if err_open => match l {
-                Some(l) => {
-                    if tail.len() == TAIL {
-                        tail.pop_front();
+            ev = out_rx.recv(), if out_open && room => {
+                progress(&mut drain_until);
+                match ev {
+                    Some(FromAgent::Garbled(bytes)) => {
+                        start_failed = Some(garbled(&bytes));
+                        group.kill();
                     }
-                    tail.push_back(l.clone());
-                    if ready { send(HostEvent::Stderr(l)) } else { held.push(l) }
+                    Some(FromAgent::Event(agent_event::Event::Ready(r))) => {
+                        ready = true;
+                        permit = None;
+                        queue.extend(held.drain(..).map(HostOutput::Stderr));
+                        send(HostEvent::Ready(r));
+                    }
+                    Some(FromAgent::Event(agent_event::Event::Line(l))) => queue.push_back(HostOutput::Line(l.stream(), l.data)),
+                    Some(FromAgent::Event(agent_event::Event::Note(t))) => queue.push_back(HostOutput::Note(t)),
+                    Some(FromAgent::Event(agent_event::Event::StartFailed(m))) => start_failed = Some(m),
+                    Some(FromAgent::Event(agent_event::Event::Exit(x))) => exit_frame = Some(x.code),
+                    None => out_open = false,
                 }
-                None => err_open = false,
+            },
+            l = err_rx.recv(), if err_open && room => {
+                progress(&mut drain_until);
+                match l {
+                    Some(l) => {
+                        if tail.len() == TAIL {
+                            tail.pop_front();
+                        }
+                        tail.push_back(l.clone());
+                        if ready {
+                            queue.push_back(HostOutput::Stderr(l));
+                        } else {
+                            if held.len() == HELD {
+                                held.pop_front();
+                            }
+                            held.push_back(l);
+                        }
+                    }
+                    None => err_open = false,
+                }
             },
             st = child.wait(), if status.is_none() => {
                 status = Some(st.unwrap_or_else(|_| ExitStatus::from_raw(255 << 8)));
+                group.release_if_empty();
                 drain_until = Some(Instant::now() + DRAIN);
             }
             _ = tokio::time::sleep_until(drain_until.unwrap_or_else(Instant::now)), if drain_until.is_some() => {
@@ -777,12 +942,22 @@ async fn run_attempt(
             _ = tokio::time::sleep_until(ready_by), if !ready && !timed_out && !stop_asked && status.is_none() => {
                 warn!(?timeout, "the agent did not start in time");
                 timed_out = true;
-                let _ = child.start_kill();
+                group.kill();
             }
         }
     }
     drop(permit);
     readers.abort_all();
+    // What is still in the transport's group (a process an --rsh wrapper forked holding the pipes)
+    // goes with this attempt.
+    group.release_if_empty();
+    drop(group);
+    // The agent has ended: the rest of its output waits for the console.
+    for o in queue {
+        if outlet.tx.send((outlet.idx, o)).await.is_err() {
+            break;
+        }
+    }
     let tail: Vec<String> = tail.into();
     let failure = if ready {
         None
@@ -796,3 +971,142 @@ async fn run_attempt(
     Ended { status, exit_frame, ready, failure, tail, stopped: stop_asked }
 }
 
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::remote::RemoteHost;
+
+    fn node(argv: &[&str]) -> RemoteNode {
+        RemoteNode { host: RemoteHost::named("t", 1), node_rank: 0, rank_offset: 0, local: true, argv: argv.iter().map(Into::into).collect() }
+    }
+
+    /// A process is gone (or a zombie nobody reaped yet: it runs no more).
+    fn gone(pid: i32) -> bool {
+        match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+            Ok(stat) => stat.rsplit(')').next().is_some_and(|rest| rest.trim_start().starts_with('Z')),
+            Err(_) => true,
+        }
+    }
+
+    struct Attempt {
+        cmds: mpsc::UnboundedSender<HostCmd>,
+        output: mpsc::Receiver<(usize, HostOutput)>,
+        ended: tokio::task::JoinHandle<Ended>,
+    }
+
+    /// Starts `run_attempt` for `argv` with `frame` as the plan and a console queue of `queue`.
+    fn attempt(argv: &[&str], frame: Vec<u8>, timeout: Duration, queue: usize) -> Attempt {
+        let (cmds, mut cmd_rx) = mpsc::unbounded_channel();
+        let (tx, output) = mpsc::channel(queue);
+        let node = node(argv);
+        let ended = tokio::spawn(async move {
+            let permit = std::sync::Arc::new(Semaphore::new(1)).acquire_owned().await.unwrap();
+            run_attempt(&node, &frame, timeout, permit, &mut cmd_rx, &|_| {}, &Outlet { idx: 0, tx }).await
+        });
+        Attempt { cmds, output, ended }
+    }
+
+    /// A transport that never reads its stdin (ssh stalled before the session opened) and a plan
+    /// larger than a pipe holds: the start deadline still fires and the attempt ends.
+    #[tokio::test]
+    async fn a_transport_that_never_reads_stdin_still_times_out() {
+        let a = attempt(&["sh", "-c", "exec sleep 30"], vec![0x0a; 1 << 20], Duration::from_millis(500), 8);
+        let ended = tokio::time::timeout(Duration::from_secs(10), a.ended).await.expect("the attempt hung on its stdin").unwrap();
+        assert_eq!(ended.failure, Some(StartFailure::Timeout(Duration::from_millis(500))));
+    }
+
+    /// A kill reaches the transport's whole process group: an `--rsh` wrapper that forks (instead of
+    /// exec'ing) the real ssh does not leave it running.
+    #[tokio::test]
+    async fn a_kill_reaches_what_the_transport_forked() {
+        let dir = tempfile::tempdir().unwrap();
+        let pid_file = dir.path().join("pid");
+        let script = format!("sleep 600 & echo $! > {}; wait", pid_file.display());
+        let a = attempt(&["sh", "-c", &script], Vec::new(), Duration::from_secs(60), 8);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let pid = loop {
+            if let Some(p) = std::fs::read_to_string(&pid_file).ok().and_then(|s| s.trim().parse::<i32>().ok()) {
+                break p;
+            }
+            assert!(std::time::Instant::now() < deadline, "the wrapper did not start");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        a.cmds.send(HostCmd::Kill).unwrap();
+        let ended = tokio::time::timeout(Duration::from_secs(10), a.ended).await.unwrap().unwrap();
+        assert!(ended.stopped);
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while !gone(pid) && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        if !gone(pid) {
+            let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), Signal::SIGKILL);
+            panic!("the forked process {pid} survived the kill");
+        }
+    }
+
+    /// A console that does not keep up holds the agent back (its writes block) instead of growing
+    /// the head's memory, and a kill is still served.
+    #[tokio::test]
+    async fn a_slow_console_holds_the_agent_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let frames = dir.path().join("frames");
+        let done = dir.path().join("done");
+        let line = |i: usize| {
+            let data = format!("{i:06} {}\n", "x".repeat(4089)).into_bytes();
+            wire::encode(&proto::AgentEvent {
+                event: Some(agent_event::Event::Line(proto::ConsoleLine { stream: console_line::Stream::Stdout as i32, data })),
+            })
+        };
+        // 16 MiB of output.
+        std::fs::write(&frames, (0..4096).flat_map(line).collect::<Vec<u8>>()).unwrap();
+        let script = format!("cat {} && touch {}; exec sleep 30", frames.display(), done.display());
+        let mut a = attempt(&["sh", "-c", &script], Vec::new(), Duration::from_secs(60), 4);
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        assert!(!done.exists(), "the agent wrote all its output although nobody read it");
+        // What the head holds: the console queue, the host's queue, the reader's, the pipe.
+        let mut got = 0;
+        while let Ok((_, HostOutput::Line(_, data))) = a.output.try_recv() {
+            assert!(data.starts_with(format!("{got:06} ").as_bytes()), "lines in order");
+            got += 1;
+        }
+        assert!(got <= 4, "{got}");
+        a.cmds.send(HostCmd::Kill).unwrap();
+        // The rest arrives in order once it is read; the kill ended the agent.
+        let reader = tokio::spawn(async move {
+            let mut n = got;
+            while let Some((_, HostOutput::Line(_, data))) = a.output.recv().await {
+                assert!(data.starts_with(format!("{n:06} ").as_bytes()), "lines in order");
+                n += 1;
+            }
+            n
+        });
+        let ended = tokio::time::timeout(Duration::from_secs(10), a.ended).await.expect("a kill is served under backpressure").unwrap();
+        assert!(ended.stopped);
+        let n = reader.await.unwrap();
+        assert!(n < 4096, "the agent was killed before it wrote everything: {n}");
+    }
+
+    /// The agents wait for START as long as every host may take to start: windows of the fan-out,
+    /// each with its retries, and a minute.
+    #[test]
+    fn agents_wait_for_start_as_long_as_the_slowest_window() {
+        let hosts: Vec<String> = (0..10).map(|i| format!("w{i}:1")).collect();
+        let args = crate::plan::tests::parse(&["-H", &hosts.join(","), "--ssh-fanout", "4", "--rdzv-endpoint", "127.0.0.1", "true"]);
+        let plan = RemotePlan::resolve(&args, &crate::plan::tests::host(), std::path::Path::new("/r")).unwrap();
+        assert_eq!(plan.start_timeout, Duration::from_secs(30));
+        // 3 windows of (5 tries of 30 s, 8 s of backoff), and 60 s.
+        assert_eq!(start_wait(&plan), Duration::from_secs(3 * (5 * 30 + 8) + 60));
+        assert_eq!(node_launch(&plan, &plan.nodes[0], "127.0.0.1:1").start_wait_secs, 534);
+    }
+
+    /// stderr is read as bytes: a line that is not UTF-8 comes lossily, and the lines after it come.
+    #[tokio::test]
+    async fn stderr_lines_need_not_be_utf8() {
+        let mut r = BufReader::new(std::io::Cursor::new(b"caf\xe9\nPermission denied\nlong".to_vec()));
+        assert_eq!(next_line_lossy(&mut r, 1024).await.as_deref(), Some("caf\u{fffd}"));
+        assert_eq!(next_line_lossy(&mut r, 1024).await.as_deref(), Some("Permission denied"));
+        assert_eq!(next_line_lossy(&mut r, 2).await.as_deref(), Some("lo"));
+        assert_eq!(next_line_lossy(&mut r, 1024).await.as_deref(), Some("ng"));
+        assert_eq!(next_line_lossy(&mut r, 1024).await, None);
+    }
+}

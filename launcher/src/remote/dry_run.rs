@@ -16,7 +16,10 @@ pub fn render(plan: &RemotePlan) -> String {
             "hosted by this rsrun at {bind}{}, reached as {advertise}; a token per job",
             if bind.port() == 0 { " (port chosen at start)" } else { "" }
         ),
-        RemoteRdzv::External { endpoint } => format!("rsrun-rendezvous daemon at {endpoint}"),
+        RemoteRdzv::External { endpoint } => match &plan.tls_ca {
+            Some(ca) => format!("rsrun-rendezvous daemon at {endpoint}, TLS verified with {} (sent to every host)", ca.path.display()),
+            None => format!("rsrun-rendezvous daemon at {endpoint}"),
+        },
     };
     let _ = writeln!(s, "rendezvous   : {rdzv}");
     let _ = writeln!(s, "nodes        : {} hosts, world size {}", plan.nodes.len(), plan.world_size());

@@ -26,6 +26,9 @@ pub const NAMES: &[&str] = &["PATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV", "CONDA_PR
 /// launcher, not the job. Entries ending in `*` are prefixes.
 pub const EXCLUDED: &[&str] = &[
     "HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_", "SSH_*", "DISPLAY", "TERM", "BASH_FUNC_*", "CUDA_VISIBLE_DEVICES",
+    // Directories of this machine's login session: the agent's private directory (its token file)
+    // goes in TMPDIR.
+    "TMPDIR", "XDG_RUNTIME_DIR",
     "SLURM_*", "KUBERNETES_*", "PET_*",
     // This launcher's own multi-node settings: an agent must never take itself for a head.
     "RSRUN_HOSTS", "RSRUN_HOSTFILE", "RSRUN_RSH", "RSRUN_SSH_*", "RSRUN_REMOTE_RSRUN", "RSRUN_TOKEN_FILE",
@@ -211,6 +214,20 @@ mod tests {
         assert!(f.vars.contains_key("HOME"));
         assert!(!f.vars.contains_key("SSH_AUTH_SOCK") && !f.vars.contains_key("CUDA_VISIBLE_DEVICES"));
         assert!(!f.vars.contains_key("RSRUN_HOSTS"));
+    }
+
+    /// `--export-all` does not send this machine's session directories: the head's TMPDIR need not
+    /// exist on a host, and the agent writes its token file there.
+    #[test]
+    fn export_all_keeps_session_directories_home() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = env(&[("TMPDIR", "/tmp/user-1000"), ("XDG_RUNTIME_DIR", "/run/user/1000"), ("LANG", "C.UTF-8")]);
+        let f = forwarded_env(EnvSources { export_all: true, ..sources(&e, dir.path()) }).unwrap();
+        assert_eq!(f.vars.keys().collect::<Vec<_>>(), ["LANG"]);
+        // Named with -x, it goes.
+        let exports = vec!["TMPDIR".to_owned()];
+        let f = forwarded_env(EnvSources { export_all: true, exports: &exports, ..sources(&e, dir.path()) }).unwrap();
+        assert!(f.vars.contains_key("TMPDIR"));
     }
 
     #[test]

@@ -31,7 +31,7 @@
 //! - The plan (environment values, the token) never travels on a command line: only the constant
 //!   `exec '/abs/rsrun' agent --stdin` is parsed by a remote shell.
 //! - No process is ever found by name: the head stops what it started (Control messages, EOF, then
-//!   SIGKILL of its own ssh clients); a second job on the same hosts is untouched.
+//!   SIGKILL of its own ssh clients' process groups); a second job on the same hosts is untouched.
 //! - An agent's stdin is its lifeline: EOF stops its workers (stop signal, grace, SIGKILL).
 
 pub mod agent;

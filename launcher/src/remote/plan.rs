@@ -49,6 +49,15 @@ pub enum RemoteRdzv {
     },
 }
 
+/// The CA that verifies an external daemon's TLS certificate (`--rdzv-tls-ca`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsCa {
+    /// The file on this machine (the head's own client reads it).
+    pub path: PathBuf,
+    /// Its PEM certificates, which every agent gets in its `NodeLaunch`.
+    pub pem: Vec<u8>,
+}
+
 /// Everything the head needs, validated.
 #[derive(Debug, Clone)]
 pub struct RemotePlan {
@@ -61,6 +70,8 @@ pub struct RemotePlan {
     /// The token the agents present (generated per job for the embedded service). Travels only inside
     /// `NodeLaunch`.
     pub token: Option<String>,
+    /// The CA of the daemon's TLS certificate (external daemon only).
+    pub tls_ca: Option<TlsCa>,
     /// Forwarded variables.
     pub env: ForwardedEnv,
     /// Working directory on every host.
@@ -158,6 +169,8 @@ pub struct NodePlace<'a> {
     pub job_id: &'a str,
     /// The token file written by the agent, if the service needs a token.
     pub token_file: Option<&'a Path>,
+    /// The CA file written by the agent, if the service speaks TLS.
+    pub tls_ca_file: Option<&'a Path>,
 }
 
 /// The argv (without the program name) an agent resolves its plan from: the options, then the
@@ -174,6 +187,9 @@ pub fn agent_argv(options: &[String], place: NodePlace<'_>, program: &[String]) 
     ]);
     if let Some(t) = place.token_file {
         v.push(format!("--rdzv-token-file={}", t.display()));
+    }
+    if let Some(ca) = place.tls_ca_file {
+        v.push(format!("--rdzv-tls-ca={}", ca.display()));
     }
     v.push("--".to_owned());
     v.extend(program.iter().cloned());
@@ -198,6 +214,33 @@ fn route_to(host: &str) -> Option<IpAddr> {
     let sock = UdpSocket::bind(bind).ok()?;
     sock.connect(target).ok()?;
     Some(sock.local_addr().ok()?.ip())
+}
+
+/// The node plan as this machine would run it, for the head's own checks of the per-node values and
+/// for `--dry-run`, resolved in `--chdir DIR` when this machine has that directory. What depends on
+/// the host (the program and its interpreter, GPUs, the CPU topology) is each agent's check on its
+/// own host: such an error comes back as `Ok(Err(..))` and the head goes on, so that `rsrun -H
+/// g1:8,g2:8 --chdir /scratch/job train.py` starts from a login node that has neither the script
+/// nor Python.
+///
+/// # Errors
+/// A malformed value (or host list): the head refuses it before anything starts.
+pub fn head_node_plan(args: &LaunchArgs, host: &HostInfo) -> Result<Result<LaunchPlan, PlanError>, PlanError> {
+    let mut here = host.clone();
+    if let Some(d) = args.chdir.as_ref().filter(|d| d.is_absolute() && d.is_dir()) {
+        here.cwd.clone_from(d);
+    }
+    match LaunchPlan::resolve(args, &here) {
+        Ok(plan) => Ok(Ok(plan)),
+        Err(e) if checked_by_each_host(&e) => Ok(Err(e)),
+        Err(e) => Err(e),
+    }
+}
+
+/// A plan error that the agents find on their hosts (the program, Python, flags that need something
+/// of the host), as opposed to a malformed value, which is wrong everywhere.
+fn checked_by_each_host(e: &PlanError) -> bool {
+    matches!(e, PlanError::Program(_) | PlanError::Conflict(_))
 }
 
 impl RemotePlan {
@@ -289,9 +332,15 @@ impl RemotePlan {
         {
             return Err(PlanError::Invalid { flag: "--ssh-user", value: user.clone(), expected: "a user name".into() });
         }
+        // `--ssh-option ConnectTimeout=N` replaces --ssh-connect-timeout on ssh's command line (see
+        // `command`; ssh keeps the first value): the start timeout follows it.
+        let user_connect_timeout = args.ssh_option.iter().find_map(|o| {
+            let (k, v) = o.split_once('=')?;
+            (k.trim().eq_ignore_ascii_case("ConnectTimeout")).then(|| v.trim().parse::<u64>().ok()).flatten().filter(|s| *s > 0)
+        });
         let ssh = SshConfig {
             program,
-            connect_timeout: Duration::from_secs(u64::from(args.ssh_connect_timeout)),
+            connect_timeout: Duration::from_secs(user_connect_timeout.unwrap_or(u64::from(args.ssh_connect_timeout))),
             config: args.ssh_config.as_ref().map(|p| host.cwd.join(p)),
             port: args.ssh_port,
             identity: args.ssh_identity.as_ref().map(|p| host.cwd.join(p)),
@@ -392,6 +441,24 @@ impl RemotePlan {
             }
             (other, _) => return Err(PlanError::Invalid { flag: "--rdzv-backend", value: other.into(), expected: "c10d (an external daemon) or static".into() }),
         };
+        // TLS to an external daemon: the head reads the CA and sends it to every agent.
+        let tls_ca = match (&args.rdzv_tls_ca, &rdzv) {
+            (None, _) => None,
+            (Some(p), RemoteRdzv::External { .. }) => {
+                let invalid = |expected: String| PlanError::Invalid { flag: "--rdzv-tls-ca", value: p.display().to_string(), expected };
+                let path = host.cwd.join(p);
+                let pem = rsrun_rendezvous::files::read_bounded(&path).map_err(|e| invalid(format!("a readable PEM file ({e})")))?;
+                rsrun_rendezvous::client::check_pem_certificates(&pem)
+                    .map_err(|why| invalid(format!("a file of PEM CA certificates (it {why})")))?;
+                Some(TlsCa { path, pem })
+            }
+            (Some(_), RemoteRdzv::Embedded { .. }) => {
+                notes.push(
+                    "--rdzv-tls-ca is not used: this rsrun hosts a plain (non-TLS) rendezvous for the hosts; a TLS daemon is `--rdzv-backend c10d --rdzv-endpoint HOST:PORT`".into(),
+                );
+                None
+            }
+        };
         if args.master_addr.is_some() || args.master_port.is_some() {
             notes.push("--master-addr/--master-port are ignored with --hosts/--hostfile: node rank 0 picks them".into());
         }
@@ -411,7 +478,7 @@ impl RemotePlan {
         // The per-node plan as node 0 would resolve it here: bad values are found now, not on every
         // host. What depends on the host (the program, GPUs, CPU topology) is checked by each agent.
         let slots0 = nodes[0].host.slots.to_string();
-        let place = NodePlace { nnodes: n_hosts, nproc_per_node: &slots0, node_rank: 0, endpoint: "127.0.0.1:1", job_id: &job_id, token_file: None };
+        let place = NodePlace { nnodes: n_hosts, nproc_per_node: &slots0, node_rank: 0, endpoint: "127.0.0.1:1", job_id: &job_id, token_file: None, tls_ca_file: None };
         let check = agent_argv(&options, place, &program);
         let check_args = <LaunchArgs as clap::Parser>::try_parse_from(std::iter::once("rsrun".to_owned()).chain(check))
             .map_err(|e| conflict(format!("invalid per-node options: {}", e.to_string().lines().next().unwrap_or(""))))?;
@@ -441,6 +508,7 @@ impl RemotePlan {
             nodes,
             rdzv,
             token,
+            tls_ca,
             env,
             cwd,
             program,

@@ -483,6 +483,103 @@ fn the_agent_refuses_another_version_and_garbage_on_stdin() {
     assert!(stderr.contains("does not start with a NodeLaunch message"), "{stderr}");
 }
 
+/// A program that exists on the hosts only (in `--chdir DIR`, not in the head's directory): the head,
+/// a login node, does not look for it; each agent checks it on its own host, and it runs.
+#[test]
+fn a_program_only_on_the_hosts_runs_from_a_login_node() {
+    let login = tempfile::tempdir().unwrap();
+    let shared = tempfile::tempdir().unwrap();
+    let there = std::fs::canonicalize(shared.path()).unwrap();
+    let script = there.join("run.sh");
+    std::fs::write(&script, "#!/bin/sh\necho \"ran $RANK\" > out.$RANK\n").unwrap();
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let out = rsrun_tests::run(head(login.path(), "h1:1,h2:1").arg("--chdir").arg(&there).args(["--no-python", "./run.sh"]));
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    for r in 0..2 {
+        assert_eq!(std::fs::read_to_string(there.join(format!("out.{r}"))).unwrap(), format!("ran {r}\n"));
+    }
+    // --dry-run with a directory this machine does not have: the plan, saying that the hosts check
+    // the program.
+    let out = rsrun_tests::run(head(login.path(), "h1:1,h2:1").args(["--chdir", "/nonexistent/rsrun-job", "--dry-run", "--no-python", "./run.sh"]));
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("rsrun: no node plan on this machine (program './run.sh' not found: not an executable file or a name on PATH); each host's agent checks it there\n"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("cwd          : /nonexistent/rsrun-job\n") && stdout.contains("commands     :"), "{stdout}");
+    // A program that no host has: every agent says so, exit 2.
+    let out = rsrun_tests::run(head(login.path(), "h1:1").arg("--chdir").arg(&there).args(["--no-python", "./nope.sh"]));
+    assert_eq!(code(&out.status), 2, "{}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("rsrun: error: h1: program './nope.sh' not found"), "{}", text(&out));
+}
+
+/// `--rdzv-tls-ca` with `-H`: every agent (and its workers) and the head's own client verify the
+/// daemon's TLS certificate with that CA; the CA travels in the launch plan.
+#[test]
+fn rdzv_tls_ca_reaches_every_agent_and_the_head() {
+    let certs = tempfile::tempdir().unwrap();
+    let (ca, cert, key) = rsrun_tests::tls_files(certs.path());
+    let daemon = rsrun_tests::Daemon::start_with(
+        "127.0.0.1:0",
+        &["--tls-cert".as_ref(), cert.as_os_str(), "--tls-key".as_ref(), key.as_os_str()],
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let script = "head -n 1 \"$RSRUN_TLS_CA\" > ca.$RANK; if [ \"$RANK\" = 1 ]; then exit 3; fi";
+    let mut cmd = rsrun(dir.path());
+    cmd.args(["-H", "h1:1,h2:1", "--allow-same-host", "--rsh"])
+        .arg(fake_rsh())
+        .args(["--rdzv-backend", "c10d", "--rdzv-endpoint", &daemon.addr, "--rdzv-id", "tls-remote", "--shutdown-timeout", "1"])
+        .arg("--rdzv-tls-ca")
+        .arg(&ca)
+        .env_remove("FAKE_RSH_FAIL")
+        .env_remove("FAKE_RSH_HIDE")
+        .env_remove("FAKE_RSH_DELAY")
+        .env_remove("FAKE_RSH_BANNER")
+        .args(["sh", "-c", script]);
+    let out = rsrun_tests::run(&mut cmd);
+    assert_eq!(code(&out.status), 3, "{}", text(&out));
+    for r in 0..2 {
+        let first = std::fs::read_to_string(dir.path().join(format!("ca.{r}"))).unwrap_or_else(|_| panic!("rank {r}: no CA\n{}", text(&out)));
+        assert_eq!(first, "-----BEGIN CERTIFICATE-----\n", "rank {r}");
+    }
+    // The head's own client read the root cause from the daemon.
+    assert!(String::from_utf8_lossy(&out.stderr).contains("root cause rank 1 (local_rank 0) on h2: exit code 3"), "{}", text(&out));
+}
+
+/// An environment value that is not UTF-8 (`--env-file` is byte-exact) reaches every worker as it
+/// is: neither the agents nor the head crash on it.
+#[test]
+fn a_non_utf8_env_value_reaches_every_host_byte_exact() {
+    use std::os::unix::ffi::OsStrExt;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("latin1.env"), b"LABEL=caf\xe9\n").unwrap();
+    let out = rsrun_tests::run(head(dir.path(), "h1:1,h2:1").args(["--env-file", "latin1.env", "sh", "-c", "printf %s \"$LABEL\" > label.$RANK"]));
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    for r in 0..2 {
+        assert_eq!(std::fs::read(dir.path().join(format!("label.{r}"))).unwrap(), b"caf\xe9", "rank {r}");
+    }
+    // The head's own environment.
+    let out = rsrun_tests::run(
+        head(dir.path(), "h1:1").env("LATIN1_HEAD", std::ffi::OsStr::from_bytes(b"caf\xe9")).args(["sh", "-c", "printf %s \"$LATIN1_HEAD\" > head.$RANK"]),
+    );
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+}
+
+/// ssh's stderr is read as bytes: a line that is not UTF-8 (a login banner in Latin-1) does not hide
+/// the diagnostic after it.
+#[test]
+fn ssh_stderr_that_is_not_utf8_still_names_the_failure() {
+    let dir = tempfile::tempdir().unwrap();
+    let rsh = dir.path().join("latin1-rsh");
+    std::fs::write(&rsh, "#!/bin/sh\nprintf 'Bienvenue \\351t\\351\\n' >&2\nprintf 'h1: Permission denied (publickey).\\n' >&2\nexit 255\n").unwrap();
+    std::fs::set_permissions(&rsh, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let out = rsrun_tests::run(rsrun(dir.path()).args(["-H", "h1:1", "--rsh"]).arg(&rsh).args(["--rdzv-endpoint", "127.0.0.1:0", "true"]));
+    assert_eq!(code(&out.status), 2, "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("rsrun: error: h1: ssh authentication failed (Permission denied (publickey))\n"), "{stderr}");
+}
+
 /// The same job over a real OpenSSH server on loopback (multinode.md §5.3): one sshd on a free port
 /// listening on 127.0.0.1, .2 and .3 ("hosts" h1, h2, h3 in a private ssh config), its own host key,
 /// user key, authorized_keys and known_hosts in a temporary directory. Skipped, with the reason, when

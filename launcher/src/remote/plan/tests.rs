@@ -85,7 +85,7 @@ fn per_node_options_round_trip_through_the_parser() {
     ])
     .unwrap();
     assert_eq!(p.shutdown, Duration::from_secs_f64(1.5));
-    let place = NodePlace { nnodes: 1, nproc_per_node: "2", node_rank: 0, endpoint: "10.0.0.1:5", job_id: "j", token_file: None };
+    let place = NodePlace { nnodes: 1, nproc_per_node: "2", node_rank: 0, endpoint: "10.0.0.1:5", job_id: "j", token_file: None, tls_ca_file: None };
     let args = parse(&agent_argv(&p.options, place, &p.program).iter().map(String::as_str).collect::<Vec<_>>());
     assert_eq!(args.max_restarts, 2);
     assert_eq!(args.shutdown_timeout.as_deref(), Some("1.5"));
@@ -181,4 +181,66 @@ fn chdir_sets_every_hosts_directory() {
 fn per_node_check_takes_ranks_of_the_whole_table() {
     assert!(resolve(&["-H", "w1:2,w2:8", "--rdzv-endpoint", "127.0.0.1:0", "--ranks-filter", "9", "true"]).is_ok());
     assert!(resolve(&["-H", "w1:2,w2:8", "--rdzv-endpoint", "127.0.0.1:0", "--local-ranks-filter", "5", "true"]).is_ok());
+}
+
+/// The head need not have the program (a login node): its node plan says what it could not find,
+/// and the remote plan resolves; in `--chdir DIR` that the head has, the program is found there. A
+/// malformed value is still refused by the head.
+#[test]
+fn the_head_does_not_need_the_program() {
+    let login = tempfile::tempdir().unwrap();
+    let shared = tempfile::tempdir().unwrap();
+    let script = shared.path().join("run.sh");
+    std::fs::write(&script, "#!/bin/sh\n").unwrap();
+    std::fs::set_permissions(&script, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    let mut h = host();
+    h.cwd = login.path().to_owned();
+    let chdir = shared.path().to_str().unwrap();
+    let args = parse(&["-H", "w1:1,w2:1", "--rdzv-endpoint", "127.0.0.1", "--no-python", "./run.sh"]);
+    let node = head_node_plan(&args, &h).unwrap();
+    assert!(matches!(&node, Err(PlanError::Program(m)) if m.contains("'./run.sh' not found")), "{node:?}");
+    assert!(RemotePlan::resolve(&args, &h, Path::new(EXE)).is_ok());
+    let args = parse(&["-H", "w1:1,w2:1", "--rdzv-endpoint", "127.0.0.1", "--chdir", chdir, "--no-python", "./run.sh"]);
+    let node = head_node_plan(&args, &h).unwrap().unwrap();
+    assert_eq!(node.program.exe, shared.path().join("./run.sh"));
+    let args = parse(&["-H", "w1:1", "--rdzv-endpoint", "127.0.0.1", "--chdir", chdir, "--monitor-interval", "soon", "--no-python", "./run.sh"]);
+    let err = head_node_plan(&args, &h).unwrap_err().to_string();
+    assert!(err.contains("invalid value 'soon' for --monitor-interval"), "{err}");
+}
+
+/// `--rdzv-tls-ca` with an external daemon: the head reads and checks the CA, which every agent gets
+/// in its launch plan; the head's own rendezvous is plaintext, so there it is only a note.
+#[test]
+fn the_tls_ca_of_an_external_daemon_is_read_by_the_head() {
+    let dir = tempfile::tempdir().unwrap();
+    let ca = dir.path().join("ca.pem");
+    let key = rcgen::KeyPair::generate().unwrap();
+    let pem = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap().self_signed(&key).unwrap().pem();
+    std::fs::write(&ca, &pem).unwrap();
+    let ca_s = ca.to_str().unwrap();
+    let p = resolve(&["-H", "w1:1,w2:1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.0.0.9:29400", "--rdzv-tls-ca", ca_s, "true"]).unwrap();
+    assert_eq!(p.tls_ca, Some(TlsCa { path: ca.clone(), pem: pem.into_bytes() }));
+    assert!(super::super::dry_run::render(&p).contains(&format!("rsrun-rendezvous daemon at 10.0.0.9:29400, TLS verified with {ca_s}")));
+    std::fs::write(&ca, "-----BEGIN CERTIFICATE-----\nMIIB\n").unwrap();
+    let e = err(&["-H", "w1:1", "--rdzv-backend", "c10d", "--rdzv-endpoint", "10.0.0.9:29400", "--rdzv-tls-ca", ca_s, "true"]);
+    assert!(e.starts_with(&format!("invalid value '{ca_s}' for --rdzv-tls-ca: expected a file of PEM CA certificates")), "{e}");
+    let p = resolve(&["-H", "w1:1", "--rdzv-endpoint", "127.0.0.1", "--rdzv-tls-ca", "/nonexistent/ca.pem", "true"]).unwrap();
+    assert_eq!(p.tls_ca, None);
+    assert!(p.notes.iter().any(|n| n.starts_with("--rdzv-tls-ca is not used")), "{:?}", p.notes);
+}
+
+/// `--ssh-option` for one of rsrun's own ssh settings replaces it; a ConnectTimeout set so also sets
+/// how long the head waits for the agent to start.
+#[test]
+fn ssh_options_replace_rsrun_defaults() {
+    let p = resolve(&["-H", "w1:1", "--ssh-option", "ServerAliveInterval=5", "--ssh-option", "ConnectTimeout=45", "--rdzv-endpoint", "127.0.0.1", "true"]).unwrap();
+    assert_eq!(
+        argv(&p.nodes[0]),
+        [
+            "ssh", "-T", "-o", "BatchMode=yes", "-o", "ServerAliveCountMax=4", "-o", "ServerAliveInterval=5", "-o", "ConnectTimeout=45",
+            "--", "w1", "exec '/opt/rsrun/bin/rsrun' agent --stdin",
+        ]
+    );
+    assert_eq!(p.ssh.connect_timeout, Duration::from_secs(45));
+    assert_eq!(p.start_timeout, Duration::from_secs(45) + START_SLACK);
 }
