@@ -121,11 +121,10 @@ pub fn render(plan: &LaunchPlan) -> String {
     }
     match &plan.logs.dir {
         Some(d) => {
-            let _ = writeln!(
-                s,
-                "logs         : {}/attempt_<round>/<rank>/{{stdout,stderr}}.log",
-                d.join(&plan.job_id).display()
-            );
+            // The same path the run takes (the job id made a safe path component).
+            let attempt = plan.logs.attempt_dir(&plan.job_id, 0).unwrap_or_else(|| d.clone());
+            let job_dir = attempt.parent().unwrap_or(d.as_path());
+            let _ = writeln!(s, "logs         : {}/attempt_<round>/<rank>/{{stdout,stderr}}.log", job_dir.display());
         }
         None => {
             let _ = writeln!(s, "logs         : disabled (--log-dir /dev/null)");
@@ -147,7 +146,8 @@ pub fn render(plan: &LaunchPlan) -> String {
         agent_store: true,
         restart_count: 0,
         max_restarts: plan.max_restarts,
-        node_id: format!("{}:<pid>", plan.hostname),
+        // As the run makes it (crate::plan::node_id), the pid only known then.
+        node_id: crate::plan::node_id(&plan.hostname, 0).trim_end_matches("-0").to_owned() + "-<pid>",
         rdzv_endpoint: match &plan.rdzv {
             RdzvPlan::Static { master_addr, master_port, .. } => Some(format!("{master_addr}:{master_port}")),
             RdzvPlan::Standalone => Some("127.0.0.1:<port>".into()),

@@ -106,6 +106,17 @@ pub fn worker_env(
             "TORCHELASTIC_ERROR_FILE".into(),
             error_file.map(|p| p.display().to_string()).unwrap_or_default(),
         ),
+        // torchrun's workers see the signals its agent handles (torchrun.md §2): here, the ones
+        // that stop the job.
+        (
+            "TORCHELASTIC_SIGNALS_TO_HANDLE".into(),
+            plan.signals
+                .entries()
+                .filter(|(_, action)| *action == crate::signals::SignalAction::Stop)
+                .map(|(sig, _)| sig.as_str())
+                .collect::<Vec<_>>()
+                .join(","),
+        ),
     ];
     env.extend(plan.extra_env.iter().cloned());
     if let GpuBind::LocalRank(devices) = &plan.gpu_bind
@@ -182,6 +193,8 @@ mod tests {
         assert_eq!(get("TORCHELASTIC_RUN_ID"), Some("job7"));
         assert_eq!(get("TORCHELASTIC_USE_AGENT_STORE"), Some("True"));
         assert_eq!(get("TORCHELASTIC_ERROR_FILE"), Some("/l/attempt_3/6/error.json"));
+        // The signals that stop the job (the default policy: INT, TERM, HUP, QUIT), as torchrun.
+        assert_eq!(get("TORCHELASTIC_SIGNALS_TO_HANDLE"), Some("SIGHUP,SIGINT,SIGQUIT,SIGTERM"));
         assert_eq!(get("TORCH_NCCL_ASYNC_ERROR_HANDLING"), Some("1"));
         assert_eq!(get("OMP_NUM_THREADS"), Some("1"));
         assert_eq!(get("RSRUN_RDZV_ENDPOINT"), Some("10.0.0.9:29400"));

@@ -870,12 +870,24 @@ fn resolve_program(args: &LaunchArgs, host: &HostInfo, notes: &mut Vec<String>) 
     if name.ends_with(".py") {
         return python_script(notes);
     }
+    // A file of that name here comes first, as in torchrun (`rsrun test` runs ./test, not
+    // /usr/bin/test): an executable runs as it is, any other file under Python (torchrun runs
+    // scripts without the .py suffix that way).
+    let here = host.cwd.join(&name);
+    if !name.contains('/') && here.is_file() {
+        if let Some(on_path) = find_executable(&name, host) {
+            notes.push(format!(
+                "'{name}' is a file here and {} on PATH: running the file here (give the path to run the other)",
+                on_path.display()
+            ));
+        }
+        if is_executable(&here) {
+            return Ok(direct(here));
+        }
+        return python_script(notes);
+    }
     if let Some(exe) = find_executable(&name, host) {
         return Ok(direct(exe));
-    }
-    // torchrun runs any other file under Python (scripts without the .py suffix).
-    if host.cwd.join(&name).is_file() {
-        return python_script(notes);
     }
     Err(PlanError::Program(format!(
         "program '{name}' not found: not a file, and no executable of that name on PATH"
@@ -918,22 +930,24 @@ fn parse_rdzv_conf(s: &str, notes: &mut Vec<String>) -> Result<RdzvConf, PlanErr
         if v.is_empty() {
             return Err(invalid(FLAG, entry, "KEY=VALUE with a non-empty value"));
         }
+        // The key and its value in the error: "--rdzv-conf join_timeout=1e400".
+        let duration = |v: &str| parse_duration(v, FLAG).map_err(|_| invalid(FLAG, entry, format!("{k}=DURATION like 30, 2.5, 500ms, 30s, 5m or 1h")));
         match k {
-            "join_timeout" => conf.join = parse_duration(v, FLAG)?,
-            "last_call_timeout" => conf.last_call = parse_duration(v, FLAG)?,
-            "keep_alive_interval" => keep_alive = parse_duration(v, FLAG)?,
+            "join_timeout" => conf.join = duration(v)?,
+            "last_call_timeout" => conf.last_call = duration(v)?,
+            "keep_alive_interval" => keep_alive = duration(v)?,
             "keep_alive_max_attempt" => {
                 attempts = v.parse().ok().filter(|n| *n > 0).ok_or_else(|| invalid(FLAG, entry, "a count > 0"))?
             }
             "lease_timeout" | "heartbeat_timeout" => {
-                conf.lease = parse_duration(v, FLAG)?;
+                conf.lease = duration(v)?;
                 if conf.lease.is_zero() {
                     return Err(invalid(FLAG, entry, format!("{k}=SECONDS > 0")));
                 }
             }
-            "read_timeout" => conf.rpc = parse_duration(v, FLAG)?,
+            "read_timeout" => conf.rpc = duration(v)?,
             "keep_alive_timeout" => {
-                conf.give_up = parse_duration(v, FLAG)?;
+                conf.give_up = duration(v)?;
                 if conf.give_up.is_zero() {
                     return Err(invalid(FLAG, entry, "keep_alive_timeout=SECONDS > 0"));
                 }
@@ -946,7 +960,7 @@ fn parse_rdzv_conf(s: &str, notes: &mut Vec<String>) -> Result<RdzvConf, PlanErr
                 }
             }
             "timeout" => {
-                parse_duration(v, FLAG)?;
+                duration(v)?;
                 notes.push(format!("--rdzv-conf timeout={v}: not used by rsrun (the rendezvous waits join_timeout)"));
             }
             "close_timeout" | "store_type" | "cas_backoff_max_seconds" | "rank" => {
@@ -960,6 +974,17 @@ fn parse_rdzv_conf(s: &str, notes: &mut Vec<String>) -> Result<RdzvConf, PlanErr
     }
     if conf.lease < Duration::from_millis(100) {
         return Err(invalid(FLAG, s, "a lease (keep_alive_interval x keep_alive_max_attempt) of at least 100ms"));
+    }
+    // The service's ranges, checked here so the error names the flag (not a refused Join).
+    const HOUR: Duration = Duration::from_secs(3600);
+    for (what, value, max) in [
+        ("a lease (lease_timeout, or keep_alive_interval x keep_alive_max_attempt)", conf.lease, HOUR),
+        ("last_call_timeout", conf.last_call, 24 * HOUR),
+        ("join_timeout", conf.join, 24 * HOUR),
+    ] {
+        if value > max {
+            return Err(invalid(FLAG, s, format!("{what} of at most {max:?} (got {value:?})")));
+        }
     }
     Ok(conf)
 }

@@ -103,6 +103,20 @@ fn program_resolution() {
     }
     let e = LaunchPlan::resolve(&parse(&["nope.py"]), &h).unwrap_err().to_string();
     assert!(e.contains("nope.py") && e.contains("not found"), "{e}");
+    // A file here comes before a program of that name on PATH (torchrun's rule): a script runs
+    // under Python, an executable as it is, and a note names the one on PATH.
+    std::fs::write(dir.path().join("true"), "print(1)").unwrap();
+    if let Ok(plan) = LaunchPlan::resolve(&parse(&["true"]), &h) {
+        assert_eq!(plan.program.kind, ProgramKind::PythonScript);
+        assert!(plan.notes.iter().any(|n| n.contains("'true' is a file here and /usr/bin/true on PATH")), "{:?}", plan.notes);
+    }
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(dir.path().join("true"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let plan = LaunchPlan::resolve(&parse(&["true"]), &h).unwrap();
+    assert_eq!(plan.program.kind, ProgramKind::Executable);
+    assert_eq!(plan.program.exe, dir.path().join("true"));
     let e = err(&["definitely-not-a-program-xyz"]);
     assert!(e.contains("not found"), "{e}");
     assert!(err(&["-m", "--no-python", "x"]).contains("cannot be used together"));
@@ -362,6 +376,20 @@ fn monitor_interval_rdzv_conf_and_ssh_port_bounds() {
     assert!(d("timeout=abc").unwrap_err().to_string().contains("--rdzv-conf"));
     let p = d("timeout=900").unwrap();
     assert!(p.notes.iter().any(|n| n.contains("timeout=900: not used")), "{:?}", p.notes);
+    // A bad duration names its key; values past the service's ranges are refused here, naming
+    // the flag, instead of by a Join the service refuses.
+    let e = d("join_timeout=1e400").unwrap_err().to_string();
+    assert!(e.contains("join_timeout=1e400") && e.contains("join_timeout=DURATION"), "{e}");
+    for (conf, want) in [
+        ("keep_alive_interval=30m", "a lease (lease_timeout, or keep_alive_interval x keep_alive_max_attempt) of at most 3600s (got 5400s)"),
+        ("last_call_timeout=2d", "last_call_timeout=DURATION"),
+        ("last_call_timeout=25h", "last_call_timeout of at most 86400s (got 90000s)"),
+        ("join_timeout=100000", "join_timeout of at most 86400s"),
+    ] {
+        let e = d(conf).unwrap_err().to_string();
+        assert!(e.contains("--rdzv-conf") && e.contains(want), "{conf}: {e}");
+    }
+    assert!(d("lease_timeout=1h,last_call_timeout=24h,join_timeout=24h").is_ok());
     let e = LaunchArgs::try_parse_with_origins_from(["rsrun", "--ssh-port", "0", "true"]).unwrap_err().to_string();
     assert!(e.contains("--ssh-port") && e.contains("0"), "{e}");
 }
@@ -488,4 +516,18 @@ fn a_non_unicode_variable_is_left_out_of_the_host_env() {
     let env = unicode_env(vars.into_iter());
     assert_eq!(env.len(), 1);
     assert_eq!(env["PATH"], "/bin");
+}
+
+/// The dry run shows the paths and ids the run will use: the log directory of a job id that is
+/// not a plain path component (`..` becomes `_..`), and the node id's form (`host-<pid>`).
+#[test]
+fn the_dry_run_shows_the_log_directory_and_node_id_the_run_uses() {
+    let dir = tempfile::tempdir().unwrap();
+    let logs = dir.path().to_str().unwrap();
+    let p = resolve(&["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-id", "..", "--log-dir", logs, "true"]).unwrap();
+    let text = crate::dry_run::render(&p);
+    let want = p.logs.attempt_dir("..", 0).unwrap();
+    assert!(want.ends_with("_../attempt_0"), "{}", want.display());
+    assert!(text.contains(&format!("logs         : {}/attempt_<round>/", want.parent().unwrap().display())), "{text}");
+    assert!(text.contains("RSRUN_NODE_ID=testhost-<pid>"), "{text}");
 }

@@ -34,6 +34,7 @@ const TORCHRUN_VARS: &[&str] = &[
     "TORCHELASTIC_RUN_ID",
     "TORCHELASTIC_USE_AGENT_STORE",
     "TORCHELASTIC_ERROR_FILE",
+    "TORCHELASTIC_SIGNALS_TO_HANDLE",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING",
     "OMP_NUM_THREADS",
 ];
@@ -67,6 +68,7 @@ fn worker_environment_matches_torchrun() {
         assert_eq!(get("TORCHELASTIC_RESTART_COUNT"), "0");
         assert_eq!(get("TORCHELASTIC_MAX_RESTARTS"), "2");
         assert_eq!(get("TORCHELASTIC_USE_AGENT_STORE"), "True");
+        assert_eq!(get("TORCHELASTIC_SIGNALS_TO_HANDLE"), "SIGHUP,SIGINT,SIGQUIT,SIGTERM");
         assert_eq!(get("TORCH_NCCL_ASYNC_ERROR_HANDLING"), "1");
         assert_eq!(get("OMP_NUM_THREADS"), "1");
         assert_eq!(get("RSRUN_TEST_INHERITED"), "yes", "the launcher's environment is inherited");
