@@ -189,7 +189,12 @@ impl LineAssembler {
             self.seg_at = Some(now);
             bytes = &bytes[take..];
             if self.seg.len() == self.cap {
+                // A line cut at the cap keeps whole characters: the bytes of one cut in two go
+                // to the next line instead of showing as two invalid pieces.
+                let keep = self.seg.len() - utf8_tail(&self.seg);
+                let carry = if keep > 0 { self.seg.split_off(keep) } else { Vec::new() };
                 self.end_line(out);
+                self.seg = carry;
             }
         }
     }
@@ -307,6 +312,24 @@ fn escape_complete(seq: &[u8]) -> bool {
         Some(b']') => seq[2..].contains(&0x07),
         Some(_) => true,
     }
+}
+
+/// How many bytes at the end of `b` begin a UTF-8 character that is not complete (0 to 3).
+fn utf8_tail(b: &[u8]) -> usize {
+    for back in 1..=3.min(b.len()) {
+        let byte = b[b.len() - back];
+        if byte & 0xC0 == 0x80 {
+            continue; // a continuation byte: look further back for the lead
+        }
+        let need = match byte {
+            0xC0..=0xDF => 2,
+            0xE0..=0xEF => 3,
+            0xF0..=0xF7 => 4,
+            _ => return 0,
+        };
+        return if need > back { back } else { 0 };
+    }
+    0
 }
 
 #[cfg(test)]

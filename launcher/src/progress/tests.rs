@@ -196,6 +196,18 @@ fn long_lines_are_cut_at_the_cap() {
     assert!(a.seg.capacity() <= 64 && a.last.capacity() <= 64, "memory is bounded");
 }
 
+/// A line cut at the cap keeps whole UTF-8 characters: "aé" + "€" at a cap of 4 bytes is cut
+/// after "aé" (3 bytes), and the euro sign starts the next piece.
+#[test]
+fn a_cut_line_keeps_whole_characters() {
+    let got = run(ConsoleMode::Plain, 4, &[(0, "aé€\n".as_bytes())]);
+    assert_eq!(got, vec![(0, line("aé", Show::Print)), (0, line("€", Show::Print))]);
+    assert_eq!(utf8_tail("a€".as_bytes()), 0);
+    assert_eq!(utf8_tail(&"a€".as_bytes()[..3]), 2);
+    assert_eq!(utf8_tail(&[b'a', 0xF0]), 1);
+    assert_eq!(utf8_tail(&[0x80, 0x80, 0x80]), 0, "not UTF-8 at all: cut where the cap is");
+}
+
 #[test]
 fn deadlines_never_spin() {
     // After every poll at its deadline, the next deadline is later (or gone).
