@@ -540,6 +540,20 @@ fn sanitize_path_component(s: &str) -> String {
     if s == "." || s == ".." || s.is_empty() { format!("_{s}") } else { s }
 }
 
+/// `--rdzv-tls-ca FILE` (relative to `host`'s working directory), read and checked: the path and
+/// its PEM certificates.
+///
+/// # Errors
+/// An unreadable file, or one without PEM certificates, naming the flag and the file.
+pub(crate) fn read_tls_ca(path: &Path, host: &HostInfo) -> Result<(PathBuf, Vec<u8>), PlanError> {
+    let p = host.cwd.join(path);
+    let pem = rsrun_rendezvous::files::read_bounded(&p)
+        .map_err(|e| invalid("--rdzv-tls-ca", &path.display().to_string(), format!("a readable PEM file ({e})")))?;
+    rsrun_rendezvous::client::check_pem_certificates(&pem)
+        .map_err(|why| invalid("--rdzv-tls-ca", &path.display().to_string(), format!("a file of PEM CA certificates (it {why})")))?;
+    Ok((p, pem))
+}
+
 /// The prefix macros accepted in `--log-prefix`.
 pub const PREFIX_MACROS: &[&str] = &["rank", "local_rank", "node_rank", "role_name", "hostname", "round"];
 
@@ -1470,15 +1484,7 @@ impl LaunchPlan {
         };
 
         // TLS to the daemon.
-        let read_ca = |path: &PathBuf| {
-            let p = host.cwd.join(path);
-            let pem = rsrun_rendezvous::files::read_bounded(&p)
-                .map_err(|e| invalid("--rdzv-tls-ca", &path.display().to_string(), format!("a readable PEM file ({e})")))?;
-            rsrun_rendezvous::client::check_pem_certificates(&pem).map_err(|why| {
-                invalid("--rdzv-tls-ca", &path.display().to_string(), format!("a file of PEM CA certificates (it {why})"))
-            })?;
-            Ok::<_, PlanError>(p)
-        };
+        let read_ca = |path: &PathBuf| read_tls_ca(path, host).map(|(p, _)| p);
         let tls_ca = match (&args.rdzv_tls_ca, &rdzv) {
             (None, _) => None,
             (Some(path), RdzvPlan::Group { .. }) => Some(read_ca(path)?),

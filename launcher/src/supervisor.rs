@@ -677,9 +677,7 @@ impl<'a> Group<'a> {
                 message: None,
                 // A worker that ended by SIGTERM/SIGKILL after the root cause was stopped by rsrun; one that
                 // exited on its own meanwhile (a peer noticing the failure) is listed with its own code.
-                stopped_by_rsrun: !is_root
-                    && !causes.contains(&i)
-                    && matches!(exit_kind_of(s), Some(ExitKind::Signal(sig)) if sig == libc::SIGTERM || sig == libc::SIGKILL),
+                stopped_by_rsrun: !is_root && !causes.contains(&i) && s.exited.as_ref().is_some_and(|(k, _)| ended_by_a_stop(k)),
             }
         };
         let root = build(roots[0], true);
@@ -728,13 +726,14 @@ impl<'a> Group<'a> {
     }
 }
 
-fn exit_kind_of(s: &Slot) -> Option<ExitKind> {
-    s.exited.as_ref().map(|(k, _)| k.clone())
+/// The SIGTERM or SIGKILL of a stop.
+fn ended_by_a_stop(kind: &ExitKind) -> bool {
+    matches!(kind, ExitKind::Signal(s) if *s == libc::SIGTERM || *s == libc::SIGKILL)
 }
 
-/// A failure of the worker's own: not a success, and not the SIGTERM or SIGKILL of a stop.
+/// A failure of the worker's own: not a success, and not [`ended_by_a_stop`].
 fn failed_on_its_own(kind: &ExitKind) -> bool {
-    !matches!(kind, ExitKind::Code(0)) && !matches!(kind, ExitKind::Signal(s) if *s == libc::SIGTERM || *s == libc::SIGKILL)
+    !matches!(kind, ExitKind::Code(0)) && !ended_by_a_stop(kind)
 }
 
 #[derive(Debug, Default)]

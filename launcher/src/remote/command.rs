@@ -110,6 +110,13 @@ pub fn option_key(option: &str) -> &str {
     option.split(['=', ' ', '\t']).next().unwrap_or("").trim()
 }
 
+/// The value of an ssh `-o` option (what follows [`option_key`] and its separator).
+pub fn option_value(option: &str) -> &str {
+    let o = option.trim_start();
+    // The key ends at an ASCII separator (or the end), so this is a character boundary.
+    o.get(option_key(o).len()..).unwrap_or("").trim_start_matches(['=', ' ', '\t']).trim()
+}
+
 /// The argv of a local agent (no ssh).
 pub fn local_argv(rsrun: &Path) -> Vec<OsString> {
     let mut v = vec![rsrun.as_os_str().to_owned()];
@@ -183,6 +190,9 @@ mod tests {
         );
         assert_eq!(option_key("ServerAliveInterval=5"), "ServerAliveInterval");
         assert_eq!(option_key("ServerAliveInterval 5"), "ServerAliveInterval");
+        assert_eq!(option_value("ServerAliveInterval=5"), "5");
+        assert_eq!(option_value(" ConnectTimeout 30 "), "30");
+        assert_eq!(option_value("Compression"), "");
     }
 
     #[test]

@@ -12,7 +12,7 @@ use crate::cli::LaunchArgs;
 use crate::plan::{Endpoint, HostInfo, LaunchPlan, PlanError, parse_duration, random_id};
 use crate::signals::SignalPolicy;
 
-use super::command::{SshConfig, is_local_host, local_argv, ssh_argv};
+use super::command::{SshConfig, is_local_host, local_argv, option_key, option_value, ssh_argv};
 use super::env::{EnvSources, ForwardedEnv, forwarded_env};
 use super::RemoteHost;
 
@@ -334,10 +334,11 @@ impl RemotePlan {
         }
         // `--ssh-option ConnectTimeout=N` replaces --ssh-connect-timeout on ssh's command line (see
         // `command`; ssh keeps the first value): the start timeout follows it.
-        let user_connect_timeout = args.ssh_option.iter().find_map(|o| {
-            let (k, v) = o.split_once('=')?;
-            (k.trim().eq_ignore_ascii_case("ConnectTimeout")).then(|| v.trim().parse::<u64>().ok()).flatten().filter(|s| *s > 0)
-        });
+        let user_connect_timeout = args
+            .ssh_option
+            .iter()
+            .filter(|o| option_key(o).eq_ignore_ascii_case("ConnectTimeout"))
+            .find_map(|o| option_value(o).parse::<u64>().ok().filter(|s| *s > 0));
         let ssh = SshConfig {
             program,
             connect_timeout: Duration::from_secs(user_connect_timeout.unwrap_or(u64::from(args.ssh_connect_timeout))),
@@ -445,11 +446,7 @@ impl RemotePlan {
         let tls_ca = match (&args.rdzv_tls_ca, &rdzv) {
             (None, _) => None,
             (Some(p), RemoteRdzv::External { .. }) => {
-                let invalid = |expected: String| PlanError::Invalid { flag: "--rdzv-tls-ca", value: p.display().to_string(), expected };
-                let path = host.cwd.join(p);
-                let pem = rsrun_rendezvous::files::read_bounded(&path).map_err(|e| invalid(format!("a readable PEM file ({e})")))?;
-                rsrun_rendezvous::client::check_pem_certificates(&pem)
-                    .map_err(|why| invalid(format!("a file of PEM CA certificates (it {why})")))?;
+                let (path, pem) = crate::plan::read_tls_ca(p, host)?;
                 Some(TlsCa { path, pem })
             }
             (Some(_), RemoteRdzv::Embedded { .. }) => {
