@@ -59,7 +59,7 @@ use std::path::{Path, PathBuf};
 pub use format::{FORMAT_VERSION, FileMeta, Metadata, ParamMeta, Section, ShardHeader, UnitMeta};
 
 use crate::error::EngineError;
-use crate::layout::{FlatLayout, ShardState, Strategy};
+use crate::layout::{FlatLayout, ShardState, Strategy, UnitLayout};
 use format::{MAGIC, PREFIX};
 use fsutil::{commit_tmp, create_tmp, exchange, io, sync_dir, write_atomic};
 
@@ -664,34 +664,27 @@ impl Reader {
     }
 }
 
-/// A unit of `metadata.json` is what [`FlatLayout`] makes of its parameters: offsets back to
-/// back from 0, each numel the product of its shape, and the shard length the numel split
-/// over `shard_world` (at least 1), all without overflow. The reason when it is not.
+/// A unit of `metadata.json` must be what the engine's layout ([`UnitLayout::new`]) makes of its
+/// parameters over `shard_world` (at least 1) shards: each numel the product of its shape, offsets
+/// back to back from 0, and the shard length and padding it derives. The reason when it is not.
 fn check_unit(u: &UnitMeta, shard_world: usize) -> Result<(), String> {
-    let mut offset = 0usize;
     for p in &u.params {
-        let numel = p.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d));
-        if numel != Some(p.numel) {
+        if p.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)) != Some(p.numel) {
             return Err(format!("parameter {:?} has numel {} for shape {:?}", p.name, p.numel, p.shape));
         }
-        if p.offset != offset {
-            return Err(format!("parameter {:?} at offset {}, expected {offset}", p.name, p.offset));
-        }
-        offset = offset
-            .checked_add(p.numel)
-            .ok_or_else(|| format!("parameter {:?} ends past the address space", p.name))?;
     }
-    if offset != u.numel {
-        return Err(format!("numel {}, its parameters hold {offset}", u.numel));
+    let specs: Vec<(String, Vec<usize>)> = u.params.iter().map(|p| (p.name.clone(), p.shape.clone())).collect();
+    let want = UnitLayout::new(u.name.clone(), &specs, shard_world).map_err(|e| e.to_string())?;
+    if let Some((p, w)) = u.params.iter().zip(&want.params).find(|(p, w)| p.offset != w.offset) {
+        return Err(format!("parameter {:?} at offset {}, expected {}", p.name, p.offset, w.offset));
     }
-    let shard_len = u.numel.div_ceil(shard_world);
-    if u.shard_len != shard_len || shard_len.checked_mul(shard_world) != Some(u.padded_numel) {
+    if u.numel != want.numel {
+        return Err(format!("numel {}, its parameters hold {}", u.numel, want.numel));
+    }
+    if (u.shard_len, u.padded_numel) != (want.shard_len, want.padded_numel) {
         return Err(format!(
-            "shard_len {} and padded_numel {} for numel {} over {shard_world} shards (expected {shard_len} and {})",
-            u.shard_len,
-            u.padded_numel,
-            u.numel,
-            shard_len.saturating_mul(shard_world)
+            "shard_len {} and padded_numel {} for numel {} over {shard_world} shards (expected {} and {})",
+            u.shard_len, u.padded_numel, u.numel, want.shard_len, want.padded_numel
         ));
     }
     Ok(())
