@@ -482,7 +482,8 @@ fn run() -> anyhow::Result<()> {
                     return Err(BadInput(format!("cannot resume from {}: this run has {why}", dir.display())).into());
                 }
             }
-            None => tracing_note(rank, &format!("checkpoint {}: no data record of train's; the data order is not checked", dir.display())),
+            None if rank == 0 => eprintln!("train: note: checkpoint {}: no data record of train's; the data order is not checked", dir.display()),
+            None => {}
         }
         if rank == 0 && args.log_format == LogFormat::Text {
             println!("resumed from {} at step {start} (restart {})", dir.display(), restart_count());
@@ -716,13 +717,6 @@ mod signals {
     /// Whether a signal asked for a checkpoint since the last call.
     pub(super) fn take_save_request() -> bool {
         SAVE.swap(false, Ordering::SeqCst)
-    }
-}
-
-/// A note on rank 0's stderr.
-fn tracing_note(rank: usize, msg: &str) {
-    if rank == 0 {
-        eprintln!("train: note: {msg}");
     }
 }
 
