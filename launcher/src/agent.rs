@@ -201,7 +201,21 @@ where
                     rdzv.leave("shutdown requested").await;
                     return Ok(Outcome { exit_code: 1, report: None });
                 }
-                match rdzv.after_round_end(&assignment).await? {
+                // A fenced node waits here for the service's answer, up to keep_alive_timeout.
+                let fenced = rdzv.fenced();
+                if fenced {
+                    note(format!(
+                        "rsrun: round {} ended ({reason}); waiting up to {:?} (keep_alive_timeout) for the rendezvous service to answer",
+                        assignment.round, plan.timeouts.keep_alive_give_up
+                    ))
+                    .await;
+                }
+                let after = match interruptible(&cx.shutdown, &mut cx.signals, rdzv.after_round_end(&assignment)).await {
+                    Err(stop) => return Ok(leave_on(rdzv, stop).await),
+                    Ok(after) => after?,
+                };
+                match after {
+                    RoundEnd::Rejoin if fenced => note("rsrun: the rendezvous service answered; re-joining".to_owned()).await,
                     RoundEnd::Rejoin => {
                         note(format!("rsrun: round {} ended ({reason}); re-joining", assignment.round)).await;
                     }

@@ -72,8 +72,9 @@ pub struct LaunchArgs {
     pub rdzv_id: Option<String>,
 
     /// Rendezvous settings `k=v,...`: join_timeout, last_call_timeout, keep_alive_interval,
-    /// keep_alive_max_attempt, lease_timeout, read_timeout, keep_alive_timeout (how long the daemon
-    /// may stay unreachable before this node gives up, default 120), is_host (seconds unless noted).
+    /// keep_alive_max_attempt, lease_timeout (a node that cannot reach the daemon this long stops
+    /// its workers), read_timeout, keep_alive_timeout (how long the daemon may stay unreachable
+    /// before this node gives up, default 120), is_host (seconds unless noted).
     #[arg(long = "rdzv-conf", alias = "rdzv_conf", env = "PET_RDZV_CONF", default_value = "",
           value_name = "K=V,...", help_heading = "Rendezvous")]
     pub rdzv_conf: String,

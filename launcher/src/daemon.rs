@@ -30,7 +30,7 @@ use std::time::{Duration, Instant, UNIX_EPOCH};
 
 use anyhow::{Context, bail};
 use rsrun_rendezvous::RdzvError;
-use rsrun_rendezvous::client::{ClientConfig, JobSpec, JoinSpec, KeepAliveHandle, RdzvClient, proto};
+use rsrun_rendezvous::client::{ClientConfig, JobSpec, JoinSpec, KeepAliveHandle, KeepAlivePolicy, RdzvClient, proto};
 use rsrun_rendezvous::server::{EmbeddedServer, ServerConfig, spawn_with};
 use tokio::sync::watch;
 use tracing::{debug, info, warn};
@@ -343,9 +343,13 @@ impl DaemonRdzv {
             if self.keep_alive.is_some() {
                 debug!(job = %self.job, node = %self.node, "the previous keep-alive ended; starting a new one");
             }
-            let interval = (plan.timeouts.lease / 3).max(Duration::from_millis(30));
-            self.keep_alive =
-                Some(self.client.spawn_keep_alive_with(&self.job, &self.node, interval, plan.timeouts.keep_alive_give_up));
+            let policy = KeepAlivePolicy {
+                interval: (plan.timeouts.lease / 3).max(Duration::from_millis(30)),
+                // A service in this process cannot be cut off from this node: no fencing.
+                lease: self.embedded.is_none().then_some(plan.timeouts.lease),
+                give_up: plan.timeouts.keep_alive_give_up,
+            };
+            self.keep_alive = Some(self.client.spawn_keep_alive_with(&self.job, &self.node, policy));
         }
         if self.watch.as_ref().is_none_or(|w| w.has_changed().is_err()) {
             self.watch = Some(self.client.watch(&self.job, &self.node));
@@ -397,15 +401,18 @@ impl DaemonRdzv {
         ))
     }
 
-    /// Resolves when the round ends elsewhere: the job's round moved on, the job failed, or this node
-    /// lost its membership.
+    /// Resolves when the round ends elsewhere: the job's round moved on, the job failed, this node
+    /// lost its membership, or its lease lapsed at this end (self-fencing: no answer from the
+    /// service for a whole lease, after which the service may run a round without this node).
     pub(crate) fn round_end(&self, a: &RoundAssignment) -> RoundEndFuture {
         let round = a.round;
         let watch = self.watch.clone();
         let lost = self.keep_alive.as_ref().map(|k| k.lost.clone());
+        let lapsed = self.keep_alive.as_ref().map(|k| k.lapsed.clone());
         Box::pin(async move {
             let Some(mut watch) = watch else { return std::future::pending().await };
             let mut lost = lost;
+            let mut lapsed = lapsed;
             loop {
                 if let Some(v) = watch.borrow_and_update().as_ref() {
                     if v.state() == proto::JobState::Failed {
@@ -432,6 +439,18 @@ impl DaemonRdzv {
                             None => std::future::pending().await,
                         }
                     } => return reason,
+                    Some(why) = async {
+                        match lapsed.as_mut() {
+                            Some(l) => {
+                                let why = l.wait_for(Option::is_some).await.ok().and_then(|why| why.clone());
+                                match why {
+                                    Some(why) => Some(why),
+                                    None => std::future::pending().await,
+                                }
+                            }
+                            None => std::future::pending().await,
+                        }
+                    } => return format!("this node's lease lapsed: {why}; its workers are stopped before the service can start a round without them"),
                 }
             }
         })
@@ -545,12 +564,25 @@ impl DaemonRdzv {
         }
     }
 
+    /// Whether this node's lease lapsed at this end during its last round.
+    pub(crate) fn fenced(&self) -> bool {
+        self.keep_alive.as_ref().is_some_and(|k| k.lapsed.borrow().is_some())
+    }
+
     /// After the round ended elsewhere: re-join unless the job is over.
     ///
     /// # Errors
     /// The keep-alive gave up: the service stayed unreachable past `keep_alive_timeout`. Re-joining
     /// would wait out the join timeout against a service that is gone; this node stops instead.
+    ///
+    /// A node that fenced itself waits here until the service answers again (it had dropped this
+    /// node, or the keep-alive left for it) or the keep-alive gives up: up to `keep_alive_timeout`.
     pub(crate) async fn after_round_end(&mut self, _a: &RoundAssignment) -> anyhow::Result<RoundEnd> {
+        if self.fenced()
+            && let Some(k) = self.keep_alive.as_mut()
+        {
+            let _ = k.lost.wait_for(Option::is_some).await;
+        }
         let view = self.watch.as_ref().and_then(|w| w.borrow().clone());
         Ok(match view {
             Some(v) if v.state() == proto::JobState::Failed => job_failed(&v),
@@ -1051,7 +1083,8 @@ mod tests {
     async fn an_unreachable_service_is_an_error_naming_the_endpoint() {
         let srv = server().await;
         let addr = srv.addr;
-        let p = plan(addr, "1", "a", "read_timeout=1,keep_alive_timeout=0.2");
+        // A lease far longer than the give-up: the node gives up before it fences itself.
+        let p = plan(addr, "1", "a", "read_timeout=1,keep_alive_timeout=0.2,lease_timeout=60");
         let c = console();
         let mut a = DaemonRdzv::connect(&p, &c).await.unwrap();
         let ra = a.next_round(&p, &c).await.unwrap().unwrap();
@@ -1059,6 +1092,30 @@ mod tests {
         srv.shutdown().await.unwrap();
         let reason = tokio::time::timeout(Duration::from_secs(20), round_end).await.expect("the round never ended");
         assert!(reason.contains("lost its membership"), "{reason}");
+        let err = a.after_round_end(&ra).await.unwrap_err().to_string();
+        assert!(err.contains(&format!("lost contact with the rendezvous service at {addr}")), "{err}");
+    }
+
+    /// A node cut off from the service fences itself when its lease lapses at its end, well before
+    /// it gives up on the service (T4: its workers stop by its own lease, not after
+    /// keep_alive_timeout); it then waits for the give-up and ends naming the endpoint.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_node_cut_off_fences_itself_by_its_lease() {
+        let srv = server().await;
+        let addr = srv.addr;
+        let p = plan(addr, "1", "a", "lease_timeout=0.6,read_timeout=1,keep_alive_timeout=4");
+        let c = console();
+        let mut a = DaemonRdzv::connect(&p, &c).await.unwrap();
+        let ra = a.next_round(&p, &c).await.unwrap().unwrap();
+        assert!(!a.fenced());
+        let round_end = a.round_end(&ra);
+        srv.shutdown().await.unwrap();
+        let reason = tokio::time::timeout(Duration::from_secs(20), round_end).await.expect("the round never ended");
+        assert!(reason.contains("this node's lease lapsed"), "{reason}");
+        assert!(reason.contains(&addr.to_string()), "{reason}");
+        assert!(a.fenced());
+        // Fencing came first: the keep-alive had not given up yet.
+        assert!(a.keep_alive.as_ref().is_some_and(|k| k.lost.borrow().is_none()), "gave up before fencing");
         let err = a.after_round_end(&ra).await.unwrap_err().to_string();
         assert!(err.contains(&format!("lost contact with the rendezvous service at {addr}")), "{err}");
     }

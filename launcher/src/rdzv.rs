@@ -88,6 +88,12 @@ impl Rendezvous {
         self.0.finish(plan, a, console).await
     }
 
+    /// Whether this node fenced itself in its last round: its lease lapsed at this end (see
+    /// [`crate::daemon::DaemonRdzv::round_end`]).
+    pub fn fenced(&self) -> bool {
+        self.0.fenced()
+    }
+
     /// After the round ended elsewhere: re-join, or the job is over.
     ///
     /// # Errors

@@ -632,27 +632,82 @@ impl RdzvClient {
 
     /// Renews the lease every `interval` in the background until the handle is dropped. The handle
     /// reports the first error that means the node is out (its lease expired, the job is gone), or
-    /// that the service stayed unreachable for [`KEEP_ALIVE_GIVE_UP`].
+    /// that the service stayed unreachable for [`KEEP_ALIVE_GIVE_UP`]. It never fences the node
+    /// ([`KeepAlivePolicy::lease`] is `None`).
     pub fn spawn_keep_alive(&self, job: &str, node: &str, interval: Duration) -> KeepAliveHandle {
-        self.spawn_keep_alive_with(job, node, interval, KEEP_ALIVE_GIVE_UP)
+        self.spawn_keep_alive_with(job, node, KeepAlivePolicy { interval, lease: None, give_up: KEEP_ALIVE_GIVE_UP })
     }
 
-    /// [`RdzvClient::spawn_keep_alive`] with an explicit bound on how long the service may stay
-    /// unreachable (a daemon restart takes seconds; a dead head node never comes back).
-    pub fn spawn_keep_alive_with(&self, job: &str, node: &str, interval: Duration, give_up: Duration) -> KeepAliveHandle {
+    /// [`RdzvClient::spawn_keep_alive`] with an explicit policy: how long the service may stay
+    /// unreachable (a daemon restart takes seconds; a dead head node never comes back), and the
+    /// lease after which the node fences itself.
+    ///
+    /// Self-fencing: the service drops a node whose lease it has not renewed for the lease's
+    /// length, counted from when it received the last renewal, and may then start a round without
+    /// it. This side counts from when that renewal was *sent*, so it reaches the lease's end no
+    /// later than the service does, and says so on [`KeepAliveHandle::lapsed`]: the node's workers
+    /// must stop now, whether the service is gone or only this node is cut off. The task keeps
+    /// trying. Its next answer ends it: the service had dropped the node already (that error on
+    /// `lost`), or still counts it in (a restart of the service that outlasted the lease), and then
+    /// the node leaves, so that the others' round ends at once, and `lost` says
+    /// [`RdzvError::NotMember`]. Either way the node joins again. A service that never answers is
+    /// the give-up as before.
+    pub fn spawn_keep_alive_with(&self, job: &str, node: &str, policy: KeepAlivePolicy) -> KeepAliveHandle {
         let (tx, rx) = watch::channel(None);
+        let (lapsed_tx, lapsed) = watch::channel(None);
         let client = self.clone();
         let (job, node) = (job.to_string(), node.to_string());
         let task = tokio::spawn(async move {
-            let mut tick = tokio::time::interval(interval);
+            let mut tick = tokio::time::interval(policy.interval);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut last_ok = Instant::now();
+            // The service renewed the lease no earlier than this (the first tick is immediate and
+            // the join's answer renewed it before this task started).
+            let mut renewed_at = Instant::now();
+            let mut last_err = String::new();
+            let mut fenced = false;
             loop {
-                tick.tick().await;
-                match client.keep_alive(&job, &node).await {
-                    Ok(_) => last_ok = Instant::now(),
-                    Err(e) if e.is_retryable() || matches!(e, RdzvError::Timeout(_)) => {
-                        if last_ok.elapsed() >= give_up {
+                let attempt = async {
+                    tick.tick().await;
+                    let sent = Instant::now();
+                    (sent, client.keep_alive(&job, &node).await)
+                };
+                tokio::pin!(attempt);
+                let fence_at = policy.lease.filter(|_| !fenced).map(|lease| renewed_at + lease);
+                let (sent, result) = tokio::select! {
+                    r = &mut attempt => r,
+                    () = tokio::time::sleep_until(fence_at.unwrap_or_else(Instant::now)), if fence_at.is_some() => {
+                        fenced = true;
+                        let why = format!(
+                            "no keep-alive reached the rendezvous service at {} for {:.1?}, the length of this node's lease there{}",
+                            client.cfg.endpoint,
+                            renewed_at.elapsed(),
+                            if last_err.is_empty() { String::new() } else { format!(" (last error: {last_err})") }
+                        );
+                        tracing::warn!(%job, %node, "{why}: fencing this node");
+                        let _ = lapsed_tx.send(Some(why));
+                        attempt.await
+                    }
+                };
+                let result = match result {
+                    // Fenced, yet still a member there: leave, so that the others' round ends now.
+                    Ok(_) if fenced => client
+                        .leave(&job, &node, "its lease lapsed at the node, which stopped its workers")
+                        .await
+                        .map(|()| Err(RdzvError::NotMember {
+                            job: job.clone(),
+                            node: node.clone(),
+                            reason: "its lease lapsed at the node before the service answered again; it stopped its workers and left".into(),
+                        })),
+                    other => Ok(other),
+                };
+                match result {
+                    Ok(Ok(_)) => {
+                        last_ok = Instant::now();
+                        renewed_at = sent;
+                    }
+                    Ok(Err(e)) | Err(e) if e.is_retryable() || matches!(e, RdzvError::Timeout(_)) => {
+                        if last_ok.elapsed() >= policy.give_up {
                             let _ = tx.send(Some(RdzvError::Unavailable(format!(
                                 "rendezvous service at {} unreachable for {:?} (last error: {e})",
                                 client.cfg.endpoint,
@@ -661,15 +716,16 @@ impl RdzvClient {
                             return;
                         }
                         tracing::warn!(%job, %node, error = %e, "keep-alive failed, retrying");
+                        last_err = e.to_string();
                     }
-                    Err(e) => {
+                    Ok(Err(e)) | Err(e) => {
                         let _ = tx.send(Some(e));
                         return;
                     }
                 }
             }
         });
-        KeepAliveHandle { task, lost: rx }
+        KeepAliveHandle { task, lost: rx, lapsed }
     }
 
     /// Reports a worker failure; the answer says restart (re-join) or failed.
@@ -748,6 +804,23 @@ pub struct KeepAliveHandle {
     task: tokio::task::JoinHandle<()>,
     /// Becomes `Some` when the node is out of the job (lease expired, job gone).
     pub lost: watch::Receiver<Option<RdzvError>>,
+    /// Becomes `Some` (why) when the node's lease lapsed at this end: its workers must stop (see
+    /// [`RdzvClient::spawn_keep_alive_with`]). `lost` follows once the service answers again or
+    /// the task gives up.
+    pub lapsed: watch::Receiver<Option<String>>,
+}
+
+/// How a background keep-alive renews, fences and gives up.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KeepAlivePolicy {
+    /// Period of the renewals.
+    pub interval: Duration,
+    /// The node's lease at the service: once no renewal has been answered for this long, counted
+    /// from when the last answered one was sent, the node fences itself. `None`: never (the
+    /// service lives in this process, or the caller has no workers to stop).
+    pub lease: Option<Duration>,
+    /// How long the service may stay unreachable before the node is reported lost.
+    pub give_up: Duration,
 }
 
 impl Drop for KeepAliveHandle {

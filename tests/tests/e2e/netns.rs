@@ -248,7 +248,8 @@ fn three_hosts_a_partitioned_host_ends_the_round_and_leaves_no_worker() {
     let Some(net) = Netns::create(3) else { return };
     const HOSTS: usize = 3;
     const NPROC: usize = 2;
-    // A short lease; host 3's launcher gives up on an unreachable service after 4 s.
+    // A short lease; host 3's launcher stops its workers by its own lease, and gives up on an
+    // unreachable service after 15 s.
     const LEASE: Duration = Duration::from_secs(3);
     // The round must end within the lease + 1 s; the rest is slack for this loaded 2-core machine.
     const SLACK: Duration = Duration::from_secs(6);
@@ -291,7 +292,7 @@ fn three_hosts_a_partitioned_host_ends_the_round_and_leaves_no_worker() {
     );
     let host_dir = |h: usize| -> PathBuf { dir.path().join(format!("h{}", h + 1)) };
     let conf = format!(
-        "last_call_timeout=0.5,join_timeout=60,lease_timeout={},keep_alive_interval=1,keep_alive_timeout=4,read_timeout=1",
+        "last_call_timeout=0.5,join_timeout=60,lease_timeout={},keep_alive_interval=1,keep_alive_timeout=15,read_timeout=1",
         LEASE.as_secs()
     );
     let mut nodes: Vec<Watched> = (0..HOSTS)
@@ -386,10 +387,16 @@ fn three_hosts_a_partitioned_host_ends_the_round_and_leaves_no_worker() {
         assert!(gone, "node{} workers {p:?} survived the round", h + 1);
     }
 
-    // Host 3's launcher, cut off, stops its workers and exits naming the endpoint.
+    // Host 3's launcher, cut off, stops its workers by its own lease (T4), long before it gives up
+    // on the service, and then exits naming the endpoint.
     let stopped = wait_until(Duration::from_secs(45), || pids[2].iter().all(|&w| !alive(w)));
     assert!(stopped, "node3's workers {:?} still run {:?} after the partition:\n{}", pids[2], down.elapsed(), all_text(&nodes));
     let host3_stopped = down.elapsed();
+    assert!(
+        host3_stopped <= LEASE + Duration::from_secs(1) + SLACK,
+        "node3's workers stopped {host3_stopped:?} after the partition, not by its lease {LEASE:?}:\n{}",
+        all_text(&nodes)
+    );
     let st = nodes[2].wait_exit(Duration::from_secs(45));
     let host3_exited = down.elapsed();
     let st = st.unwrap_or_else(|| panic!("node3's launcher still runs {host3_exited:?} after the partition:\n{}", all_text(&nodes)));
