@@ -250,8 +250,10 @@ impl<'a> Group<'a> {
                 let log_err = |e: std::io::Error| anyhow::anyhow!("log directory {} (--log-dir): {e}", dir.display());
                 std::fs::create_dir_all(dir).map_err(log_err)?;
                 let error_file = dir.join("error.json");
-                // A stale error file from an earlier run must not be taken for this worker's.
-                let _ = std::fs::remove_file(&error_file);
+                // A round's rank starts once per run: files here are an earlier run's of the same
+                // job id (whose rounds counted from 1 again). Kept, not truncated; and its error
+                // file is not taken for this worker's.
+                set_aside_earlier_run(dir).map_err(log_err)?;
                 (
                     Some(std::fs::File::create(dir.join("stdout.log")).map_err(log_err)?),
                     Some(std::fs::File::create(dir.join("stderr.log")).map_err(log_err)?),
@@ -736,6 +738,27 @@ fn failed_on_its_own(kind: &ExitKind) -> bool {
     !matches!(kind, ExitKind::Code(0)) && !ended_by_a_stop(kind)
 }
 
+/// The files of one worker's log directory.
+const WORKER_FILES: [&str; 3] = ["stdout.log", "stderr.log", "error.json"];
+
+/// Renames the files an earlier run left in a worker's log directory to `NAME.N`, with the first N
+/// that none of them has (1 for the oldest run), so that this run's files start empty and every
+/// earlier run's stay together. Returns that N, or `None` when there was nothing to keep.
+fn set_aside_earlier_run(dir: &std::path::Path) -> std::io::Result<Option<u32>> {
+    let present: Vec<&str> = WORKER_FILES.into_iter().filter(|f| dir.join(f).symlink_metadata().is_ok()).collect();
+    if present.is_empty() {
+        return Ok(None);
+    }
+    let taken = |n: u32| WORKER_FILES.iter().any(|f| dir.join(format!("{f}.{n}")).symlink_metadata().is_ok());
+    let Some(n) = (1..=u32::MAX).find(|&n| !taken(n)) else {
+        return Err(std::io::Error::other("no free NAME.N to keep an earlier run's logs under"));
+    };
+    for f in present {
+        std::fs::rename(dir.join(f), dir.join(format!("{f}.{n}")))?;
+    }
+    Ok(Some(n))
+}
+
 #[derive(Debug, Default)]
 struct DupFiles {
     stdout: Option<DuplicateSink>,
@@ -999,5 +1022,26 @@ mod tests {
         file2.lock().unwrap().write_all(b"agent 1: loss=2\n").unwrap();
         let path = plan.logs.attempt_dir(&plan.job_id, 0).unwrap().join("filtered_stdout.log");
         assert_eq!(std::fs::read_to_string(path).unwrap(), "agent 0: loss=1\nagent 1: loss=2\n");
+    }
+
+    /// A re-run of a job id whose rounds count from 1 again keeps the earlier run's files.
+    #[test]
+    fn an_earlier_runs_worker_files_are_kept_under_a_number() {
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path();
+        assert_eq!(set_aside_earlier_run(dir).unwrap(), None);
+        std::fs::write(dir.join("stdout.log"), "run 1").unwrap();
+        std::fs::write(dir.join("error.json"), "{}").unwrap();
+        assert_eq!(set_aside_earlier_run(dir).unwrap(), Some(1));
+        assert!(!dir.join("stdout.log").exists() && !dir.join("error.json").exists());
+        std::fs::write(dir.join("stdout.log"), "run 2").unwrap();
+        std::fs::write(dir.join("stderr.log"), "run 2 err").unwrap();
+        // stderr.log.1 is free, but N names a whole earlier run: run 2 is 2.
+        assert_eq!(set_aside_earlier_run(dir).unwrap(), Some(2));
+        assert_eq!(std::fs::read_to_string(dir.join("stdout.log.1")).unwrap(), "run 1");
+        assert_eq!(std::fs::read_to_string(dir.join("error.json.1")).unwrap(), "{}");
+        assert_eq!(std::fs::read_to_string(dir.join("stdout.log.2")).unwrap(), "run 2");
+        assert_eq!(std::fs::read_to_string(dir.join("stderr.log.2")).unwrap(), "run 2 err");
+        assert!(!dir.join("stderr.log.1").exists());
     }
 }

@@ -33,6 +33,28 @@ fn per_rank_files_and_prefixed_console() {
     }
 }
 
+/// Running the same job id again in the same place (torchrun's default id, "none", every time)
+/// starts its rounds at 1 again: the earlier run's files are kept as `NAME.1`, not truncated.
+#[test]
+fn a_rerun_keeps_the_earlier_runs_files() {
+    let dir = tempfile::tempdir().unwrap();
+    for n in 1..=2 {
+        // The static backend: node rank 0 hosts the rendezvous; the job id is "none".
+        let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port().to_string();
+        let out = run(rsrun(dir.path())
+            .env("RUN", n.to_string())
+            .args(["--rdzv-backend", "static", "--master-addr", "127.0.0.1", "--master-port", &port])
+            .args(["sh", "-c", "echo run-$RUN; echo err-$RUN >&2"]));
+        assert_eq!(code(&out.status), 0, "{}", text(&out));
+    }
+    let attempts = attempt_dirs(&dir.path().join(".rsrun/logs"));
+    assert_eq!(attempts.len(), 1, "{attempts:?}");
+    let d = attempts[0].join("0");
+    assert_eq!(std::fs::read_to_string(d.join("stdout.log")).unwrap(), "run-2\n");
+    assert_eq!(std::fs::read_to_string(d.join("stdout.log.1")).unwrap(), "run-1\n");
+    assert_eq!(std::fs::read_to_string(d.join("stderr.log.1")).unwrap(), "err-1\n");
+}
+
 #[test]
 fn filters_redirects_and_prefix_template() {
     let dir = tempfile::tempdir().unwrap();
