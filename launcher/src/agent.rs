@@ -205,7 +205,7 @@ where
                 let fenced = rdzv.fenced();
                 if fenced {
                     note(format!(
-                        "rsrun: round {} ended ({reason}); waiting up to {:?} (keep_alive_timeout) for the rendezvous service to answer",
+                        "rsrun: round {} ended ({reason}); waiting for the rendezvous service to answer (this node gives up {:?} after its last answer: keep_alive_timeout)",
                         assignment.round, plan.timeouts.keep_alive_give_up
                     ))
                     .await;

@@ -39,7 +39,7 @@ use crate::env::RoundAssignment;
 use crate::logs::{ConsoleEvent, ConsoleTx};
 use crate::plan::{Endpoint, HostMode, LaunchPlan, RdzvPlan, StartError};
 use crate::reach;
-use crate::rdzv::{Decision, RoundEnd, RoundEndFuture, free_port};
+use crate::rdzv::{Decision, RoundEnd, RoundEndCause, RoundEndFuture, free_port};
 use crate::report::{ExitKind, WorkerFailure};
 
 /// Deadline of the best-effort calls made on the way out (leave, failure report).
@@ -73,6 +73,9 @@ pub struct DaemonRdzv {
     left: bool,
     /// Cancelled when the service is known to be gone (it lived in a head that died).
     gone: Option<tokio_util::sync::CancellationToken>,
+    /// How long before its lease's end this node fences itself: min(`--shutdown-timeout`, a third
+    /// of the lease), the longest its workers get between SIGTERM and SIGKILL then.
+    fence_margin: Duration,
 }
 
 impl DaemonRdzv {
@@ -198,12 +201,19 @@ impl DaemonRdzv {
             keep_alive: None,
             left: false,
             gone: None,
+            // The time a fenced node's workers get to stop before its lease ends.
+            fence_margin: plan.timeouts.shutdown.min(plan.timeouts.lease / 3),
         })
     }
 
     /// Joins the next round (showing who joined while waiting) and returns this node's assignment, or
     /// `None` when the job completed while this node waited (a spare).
     pub(crate) async fn next_round(&mut self, plan: &LaunchPlan, console: &ConsoleTx) -> anyhow::Result<Option<RoundAssignment>> {
+        // A node that fenced itself (in a round that then ended some other way: a restart, the
+        // exit barrier) joins once its keep-alive has left or learned it was dropped; a join
+        // before that could come back with the round it fenced itself from, or be undone by the
+        // leave.
+        self.settle_fence().await;
         let master_port = free_port().context("cannot reserve a port for MASTER_PORT")?;
         let spec = JoinSpec {
             job_id: self.job.clone(),
@@ -347,6 +357,7 @@ impl DaemonRdzv {
                 interval: (plan.timeouts.lease / 3).max(Duration::from_millis(30)),
                 // A service in this process cannot be cut off from this node: no fencing.
                 lease: self.embedded.is_none().then_some(plan.timeouts.lease),
+                margin: self.fence_margin,
                 give_up: plan.timeouts.keep_alive_give_up,
             };
             self.keep_alive = Some(self.client.spawn_keep_alive_with(&self.job, &self.node, policy));
@@ -409,6 +420,7 @@ impl DaemonRdzv {
         let watch = self.watch.clone();
         let lost = self.keep_alive.as_ref().map(|k| k.lost.clone());
         let lapsed = self.keep_alive.as_ref().map(|k| k.lapsed.clone());
+        let margin = self.fence_margin;
         Box::pin(async move {
             let Some(mut watch) = watch else { return std::future::pending().await };
             let mut lost = lost;
@@ -416,16 +428,16 @@ impl DaemonRdzv {
             loop {
                 if let Some(v) = watch.borrow_and_update().as_ref() {
                     if v.state() == proto::JobState::Failed {
-                        return format!("the job failed: {}", v.reason);
+                        return format!("the job failed: {}", v.reason).into();
                     }
                     if v.round > round {
-                        return if v.reason.is_empty() { "a new round started".to_owned() } else { v.reason.clone() };
+                        return if v.reason.is_empty() { "a new round started".to_owned() } else { v.reason.clone() }.into();
                     }
                 }
                 tokio::select! {
                     changed = watch.changed() => {
                         if changed.is_err() {
-                            return "lost contact with the job at the rendezvous".to_owned();
+                            return "lost contact with the job at the rendezvous".to_owned().into();
                         }
                     }
                     Some(reason) = async {
@@ -438,7 +450,7 @@ impl DaemonRdzv {
                             }
                             None => std::future::pending().await,
                         }
-                    } => return reason,
+                    } => return reason.into(),
                     Some(why) = async {
                         match lapsed.as_mut() {
                             Some(l) => {
@@ -450,7 +462,10 @@ impl DaemonRdzv {
                             }
                             None => std::future::pending().await,
                         }
-                    } => return format!("this node's lease lapsed: {why}; its workers are stopped before the service can start a round without them"),
+                    } => return RoundEndCause {
+                        reason: format!("this node's lease lapsed: {why}; its workers are stopped before the service can start a round without them"),
+                        grace: Some(margin),
+                    },
                 }
             }
         })
@@ -569,6 +584,16 @@ impl DaemonRdzv {
         self.keep_alive.as_ref().is_some_and(|k| k.lapsed.borrow().is_some())
     }
 
+    /// When fenced: waits for the keep-alive's end (it left, was dropped, or gave up: bounded by
+    /// `keep_alive_timeout`).
+    async fn settle_fence(&mut self) {
+        if self.fenced()
+            && let Some(k) = self.keep_alive.as_mut()
+        {
+            let _ = k.lost.wait_for(Option::is_some).await;
+        }
+    }
+
     /// After the round ended elsewhere: re-join unless the job is over.
     ///
     /// # Errors
@@ -578,11 +603,7 @@ impl DaemonRdzv {
     /// A node that fenced itself waits here until the service answers again (it had dropped this
     /// node, or the keep-alive left for it) or the keep-alive gives up: up to `keep_alive_timeout`.
     pub(crate) async fn after_round_end(&mut self, _a: &RoundAssignment) -> anyhow::Result<RoundEnd> {
-        if self.fenced()
-            && let Some(k) = self.keep_alive.as_mut()
-        {
-            let _ = k.lost.wait_for(Option::is_some).await;
-        }
+        self.settle_fence().await;
         let view = self.watch.as_ref().and_then(|w| w.borrow().clone());
         Ok(match view {
             Some(v) if v.state() == proto::JobState::Failed => job_failed(&v),
@@ -719,8 +740,8 @@ fn nonempty(s: String, default: &str) -> String {
 
 /// Whether a keep-alive still renews the lease: it has not reported this node out, and its task runs.
 fn keep_alive_live(k: &KeepAliveHandle) -> bool {
-    // `has_changed` fails once the task ended (its sender is gone).
-    k.lost.borrow().is_none() && k.lost.has_changed().is_ok()
+    // `has_changed` fails once the task ended (its sender is gone). A fenced one renews nothing.
+    k.lost.borrow().is_none() && k.lost.has_changed().is_ok() && k.lapsed.borrow().is_none()
 }
 
 /// How a job ended, as a refusal says it.
@@ -1090,8 +1111,9 @@ mod tests {
         let ra = a.next_round(&p, &c).await.unwrap().unwrap();
         let round_end = a.round_end(&ra);
         srv.shutdown().await.unwrap();
-        let reason = tokio::time::timeout(Duration::from_secs(20), round_end).await.expect("the round never ended");
-        assert!(reason.contains("lost its membership"), "{reason}");
+        let cause = tokio::time::timeout(Duration::from_secs(20), round_end).await.expect("the round never ended");
+        assert!(cause.reason.contains("lost its membership"), "{cause:?}");
+        assert_eq!(cause.grace, None);
         let err = a.after_round_end(&ra).await.unwrap_err().to_string();
         assert!(err.contains(&format!("lost contact with the rendezvous service at {addr}")), "{err}");
     }
@@ -1110,10 +1132,13 @@ mod tests {
         assert!(!a.fenced());
         let round_end = a.round_end(&ra);
         srv.shutdown().await.unwrap();
-        let reason = tokio::time::timeout(Duration::from_secs(20), round_end).await.expect("the round never ended");
-        assert!(reason.contains("this node's lease lapsed"), "{reason}");
-        assert!(reason.contains(&addr.to_string()), "{reason}");
+        let cause = tokio::time::timeout(Duration::from_secs(20), round_end).await.expect("the round never ended");
+        assert!(cause.reason.contains("this node's lease lapsed"), "{cause:?}");
+        assert!(cause.reason.contains(&addr.to_string()), "{cause:?}");
+        // The workers get at most a third of the lease (less than --shutdown-timeout here) to stop.
+        assert_eq!(cause.grace, Some(Duration::from_millis(200)));
         assert!(a.fenced());
+        assert!(!a.keep_alive.as_ref().is_some_and(keep_alive_live), "a fenced keep-alive would be kept for the next round");
         // Fencing came first: the keep-alive had not given up yet.
         assert!(a.keep_alive.as_ref().is_some_and(|k| k.lost.borrow().is_none()), "gave up before fencing");
         let err = a.after_round_end(&ra).await.unwrap_err().to_string();

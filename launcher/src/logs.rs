@@ -13,7 +13,6 @@
 //! writes them and nothing is lost at exit.
 
 use std::collections::VecDeque;
-use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -127,7 +126,54 @@ impl Tail {
 pub type SharedTail = Arc<Mutex<Tail>>;
 
 /// `--duplicate-std*-filters`: the substrings, and the attempt's shared filtered file.
-pub type DuplicateSink = (Arc<Vec<String>>, Arc<Mutex<std::fs::File>>);
+pub type DuplicateSink = (Arc<Vec<String>>, Arc<tokio::sync::Mutex<LogFile>>);
+
+/// A log file written off the launcher's thread. The launcher runs on one thread; a plain write
+/// to a slow or hung disk (NFS) would hold up its keep-alives, signals and every other worker's
+/// output. Each write here runs on tokio's blocking pool instead, one at a time per file, so such a
+/// disk holds up only this stream: its pipe fills and its worker waits, as if it wrote the file
+/// itself. A failed write is reported once, naming the file, and the file is dropped.
+#[derive(Debug)]
+pub struct LogFile {
+    file: Option<tokio::fs::File>,
+    path: std::path::PathBuf,
+}
+
+impl LogFile {
+    /// Wraps a file opened (created, or opened for appending) at `path`.
+    pub fn new(file: std::fs::File, path: std::path::PathBuf) -> Self {
+        LogFile { file: Some(tokio::fs::File::from_std(file)), path }
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &std::path::Path {
+        &self.path
+    }
+
+    /// Writes `bytes` in one `write_all` (a line of a shared file never interleaves with another
+    /// writer's). An error, here or from the previous write, ends the file's writing.
+    pub async fn write(&mut self, bytes: &[u8]) {
+        use tokio::io::AsyncWriteExt;
+        let Some(file) = self.file.as_mut() else { return };
+        if let Err(err) = file.write_all(bytes).await {
+            self.failed(&err);
+        }
+    }
+
+    /// Waits for the last write to land (its error, if any, is reported).
+    pub async fn flush(&mut self) {
+        use tokio::io::AsyncWriteExt;
+        let Some(file) = self.file.as_mut() else { return };
+        if let Err(err) = file.flush().await {
+            self.failed(&err);
+        }
+    }
+
+    fn failed(&mut self, err: &std::io::Error) {
+        tracing::warn!(path = %self.path.display(), %err, "cannot write the log file {}: {err}; continuing without it", self.path.display());
+        self.file = None;
+    }
+}
 
 /// A stream's way to the console.
 #[derive(Debug)]
@@ -144,7 +190,7 @@ pub struct ConsoleSink {
 #[derive(Debug, Default)]
 pub struct StreamSink {
     /// The per-rank log file.
-    pub file: Option<std::fs::File>,
+    pub file: Option<LogFile>,
     /// The console; `None` when filtered or redirected.
     pub console: Option<ConsoleSink>,
     /// Last lines, for the failure report.
@@ -162,10 +208,7 @@ const MAX_LINE: usize = 64 * 1024;
 /// Source ids of [`ConsoleEvent::Progress`].
 static NEXT_SOURCE: AtomicU64 = AtomicU64::new(0);
 
-/// Copies `reader` to the sink until EOF.
-///
-/// Writes to the log file are plain blocking writes: they land in the page cache and take
-/// microseconds, which is cheaper than bouncing each chunk through tokio's blocking pool.
+/// Copies `reader` to the sink until EOF, then waits for the log file's last write.
 pub async fn pump<R: AsyncRead + Unpin>(mut reader: R, kind: StreamKind, mut sink: StreamSink) {
     let source = NEXT_SOURCE.fetch_add(1, Ordering::Relaxed);
     let mode = sink.console.as_ref().map_or(ConsoleMode::Plain, |c| c.mode);
@@ -184,11 +227,8 @@ pub async fn pump<R: AsyncRead + Unpin>(mut reader: R, kind: StreamKind, mut sin
             Some(Ok(0)) => break,
             Some(Ok(n)) => {
                 let chunk = &buf[..n];
-                if let Some(file) = &mut sink.file
-                    && let Err(err) = file.write_all(chunk)
-                {
-                    tracing::warn!(%err, "cannot write a worker log file; continuing without it");
-                    sink.file = None;
+                if let Some(file) = &mut sink.file {
+                    file.write(chunk).await;
                 }
                 lines.push(chunk, now, &mut actions);
             }
@@ -206,6 +246,12 @@ pub async fn pump<R: AsyncRead + Unpin>(mut reader: R, kind: StreamKind, mut sin
     for action in actions.drain(..) {
         emit(&mut sink, kind, source, action).await;
     }
+    if let Some(file) = &mut sink.file {
+        file.flush().await;
+    }
+    if let Some((_, file)) = &sink.duplicate {
+        file.lock().await.flush().await;
+    }
 }
 
 async fn sleep_until(deadline: Option<tokio::time::Instant>) {
@@ -219,7 +265,7 @@ async fn emit(sink: &mut StreamSink, kind: StreamKind, source: u64, action: Acti
     let (text, show) = match action {
         Action::Update(text) => (text, None),
         Action::Line { text, show } => {
-            keep_line(sink, &text);
+            keep_line(sink, &text).await;
             (text, Some(show))
         }
     };
@@ -259,7 +305,7 @@ async fn emit(sink: &mut StreamSink, kind: StreamKind, source: u64, action: Acti
 }
 
 /// A finished line goes to the failure report's tail and the filtered logs.
-fn keep_line(sink: &StreamSink, line: &[u8]) {
+async fn keep_line(sink: &StreamSink, line: &[u8]) {
     if let Some(tail) = &sink.tail {
         tail.lock().unwrap_or_else(|e| e.into_inner()).push(line);
     }
@@ -271,8 +317,7 @@ fn keep_line(sink: &StreamSink, line: &[u8]) {
             let mut buf = Vec::with_capacity(line.len() + 1);
             buf.extend_from_slice(line);
             buf.push(b'\n');
-            let mut f = file.lock().unwrap_or_else(|e| e.into_inner());
-            let _ = f.write_all(&buf);
+            file.lock().await.write(&buf).await;
         }
     }
 }

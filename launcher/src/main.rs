@@ -125,6 +125,16 @@ fn launch(plan: LaunchPlan) -> anyhow::Result<i32> {
     Ok(outcome.exit_code)
 }
 
+/// How long the launcher's exit waits for blocking work still running (a log file's last write):
+/// a hung disk must not keep rsrun from exiting.
+const BLOCKING_AT_EXIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Shuts the runtime down, leaving behind blocking work that outlasts [`BLOCKING_AT_EXIT`]
+/// (dropping it would wait for that work without end).
+fn end_runtime(runtime: tokio::runtime::Runtime) {
+    runtime.shutdown_timeout(BLOCKING_AT_EXIT);
+}
+
 /// Runs `body` on a single-threaded runtime (workers are forked from its thread, and
 /// PR_SET_PDEATHSIG follows the forking thread) with the console on a thread of its own, and waits
 /// until the console has drained (every sender is gone once `body` returns).
@@ -144,7 +154,7 @@ where
         .spawn(move || console_loop(rx, console_modes))
         .context("cannot start the console thread")?;
     let outcome = runtime.block_on(body(tx, console_modes));
-    drop(runtime);
+    end_runtime(runtime);
     let _ = console.join();
     outcome
 }
@@ -329,7 +339,7 @@ fn agent_main() -> ExitCode {
             };
             rsrun_launcher::run(plan, cx).await
         });
-        drop(runtime);
+        end_runtime(runtime);
         let _ = console.join();
         outcome
     };

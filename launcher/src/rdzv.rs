@@ -44,8 +44,24 @@ pub enum RoundEnd {
     },
 }
 
-/// A future that resolves (with a reason) when the current round ends elsewhere.
-pub type RoundEndFuture = Pin<Box<dyn Future<Output = String> + Send>>;
+/// A future that resolves when the current round ends elsewhere.
+pub type RoundEndFuture = Pin<Box<dyn Future<Output = RoundEndCause> + Send>>;
+
+/// Why the current round ended elsewhere, and how its workers are stopped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RoundEndCause {
+    /// Why, for the console and the logs.
+    pub reason: String,
+    /// At most this long between SIGTERM and SIGKILL (`None`: `--shutdown-timeout`). A node that
+    /// fenced itself must have no worker left when its lease ends.
+    pub grace: Option<std::time::Duration>,
+}
+
+impl From<String> for RoundEndCause {
+    fn from(reason: String) -> Self {
+        RoundEndCause { reason, grace: None }
+    }
+}
 
 /// The rendezvous backend of this node: a member of a job kept by the rendezvous service, which is
 /// embedded (`--standalone`; node rank 0 of the static backend; a launcher hosting at its own

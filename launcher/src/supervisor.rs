@@ -38,8 +38,9 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, info_span, warn, Instrument};
 
 use crate::env::{RoundAssignment, worker_env};
-use crate::logs::{ConsoleModes, ConsoleSink, ConsoleTx, DuplicateSink, SharedTail, StreamKind, StreamSink, Tail, pump};
+use crate::logs::{ConsoleModes, ConsoleSink, ConsoleTx, DuplicateSink, LogFile, SharedTail, StreamKind, StreamSink, Tail, pump};
 use crate::plan::{LaunchPlan, expand_prefix};
+use crate::rdzv::RoundEndCause;
 use crate::report::{ErrorFileInfo, ExitKind, WorkerFailure, read_error_file};
 use crate::signals::{SignalAction, Signals};
 use crate::worker::{Guardian, SpawnSpec, WorkerProcess, spawn};
@@ -152,7 +153,7 @@ enum Ended {
 pub async fn run_group(
     ctx: &GroupContext<'_>,
     signals: &mut Signals,
-    stop: impl Future<Output = String>,
+    stop: impl Future<Output = RoundEndCause>,
     cancel: &CancellationToken,
 ) -> GroupOutcome {
     let a = ctx.assignment;
@@ -254,11 +255,11 @@ impl<'a> Group<'a> {
                 // job id (whose rounds counted from 1 again). Kept, not truncated; and its error
                 // file is not taken for this worker's.
                 set_aside_earlier_run(dir).map_err(log_err)?;
-                (
-                    Some(std::fs::File::create(dir.join("stdout.log")).map_err(log_err)?),
-                    Some(std::fs::File::create(dir.join("stderr.log")).map_err(log_err)?),
-                    Some(error_file),
-                )
+                let create = |name: &str| {
+                    let path = dir.join(name);
+                    std::fs::File::create(&path).map(|f| LogFile::new(f, path)).map_err(log_err)
+                };
+                (Some(create("stdout.log")?), Some(create("stderr.log")?), Some(error_file))
             }
             None => (None, None, None),
         };
@@ -347,7 +348,7 @@ impl<'a> Group<'a> {
     async fn monitor(
         &mut self,
         signals: &mut Signals,
-        stop: impl Future<Output = String>,
+        stop: impl Future<Output = RoundEndCause>,
         cancel: &CancellationToken,
     ) -> Ended {
         let plan = self.ctx.plan;
@@ -375,9 +376,10 @@ impl<'a> Group<'a> {
                     }
                     SignalAction::Ignore => info!(signal = %sig, "signal ignored (--signal-policy)"),
                 },
-                reason = &mut stop => {
+                cause = &mut stop => {
+                    let RoundEndCause { reason, grace: limit } = cause;
                     info!(%reason, "round ended elsewhere: stopping workers");
-                    self.stop(Signal::SIGTERM, grace, signals).await;
+                    self.stop(Signal::SIGTERM, limit.map_or(grace, |l| l.min(grace)), signals).await;
                     return self.after_stop(Ended::Done(GroupOutcome::Stopped(reason)));
                 }
                 Some((idx, status, at)) = self.exits.recv() => {
@@ -774,8 +776,14 @@ fn open_dup_files(plan: &LaunchPlan, a: &RoundAssignment) -> DupFiles {
         std::fs::create_dir_all(&dir).ok()?;
         // Agents of one node (one job, one round) share this file: it is appended to, never
         // truncated, and each line goes in one write (`logs::keep_line`), so their lines never mix.
-        let f = std::fs::OpenOptions::new().create(true).append(true).open(dir.join(name)).ok()?;
-        Some((Arc::new(needles.clone()), Arc::new(Mutex::new(f))))
+        let path = dir.join(name);
+        let f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .inspect_err(|err| tracing::warn!(path = %path.display(), %err, "cannot open the filtered log file {}: {err}; continuing without it", path.display()))
+            .ok()?;
+        Some((Arc::new(needles.clone()), Arc::new(tokio::sync::Mutex::new(LogFile::new(f, path)))))
     };
     DupFiles {
         stdout: open(&plan.logs.dup_stdout, "filtered_stdout.log"),
@@ -826,7 +834,7 @@ mod tests {
         };
         let Ok(mut group) = Group::start(&ctx) else { panic!("workers did not start") };
         let mut signals = Signals::none();
-        let outcome = match group.monitor(&mut signals, std::future::pending::<String>(), &CancellationToken::new()).await {
+        let outcome = match group.monitor(&mut signals, std::future::pending::<RoundEndCause>(), &CancellationToken::new()).await {
             Ended::Done(outcome) => outcome,
             Ended::Failed { causes, hang_idle } => {
                 let (root, others) = group.failures(&causes, hang_idle).await;
@@ -873,7 +881,7 @@ mod tests {
     }
 
     /// Runs a whole round of `plan` (`run_group`) with `signals` and `stop`.
-    async fn run_round(plan: &LaunchPlan, signals: &mut Signals, stop: impl Future<Output = String>) -> GroupOutcome {
+    async fn run_round(plan: &LaunchPlan, signals: &mut Signals, stop: impl Future<Output = RoundEndCause>) -> GroupOutcome {
         let a = assignment(plan.nproc_per_node);
         let (console, mut rx) = tokio::sync::mpsc::channel(1024);
         tokio::spawn(async move { while rx.recv().await.is_some() {} });
@@ -912,7 +920,7 @@ mod tests {
         let plan = plan_of(2, &["--log-dir", "/dev/null", "--shutdown-timeout", "2"], &script);
         let mut signals = Signals::none();
         sigterm_once(&signals, vec![dir.path().join("failing")], Duration::from_millis(400));
-        let outcome = run_round(&plan, &mut signals, std::future::pending::<String>()).await;
+        let outcome = run_round(&plan, &mut signals, std::future::pending::<RoundEndCause>()).await;
         assert!(matches!(outcome, GroupOutcome::Signalled(Signal::SIGTERM)), "{outcome:?}");
     }
 
@@ -928,7 +936,7 @@ mod tests {
         sigterm_once(&signals, ready.clone(), Duration::from_millis(400));
         let ended = async move {
             exist(&ready).await;
-            "round 0 ended elsewhere".to_owned()
+            RoundEndCause::from("round 0 ended elsewhere".to_owned())
         };
         let outcome = run_round(&plan, &mut signals, ended).await;
         assert!(matches!(outcome, GroupOutcome::Signalled(Signal::SIGTERM)), "{outcome:?}");
@@ -940,7 +948,7 @@ mod tests {
     async fn failure_tail_is_taken_after_the_pipes_are_drained() {
         let script = "yes 'a line of a long traceback, written just before the failure' | head -n 8000 >&2; echo LAST-LINE >&2; exit 1";
         let plan = plan_of(1, &["--log-dir", "/dev/null", "--shutdown-timeout", "1"], script);
-        let outcome = run_round(&plan, &mut Signals::none(), std::future::pending::<String>()).await;
+        let outcome = run_round(&plan, &mut Signals::none(), std::future::pending::<RoundEndCause>()).await;
         let GroupOutcome::Failed { root, .. } = outcome else { panic!("{outcome:?}") };
         assert_eq!(root.exit, ExitKind::Code(1));
         assert_eq!(root.stderr_tail.last().map(String::as_str), Some("LAST-LINE"), "{:?}", root.stderr_tail);
@@ -954,7 +962,7 @@ mod tests {
         let logs = dir.path().display().to_string();
         let script = r#"if [ $RANK = 0 ]; then trap '' TERM; printf '{"message": {"message": "RuntimeError: first", "extraInfo": {"py_callstack": "tb", "timestamp": "%s"}}}' "$(date +%s)" > "$TORCHELASTIC_ERROR_FILE.tmp"; mv "$TORCHELASTIC_ERROR_FILE.tmp" "$TORCHELASTIC_ERROR_FILE"; sleep 1; exit 1; fi; while [ ! -f "${TORCHELASTIC_ERROR_FILE%/1/error.json}/0/error.json" ]; do sleep 0.01; done; exit 1"#;
         let plan = plan_of(2, &["--log-dir", &logs, "--shutdown-timeout", "10"], script);
-        let outcome = run_round(&plan, &mut Signals::none(), std::future::pending::<String>()).await;
+        let outcome = run_round(&plan, &mut Signals::none(), std::future::pending::<RoundEndCause>()).await;
         let GroupOutcome::Failed { root, others, hang } = outcome else { panic!("{outcome:?}") };
         assert!(!hang);
         assert_eq!(root.rank, Some(0), "{root:?}");
@@ -974,7 +982,7 @@ mod tests {
         std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
             let plan = plan_of(1, &["--log-dir", &logs, "--shutdown-timeout", "1"], r#"mkfifo "$TORCHELASTIC_ERROR_FILE"; exit 1"#);
-            let outcome = rt.block_on(run_round(&plan, &mut Signals::none(), std::future::pending::<String>()));
+            let outcome = rt.block_on(run_round(&plan, &mut Signals::none(), std::future::pending::<RoundEndCause>()));
             let _ = tx.send(outcome);
         });
         let outcome = rx.recv_timeout(Duration::from_secs(20)).expect("the round did not end: blocked on the error file");
@@ -1007,19 +1015,24 @@ mod tests {
     }
 
     /// Agents of one node share the attempt's filtered files: a second open keeps the first's lines.
-    #[test]
-    fn filtered_files_are_appended_not_truncated() {
-        use std::io::Write as _;
+    #[tokio::test(flavor = "current_thread")]
+    async fn filtered_files_are_appended_not_truncated() {
         let dir = tempfile::tempdir().unwrap();
         let logs = dir.path().display().to_string();
         let plan = plan_of(1, &["--log-dir", &logs, "--duplicate-stdout-filters", "loss"], "true");
         let a = assignment(1);
         let first = open_dup_files(&plan, &a);
         let (_, file) = first.stdout.expect("the filtered file of the first agent");
-        file.lock().unwrap().write_all(b"agent 0: loss=1\n").unwrap();
+        let mut f = file.lock().await;
+        f.write(b"agent 0: loss=1\n").await;
+        f.flush().await;
+        drop(f);
         let second = open_dup_files(&plan, &a);
         let (_, file2) = second.stdout.expect("the filtered file of the second agent");
-        file2.lock().unwrap().write_all(b"agent 1: loss=2\n").unwrap();
+        let mut f = file2.lock().await;
+        f.write(b"agent 1: loss=2\n").await;
+        f.flush().await;
+        drop(f);
         let path = plan.logs.attempt_dir(&plan.job_id, 0).unwrap().join("filtered_stdout.log");
         assert_eq!(std::fs::read_to_string(path).unwrap(), "agent 0: loss=1\nagent 1: loss=2\n");
     }

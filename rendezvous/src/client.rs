@@ -635,7 +635,7 @@ impl RdzvClient {
     /// that the service stayed unreachable for [`KEEP_ALIVE_GIVE_UP`]. It never fences the node
     /// ([`KeepAlivePolicy::lease`] is `None`).
     pub fn spawn_keep_alive(&self, job: &str, node: &str, interval: Duration) -> KeepAliveHandle {
-        self.spawn_keep_alive_with(job, node, KeepAlivePolicy { interval, lease: None, give_up: KEEP_ALIVE_GIVE_UP })
+        self.spawn_keep_alive_with(job, node, KeepAlivePolicy { interval, lease: None, margin: Duration::ZERO, give_up: KEEP_ALIVE_GIVE_UP })
     }
 
     /// [`RdzvClient::spawn_keep_alive`] with an explicit policy: how long the service may stay
@@ -644,69 +644,91 @@ impl RdzvClient {
     ///
     /// Self-fencing: the service drops a node whose lease it has not renewed for the lease's
     /// length, counted from when it received the last renewal, and may then start a round without
-    /// it. This side counts from when that renewal was *sent*, so it reaches the lease's end no
-    /// later than the service does, and says so on [`KeepAliveHandle::lapsed`]: the node's workers
-    /// must stop now, whether the service is gone or only this node is cut off. The task keeps
-    /// trying. Its next answer ends it: the service had dropped the node already (that error on
-    /// `lost`), or still counts it in (a restart of the service that outlasted the lease), and then
-    /// the node leaves, so that the others' round ends at once, and `lost` says
-    /// [`RdzvError::NotMember`]. Either way the node joins again. A service that never answers is
-    /// the give-up as before.
+    /// it. This side counts from when that renewal was *sent* (the join's: a third of the lease
+    /// before this task starts, the service's renewal period for a waiting join), so it reaches the
+    /// lease's end no later than the service does; it fences `margin` before that end (the time its
+    /// workers get to stop) and says so on [`KeepAliveHandle::lapsed`]: the node's workers must
+    /// stop now, whether the service is gone or only this node is cut off. From then on the task
+    /// sends `Leave`, never another renewal (a renewal that arrives while its answer is lost would
+    /// keep a node without workers in the round): the service's answer ends it, on `lost` —
+    /// [`RdzvError::NotMember`] when the node left or had been dropped already — and the node joins
+    /// again. A service that never answers is the give-up as before.
+    ///
+    /// Every attempt is bounded by `interval`: one that does not answer in time (a daemon gone
+    /// without a reset) counts as a failed renewal, and the next goes to the next daemon of a
+    /// highly available group.
     pub fn spawn_keep_alive_with(&self, job: &str, node: &str, policy: KeepAlivePolicy) -> KeepAliveHandle {
         let (tx, rx) = watch::channel(None);
         let (lapsed_tx, lapsed) = watch::channel(None);
         let client = self.clone();
         let (job, node) = (job.to_string(), node.to_string());
         let task = tokio::spawn(async move {
+            let attempt_limit = policy.interval.max(Duration::from_millis(100));
             let mut tick = tokio::time::interval(policy.interval);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut last_ok = Instant::now();
-            // The service renewed the lease no earlier than this (the first tick is immediate and
-            // the join's answer renewed it before this task started).
-            let mut renewed_at = Instant::now();
+            let mut renewed_at = policy.lease.map_or(last_ok, |lease| last_ok.checked_sub(lease / 3).unwrap_or(last_ok));
             let mut last_err = String::new();
             let mut fenced = false;
             loop {
+                let fence_at = policy.lease.filter(|_| !fenced).map(|lease| renewed_at + lease.saturating_sub(policy.margin));
+                // The next renewal (or, once fenced, the next leave), unless the fence comes first.
                 let attempt = async {
                     tick.tick().await;
                     let sent = Instant::now();
-                    (sent, client.keep_alive(&job, &node).await)
+                    let what = if fenced { "leave" } else { "keep-alive" };
+                    let call = async {
+                        if fenced {
+                            client.leave(&job, &node, "its lease lapsed at the node, which stopped its workers").await.map(|()| None)
+                        } else {
+                            client.keep_alive(&job, &node).await.map(Some)
+                        }
+                    };
+                    let result = match tokio::time::timeout(attempt_limit, call).await {
+                        Ok(r) => r,
+                        Err(_) => {
+                            client.conns.rotate(client.conns.pick().0);
+                            Err(RdzvError::Timeout(format!("{what} to {} did not answer within {attempt_limit:?}", client.cfg.endpoint)))
+                        }
+                    };
+                    (sent, result)
                 };
-                tokio::pin!(attempt);
-                let fence_at = policy.lease.filter(|_| !fenced).map(|lease| renewed_at + lease);
-                let (sent, result) = tokio::select! {
-                    r = &mut attempt => r,
-                    () = tokio::time::sleep_until(fence_at.unwrap_or_else(Instant::now)), if fence_at.is_some() => {
+                let fenced_now = tokio::select! {
+                    r = attempt => Err(r),
+                    () = tokio::time::sleep_until(fence_at.unwrap_or_else(Instant::now)), if fence_at.is_some() => Ok(()),
+                };
+                let (sent, result) = match fenced_now {
+                    Ok(()) => {
                         fenced = true;
                         let why = format!(
-                            "no keep-alive reached the rendezvous service at {} for {:.1?}, the length of this node's lease there{}",
+                            "no keep-alive was answered by the rendezvous service at {} for {:.1?}, within {:.1?} of the end of this node's lease there{}",
                             client.cfg.endpoint,
                             renewed_at.elapsed(),
+                            policy.margin,
                             if last_err.is_empty() { String::new() } else { format!(" (last error: {last_err})") }
                         );
                         tracing::warn!(%job, %node, "{why}: fencing this node");
                         let _ = lapsed_tx.send(Some(why));
-                        attempt.await
+                        // The leave goes out at once.
+                        tick.reset_immediately();
+                        continue;
                     }
-                };
-                let result = match result {
-                    // Fenced, yet still a member there: leave, so that the others' round ends now.
-                    Ok(_) if fenced => client
-                        .leave(&job, &node, "its lease lapsed at the node, which stopped its workers")
-                        .await
-                        .map(|()| Err(RdzvError::NotMember {
-                            job: job.clone(),
-                            node: node.clone(),
-                            reason: "its lease lapsed at the node before the service answered again; it stopped its workers and left".into(),
-                        })),
-                    other => Ok(other),
+                    Err(r) => r,
                 };
                 match result {
-                    Ok(Ok(_)) => {
+                    Ok(Some(_)) => {
                         last_ok = Instant::now();
                         renewed_at = sent;
                     }
-                    Ok(Err(e)) | Err(e) if e.is_retryable() || matches!(e, RdzvError::Timeout(_)) => {
+                    Ok(None) => {
+                        let _ = tx.send(Some(RdzvError::NotMember {
+                            job: job.clone(),
+                            node: node.clone(),
+                            reason: "its lease lapsed at the node, which stopped its workers and left".into(),
+                        }));
+                        return;
+                    }
+                    Err(e) if e.is_retryable() || matches!(e, RdzvError::Timeout(_)) => {
                         if last_ok.elapsed() >= policy.give_up {
                             let _ = tx.send(Some(RdzvError::Unavailable(format!(
                                 "rendezvous service at {} unreachable for {:?} (last error: {e})",
@@ -718,7 +740,7 @@ impl RdzvClient {
                         tracing::warn!(%job, %node, error = %e, "keep-alive failed, retrying");
                         last_err = e.to_string();
                     }
-                    Ok(Err(e)) | Err(e) => {
+                    Err(e) => {
                         let _ = tx.send(Some(e));
                         return;
                     }
@@ -815,10 +837,12 @@ pub struct KeepAliveHandle {
 pub struct KeepAlivePolicy {
     /// Period of the renewals.
     pub interval: Duration,
-    /// The node's lease at the service: once no renewal has been answered for this long, counted
-    /// from when the last answered one was sent, the node fences itself. `None`: never (the
-    /// service lives in this process, or the caller has no workers to stop).
+    /// The node's lease at the service: once no renewal has been answered for this long (less
+    /// `margin`), counted from when the last answered one was sent, the node fences itself.
+    /// `None`: never (the service lives in this process, or the caller has no workers to stop).
     pub lease: Option<Duration>,
+    /// How long before the lease's end the node fences itself: the time its workers get to stop.
+    pub margin: Duration,
     /// How long the service may stay unreachable before the node is reported lost.
     pub give_up: Duration,
 }

@@ -1,4 +1,5 @@
 use super::*;
+use std::time::Duration;
 
 fn events(rx: &mut mpsc::Receiver<ConsoleEvent>) -> Vec<ConsoleEvent> {
     let mut got = Vec::new();
@@ -16,12 +17,12 @@ async fn lines_are_prefixed_tailed_and_filed() {
     let (tx, mut rx) = mpsc::channel(16);
     let tail = Arc::new(Mutex::new(Tail::new(2)));
     let sink = StreamSink {
-        file: Some(std::fs::File::create(&path).unwrap()),
+        file: Some(LogFile::new(std::fs::File::create(&path).unwrap(), path.clone())),
         console: Some(ConsoleSink { tx, prefix: b"[rank 3] ".to_vec(), mode: ConsoleMode::Plain }),
         tail: Some(tail.clone()),
         duplicate: Some((
             Arc::new(vec!["loss".into()]),
-            Arc::new(Mutex::new(std::fs::File::create(&dup_path).unwrap())),
+            Arc::new(tokio::sync::Mutex::new(LogFile::new(std::fs::File::create(&dup_path).unwrap(), dup_path.clone()))),
         )),
         quiet: None,
     };
@@ -63,7 +64,7 @@ async fn terminal_progress_is_in_place_and_files_keep_raw_bytes() {
     let (tx, mut rx) = mpsc::channel(16);
     let tail = Arc::new(Mutex::new(Tail::new(4)));
     let sink = StreamSink {
-        file: Some(std::fs::File::create(&path).unwrap()),
+        file: Some(LogFile::new(std::fs::File::create(&path).unwrap(), path.clone())),
         console: Some(ConsoleSink { tx, prefix: b"[r0] ".to_vec(), mode: ConsoleMode::Terminal }),
         tail: Some(tail.clone()),
         duplicate: None,
@@ -123,7 +124,7 @@ async fn muted_pump_keeps_writing_the_file_only() {
     let (tx, mut rx) = mpsc::channel(16);
     let quiet = CancellationToken::new();
     let sink = StreamSink {
-        file: Some(std::fs::File::create(&path).unwrap()),
+        file: Some(LogFile::new(std::fs::File::create(&path).unwrap(), path.clone())),
         console: Some(ConsoleSink { tx, prefix: b"> ".to_vec(), mode: ConsoleMode::Plain }),
         quiet: Some(quiet.clone()),
         ..StreamSink::default()
@@ -137,4 +138,40 @@ async fn muted_pump_keeps_writing_the_file_only() {
     task.await.unwrap();
     assert_eq!(events(&mut rx), vec![]);
     assert_eq!(std::fs::read_to_string(&path).unwrap(), "before\nafter\n");
+}
+
+/// A log file that cannot take more (here a pipe nobody reads: a hung disk) holds up its own
+/// stream only: the launcher's one thread keeps running its other tasks. Once the write fails,
+/// the pump goes on without the file and ends.
+#[test]
+fn a_stuck_log_file_does_not_hold_up_the_launchers_thread() {
+    let (reader, writer) = std::io::pipe().unwrap();
+    let path = std::path::PathBuf::from("stuck.log");
+    let (said, hear) = std::sync::mpsc::channel::<&str>();
+    let (go_on, wait_go) = std::sync::mpsc::channel::<()>();
+    let runtime = std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async move {
+            let file = std::fs::File::from(std::os::fd::OwnedFd::from(writer));
+            let sink = StreamSink { file: Some(LogFile::new(file, path)), ..StreamSink::default() };
+            // 1 MiB of output: far more than a pipe holds.
+            let input: &'static [u8] = Box::leak(vec![b'x'; 1 << 20].into_boxed_slice());
+            let pump = tokio::spawn(pump(input, StreamKind::Stdout, sink));
+            for _ in 0..20 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            assert!(!pump.is_finished(), "the file took 1 MiB: it is not stuck");
+            said.send("ticked").unwrap();
+            tokio::task::spawn_blocking(move || wait_go.recv()).await.unwrap().unwrap();
+            pump.await.unwrap();
+            said.send("ended").unwrap();
+        });
+    });
+    let got = hear.recv_timeout(Duration::from_secs(20));
+    assert_eq!(got, Ok("ticked"), "the launcher's thread stopped while a log file was stuck");
+    // The disk fails: the write errors (EPIPE), the pump drops the file and reads to the end.
+    drop(reader);
+    go_on.send(()).unwrap();
+    assert_eq!(hear.recv_timeout(Duration::from_secs(20)), Ok("ended"));
+    runtime.join().unwrap();
 }

@@ -148,6 +148,9 @@ fn daemon_kill_9_and_restart_mid_job_is_a_pause() {
         assert_eq!(all.matches(&format!("rank {rank} done")).count(), 1, "rank {rank} ran more or less than once:\n{all}");
     }
     assert!(!all.contains("restart 1"), "workers were restarted:\n{all}");
+    for o in [&oa, &ob] {
+        assert!(!String::from_utf8_lossy(&o.stderr).contains("lease lapsed"), "an outage within the lease fenced a node:\n{}", text(o));
+    }
 }
 
 /// Workers of `hello` that record their pids in `pids` (in the launcher's directory).
@@ -217,10 +220,11 @@ fn a_daemon_down_longer_than_the_lease_fences_the_nodes_and_the_job_goes_on() {
     let daemon = Daemon::start_with(&format!("127.0.0.1:{}", free_port()), &[std::ffi::OsStr::new("--data-dir"), data.path().as_os_str()]);
     let addr = daemon.addr.clone();
     let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    // Lease 3 s, the outage about 5 s. The restarted daemon gives every node a full lease, which
-    // outlasts the client's retry backoff (at most 2 s): each node finds itself still a member.
-    let conf = "last_call_timeout=0.5,keep_alive_interval=0.5,keep_alive_max_attempt=6,join_timeout=60,keep_alive_timeout=60";
-    let hello = "--steps 100 --step-ms 50";
+    // Lease 6 s (the nodes fence 2 s before its end), the outage until both fenced. The restarted
+    // daemon gives every node a full lease, which outlasts the client's retry backoff (at most
+    // 2 s): each node's leave finds it still a member.
+    let conf = "last_call_timeout=0.5,keep_alive_interval=1,keep_alive_max_attempt=6,join_timeout=60,keep_alive_timeout=60";
+    let hello = "--steps 200 --step-ms 50";
     let a = recorded_node(da.path(), &addr, conf, "outage", hello);
     let b = recorded_node(db.path(), &addr, conf, "outage", hello);
     let running = wait_until(Duration::from_secs(60), || {
@@ -230,7 +234,7 @@ fn a_daemon_down_longer_than_the_lease_fences_the_nodes_and_the_job_goes_on() {
     std::thread::sleep(Duration::from_millis(1000));
     let first: Vec<i32> = [da.path(), db.path()].iter().flat_map(|d| read_pids(&d.join("pids"))).collect();
     daemon.kill9();
-    let fenced = wait_until(Duration::from_secs(15), || first.iter().all(|&w| !alive(w)));
+    let fenced = wait_until(Duration::from_secs(20), || first.iter().all(|&w| !alive(w)));
     assert!(fenced, "workers {first:?} still run with the daemon down past the lease");
     std::thread::sleep(Duration::from_millis(500));
     let _daemon = Daemon::start_with(&addr, &[std::ffi::OsStr::new("--data-dir"), data.path().as_os_str()]);
@@ -241,7 +245,7 @@ fn a_daemon_down_longer_than_the_lease_fences_the_nodes_and_the_job_goes_on() {
         let e = String::from_utf8_lossy(&o.stderr);
         assert!(e.contains("this node's lease lapsed") && e.contains("the rendezvous service answered; re-joining"), "{}", text(o));
         // It left (the daemon still counted it in), rather than being dropped for its lease.
-        assert!(e.contains("it stopped its workers and left"), "{}", text(o));
+        assert!(e.contains("which stopped its workers and left"), "{}", text(o));
     }
     let all = stdout(&oa) + &stdout(&ob);
     for rank in 0..4 {
