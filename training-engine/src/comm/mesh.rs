@@ -753,18 +753,54 @@ impl Mesh {
         }
     }
 
-    /// The error for an op whose deadline passed while waiting on `peer`: that peer's abort if
-    /// it gave up first (it blames someone else: the root cause), else a timeout naming it.
+    /// The error for an op whose deadline passed while waiting on `peer`: the root cause, found
+    /// by following who waited on whom.
+    ///
+    /// This rank first says whom it waited on (`waits/<rank>`), at once. Then it follows the
+    /// chain from `peer`: a rank that aborted names its root cause (that abort is the answer); a
+    /// rank that said whom it waited on passes the question on; the rank at the end, which says
+    /// nothing within the grace, is the one that stopped. Without the chain, a rank that timed out
+    /// on a neighbour blocked behind the stopped rank raced that neighbour's own grace, and named
+    /// the neighbour. A loop (ranks waiting on each other: mismatched calls) names `peer`.
     fn timed_out(&self, peer: usize, op: &str) -> CommError {
-        let timeout = CommError::Timeout {
-            peer: self.ctx.names[peer],
+        let waits = |r: usize| format!("{}/waits/{r}", self.ctx.prefix);
+        // Best effort: the store may itself be gone.
+        let _ = self.ctx.store.set(&waits(self.ctx.rank), peer.to_string().as_bytes());
+        // (Staged algorithms time out one stage after another: at least 1 s, at most 10 s.)
+        let grace = (self.ctx.opts.timeout / 10).clamp(Duration::from_secs(1), Duration::from_secs(10));
+        let until = Instant::now() + grace;
+        let poll = Duration::from_millis(50);
+        let mut chain = vec![self.ctx.rank, peer];
+        let mut at = peer;
+        loop {
+            if let e @ CommError::Aborted { .. } = self.peer_error_within(at, op, String::new(), poll) {
+                return e;
+            }
+            match try_get(&*self.ctx.store, &waits(at), poll) {
+                Ok(Some(v)) => match String::from_utf8_lossy(&v).parse::<usize>() {
+                    Ok(next) if next < self.ctx.names.len() && !chain.contains(&next) => {
+                        chain.push(next);
+                        at = next;
+                        continue;
+                    }
+                    // A loop: the ranks wait on each other, none of them stopped.
+                    _ => {
+                        at = peer;
+                        break;
+                    }
+                },
+                Ok(None) if Instant::now() < until => {}
+                _ => break,
+            }
+        }
+        if at != peer {
+            let names: Vec<String> = chain.iter().map(|&r| self.ctx.names[r].to_string()).collect();
+            tracing::warn!(chain = %names.join(" -> "), "{op} timed out behind rank {}", self.ctx.names[at]);
+        }
+        CommError::Timeout {
+            peer: self.ctx.names[at],
             op: op.to_string(),
             waited_ms: self.ctx.opts.timeout.as_millis() as u64,
-        };
-        // (Staged algorithms time out one stage after another: allow up to 1 s.)
-        match self.peer_error_within(peer, op, String::new(), Duration::from_secs(1)) {
-            e @ CommError::Aborted { .. } => e,
-            _ => timeout,
         }
     }
 

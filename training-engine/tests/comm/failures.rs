@@ -289,3 +289,36 @@ fn a_silent_stray_connection_does_not_hold_up_the_bootstrap() {
     }
     drop(stray);
 }
+
+/// A ring of four where rank 3 never calls: ranks 1 and 2 wait on a rank that is itself blocked
+/// (on 3, or on one blocked on 3), and every timeout names rank 3, the one that really stopped, not the
+/// neighbour each rank happened to wait on.
+#[test]
+fn a_timeout_names_the_rank_that_stopped_not_the_blocked_neighbour() {
+    for kind in [BackendKind::Tcp, BackendKind::Shm] {
+        let res = run_threads(
+            4,
+            |r| {
+                let mut o = opts_for(kind, r);
+                o.timeout = Duration::from_millis(2000);
+                o
+            },
+            |pg| {
+                // Large enough for the ring (each rank receives from its predecessor only).
+                let mut v = vec![1.0f32; 1 << 20];
+                pg.barrier()?;
+                if pg.rank() == 3 {
+                    std::thread::sleep(Duration::from_millis(7000));
+                }
+                let e = pg.all_reduce(&mut v, ReduceOp::Sum).unwrap_err();
+                Ok((pg.rank(), e))
+            },
+        );
+        for r in res {
+            let (rank, e) = r.unwrap();
+            if rank != 3 {
+                assert_eq!(e.peer(), Some(3), "{kind:?} rank {rank}: {e}");
+            }
+        }
+    }
+}
