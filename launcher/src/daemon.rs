@@ -354,7 +354,9 @@ impl DaemonRdzv {
                 debug!(job = %self.job, node = %self.node, "the previous keep-alive ended; starting a new one");
             }
             let policy = KeepAlivePolicy {
-                interval: (plan.timeouts.lease / 3).max(Duration::from_millis(30)),
+                // Three renewals before the fence (lease - margin), as torchrun's three attempts
+                // per lease: an outage of one or two of them is a pause.
+                interval: (plan.timeouts.lease.saturating_sub(self.fence_margin) / 3).max(Duration::from_millis(30)),
                 // A service in this process cannot be cut off from this node: no fencing.
                 lease: self.embedded.is_none().then_some(plan.timeouts.lease),
                 margin: self.fence_margin,

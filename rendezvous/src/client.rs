@@ -667,16 +667,22 @@ impl RdzvClient {
             let mut tick = tokio::time::interval(policy.interval);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             let mut last_ok = Instant::now();
-            let mut renewed_at = policy.lease.map_or(last_ok, |lease| last_ok.checked_sub(lease / 3).unwrap_or(last_ok));
+            // When the fence comes (`None`: never, or already fenced): the lease, less the margin,
+            // after the send time of the last answered renewal.
+            let fence_after = |sent: Instant, lease: Duration| sent + lease.saturating_sub(policy.margin);
+            let mut fence_at = policy.lease.map(|lease| fence_after(last_ok, lease.saturating_sub(lease / 3)));
+            let mut renewed_at = last_ok;
             let mut last_err = String::new();
             let mut fenced = false;
             loop {
-                let fence_at = policy.lease.filter(|_| !fenced).map(|lease| renewed_at + lease.saturating_sub(policy.margin));
                 // The next renewal (or, once fenced, the next leave), unless the fence comes first.
                 let attempt = async {
                     tick.tick().await;
                     let sent = Instant::now();
                     let what = if fenced { "leave" } else { "keep-alive" };
+                    // The daemon this attempt goes to: a timeout moves on from it, not from one
+                    // another call moved to meanwhile.
+                    let (idx, _) = client.conns.pick();
                     let call = async {
                         if fenced {
                             client.leave(&job, &node, "its lease lapsed at the node, which stopped its workers").await.map(|()| None)
@@ -687,7 +693,7 @@ impl RdzvClient {
                     let result = match tokio::time::timeout(attempt_limit, call).await {
                         Ok(r) => r,
                         Err(_) => {
-                            client.conns.rotate(client.conns.pick().0);
+                            client.conns.rotate(idx);
                             Err(RdzvError::Timeout(format!("{what} to {} did not answer within {attempt_limit:?}", client.cfg.endpoint)))
                         }
                     };
@@ -700,6 +706,7 @@ impl RdzvClient {
                 let (sent, result) = match fenced_now {
                     Ok(()) => {
                         fenced = true;
+                        fence_at = None;
                         let why = format!(
                             "no keep-alive was answered by the rendezvous service at {} for {:.1?}, within {:.1?} of the end of this node's lease there{}",
                             client.cfg.endpoint,
@@ -719,6 +726,9 @@ impl RdzvClient {
                     Ok(Some(_)) => {
                         last_ok = Instant::now();
                         renewed_at = sent;
+                        if !fenced {
+                            fence_at = policy.lease.map(|lease| fence_after(sent, lease));
+                        }
                     }
                     Ok(None) => {
                         let _ = tx.send(Some(RdzvError::NotMember {
