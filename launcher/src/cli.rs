@@ -35,8 +35,8 @@ pub struct LaunchArgs {
           help_heading = "Topology")]
     pub nnodes: String,
 
-    /// Workers per node: a number, `cpu` (usable cores), `gpu` (visible GPUs) or `auto` (GPUs if any,
-    /// else cores).
+    /// Workers per node: a number, `cpu` (usable cores), `gpu` (visible GPUs), `auto` (GPUs if any,
+    /// else cores) or `gpu-or-1` (GPUs if any, else one; what a bare hostfile host gets).
     #[arg(long = "nproc-per-node", alias = "nproc_per_node", env = "PET_NPROC_PER_NODE",
           default_value = "1", value_name = "N|auto|cpu|gpu", help_heading = "Topology")]
     pub nproc_per_node: String,
@@ -272,7 +272,7 @@ pub struct LaunchArgs {
     // ------------------------------------------------------------------------------------------------
     // rsrun: the cluster path
     /// Hostfile: one host per line, `host slots=N`, `host:N`, a bare `host` (slots from
-    /// --nproc-per-node, which it then needs), Slurm hostlists `node[01-04] slots=8`, `#`
+    /// --nproc-per-node, else one per GPU there, else one), Slurm hostlists `node[01-04] slots=8`, `#`
     /// comments. File order is node order. The job is started on every host over ssh.
     #[arg(long, env = "RSRUN_HOSTFILE", value_name = "FILE", help_heading = "Cluster")]
     pub hostfile: Option<PathBuf>,

@@ -728,9 +728,11 @@ fn parse_nproc(s: &str, host: &HostInfo) -> Result<u32, PlanError> {
             }
         }
         "auto" => Ok(if host.gpus > 0 { host.gpus } else { cpus }),
+        // What a bare hostfile host gets (multinode.md §1): one worker per GPU, else one.
+        "gpu-or-1" => Ok(host.gpus.max(1)),
         other => match other.parse::<u32>() {
             Ok(n) if n > 0 => Ok(n),
-            _ => Err(invalid("--nproc-per-node", s, "a number > 0, auto, cpu or gpu")),
+            _ => Err(invalid("--nproc-per-node", s, "a number > 0, auto, cpu, gpu or gpu-or-1")),
         },
     }
     .and_then(|n| {

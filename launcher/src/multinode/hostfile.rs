@@ -40,6 +40,16 @@ pub enum Slots {
     Auto,
 }
 
+impl Slots {
+    /// The agent's `--nproc-per-node`: the count, or `gpu-or-1` (its GPUs, else one).
+    pub fn agent_value(self) -> String {
+        match self {
+            Slots::Count(n) => n.to_string(),
+            Slots::Auto => "gpu-or-1".to_owned(),
+        }
+    }
+}
+
 impl std::fmt::Display for Slots {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {

@@ -72,6 +72,11 @@ fn nproc() {
     assert_eq!(resolve(&["--nproc-per-node", "auto", "true"]).unwrap().nproc_per_node, 4);
     assert!(err(&["--nproc-per-node", "0", "true"]).contains("invalid value '0' for --nproc-per-node"));
     assert!(err(&["--nproc-per-node", "gpu", "true"]).contains("no GPU"));
+    // A bare hostfile host's agent: its GPUs, else one.
+    assert_eq!(resolve(&["--nproc-per-node", "gpu-or-1", "true"]).unwrap().nproc_per_node, 1);
+    let mut gpus = host();
+    gpus.gpus = 8;
+    assert_eq!(LaunchPlan::resolve(&parse(&["--nproc-per-node", "gpu-or-1", "true"]), &gpus).unwrap().nproc_per_node, 8);
 }
 
 #[test]

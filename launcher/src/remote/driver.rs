@@ -263,7 +263,7 @@ fn node_launch(plan: &RemotePlan, node: &RemoteNode, endpoint: &str) -> NodeLaun
         job_id: plan.job_id.clone(),
         node_rank: node.node_rank,
         nnodes: plan.nodes.len() as u32,
-        nproc_per_node: node.host.slots.to_string(),
+        nproc_per_node: node.host.slots.agent_value(),
         devices: node.host.devices.as_ref().map(|d| DeviceList { ids: d.clone() }),
         rdzv_endpoint: endpoint.to_owned(),
         token: plan.token.clone().unwrap_or_default(),
@@ -977,7 +977,7 @@ mod tests {
     use crate::remote::RemoteHost;
 
     fn node(argv: &[&str]) -> RemoteNode {
-        RemoteNode { host: RemoteHost::named("t", 1), node_rank: 0, rank_offset: 0, local: true, argv: argv.iter().map(Into::into).collect() }
+        RemoteNode { host: RemoteHost::named("t", 1), node_rank: 0, rank_offset: Some(0), local: true, argv: argv.iter().map(Into::into).collect() }
     }
 
     /// A process is gone (or a zombie nobody reaped yet: it runs no more).

@@ -5,6 +5,7 @@ use std::fmt::Write as _;
 
 use super::command::shell_quote;
 use super::plan::{RemotePlan, RemoteRdzv};
+use super::Slots;
 
 /// Renders the plan.
 pub fn render(plan: &RemotePlan) -> String {
@@ -22,9 +23,17 @@ pub fn render(plan: &RemotePlan) -> String {
         },
     };
     let _ = writeln!(s, "rendezvous   : {rdzv}");
-    let _ = writeln!(s, "nodes        : {} hosts, world size {}", plan.nodes.len(), plan.world_size());
+    let world = match plan.world_size() {
+        Some(w) => w.to_string(),
+        None => "known at start (hosts with auto slots)".to_owned(),
+    };
+    let _ = writeln!(s, "nodes        : {} hosts, world size {world}", plan.nodes.len());
     for n in &plan.nodes {
-        let last = n.rank_offset + n.host.slots - 1;
+        let ranks = match (n.rank_offset, n.host.slots) {
+            (Some(o), Slots::Count(c)) => format!("{o}-{}", o + c - 1),
+            (Some(o), Slots::Auto) => format!("{o}-"),
+            (None, _) => "known at start".to_owned(),
+        };
         let devices = match &n.host.devices {
             Some(d) => format!(", devices {}", d.iter().map(u32::to_string).collect::<Vec<_>>().join(",")),
             None => String::new(),
@@ -43,8 +52,8 @@ pub fn render(plan: &RemotePlan) -> String {
         }
         let _ = writeln!(
             s,
-            "  node {:<3} {:<20} slots {:<3} ranks {}-{}{devices} ({how})",
-            n.node_rank, n.host.host, n.host.slots, n.rank_offset, last,
+            "  node {:<3} {:<20} slots {:<3} ranks {ranks}{devices} ({how})",
+            n.node_rank, n.host.host, n.host.slots.to_string(),
         );
     }
     let ssh_hosts = plan.nodes.iter().filter(|n| !n.local).count();

@@ -47,13 +47,16 @@ pub mod wire;
 pub use driver::{HeadContext, HeadOutcome, run_head};
 pub use plan::RemotePlan;
 
+pub use crate::multinode::hostfile::Slots;
+
 /// One host of the job, in node-rank order. `multinode::hostfile`'s `HostEntry` converts into it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RemoteHost {
     /// The host name or address, as listed (also the console prefix).
     pub host: String,
-    /// Workers on this host.
-    pub slots: u32,
+    /// Workers on this host: a count, or `auto` (a bare hostfile host without --nproc-per-node:
+    /// its agent starts one per GPU, else one).
+    pub slots: Slots,
     /// Devices of this host (CUDA_VISIBLE_DEVICES); `None`: inherited.
     pub devices: Option<Vec<u32>>,
     /// ssh user of this host (`user@host`, `user=`): overrides `--ssh-user`.
@@ -67,7 +70,7 @@ pub struct RemoteHost {
 impl RemoteHost {
     /// A host reached by its name, with the shared ssh settings.
     pub fn named(host: impl Into<String>, slots: u32) -> Self {
-        RemoteHost { host: host.into(), slots, devices: None, user: None, port: None, addr: None }
+        RemoteHost { host: host.into(), slots: Slots::Count(slots), devices: None, user: None, port: None, addr: None }
     }
 
     /// What ssh connects to: `addr=`, else the name.

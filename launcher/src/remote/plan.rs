@@ -11,6 +11,7 @@ use std::time::Duration;
 use crate::cli::LaunchArgs;
 use crate::plan::{Endpoint, HostInfo, LaunchPlan, PlanError, parse_duration, random_id};
 use crate::signals::SignalPolicy;
+use super::Slots;
 
 use super::command::{SshConfig, is_local_host, local_argv, option_key, option_value, ssh_argv};
 use super::env::{EnvSources, ForwardedEnv, forwarded_env};
@@ -23,8 +24,9 @@ pub struct RemoteNode {
     pub host: RemoteHost,
     /// Its node rank (its position in the list).
     pub node_rank: u32,
-    /// Global rank of its local rank 0 (ranks are contiguous per host).
-    pub rank_offset: u32,
+    /// Global rank of its local rank 0 (ranks are contiguous per host); `None` after a host of
+    /// `auto` slots (known once its agent starts).
+    pub rank_offset: Option<u32>,
     /// Started directly, without ssh (a local host without `--ssh-local`).
     pub local: bool,
     /// The exact command that starts its agent.
@@ -256,16 +258,7 @@ impl RemotePlan {
         };
         let mut list = Vec::with_capacity(table.entries.len());
         for e in table.entries {
-            let slots = match e.slots {
-                crate::multinode::hostfile::Slots::Count(n) => n,
-                crate::multinode::hostfile::Slots::Auto => {
-                    return Err(conflict(format!(
-                        "host '{}' ({}) has no slot count: give `slots=N`/`HOST:N`, or --nproc-per-node N",
-                        e.host, e.source
-                    )));
-                }
-            };
-            list.push(RemoteHost { host: e.host, slots, devices: e.devices, user: e.user, port: e.port, addr: e.addr });
+            list.push(RemoteHost { host: e.host, slots: e.slots, devices: e.devices, user: e.user, port: e.port, addr: e.addr });
         }
         Self::resolve_hosts(args, host, exe, list)
     }
@@ -365,21 +358,29 @@ impl RemotePlan {
 
         // Nodes: rank order = list order, ranks contiguous per host.
         let mut nodes = Vec::with_capacity(list.len());
-        let mut offset: u32 = 0;
+        let mut offset: Option<u32> = Some(0);
         for (i, h) in list.into_iter().enumerate() {
-            if let Some(d) = &h.devices
-                && d.len() as u32 != h.slots
+            if let (Some(d), Slots::Count(n)) = (&h.devices, h.slots)
+                && d.len() as u32 != n
             {
-                notes.push(format!("{}: {} slots but {} devices listed", h.host, h.slots, d.len()));
+                notes.push(format!("{}: {n} slots but {} devices listed", h.host, d.len()));
+            }
+            if h.slots == Slots::Auto {
+                notes.push(format!(
+                    "{}: no slot count: its agent starts one worker per GPU there, else one (give `slots=N` or --nproc-per-node N to choose)",
+                    h.host
+                ));
             }
             let local = is_local_host(h.target(), &host.hostname) && !args.ssh_local;
             let argv = if local { local_argv(exe) } else { ssh_argv(&ssh, &h, &remote_rsrun) };
             let slots = h.slots;
             nodes.push(RemoteNode { host: h, node_rank: i as u32, rank_offset: offset, local, argv });
-            offset = offset
-                .checked_add(slots)
-                .filter(|w| *w <= i32::MAX as u32)
-                .ok_or_else(|| conflict("the world size does not fit in a rank"))?;
+            offset = match (offset, slots) {
+                (Some(o), Slots::Count(n)) => {
+                    Some(o.checked_add(n).filter(|w| *w <= i32::MAX as u32).ok_or_else(|| conflict("the world size does not fit in a rank"))?)
+                }
+                _ => None,
+            };
         }
 
         // Rendezvous.
@@ -474,7 +475,7 @@ impl RemotePlan {
 
         // The per-node plan as node 0 would resolve it here: bad values are found now, not on every
         // host. What depends on the host (the program, GPUs, CPU topology) is checked by each agent.
-        let slots0 = nodes[0].host.slots.to_string();
+        let slots0 = nodes[0].host.slots.agent_value();
         let place = NodePlace { nnodes: n_hosts, nproc_per_node: &slots0, node_rank: 0, endpoint: "127.0.0.1:1", job_id: &job_id, token_file: None, tls_ca_file: None };
         let check = agent_argv(&options, place, &program);
         let check_args = <LaunchArgs as clap::Parser>::try_parse_from(std::iter::once("rsrun".to_owned()).chain(check))
@@ -523,9 +524,12 @@ impl RemotePlan {
         })
     }
 
-    /// Total workers.
-    pub fn world_size(&self) -> u32 {
-        self.nodes.iter().map(|n| n.host.slots).sum()
+    /// Total workers; `None` when a host has `auto` slots (known once the agents start).
+    pub fn world_size(&self) -> Option<u32> {
+        self.nodes.iter().map(|n| match n.host.slots {
+            Slots::Count(c) => Some(c),
+            Slots::Auto => None,
+        }).sum()
     }
 }
 

@@ -464,6 +464,25 @@ fn hostfile_user_port_and_addr_are_on_the_ssh_argv() {
     assert_eq!(std::fs::read_to_string(dir.path().join("host.1")).unwrap().trim(), "192.0.2.7", "rank 1 ran on h2's address");
 }
 
+/// A bare hostfile host (no `slots=`, no --nproc-per-node): its agent starts one worker per GPU
+/// there, else one (this machine has none); the world is known once the agents joined.
+#[test]
+fn a_bare_hostfile_host_runs_one_worker_per_gpu_else_one() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("hosts"), "h1 slots=2\nh2\n").unwrap();
+    let out = rsrun_tests::run(
+        fake_rsh_head(dir.path()).args(["--hostfile", "hosts", "--allow-same-host", "sh", "-c", "echo $WORLD_SIZE $FAKE_RSH_HOST > ws.$RANK"]),
+    );
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("h2: no slot count"), "{}", text(&out));
+    for rank in 0..3 {
+        let got = std::fs::read_to_string(dir.path().join(format!("ws.{rank}"))).unwrap_or_else(|e| panic!("rank {rank}: {e}\n{}", text(&out)));
+        let want_host = if rank < 2 { "h1" } else { "h2" };
+        assert_eq!(got.trim(), format!("3 {want_host}"), "rank {rank}");
+    }
+    assert!(!dir.path().join("ws.3").exists(), "{}", text(&out));
+}
+
 #[test]
 fn the_agent_refuses_another_version_and_garbage_on_stdin() {
     use std::io::Write;

@@ -20,10 +20,10 @@ fn argv(n: &RemoteNode) -> Vec<String> {
 #[test]
 fn hosts_become_nodes_in_order_with_contiguous_ranks() {
     let p = resolve(&["-H", "w1:2,w2:4,localhost:1", "--allow-same-host", "--rdzv-endpoint", "127.0.0.1:0", "true"]).unwrap();
-    let got: Vec<(&str, u32, u32, bool)> =
+    let got: Vec<(&str, u32, Option<u32>, bool)> =
         p.nodes.iter().map(|n| (n.host.host.as_str(), n.node_rank, n.rank_offset, n.local)).collect();
-    assert_eq!(got, [("w1", 0, 0, false), ("w2", 1, 2, false), ("localhost", 2, 6, true)]);
-    assert_eq!(p.world_size(), 7);
+    assert_eq!(got, [("w1", 0, Some(0), false), ("w2", 1, Some(2), false), ("localhost", 2, Some(6), true)]);
+    assert_eq!(p.world_size(), Some(7));
     assert_eq!(
         argv(&p.nodes[1]),
         [
@@ -243,4 +243,31 @@ fn ssh_options_replace_rsrun_defaults() {
     );
     assert_eq!(p.ssh.connect_timeout, Duration::from_secs(45));
     assert_eq!(p.start_timeout, Duration::from_secs(45) + START_SLACK);
+}
+
+/// A bare hostfile host without --nproc-per-node: its agent starts one worker per GPU there, else
+/// one (`--nproc-per-node gpu-or-1`); the ranks after it are known once the agents start.
+#[test]
+fn a_bare_hostfile_host_gets_auto_slots() {
+    let dir = tempfile::tempdir().unwrap();
+    let hosts = dir.path().join("hosts");
+    std::fs::write(&hosts, "w1 slots=2\nw2\nw3 slots=1\n").unwrap();
+    let args = parse(&["--hostfile", hosts.to_str().unwrap(), "--rdzv-endpoint", "127.0.0.1", "--dry-run", "true"]);
+    let p = RemotePlan::resolve(&args, &host(), Path::new(EXE)).unwrap();
+    assert_eq!(p.nodes[1].host.slots, Slots::Auto);
+    let offsets: Vec<Option<u32>> = p.nodes.iter().map(|n| n.rank_offset).collect();
+    assert_eq!(offsets, [Some(0), Some(2), None]);
+    assert_eq!(p.world_size(), None);
+    assert_eq!(p.nodes[1].host.slots.agent_value(), "gpu-or-1");
+    assert!(p.notes.iter().any(|n| n.contains("w2: no slot count")), "{:?}", p.notes);
+    let text = super::super::dry_run::render(&p);
+    assert!(text.contains("world size known at start (hosts with auto slots)"), "{text}");
+    assert!(text.contains("node 1   w2                   slots auto ranks 2-"), "{text}");
+    assert!(text.contains("node 2   w3                   slots 1   ranks known at start"), "{text}");
+    // With --nproc-per-node, a bare host gets that count.
+    std::fs::write(&hosts, "w1\nw2\nw3\n").unwrap();
+    let args = parse(&["--hostfile", hosts.to_str().unwrap(), "--nproc-per-node", "3", "--rdzv-endpoint", "127.0.0.1", "true"]);
+    let p = RemotePlan::resolve(&args, &host(), Path::new(EXE)).unwrap();
+    assert_eq!(p.nodes[1].host.slots, Slots::Count(3));
+    assert_eq!(p.world_size(), Some(9));
 }
