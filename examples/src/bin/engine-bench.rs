@@ -29,7 +29,7 @@
 //! mfu=... mfu_vs_first_peak=... fma_peak_gflops=... model_state_mib_per_rank=... peak_rss_mib=...
 //! comm_wait_frac=... comm_thread_cpu_frac=...`.
 //!
-//! Distributed runs print before it where rank 0's step time goes: `comm: wait_ms_median=...
+//! Distributed runs print, on every rank, where its step time goes: `comm: wait_ms_median=...
 //! wait_frac=... compute_ms_median=... comm_thread_cpu_ms_per_step=... comm_thread_cpu_frac=...`.
 //! The wait is the time the compute thread spent in collectives or waiting for its
 //! asynchronous ones (`StepOutput::comm_wait`: communication not hidden behind compute, and
@@ -270,6 +270,10 @@ fn main() -> Result<()> {
     let cpu_frac = comm_cpu.map_or_else(|| "na".to_string(), |c| format!("{:.3}", c / measured_s));
     let mem = engine.memory();
     let sent_mib = engine.bytes_sent() as f64 / args.steps as f64 / (1 << 20) as f64;
+    // Every rank says where its step went: a rank that waits on a slower one shows it here.
+    if world > 1 {
+        writeln!(std::io::stdout().lock(), "comm: wait_ms_median={wait_ms:.1} wait_frac={wait_frac:.3} compute_ms_median={compute_ms:.1} comm_thread_cpu_ms_per_step={cpu_ms} comm_thread_cpu_frac={cpu_frac}")?;
+    }
     if rank == 0 {
         let mut out = std::io::stdout().lock();
         writeln!(
@@ -281,9 +285,6 @@ fn main() -> Result<()> {
         )?;
         if let Some(l) = &offload_line {
             writeln!(out, "{l}")?;
-        }
-        if world > 1 {
-            writeln!(out, "comm: wait_ms_median={wait_ms:.1} wait_frac={wait_frac:.3} compute_ms_median={compute_ms:.1} comm_thread_cpu_ms_per_step={cpu_ms} comm_thread_cpu_frac={cpu_frac}")?;
         }
         if args.gemm_profile {
             print_gemm_profile(&mut out, &gemms, args.steps.saturating_sub(warm_steps(args.steps)), med, peak)?;
