@@ -189,7 +189,7 @@ pub fn render(plan: &LaunchPlan) -> String {
                     RdzvPlan::Daemon { .. } | RdzvPlan::Group { .. } => "<address of the rendezvous service>".into(),
                 },
                 "MASTER_PORT" => "<port of the TCPStore the rendezvous serves for the round>".into(),
-                _ => v,
+                _ => v.to_string_lossy().into_owned(),
             };
             let _ = writeln!(s, "    {k}={v}");
         }

@@ -14,6 +14,7 @@
 //!   local rank per node). Ranks are unique in a round, so nodes sharing a log directory (a network
 //!   file system) never write into each other's files.
 
+use std::ffi::OsString;
 use std::path::Path;
 
 use crate::plan::{GpuBind, LaunchPlan};
@@ -74,7 +75,7 @@ pub fn worker_env(
     a: &RoundAssignment,
     local_rank: u32,
     error_file: Option<&Path>,
-) -> Vec<(String, String)> {
+) -> Vec<(String, OsString)> {
     let rank = a.rank(local_rank);
     // Slurm mode B: srun started this process as one rank, and Slurm's numbering is the truth for
     // the local and node-level names (the static backend sees one worker per task).
@@ -83,29 +84,27 @@ pub fn worker_env(
         None => (local_rank, a.local_world_size, a.node_rank, a.num_nodes),
     };
     let visible_local_rank = if plan.virtual_local_rank { 0 } else { local_rank_shown };
-    let mut env: Vec<(String, String)> = vec![
-        ("LOCAL_RANK".into(), visible_local_rank.to_string()),
-        ("RANK".into(), rank.to_string()),
-        ("GROUP_RANK".into(), group_rank.to_string()),
+    let mut env: Vec<(String, OsString)> = vec![
+        ("LOCAL_RANK".into(), visible_local_rank.to_string().into()),
+        ("RANK".into(), rank.to_string().into()),
+        ("GROUP_RANK".into(), group_rank.to_string().into()),
         // One role per job: role rank and world are the global ones.
-        ("ROLE_RANK".into(), rank.to_string()),
-        ("ROLE_NAME".into(), plan.role.clone()),
-        ("LOCAL_WORLD_SIZE".into(), local_world.to_string()),
-        ("WORLD_SIZE".into(), a.world_size.to_string()),
-        ("GROUP_WORLD_SIZE".into(), group_world.to_string()),
-        ("ROLE_WORLD_SIZE".into(), a.world_size.to_string()),
-        ("MASTER_ADDR".into(), a.master_addr.clone()),
-        ("MASTER_PORT".into(), a.master_port.to_string()),
-        ("TORCHELASTIC_RESTART_COUNT".into(), a.restart_count.to_string()),
-        ("TORCHELASTIC_MAX_RESTARTS".into(), a.max_restarts.to_string()),
-        ("TORCHELASTIC_RUN_ID".into(), plan.job_id.clone()),
+        ("ROLE_RANK".into(), rank.to_string().into()),
+        ("ROLE_NAME".into(), plan.role.clone().into()),
+        ("LOCAL_WORLD_SIZE".into(), local_world.to_string().into()),
+        ("WORLD_SIZE".into(), a.world_size.to_string().into()),
+        ("GROUP_WORLD_SIZE".into(), group_world.to_string().into()),
+        ("ROLE_WORLD_SIZE".into(), a.world_size.to_string().into()),
+        ("MASTER_ADDR".into(), a.master_addr.clone().into()),
+        ("MASTER_PORT".into(), a.master_port.to_string().into()),
+        ("TORCHELASTIC_RESTART_COUNT".into(), a.restart_count.to_string().into()),
+        ("TORCHELASTIC_MAX_RESTARTS".into(), a.max_restarts.to_string().into()),
+        ("TORCHELASTIC_RUN_ID".into(), plan.job_id.clone().into()),
         // True: rsrun serves PyTorch's store at MASTER_ADDR:MASTER_PORT (it outlives rank 0, and every
         // attempt gets a fresh one); False: rank 0 hosts it (env:// default).
         ("TORCHELASTIC_USE_AGENT_STORE".into(), if a.agent_store { "True" } else { "False" }.into()),
-        (
-            "TORCHELASTIC_ERROR_FILE".into(),
-            error_file.map(|p| p.display().to_string()).unwrap_or_default(),
-        ),
+        // A path, kept as the OS has it (a non-UTF-8 directory stays openable).
+        ("TORCHELASTIC_ERROR_FILE".into(), error_file.map(|p| p.as_os_str().to_owned()).unwrap_or_default()),
         // torchrun's workers see the signals its agent handles (torchrun.md §2): here, the ones
         // that stop the job.
         (
@@ -115,30 +114,31 @@ pub fn worker_env(
                 .filter(|(_, action)| *action == crate::signals::SignalAction::Stop)
                 .map(|(sig, _)| sig.as_str())
                 .collect::<Vec<_>>()
-                .join(","),
+                .join(",")
+                .into(),
         ),
     ];
-    env.extend(plan.extra_env.iter().cloned());
+    env.extend(plan.extra_env.iter().map(|(k, v)| (k.clone(), v.into())));
     if let GpuBind::LocalRank(devices) = &plan.gpu_bind
         && let Some(d) = devices.get(local_rank as usize)
     {
-        env.push(("CUDA_VISIBLE_DEVICES".into(), d.clone()));
+        env.push(("CUDA_VISIBLE_DEVICES".into(), d.into()));
     }
     if let Some(ep) = &a.rdzv_endpoint {
-        env.push(("RSRUN_RDZV_ENDPOINT".into(), ep.clone()));
+        env.push(("RSRUN_RDZV_ENDPOINT".into(), ep.into()));
     }
-    env.push(("RSRUN_JOB_ID".into(), plan.job_id.clone()));
-    env.push(("RSRUN_ROUND".into(), a.round.to_string()));
-    env.push(("RSRUN_NODE_ID".into(), a.node_id.clone()));
+    env.push(("RSRUN_JOB_ID".into(), (&plan.job_id).into()));
+    env.push(("RSRUN_ROUND".into(), a.round.to_string().into()));
+    env.push(("RSRUN_NODE_ID".into(), (&a.node_id).into()));
     if a.rdzv_endpoint.is_some()
         && let Some(tf) = &plan.token_file
     {
-        env.push((TOKEN_FILE_VAR.into(), tf.display().to_string()));
+        env.push((TOKEN_FILE_VAR.into(), tf.as_os_str().to_owned()));
     }
     if a.rdzv_endpoint.is_some()
         && let Some(ca) = &plan.tls_ca
     {
-        env.push((TLS_CA_VAR.into(), ca.display().to_string()));
+        env.push((TLS_CA_VAR.into(), ca.as_os_str().to_owned()));
     }
     env
 }
@@ -176,7 +176,7 @@ mod tests {
     fn torchrun_variables() {
         let p = plan(&["--rdzv-id", "job7", "--max-restarts", "3"]);
         let env = worker_env(&p, &assignment(), 2, Some(Path::new("/l/attempt_3/6/error.json")));
-        let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+        let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.to_str().expect("UTF-8 in this test"));
         assert_eq!(get("LOCAL_RANK"), Some("2"));
         assert_eq!(get("RANK"), Some("6"));
         assert_eq!(get("GROUP_RANK"), Some("1"));
@@ -214,7 +214,7 @@ mod tests {
         let p = plan(&["--rdzv-backend", "c10d", "--rdzv-endpoint", "10.0.0.9:29400", "--rdzv-id", "j", "--rdzv-tls-ca", &ca_s]);
         assert_eq!(p.tls_ca.as_deref(), Some(ca.as_path()));
         let env = worker_env(&p, &assignment(), 0, None);
-        let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+        let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.to_str().expect("UTF-8 in this test"));
         assert_eq!(get("RSRUN_TLS_CA"), Some(ca_s.as_str()));
         // The static backend has no daemon to reach.
         let p = plan(&["--nnodes", "2", "--master-addr", "10.0.0.1", "--rdzv-tls-ca", &ca_s]);
@@ -222,11 +222,22 @@ mod tests {
         assert!(p.notes.iter().any(|n| n.contains("--rdzv-tls-ca")), "{:?}", p.notes);
     }
 
+    /// Paths reach the worker byte for byte: a log directory whose name is not UTF-8 still gives
+    /// an error file the worker can write.
+    #[test]
+    fn paths_are_passed_as_the_os_has_them() {
+        use std::os::unix::ffi::OsStrExt;
+        let file = Path::new(std::ffi::OsStr::from_bytes(b"/l/r\xfcn/error.json"));
+        let env = worker_env(&plan(&[]), &assignment(), 0, Some(file));
+        let got = env.iter().find(|(n, _)| n == "TORCHELASTIC_ERROR_FILE").map(|(_, v)| v.as_bytes());
+        assert_eq!(got, Some(&b"/l/r\xfcn/error.json"[..]));
+    }
+
     #[test]
     fn virtual_local_rank_binds_gpu() {
         let p = plan(&["--virtual-local-rank"]);
         let env = worker_env(&p, &assignment(), 3, None);
-        let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.as_str());
+        let get = |k: &str| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.to_str().expect("UTF-8 in this test"));
         assert_eq!(get("LOCAL_RANK"), Some("0"));
         assert_eq!(get("CUDA_VISIBLE_DEVICES"), Some("3"));
         assert_eq!(get("TORCHELASTIC_ERROR_FILE"), Some(""));

@@ -44,8 +44,9 @@ pub struct SpawnSpec<'a> {
     pub exe: &'a Path,
     /// argv\[1..\].
     pub argv: Vec<String>,
-    /// Variables set on top of rsrun's environment.
-    pub env: Vec<(String, String)>,
+    /// Variables set on top of rsrun's environment (values as the OS has them: paths may not be
+    /// UTF-8).
+    pub env: Vec<(String, std::ffi::OsString)>,
     /// CPU affinity; `None` inherits rsrun's.
     pub cpus: Option<&'a [usize]>,
     /// Give the worker a progress socket (RSRUN_PROGRESS_FD).
@@ -139,7 +140,7 @@ pub fn spawn(spec: SpawnSpec<'_>) -> io::Result<Spawned> {
 
     let mut cmd = Command::new(spec.exe);
     cmd.args(&spec.argv)
-        .envs(spec.env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .envs(spec.env.iter().map(|(k, v)| (k.as_str(), v.as_os_str())))
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
