@@ -798,3 +798,29 @@ mod subcommand {
         let _ = std::io::stderr().flush();
     }
 }
+
+/// Replies that were written and read are no longer held: many clients that each GET a large
+/// value, together far past `max_buffered_bytes`, are all served and none is closed.
+#[tokio::test]
+async fn replies_read_by_their_clients_do_not_count_toward_the_budget() {
+    let limits = TcpStoreLimits { max_buffered_bytes: 4 << 20, ..TcpStoreLimits::default() };
+    let server = start(limits).await;
+    let value = vec![9u8; 1 << 20];
+    let mut w = validated(server.local_addr()).await;
+    send(&mut w, &[Request::Set { key: k("/cfg"), value: value.clone() }]).await;
+    until_stats(&server, "the SET was not applied", |st| st.n_keys == 1).await;
+    // Sixteen clients each read the 1 MiB value, one after another: 16 MiB served in all.
+    let mut clients = Vec::new();
+    for _ in 0..16 {
+        let mut c = validated(server.local_addr()).await;
+        send(&mut c, &[Request::Get { key: k("/cfg") }]).await;
+        assert_eq!(read_n(&mut c, 8 + value.len()).await, blob(&value));
+        clients.push(c);
+    }
+    until_stats(&server, "written replies are still counted", |st| st.buffered_bytes < 1 << 20).await;
+    let st = server.stats();
+    assert_eq!(st.shed_connections, 0, "{st:?}");
+    for c in &mut clients {
+        assert_quiet(c).await;
+    }
+}

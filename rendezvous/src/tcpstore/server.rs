@@ -724,6 +724,9 @@ impl EventLoop {
                     c.out = Vec::new();
                 }
             }
+            // What was written is no longer held: a client that read its reply must not count
+            // toward max_buffered_bytes (shed() would close it for bytes it already has).
+            Self::account(&mut self.buffered, c);
             if c.unread && !c.paused() && !c.in_backlog {
                 c.in_backlog = true;
                 self.backlog.push(slot);

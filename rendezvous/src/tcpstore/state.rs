@@ -409,18 +409,25 @@ impl StoreState {
         Ok(())
     }
 
-    /// Appends to queue `key` and completes that part of the oldest wait on `key`, if any.
+    /// Appends to queue `key` and completes that part of one wait on `key`: the oldest that this
+    /// push completes (a blocked pop waits on the queue alone), else the oldest. One item is one
+    /// wake-up: a second waiter woken for it would find the queue empty again.
     fn push(&mut self, key: Key, value: Vec<u8>, woken: &mut Vec<WaitId>) -> Result<(), RdzvError> {
         let new_queue = !self.queues.contains_key(&key);
         let new_total = self.n_bytes + value.len() + if new_queue { key.len() } else { 0 };
         self.check_total(new_total)?;
         self.n_bytes = new_total;
         if let Some(set) = self.key_waiters.get_mut(&key) {
-            let first = set.pop_first();
+            let waits = &self.waits;
+            let completes = set.iter().copied().find(|id| matches!(waits.get(id), Some(PendingWait::Keys { remaining: 1, .. })));
+            let chosen = completes.or_else(|| set.first().copied());
+            if let Some(id) = chosen {
+                set.remove(&id);
+            }
             if set.is_empty() {
                 self.key_waiters.remove(&key);
             }
-            if let Some(id) = first {
+            if let Some(id) = chosen {
                 self.key_written(id, woken);
             }
         }

@@ -210,6 +210,18 @@ fn two_pushes_to_one_queue_do_not_complete_a_wait_that_also_needs_another_key() 
     assert_eq!(ok(&mut s, B, set("r", "x")).woken, vec![id]);
 }
 
+/// A push goes to the oldest wait it completes: a blocked pop behind an older wait that also needs
+/// another key is woken (torch's server wakes it too), and the older wait still counts the queue.
+#[test]
+fn a_queue_push_wakes_the_oldest_wait_it_completes() {
+    let mut s = store();
+    let both = pending(&mut s, A, wait(&["q", "r"]));
+    let pop = pending(&mut s, B, wait(&["q"]));
+    assert_eq!(ok(&mut s, ConnId(3), Request::QueuePush { key: k("q"), value: k("1") }).woken, vec![pop]);
+    assert_eq!(ok(&mut s, ConnId(3), Request::QueuePush { key: k("q"), value: k("2") }).woken, vec![]);
+    assert_eq!(ok(&mut s, ConnId(3), set("r", "x")).woken, vec![both]);
+}
+
 #[test]
 fn a_queue_push_wakes_one_waiter_the_oldest() {
     let mut s = store();
