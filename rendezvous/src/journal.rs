@@ -19,6 +19,7 @@
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
+use std::os::unix::fs::OpenOptionsExt as _;
 
 use serde::{Deserialize, Serialize};
 
@@ -116,10 +117,19 @@ fn check_format(dir: &Path, has_data: bool) -> Result<(), RdzvError> {
     Ok(())
 }
 
+/// Files of the data directory hold every job's keys: readable by the daemon's user only.
+const FILE_MODE: u32 = 0o600;
+
 /// Writes `bytes` to `path` atomically: temp file, fsync, rename, directory fsync.
 fn write_atomic(dir: &Path, path: &Path, bytes: &[u8]) -> Result<(), RdzvError> {
     let tmp = path.with_extension("tmp");
-    let mut f = File::create(&tmp).map_err(|e| storage(&tmp, "cannot create", e))?;
+    let mut f = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(FILE_MODE)
+        .open(&tmp)
+        .map_err(|e| storage(&tmp, "cannot create", e))?;
     f.write_all(bytes).map_err(|e| storage(&tmp, "cannot write", e))?;
     f.sync_all().map_err(|e| storage(&tmp, "cannot fsync", e))?;
     drop(f);
@@ -228,10 +238,15 @@ fn read_log(path: &Path, is_last: bool) -> Result<(Vec<Entry>, u64, u64), RdzvEr
             return torn(&format!("record length {len} exceeds the largest record ({MAX_RECORD} bytes)"));
         }
         if end > bytes.len() {
-            if is_last && (end > bytes.len() || bytes[at..].iter().all(|b| *b == 0)) {
-                break;
+            if !is_last {
+                return torn("record cut short");
             }
-            return torn("record cut short");
+            // A torn final write, unless a whole record follows: then this length is damaged,
+            // and taking it for a torn tail would drop the acknowledged records after it.
+            if let Some(next) = next_valid_record(&bytes, at + 1) {
+                return torn(&format!("record length {len} runs past the end of the log, but a valid record starts at offset {next}"));
+            }
+            break;
         }
         let payload = &bytes[at + 8..end];
         // A write the crash cut short can only be at the end of the last log: the final record, or a
@@ -257,6 +272,20 @@ fn read_log(path: &Path, is_last: bool) -> Result<(Vec<Entry>, u64, u64), RdzvEr
         at = end;
     }
     Ok((entries, at as u64, (bytes.len() - at) as u64))
+}
+
+/// The offset of the first whole, valid record (its checksum matches and it decodes) at or after
+/// `from`, if any: what tells a damaged length in the middle of a log from a torn final write.
+fn next_valid_record(bytes: &[u8], from: usize) -> Option<usize> {
+    (from..bytes.len().saturating_sub(8)).find(|&p| {
+        let len = u32::from_le_bytes([bytes[p], bytes[p + 1], bytes[p + 2], bytes[p + 3]]) as usize;
+        let crc = u32::from_le_bytes([bytes[p + 4], bytes[p + 5], bytes[p + 6], bytes[p + 7]]);
+        let end = p + 8 + len;
+        len > 0
+            && end <= bytes.len()
+            && crc32fast::hash(&bytes[p + 8..end]) == crc
+            && postcard::from_bytes::<Entry>(&bytes[p + 8..end]).is_ok()
+    })
 }
 
 /// The snapshot's sequence number against the newest log (first sequence `first`, last record
@@ -288,12 +317,21 @@ impl Journal {
         if dir.exists() && !dir.is_dir() {
             return Err(storage(dir, "the data directory is not a directory", "a file of that name exists"));
         }
-        fs::create_dir_all(dir).map_err(|e| storage(dir, "cannot create data directory", e))?;
+        {
+            use std::os::unix::fs::DirBuilderExt;
+            // A new directory is the daemon's user's only (an existing one keeps its mode).
+            fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(dir)
+                .map_err(|e| storage(dir, "cannot create data directory", e))?;
+        }
         let lock_path = dir.join("lock");
         let lock_file = OpenOptions::new()
             .create(true)
             .truncate(false)
             .write(true)
+            .mode(FILE_MODE)
             .open(&lock_path)
             .map_err(|e| storage(&lock_path, "cannot open lock file", e))?;
         let lock = nix::fcntl::Flock::lock(lock_file, nix::fcntl::FlockArg::LockExclusiveNonblock).map_err(|(_, e)| {
@@ -302,8 +340,22 @@ impl Journal {
         let snap_path = dir.join("snapshot");
         let logs = logs_in(dir)?;
         check_format(dir, snap_path.exists() || !logs.is_empty())?;
-        let (mut state, mut seq) = read_snapshot(&snap_path)?.unwrap_or_default();
+        let snapshot = read_snapshot(&snap_path)?;
+        // Every log after the first start follows a snapshot: a log that does not start at the
+        // first record, with no snapshot, lost the records before it.
+        if snapshot.is_none()
+            && let Some((first, path)) = logs.first()
+            && *first > 1
+        {
+            return Err(storage(
+                &snap_path,
+                "snapshot missing",
+                format!("{} starts at sequence {first}: the records before it are only in the snapshot", path.display()),
+            ));
+        }
+        let (mut state, mut seq) = snapshot.unwrap_or_default();
         let snapshot_seq = seq;
+        let mut diverged = false;
         let mut replayed = 0;
         let mut truncated_bytes = 0;
         for (i, (first, path)) in logs.iter().enumerate() {
@@ -326,8 +378,10 @@ impl Journal {
                     return Err(storage(path, "journal has a gap", format!("expected sequence {}, found {}", seq + 1, entry.seq)));
                 }
                 if let Err(e) = state.apply(&entry.cmd, entry.at, &Limits::unbounded()) {
-                    // A command that succeeded when it was journaled must succeed again; say so loudly.
-                    tracing::error!(seq = entry.seq, error = %e, "journal replay diverged");
+                    // A command that succeeded when it was journaled must succeed again; say so
+                    // loudly, and keep the logs for a look (below).
+                    tracing::error!(seq = entry.seq, path = %path.display(), error = %e, "journal replay diverged");
+                    diverged = true;
                 }
                 seq = entry.seq;
                 replayed += 1;
@@ -341,7 +395,16 @@ impl Journal {
         let log_path = dir.join(log_name(seq + 1));
         let log = Self::create_log(dir, &log_path)?;
         for (_, path) in logs {
-            if path != log_path {
+            if path == log_path {
+                continue;
+            }
+            if diverged {
+                // The evidence of a replay that diverged stays, out of the way of the next start.
+                let mut kept = path.as_os_str().to_owned();
+                kept.push(".diverged");
+                fs::rename(&path, &kept).map_err(|e| storage(&path, "cannot set aside a diverged journal", e))?;
+                tracing::error!(kept = %Path::new(&kept).display(), "a journal whose replay diverged is kept");
+            } else {
                 fs::remove_file(&path).map_err(|e| storage(&path, "cannot remove old journal", e))?;
             }
         }
@@ -354,6 +417,7 @@ impl Journal {
         let f = OpenOptions::new()
             .create(true)
             .append(true)
+            .mode(FILE_MODE)
             .open(path)
             .map_err(|e| storage(path, "cannot create journal", e))?;
         fsync_dir(dir)?;
@@ -558,6 +622,53 @@ mod tests {
         }
         let (_j, rec) = Journal::open(dir.path()).unwrap();
         assert_eq!((rec.seq, rec.replayed), (2, 0));
+    }
+
+    /// A damaged length in the first of three records of the last log points past its end: not a
+    /// torn write (two whole records follow), so recovery refuses instead of dropping them.
+    #[test]
+    fn a_damaged_length_followed_by_whole_records_is_not_a_torn_tail() {
+        let dir = tempfile::tempdir().unwrap();
+        let log_path = three_records(dir.path());
+        let mut bytes = fs::read(&log_path).unwrap();
+        let first_len = u32::from_le_bytes(bytes[..4].try_into().unwrap());
+        let past_the_end = bytes.len() as u32;
+        bytes[..4].copy_from_slice(&past_the_end.to_le_bytes());
+        fs::write(&log_path, &bytes).unwrap();
+        let err = Journal::open(dir.path()).unwrap_err().to_string();
+        let next = 8 + first_len as usize;
+        assert!(err.contains("damaged at offset 0") && err.contains(&format!("a valid record starts at offset {next}")), "{err}");
+        assert_eq!(fs::read(&log_path).unwrap(), bytes, "nothing was truncated");
+    }
+
+    /// A log that does not start at the first record, with no snapshot, lost what the snapshot
+    /// held: refused, not recovered as an empty state.
+    #[test]
+    fn a_missing_snapshot_is_refused_when_the_log_starts_later() {
+        let dir = tempfile::tempdir().unwrap();
+        {
+            let (mut j, _) = Journal::open(dir.path()).unwrap();
+            write(&mut j, 1, &[join("a"), join("b")]);
+        }
+        // The restart compacted: snapshot at 2, an empty journal from 3.
+        drop(Journal::open(dir.path()).unwrap());
+        fs::remove_file(dir.path().join("snapshot")).unwrap();
+        let err = Journal::open(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("snapshot missing") && err.contains("starts at sequence 3"), "{err}");
+    }
+
+    /// The data directory and its files are the daemon's user's only: they hold every job's keys.
+    #[test]
+    fn the_data_directory_is_private() {
+        use std::os::unix::fs::PermissionsExt;
+        let base = tempfile::tempdir().unwrap();
+        let dir = base.path().join("data");
+        let log_path = three_records(&dir);
+        let mode = |p: &Path| fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&dir), 0o700);
+        for f in [log_path, dir.join("snapshot"), dir.join("lock")] {
+            assert_eq!(mode(&f), 0o600, "{}", f.display());
+        }
     }
 
     #[test]
