@@ -83,7 +83,28 @@ pub enum WorkerError {
     /// No unique id could be produced or received.
     #[error("unique id: {0}")]
     UniqueId(String),
+    /// A store client was asked for outside a tokio runtime.
+    #[error("the store client needs a tokio runtime: call it from async code (or inside Runtime::block_on / enter)")]
+    NoRuntime,
 }
+
+/// The variables [`WorkerContext::from_vars`] reads as text.
+const TEXT_VARS: [&str; 14] = [
+    "WORLD_SIZE",
+    "RANK",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "GROUP_WORLD_SIZE",
+    "MASTER_PORT",
+    "MASTER_ADDR",
+    "RSRUN_ROUND",
+    "RSRUN_JOB_ID",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS",
+    "RSRUN_RDZV_ENDPOINT",
+];
 
 /// A worker's place in the job, read from the environment.
 #[derive(Debug, Clone)]
@@ -165,8 +186,34 @@ impl WorkerContext {
     /// # Errors
     /// A missing or malformed variable, named in the error.
     pub fn from_env() -> Result<Self, WorkerError> {
-        let ctx = Self::from_vars(&|k| std::env::var(k).ok())?;
+        let ctx = Self::from_vars_os(&|k| std::env::var_os(k))?;
         Ok(WorkerContext { progress: progress_socket(), ..ctx })
+    }
+
+    /// [`WorkerContext::from_vars`] over values as the OS has them: the paths (error file, token
+    /// file, CA file) are taken byte for byte, and any other variable that is not UTF-8 is an
+    /// error naming it (not taken for unset).
+    ///
+    /// # Errors
+    /// A missing or malformed variable, named in the error.
+    pub fn from_vars_os(get: &dyn Fn(&str) -> Option<std::ffi::OsString>) -> Result<Self, WorkerError> {
+        const PATHS: [&str; 3] = ["TORCHELASTIC_ERROR_FILE", "RSRUN_TOKEN_FILE", "RSRUN_TLS_CA"];
+        for name in TEXT_VARS {
+            if let Some(v) = get(name)
+                && v.to_str().is_none()
+            {
+                return Err(WorkerError::BadVar { name, value: v.to_string_lossy().into_owned(), expected: "UTF-8 text".into() });
+            }
+        }
+        let text = |k: &str| if PATHS.contains(&k) { None } else { get(k).and_then(|v| v.into_string().ok()) };
+        let path = |k: &str| get(k).filter(|v| !v.is_empty()).map(PathBuf::from);
+        let ctx = Self::from_vars(&text)?;
+        Ok(WorkerContext {
+            token_file: path("RSRUN_TOKEN_FILE"),
+            tls_ca: path("RSRUN_TLS_CA"),
+            error_file: path("TORCHELASTIC_ERROR_FILE"),
+            ..ctx
+        })
     }
 
     /// Reads variables through `get` (tests, embedding). No progress socket is attached.
@@ -246,6 +293,11 @@ impl WorkerContext {
     /// As [`WorkerContext::store`].
     pub fn job_store(&self) -> Result<StoreClient, WorkerError> {
         let endpoint = self.rdzv_endpoint.clone().ok_or(WorkerError::NoRendezvous)?;
+        // The client's connection is a task of the current runtime: outside one, say so (the
+        // connect would panic).
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Err(WorkerError::NoRuntime);
+        }
         let mut cfg = ClientConfig::new(endpoint);
         if let Some(path) = &self.token_file {
             cfg.token = Some(rsrun_rendezvous::auth::read_client_token(path)?);
@@ -279,10 +331,18 @@ impl WorkerContext {
                 Some(id) => id,
                 None => generate_unique_id()?,
             };
-            store.publish_unique_id(name, self.rank, &id).await?;
-            return Ok(id);
+            return match store.publish_unique_id(name, self.rank, &id).await {
+                Ok(()) => Ok(id),
+                // Published before under this name in this round (a retry after an answer that
+                // was lost, or a communicator built again): the other ranks hold that id.
+                Err(RdzvError::AlreadyExists(_)) => Self::received(store.get_unique_id(name, timeout).await?),
+                Err(e) => Err(e.into()),
+            };
         }
-        let bytes = store.get_unique_id(name, timeout).await?;
+        Self::received(store.get_unique_id(name, timeout).await?)
+    }
+
+    fn received(bytes: Vec<u8>) -> Result<[u8; 128], WorkerError> {
         bytes
             .try_into()
             .map_err(|b: Vec<u8>| WorkerError::UniqueId(format!("received {} bytes, expected 128", b.len())))
@@ -335,6 +395,12 @@ impl WorkerContext {
 /// # Errors
 /// The file cannot be written.
 pub fn write_error_file(path: &Path, message: &str, traceback: Option<&str>) -> Result<(), WorkerError> {
+    // The launcher reads error files of up to 1 MiB: a message or traceback past its share keeps
+    // its head and its end (where the cause usually is), so the report is read whole.
+    let message = clip(message, ERROR_FILE_PART);
+    let traceback = traceback.map(|t| clip(t, ERROR_FILE_PART));
+    let traceback = traceback.as_deref();
+    let message = message.as_ref();
     let timestamp = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
     let body = serde_json::json!({
         "message": {
@@ -358,6 +424,27 @@ pub fn write_error_file(path: &Path, message: &str, traceback: Option<&str>) -> 
         let _ = std::fs::remove_file(&tmp);
     }
     written.map_err(io)
+}
+
+/// The most bytes of the message, and of the traceback, in an error file (JSON escaping can
+/// grow text up to six times: 64 KiB each stays far below the launcher's 1 MiB).
+const ERROR_FILE_PART: usize = 64 << 10;
+
+/// `text` cut to at most about `max` bytes, on character boundaries: its first and last halves,
+/// with a note of what was left out between them.
+fn clip(text: &str, max: usize) -> std::borrow::Cow<'_, str> {
+    if text.len() <= max {
+        return std::borrow::Cow::Borrowed(text);
+    }
+    let half = max / 2;
+    let head_end = (0..=half).rev().find(|&i| text.is_char_boundary(i)).unwrap_or(0);
+    let tail_start = (text.len() - half..=text.len()).find(|&i| text.is_char_boundary(i)).unwrap_or(text.len());
+    std::borrow::Cow::Owned(format!(
+        "{}\n[... {} bytes left out ...]\n{}",
+        &text[..head_end],
+        tail_start - head_end,
+        &text[tail_start..]
+    ))
 }
 
 fn generate_unique_id() -> Result<[u8; 128], WorkerError> {
@@ -450,6 +537,88 @@ mod tests {
         assert_eq!(ctx.job_id, "j");
         assert_eq!(ctx.round, Some(5));
         assert!(matches!(ctx.store(), Err(WorkerError::NoRendezvous)));
+    }
+
+    /// Paths are taken byte for byte; any other variable that is not UTF-8 is named, not taken for
+    /// unset.
+    #[test]
+    fn os_values_keep_paths_and_name_text_that_is_not_utf8() {
+        use std::ffi::{OsStr, OsString};
+        use std::os::unix::ffi::OsStrExt;
+        let odd = OsStr::from_bytes(b"/l/r\xfcn/error.json").to_owned();
+        let with = |extra: (&'static str, OsString)| {
+            let mut map: HashMap<String, OsString> = BASE.iter().map(|(k, v)| (k.to_string(), OsString::from(v))).collect();
+            map.insert(extra.0.to_owned(), extra.1);
+            move |k: &str| map.get(k).cloned()
+        };
+        let ctx = WorkerContext::from_vars_os(&with(("TORCHELASTIC_ERROR_FILE", odd.clone()))).unwrap();
+        assert_eq!(ctx.error_file.as_deref(), Some(Path::new(&odd)));
+        assert_eq!(ctx.rank, 3);
+        let e = WorkerContext::from_vars_os(&with(("RANK", OsStr::from_bytes(b"\xff").to_owned()))).unwrap_err().to_string();
+        assert!(e.contains("RANK=") && e.contains("expected UTF-8 text"), "{e}");
+    }
+
+    /// Outside a tokio runtime the store is an error, not a panic in the connect.
+    #[test]
+    fn a_store_outside_a_runtime_is_an_error() {
+        let mut v: Vec<(&str, &str)> = BASE.to_vec();
+        v.push(("RSRUN_RDZV_ENDPOINT", "127.0.0.1:9"));
+        let ctx = WorkerContext::from_vars(&vars(&v)).unwrap();
+        assert!(matches!(ctx.store(), Err(WorkerError::NoRuntime)));
+    }
+
+    /// A message or traceback past its share keeps its head and its end.
+    #[test]
+    fn long_error_reports_keep_their_head_and_end() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("error.json");
+        let message = format!("HEAD{}é{}TAIL", "x".repeat(200 << 10), "y".repeat(200 << 10));
+        write_error_file(&path, &message, Some(&"t".repeat(5 << 20))).unwrap();
+        let len = std::fs::metadata(&path).unwrap().len();
+        assert!(len < 256 << 10, "{len} bytes");
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
+        let m = v["message"]["message"].as_str().unwrap();
+        assert!(m.starts_with("HEAD") && m.ends_with("TAIL") && m.contains("bytes left out"), "{}", &m[..100]);
+    }
+
+    /// Rank 0 asking again for an id under the same name gets the one it published, which the
+    /// other ranks hold.
+    #[tokio::test(flavor = "current_thread")]
+    async fn rank0_asking_again_gets_the_published_id() {
+        use rsrun_rendezvous::client::{JobSpec, JoinSpec};
+        use rsrun_rendezvous::server::{ServerConfig, spawn_with};
+        let srv = spawn_with(ServerConfig::in_memory(std::net::SocketAddr::from(([127, 0, 0, 1], 0)))).await.unwrap();
+        let client = RdzvClient::connect(ClientConfig::new(srv.addr.to_string())).unwrap();
+        let joined = client
+            .join(JoinSpec {
+                job_id: "uid".into(),
+                node_id: "n".into(),
+                addrs: vec!["127.0.0.1".into()],
+                local_world_size: 1,
+                rank_hint: None,
+                config: JobSpec { min_nodes: 1, max_nodes: 1, last_call: Duration::ZERO, lease: Duration::from_secs(60), max_restarts: 0, fixed_ranks: false },
+                timeout: Duration::from_secs(10),
+                master_port: 1,
+                hostname: "h".into(),
+            })
+            .await
+            .unwrap();
+        let round = joined.round.unwrap().round.to_string();
+        let endpoint = srv.addr.to_string();
+        let v: Vec<(&str, &str)> = vec![
+            ("RANK", "0"),
+            ("LOCAL_RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("MASTER_ADDR", "127.0.0.1"),
+            ("MASTER_PORT", "1"),
+            ("RSRUN_JOB_ID", "uid"),
+            ("RSRUN_ROUND", &round),
+            ("RSRUN_RDZV_ENDPOINT", &endpoint),
+        ];
+        let ctx = WorkerContext::from_vars(&vars(&v)).unwrap();
+        let first = ctx.unique_id("nccl", Some([1; 128]), Duration::from_secs(5)).await.unwrap();
+        let again = ctx.unique_id("nccl", Some([2; 128]), Duration::from_secs(5)).await.unwrap();
+        assert_eq!((first, again), ([1; 128], [1; 128]));
     }
 
     #[test]

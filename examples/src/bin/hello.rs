@@ -44,6 +44,15 @@ async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     let ctx = WorkerContext::from_env().context("hello must run under rsrun or torchrun")?;
     ctx.install_panic_hook();
+    let result = run(&args, &ctx).await;
+    // The launcher's failure report shows the error file: an error, like a panic, goes there.
+    if let Err(e) = &result {
+        let _ = ctx.report_error(&format!("{e:#}"), None);
+    }
+    result
+}
+
+async fn run(args: &Args, ctx: &WorkerContext) -> anyhow::Result<()> {
     println!(
         "hello from rank {} of {} (local rank {} of {}, node {} of {}, restart {}, job {}, round {})",
         ctx.rank,

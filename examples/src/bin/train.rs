@@ -293,6 +293,11 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("train: error: {e:#}");
+            // The launcher's failure report shows the error file: an error, like a panic, goes
+            // there (a collective's timeout names the rank that stopped).
+            if let Ok(ctx) = rsrun_worker_runtime::WorkerContext::from_env() {
+                let _ = ctx.report_error(&format!("{e:#}"), None);
+            }
             // Bad flags and inputs exit 2, like the launcher; failures while training exit 1.
             let bad_input = e.chain().any(|c| c.downcast_ref::<BadInput>().is_some());
             ExitCode::from(if bad_input { 2 } else { 1 })

@@ -41,6 +41,18 @@ fn panic_writes_the_error_file_and_the_report_shows_it() {
     assert!(stderr.contains("traceback  :"), "{stderr}");
 }
 
+/// A worker that ends with an error (not a panic) writes it to its error file too, and the report
+/// shows it (the example trainers do this in `main`).
+#[test]
+fn an_error_return_reaches_the_report_through_the_error_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let hello = rsrun_tests::bin("hello");
+    let out = run(rsrun(dir.path()).arg(&hello).args(["--exit-rank", "garbage"]));
+    assert_eq!(code(&out.status), 1, "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("error      : --exit-rank expects RANK:CODE"), "{stderr}");
+}
+
 /// rsrun's own TORCHELASTIC_ERROR_FILE gets the root cause's error file with `message.errorCode`
 /// (torchrun's `@record` on the launcher; TorchX reads it); the workers keep their own files.
 #[test]
