@@ -335,7 +335,20 @@ impl<M: UnitModel> Engine<M> {
             return Err(EngineError::Config("max_live_units must be at least 1".into()));
         }
         model.check().map_err(|e| EngineError::Config(format!("model: {e}")))?;
+        check_training_config(&cfg).map_err(EngineError::Config)?;
         let strategy = cfg.strategy;
+        if strategy.is_hybrid() {
+            // Shards live within a host and replicas across hosts: every host needs the same
+            // number of ranks (else shard buffers differ in length between replicas).
+            let counts: Vec<usize> = (0..pg.num_hosts()).map(|h| (0..world).filter(|r| pg.host_of(*r) == h).count()).collect();
+            if counts.iter().any(|c| *c != counts[0]) {
+                let each: Vec<String> = counts.iter().enumerate().map(|(h, c)| format!("host {h}: {c}")).collect();
+                return Err(EngineError::Config(format!(
+                    "hybrid sharding needs the same number of ranks on every host, got {}",
+                    each.join(", ")
+                )));
+            }
+        }
         let (shard_pg, rep_pg) = if strategy.is_hybrid() {
             let (intra, inter) = pg.split_by_host()?;
             let rep = (inter.world_size() > 1).then_some(inter);
@@ -586,11 +599,26 @@ impl<M: UnitModel> Engine<M> {
     /// Empty `micro`, tensor, collective or non-finite-loss failures.
     pub fn train_step(&mut self, micro: &[Batch]) -> EngineResult<StepOutput> {
         let _span = info_span!("train_step", rank = self.rank, step = self.step + 1).entered();
+        // Collectives before this step (loading a checkpoint, a failed step) are not its own.
+        self.take_comm_wait();
+        // Every rank must run as many micro-batches: their collectives pair up, and each averages
+        // by its own count. Agreed first (an empty list included), so a mismatch is an error on
+        // every rank, not a hang or replicas that drift apart.
+        if self.world > 1 {
+            let k = micro.len() as f32;
+            let mut counts = [k, -k];
+            self.in_comm(|| self.pg.all_reduce(&mut counts, ReduceOp::Max))?;
+            let (most, fewest) = (counts[0], -counts[1]);
+            if most != fewest {
+                return Err(EngineError::Config(format!(
+                    "the ranks passed different numbers of micro-batches to train_step (from {fewest} to {most}; this rank {})",
+                    micro.len()
+                )));
+            }
+        }
         if micro.is_empty() {
             return Err(EngineError::Config("train_step needs at least one micro-batch".into()));
         }
-        // Collectives before this step (loading a checkpoint, a failed step) are not its own.
-        self.take_comm_wait();
         let native = self.native_enabled();
         // The native backward overwrites a unit's full gradient on the first micro-batch, and
         // under ZeRO-2/3 that micro-batch's reduce-scatter writes the gradient shard itself
@@ -610,11 +638,20 @@ impl<M: UnitModel> Engine<M> {
             };
         }
         let loss = loss_sum / micro.len() as f32;
-        if !loss.is_finite() {
-            return Err(EngineError::NonFinite {
-                what: "loss",
-                step: self.step + 1,
-            });
+        // A loss that is not finite on any rank concerns them all (its gradients reached every
+        // replica through the reductions): with f16 the step is skipped everywhere (an overflow,
+        // in `unscale_or_skip`), otherwise every rank fails here, together.
+        if self.scaler.is_none() {
+            let mut bad = [if loss.is_finite() { 0f32 } else { 1.0 }];
+            if self.world > 1 {
+                self.in_comm(|| self.pg.all_reduce(&mut bad, ReduceOp::Max))?;
+            }
+            if bad[0] != 0.0 {
+                return Err(EngineError::NonFinite {
+                    what: if loss.is_finite() { "loss of another rank" } else { "loss" },
+                    step: self.step + 1,
+                });
+            }
         }
         // ZeRO-1: reduce-scatter the accumulated full gradients into transient shards.
         let mut z1_shards: Vec<Vec<f32>> = Vec::new();
@@ -1133,3 +1170,39 @@ mod tests;
 mod tests_ckpt;
 #[cfg(test)]
 mod tests_tiers;
+
+/// The optimizer, clipping and schedule settings, checked as PyTorch checks them: each bad value
+/// named.
+fn check_training_config(cfg: &EngineConfig) -> Result<(), String> {
+    let finite_at_least = |what: &str, v: f64, min: f64| {
+        if v.is_finite() && v >= min { Ok(()) } else { Err(format!("{what} {v}: expected a finite value >= {min}")) }
+    };
+    match &cfg.optimizer {
+        crate::optim::OptimizerConfig::AdamW(a) => {
+            finite_at_least("AdamW lr", a.lr, 0.0)?;
+            finite_at_least("AdamW eps", a.eps, 0.0)?;
+            finite_at_least("AdamW weight_decay", a.weight_decay, 0.0)?;
+            for (name, b) in [("beta1", a.beta1), ("beta2", a.beta2)] {
+                if !(0.0..1.0).contains(&b) {
+                    return Err(format!("AdamW {name} {b}: expected a value in [0, 1)"));
+                }
+            }
+        }
+        crate::optim::OptimizerConfig::Sgd(g) => {
+            finite_at_least("SGD lr", g.lr, 0.0)?;
+            finite_at_least("SGD momentum", g.momentum, 0.0)?;
+            finite_at_least("SGD weight_decay", g.weight_decay, 0.0)?;
+        }
+    }
+    if let Some(n) = cfg.clip_grad_norm
+        && !(n.is_finite() && n > 0.0)
+    {
+        return Err(format!("clip_grad_norm {n}: expected a finite norm > 0 (None disables clipping)"));
+    }
+    if let Some(s) = &cfg.schedule
+        && !(s.min_lr_ratio.is_finite() && (0.0..=1.0).contains(&s.min_lr_ratio))
+    {
+        return Err(format!("schedule min_lr_ratio {}: expected a value in [0, 1]", s.min_lr_ratio));
+    }
+    Ok(())
+}

@@ -575,6 +575,11 @@ impl ProcessGroup {
         &self.inner.ctx.names
     }
 
+    /// The host index (0..num_hosts) of `rank`; 0 for a rank out of range.
+    pub fn host_of(&self, rank: usize) -> usize {
+        self.inner.host_of.get(rank).copied().unwrap_or(0)
+    }
+
     /// Number of distinct hosts in the group.
     pub fn num_hosts(&self) -> usize {
         self.inner

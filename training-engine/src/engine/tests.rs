@@ -299,6 +299,12 @@ fn memory_matches_formulas_and_traffic_ratio() {
             sent.insert(name, *bytes);
         }
     }
+    // Each step's agreement first: the micro-batch count [k, -k] and the loss's finiteness, three
+    // f32 all-reduced (a two-rank ring sends each element's 4 bytes once).
+    let control = 3 * 4;
+    for v in sent.values_mut() {
+        *v -= control;
+    }
     // The tiny model's units are multiples of 2, so no padding: DDP sends 2·(N−1)/N·4Ψ.
     assert_eq!(s * 2, psi);
     assert_eq!(sent["ddp"], 4 * psi);
@@ -363,5 +369,118 @@ fn comm_wait_is_the_time_spent_waiting_for_the_peers() {
         let b = Batch::from_rows(&global_batch(3, 0, GLOBAL_B, tiny().seq, 256)).unwrap();
         let out = e.train_step(std::slice::from_ref(&b)).unwrap();
         assert_eq!(out.comm_wait, std::time::Duration::ZERO, "{strategy}");
+    }
+}
+
+/// Optimizer, clipping and schedule settings that would train to NaN, or the wrong way, are
+/// refused when the engine is built, each named with its value.
+#[test]
+fn bad_training_settings_are_refused_by_name() {
+    let adam = |f: fn(&mut AdamW)| {
+        let mut a = AdamW { lr: 1e-2, ..AdamW::default() };
+        f(&mut a);
+        let mut c = cfg(Strategy::Ddp);
+        c.optimizer = OptimizerConfig::AdamW(a);
+        c
+    };
+    let mut clip = cfg(Strategy::Ddp);
+    clip.clip_grad_norm = Some(-1.0);
+    let mut clip_nan = cfg(Strategy::Ddp);
+    clip_nan.clip_grad_norm = Some(f64::NAN);
+    let mut sgd = sgd_cfg(Strategy::Ddp);
+    sgd.optimizer = OptimizerConfig::Sgd(Sgd { lr: -0.1, momentum: 0.9, weight_decay: 0.0 });
+    let cases = [
+        (adam(|a| a.beta1 = 1.0), "AdamW beta1 1: expected a value in [0, 1)"),
+        (adam(|a| a.beta2 = -0.5), "AdamW beta2 -0.5"),
+        (adam(|a| a.lr = f64::INFINITY), "AdamW lr inf"),
+        (adam(|a| a.eps = -1e-8), "AdamW eps -0.00000001"),
+        (clip, "clip_grad_norm -1: expected a finite norm > 0"),
+        (clip_nan, "clip_grad_norm NaN"),
+        (sgd, "SGD lr -0.1"),
+    ];
+    for (bad, want) in cases {
+        let pg = ProcessGroup::new(0, 1, Arc::new(LocalStore::new()), "bad-cfg", CommOptions::default()).unwrap();
+        let e = Engine::new(Gpt::new(tiny()), bad, pg).err().expect("built with a bad setting").to_string();
+        assert!(e.contains(want), "{want}: {e}");
+    }
+}
+
+/// Runs `f(rank, engine)` on `world` threads over one store and returns each rank's result.
+fn on_ranks<T: Send + 'static>(
+    world: usize,
+    hosts: usize,
+    c: EngineConfig,
+    f: impl Fn(usize, EngineResult<Engine<Gpt>>) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    one_thread();
+    let store = Arc::new(LocalStore::new());
+    let prefix = format!("t{}", rand::random::<u64>());
+    let f = Arc::new(f);
+    let handles: Vec<_> = (0..world)
+        .map(|rank| {
+            let (store, prefix, c, f) = (store.clone(), prefix.clone(), c.clone(), f.clone());
+            std::thread::spawn(move || {
+                let opts = CommOptions {
+                    host_identity: (hosts > 1).then(|| format!("host{}", rank * hosts / world)),
+                    backend: if hosts > 1 { BackendKind::Tcp } else { BackendKind::Shm },
+                    timeout: std::time::Duration::from_secs(20),
+                    ..CommOptions::default()
+                };
+                let pg = ProcessGroup::new(rank, world, store, &prefix, opts).unwrap();
+                f(rank, Engine::new(Gpt::new(tiny()), c, pg))
+            })
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+/// One rank's batches for `step`, as `micro` micro-batches.
+fn batches(rank: usize, world: usize, step: u64, micro: usize) -> Vec<Batch> {
+    let rows = global_batch(3, step, GLOBAL_B, tiny().seq, 256);
+    let mine = rank_rows(&rows, rank, world);
+    (0..micro).map(|m| Batch::from_rows(&rank_rows(&mine, m, micro)).unwrap()).collect()
+}
+
+/// Ranks that pass different numbers of micro-batches fail the step together, naming the counts
+/// (ZeRO-2 hung in its reduce-scatters, DDP's replicas drifted apart silently).
+#[test]
+fn ranks_that_disagree_on_micro_batches_fail_together() {
+    for strategy in [Strategy::Ddp, "zero2".parse().unwrap()] {
+        let got = on_ranks(2, 1, cfg(strategy), move |rank, e| {
+            let mut e = e.unwrap();
+            e.train_step(&batches(rank, 2, 0, 2 + rank)).err().map(|e| e.to_string())
+        });
+        for (rank, e) in got.into_iter().enumerate() {
+            let e = e.unwrap_or_else(|| panic!("{strategy} rank {rank} stepped"));
+            assert!(e.contains("different numbers of micro-batches to train_step (from 2 to 3"), "{strategy} rank {rank}: {e}");
+        }
+    }
+}
+
+/// A loss that is not finite on one rank fails the step on every rank (its gradients reached the
+/// others through the all-reduce; before, they stepped on with NaN parameters).
+#[test]
+fn a_nonfinite_loss_on_one_rank_fails_every_rank() {
+    let got = on_ranks(2, 1, cfg(Strategy::Ddp), |rank, e| {
+        let mut e = e.unwrap();
+        if rank == 1 {
+            let v = &e.units[0].vars[0];
+            let nan = (v.as_tensor().ones_like().unwrap() * f64::NAN).unwrap();
+            v.set(&nan).unwrap();
+        }
+        e.train_step(&batches(rank, 2, 0, 1)).err().map(|e| e.to_string())
+    });
+    assert!(got[1].as_deref().is_some_and(|e| e.contains("loss")), "{got:?}");
+    assert!(got[0].as_deref().is_some_and(|e| e.contains("loss of another rank")), "{got:?}");
+}
+
+/// Hybrid sharding over hosts with different numbers of ranks is refused when the engine is
+/// built, naming each host's count.
+#[test]
+fn hybrid_sharding_over_uneven_hosts_is_refused() {
+    let got = on_ranks(3, 2, cfg("hybrid".parse().unwrap()), |_, e| e.err().map(|e| e.to_string()));
+    for e in got {
+        let e = e.expect("built over uneven hosts");
+        assert!(e.contains("same number of ranks on every host, got host 0: 2, host 1: 1"), "{e}");
     }
 }

@@ -614,6 +614,8 @@ impl<M: UnitModel> Engine<M> {
                 }
             }
         }
+        // A loss that overflowed on any rank skips the step too (GradScaler's and DeepSpeed's rule).
+        finite &= loss.is_finite();
         let mut flag = [if finite { 0f32 } else { 1.0 }];
         if self.world > 1 {
             self.in_comm(|| self.pg.all_reduce(&mut flag, ReduceOp::Max))?;
