@@ -982,6 +982,15 @@ impl State {
                 if let Some(e) = job.ended_error() {
                     return Err(e);
                 }
+                // Only a node of the job fails it: a straggler of an earlier run under the same
+                // job id (or anyone else) cannot end this one.
+                if !job.nodes.contains_key(node) {
+                    return Err(RdzvError::NotMember {
+                        job: job.id.clone(),
+                        node: node.clone(),
+                        reason: "only a node of the job can fail it".into(),
+                    });
+                }
                 let why = if reason.is_empty() { format!("failed by node {node}") } else { format!("failed by node {node}: {reason}") };
                 if job.root_cause.as_ref().is_none_or(|r| r.round != job.round) {
                     job.root_cause = Some(Failure {
