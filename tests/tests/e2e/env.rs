@@ -171,3 +171,24 @@ fn inherited_descriptors_do_not_leak_into_workers() {
         assert!(fds.contains(&progress), "rank {rank} lost its progress socket {progress}: {fds:?}");
     }
 }
+
+/// `rsrun-rendezvous serve --no-tcpstore` (README): the daemon serves no TCPStore, so the store is
+/// rank 0's own, as under torchrun: TORCHELASTIC_USE_AGENT_STORE=False and MASTER_ADDR:MASTER_PORT
+/// on the node of rank 0 (a port that node reserved), not a port of the daemon's.
+#[test]
+fn a_daemon_without_tcpstore_leaves_the_store_to_rank_0() {
+    let daemon = rsrun_tests::Daemon::start_with("127.0.0.1:0", &[std::ffi::OsStr::new("--no-tcpstore")]);
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(rsrun(dir.path())
+        .args(["--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", &daemon.addr, "--rdzv-id", "no-store"])
+        .args(["sh", "-c", "cat /proc/self/environ > env.$RANK"]));
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    let daemon_port = daemon.addr.rsplit_once(':').unwrap().1.to_owned();
+    for rank in 0..2 {
+        let env = read_env(&dir.path().join(format!("env.{rank}")));
+        assert_eq!(env["TORCHELASTIC_USE_AGENT_STORE"], "False", "rank {rank}");
+        assert_eq!(env["MASTER_ADDR"], "127.0.0.1", "rank {rank}");
+        assert_ne!(env["MASTER_PORT"], daemon_port, "rank {rank}");
+        assert_eq!(env["RSRUN_RDZV_ENDPOINT"], daemon.addr, "rank {rank}");
+    }
+}
