@@ -1047,8 +1047,9 @@ impl StoreClient {
         Ok(r.generation)
     }
 
-    /// Publishes the round's NCCL unique id (global rank 0 only; write-once).
-    pub async fn publish_unique_id(&self, name: &str, rank: u32, id: &[u8]) -> Result<(), RdzvError> {
+    /// Publishes the round's NCCL unique id (global rank 0 only, from `node`, the member of the
+    /// round that runs it; write-once).
+    pub async fn publish_unique_id(&self, name: &str, node: &str, rank: u32, id: &[u8]) -> Result<(), RdzvError> {
         self.client
             .call("publish unique id", Duration::ZERO, |mut c, _| {
                 let req = pb::PublishUniqueIdRequest {
@@ -1057,6 +1058,7 @@ impl StoreClient {
                     rank,
                     unique_id: id.to_vec(),
                     name: name.into(),
+                    node_id: node.into(),
                 };
                 async move { c.publish_unique_id(req).await }
             })

@@ -1578,7 +1578,13 @@ impl pb::rendezvous_server::Rendezvous for Service {
         rpc(&self.core, "PublishUniqueId", async {
             validate::id("job_id", &r.job_id)?;
             validate::optional_id("name", &r.name)?;
+            validate::id("node_id", &r.node_id)?;
             p.check(&r.job_id)?;
+            // Only the node that runs global rank 0 publishes (T9): the running round's members
+            // say which one that is. (Members do not change within a round, and the command
+            // checks the round again.)
+            let (job, round, node) = (r.job_id.as_str(), r.round, r.node_id.as_str());
+            self.core.read(|s| s.job(job)?.check_rank0_node(round, node)).await?;
             let cmd = Command::PublishUniqueId { job: r.job_id, round: r.round, rank: r.rank, name: r.name, id: r.unique_id };
             self.core.execute(cmd).await?;
             Ok(pb::PublishUniqueIdResponse {})

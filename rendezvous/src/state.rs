@@ -796,6 +796,27 @@ impl Job {
         Ok(Effects::changed())
     }
 
+    /// Whether `node` may publish round `round`'s unique id: it runs global rank 0 there. A
+    /// round that is not running is left to the publication itself to refuse.
+    ///
+    /// # Errors
+    /// A stale round; a node that is not a member of the running round, or does not hold rank 0.
+    pub fn check_rank0_node(&self, round: u64, node: &str) -> Result<(), RdzvError> {
+        self.check_round(round)?;
+        let Phase::Running { members, .. } = &self.phase else { return Ok(()) };
+        match members.get(node) {
+            Some(m) if m.rank_offset == 0 => Ok(()),
+            Some(m) => Err(RdzvError::PermissionDenied(format!(
+                "only the node of global rank 0 publishes the unique id of round {round}; node {node:?} runs ranks from {}",
+                m.rank_offset
+            ))),
+            None => Err(RdzvError::PermissionDenied(format!(
+                "node {node:?} is not a member of running round {round} of job {:?}: it cannot publish its unique id",
+                self.id
+            ))),
+        }
+    }
+
     fn store_map(&mut self, round_scoped: bool) -> &mut BTreeMap<String, Vec<u8>> {
         if round_scoped { &mut self.round_store } else { &mut self.store }
     }

@@ -87,7 +87,7 @@ fn call() -> impl Strategy<Value = Call> {
             timeout_ms,
             request_id,
         })),
-        (text(), 0u64..3, 0u32..3, proptest::collection::vec(any::<u8>(), 126..130), text()).prop_map(|(job_id, round, rank, unique_id, name)| Call::Publish(pb::PublishUniqueIdRequest { job_id, round, rank, unique_id, name })),
+        (text(), 0u64..3, 0u32..3, proptest::collection::vec(any::<u8>(), 126..130), text(), text()).prop_map(|(job_id, round, rank, unique_id, name, node_id)| Call::Publish(pb::PublishUniqueIdRequest { job_id, round, rank, unique_id, name, node_id })),
         (text(), 0u64..3, text(), small_ms).prop_map(|(job_id, round, name, timeout_ms)| Call::GetId(pb::GetUniqueIdRequest { job_id, round, name, timeout_ms })),
         text().prop_map(|job_id| Call::Status(pb::StatusRequest { job_id })),
     ]

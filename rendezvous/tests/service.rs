@@ -218,11 +218,15 @@ async fn store_barrier_and_unique_id() {
     // Unique id: others block until rank 0 publishes; write-once; rank 0 only.
     let st = store.clone();
     let waiter = tokio::spawn(async move { st.get_unique_id("", WAIT).await });
-    let e = store.publish_unique_id("", 1, &[1; 128]).await.unwrap_err();
+    let e = store.publish_unique_id("", "a", 1, &[1; 128]).await.unwrap_err();
     assert_eq!(e.code(), Code::PermissionDenied);
-    store.publish_unique_id("", 0, &[9; 128]).await.unwrap();
+    // Claiming rank 0 is not enough: the node must be the round's member that runs it (T9).
+    let e = store.publish_unique_id("", "intruder", 0, &[7; 128]).await.unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied);
+    assert!(e.to_string().contains("\"intruder\" is not a member of running round"), "{e}");
+    store.publish_unique_id("", "a", 0, &[9; 128]).await.unwrap();
     assert_eq!(waiter.await.unwrap().unwrap(), vec![9; 128]);
-    let e = store.publish_unique_id("", 0, &[8; 128]).await.unwrap_err();
+    let e = store.publish_unique_id("", "a", 0, &[8; 128]).await.unwrap_err();
     assert_eq!(e.code(), Code::AlreadyExists);
 }
 

@@ -89,7 +89,7 @@ pub enum WorkerError {
 }
 
 /// The variables [`WorkerContext::from_vars`] reads as text.
-const TEXT_VARS: [&str; 14] = [
+const TEXT_VARS: [&str; 15] = [
     "WORLD_SIZE",
     "RANK",
     "LOCAL_RANK",
@@ -104,6 +104,7 @@ const TEXT_VARS: [&str; 14] = [
     "TORCHELASTIC_RESTART_COUNT",
     "TORCHELASTIC_MAX_RESTARTS",
     "RSRUN_RDZV_ENDPOINT",
+    "RSRUN_NODE_ID",
 ];
 
 /// A worker's place in the job, read from the environment.
@@ -135,6 +136,9 @@ pub struct WorkerContext {
     pub master_port: u16,
     /// RSRUN_RDZV_ENDPOINT.
     pub rdzv_endpoint: Option<String>,
+    /// RSRUN_NODE_ID: this node's id at the rendezvous (the unique id's publisher is checked
+    /// against it).
+    pub node_id: Option<String>,
     /// RSRUN_TOKEN_FILE.
     pub token_file: Option<PathBuf>,
     /// RSRUN_TLS_CA: CA certificate to verify a TLS rendezvous service with.
@@ -264,6 +268,7 @@ impl WorkerContext {
             master_addr,
             master_port,
             rdzv_endpoint: get("RSRUN_RDZV_ENDPOINT").filter(|s| !s.is_empty()),
+            node_id: get("RSRUN_NODE_ID").filter(|s| !s.is_empty()),
             token_file: get("RSRUN_TOKEN_FILE").filter(|s| !s.is_empty()).map(PathBuf::from),
             tls_ca: get("RSRUN_TLS_CA").filter(|s| !s.is_empty()).map(PathBuf::from),
             error_file: get("TORCHELASTIC_ERROR_FILE").filter(|s| !s.is_empty()).map(PathBuf::from),
@@ -331,7 +336,9 @@ impl WorkerContext {
                 Some(id) => id,
                 None => generate_unique_id()?,
             };
-            return match store.publish_unique_id(name, self.rank, &id).await {
+            // The service checks that this node runs rank 0 in the round.
+            let node = self.node_id.as_deref().ok_or(WorkerError::MissingVar { name: "RSRUN_NODE_ID" })?;
+            return match store.publish_unique_id(name, node, self.rank, &id).await {
                 Ok(()) => Ok(id),
                 // Published before under this name in this round (a retry after an answer that
                 // was lost, or a communicator built again): the other ranks hold that id.
@@ -614,6 +621,7 @@ mod tests {
             ("RSRUN_JOB_ID", "uid"),
             ("RSRUN_ROUND", &round),
             ("RSRUN_RDZV_ENDPOINT", &endpoint),
+            ("RSRUN_NODE_ID", "n"),
         ];
         let ctx = WorkerContext::from_vars(&vars(&v)).unwrap();
         let first = ctx.unique_id("nccl", Some([1; 128]), Duration::from_secs(5)).await.unwrap();

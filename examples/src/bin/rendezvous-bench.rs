@@ -220,7 +220,7 @@ async fn run(args: &Args, endpoint: &str) -> anyhow::Result<Figures> {
             rpc_ms.push(barrier_done.duration_since(barrier_start).as_secs_f64() * 1e3);
             let t = Instant::now();
             if node_rank == 0 {
-                store.publish_unique_id("", 0, &[0x5a; 128]).await?;
+                store.publish_unique_id("", &node, 0, &[0x5a; 128]).await?;
             } else {
                 let id = store.get_unique_id("", timeout).await?;
                 anyhow::ensure!(id == [0x5a; 128], "agent {i} got a wrong unique id");
