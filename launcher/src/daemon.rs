@@ -214,6 +214,10 @@ impl DaemonRdzv {
         // before that could come back with the round it fenced itself from, or be undone by the
         // leave.
         self.settle_fence().await;
+        // The previous round's keep-alive stops here: the waiting join renews the lease itself,
+        // and a keep-alive left running could fence during the wait and leave the round being
+        // joined. A fresh one starts with the assignment.
+        self.keep_alive = None;
         let master_port = free_port().context("cannot reserve a port for MASTER_PORT")?;
         let spec = JoinSpec {
             job_id: self.job.clone(),

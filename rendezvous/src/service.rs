@@ -1300,8 +1300,11 @@ impl pb::rendezvous_server::Rendezvous for Service {
             validate::id("job_id", &r.job_id)?;
             validate::id("node_id", &r.node_id)?;
             p.check(&r.job_id)?;
-            tracing::warn!(job = %r.job_id, node = %r.node_id, reason = %r.reason, "job failed by a node");
-            self.core.execute(Command::FailJob { job: r.job_id, node: r.node_id, reason: validate::text(&r.reason) }).await?;
+            let (job, node) = (r.job_id.as_str(), r.node_id.as_str());
+            self.core.read(|s| s.job(job)?.check_may_fail(node)).await?;
+            let reason = validate::text(&r.reason);
+            tracing::warn!(job = %r.job_id, node = %r.node_id, %reason, "job failed by a node");
+            self.core.execute(Command::FailJob { job: r.job_id, node: r.node_id, reason }).await?;
             Ok(pb::FailJobResponse {})
         })
         .await

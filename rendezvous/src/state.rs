@@ -796,6 +796,19 @@ impl Job {
         Ok(Effects::changed())
     }
 
+    /// Whether `node` may fail the job: only a node of it (a straggler of an earlier run under the
+    /// same job id, or anyone else, cannot end this one). Checked before the journaled command,
+    /// which an older journal replays without it.
+    ///
+    /// # Errors
+    /// `node` is not a node of the job.
+    pub fn check_may_fail(&self, node: &str) -> Result<(), RdzvError> {
+        if self.nodes.contains_key(node) {
+            return Ok(());
+        }
+        Err(RdzvError::NotMember { job: self.id.clone(), node: node.to_owned(), reason: "only a node of the job can fail it".into() })
+    }
+
     /// Whether `node` may publish round `round`'s unique id: it runs global rank 0 there. A
     /// round that is not running is left to the publication itself to refuse.
     ///
@@ -1002,15 +1015,6 @@ impl State {
                 let job = self.job_mut(job)?;
                 if let Some(e) = job.ended_error() {
                     return Err(e);
-                }
-                // Only a node of the job fails it: a straggler of an earlier run under the same
-                // job id (or anyone else) cannot end this one.
-                if !job.nodes.contains_key(node) {
-                    return Err(RdzvError::NotMember {
-                        job: job.id.clone(),
-                        node: node.clone(),
-                        reason: "only a node of the job can fail it".into(),
-                    });
                 }
                 let why = if reason.is_empty() { format!("failed by node {node}") } else { format!("failed by node {node}: {reason}") };
                 if job.root_cause.as_ref().is_none_or(|r| r.round != job.round) {

@@ -151,6 +151,9 @@ async fn failure_restart_budget_and_fail_fast() {
     b.unwrap();
     assert_eq!(ra.restart_count, 1);
     let mut watch = client.watch("job", "a");
+    // Only a node of the job fails it.
+    let e = client.fail_job("job", "stranger", "stale run").await.unwrap_err();
+    assert!(e.to_string().contains("only a node of the job can fail it"), "{e}");
     client.fail_job("job", "b", "cuda error").await.unwrap();
     let v = until(&mut watch, |v| v.state == JobState::Failed as i32).await;
     assert!(v.reason.contains("cuda error"));

@@ -338,13 +338,16 @@ impl WorkerContext {
             };
             // The service checks that this node runs rank 0 in the round.
             let node = self.node_id.as_deref().ok_or(WorkerError::MissingVar { name: "RSRUN_NODE_ID" })?;
-            return match store.publish_unique_id(name, node, self.rank, &id).await {
-                Ok(()) => Ok(id),
-                // Published before under this name in this round (a retry after an answer that
-                // was lost, or a communicator built again): the other ranks hold that id.
-                Err(RdzvError::AlreadyExists(_)) => Self::received(store.get_unique_id(name, timeout).await?),
-                Err(e) => Err(e.into()),
-            };
+            // The same id again is answered as the first (a retry); another id under a name used
+            // in this round is refused: an NCCL id serves one communicator's init, so a new
+            // communicator needs a new name.
+            store.publish_unique_id(name, node, self.rank, &id).await.map_err(|e| match e {
+                RdzvError::AlreadyExists(why) => {
+                    WorkerError::UniqueId(format!("{why}: a new communicator in this round needs a name of its own"))
+                }
+                e => e.into(),
+            })?;
+            return Ok(id);
         }
         Self::received(store.get_unique_id(name, timeout).await?)
     }
@@ -588,10 +591,10 @@ mod tests {
         assert!(m.starts_with("HEAD") && m.ends_with("TAIL") && m.contains("bytes left out"), "{}", &m[..100]);
     }
 
-    /// Rank 0 asking again for an id under the same name gets the one it published, which the
-    /// other ranks hold.
+    /// Rank 0 publishing the same id again gets it (a retry); another id under the same name is
+    /// an error that says a new communicator needs a new name.
     #[tokio::test(flavor = "current_thread")]
-    async fn rank0_asking_again_gets_the_published_id() {
+    async fn rank0_republishing_is_a_retry_or_an_error() {
         use rsrun_rendezvous::client::{JobSpec, JoinSpec};
         use rsrun_rendezvous::server::{ServerConfig, spawn_with};
         let srv = spawn_with(ServerConfig::in_memory(std::net::SocketAddr::from(([127, 0, 0, 1], 0)))).await.unwrap();
@@ -625,8 +628,10 @@ mod tests {
         ];
         let ctx = WorkerContext::from_vars(&vars(&v)).unwrap();
         let first = ctx.unique_id("nccl", Some([1; 128]), Duration::from_secs(5)).await.unwrap();
-        let again = ctx.unique_id("nccl", Some([2; 128]), Duration::from_secs(5)).await.unwrap();
+        let again = ctx.unique_id("nccl", Some([1; 128]), Duration::from_secs(5)).await.unwrap();
         assert_eq!((first, again), ([1; 128], [1; 128]));
+        let e = ctx.unique_id("nccl", Some([2; 128]), Duration::from_secs(5)).await.unwrap_err().to_string();
+        assert!(e.contains("write-once") && e.contains("needs a name of its own"), "{e}");
     }
 
     #[test]

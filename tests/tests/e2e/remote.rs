@@ -544,7 +544,9 @@ fn rdzv_tls_ca_reaches_every_agent_and_the_head() {
         &["--tls-cert".as_ref(), cert.as_os_str(), "--tls-key".as_ref(), key.as_os_str()],
     );
     let dir = tempfile::tempdir().unwrap();
-    let script = "head -n 1 \"$RSRUN_TLS_CA\" > ca.$RANK; if [ \"$RANK\" = 1 ]; then exit 3; fi";
+    // Rank 1 fails once rank 0 wrote its file (else rank 0 may be stopped before it ran at all).
+    let script = "head -n 1 \"$RSRUN_TLS_CA\" > ca.$RANK; if [ \"$RANK\" = 1 ]; then i=0; \
+                  while [ ! -s ca.0 ] && [ $i -lt 200 ]; do sleep 0.05; i=$((i+1)); done; exit 3; fi";
     let mut cmd = rsrun(dir.path());
     cmd.args(["-H", "h1:1,h2:1", "--allow-same-host", "--rsh"])
         .arg(fake_rsh())
