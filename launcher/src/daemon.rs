@@ -349,25 +349,20 @@ impl DaemonRdzv {
         Ok(Some(assignment))
     }
 
-    /// Starts the keep-alive and the watch, or starts them again when they ended: a keep-alive that
-    /// reported this node out (expelled by a partition, lease expired) or stopped, or a watch whose
-    /// task ended, would otherwise end the fresh round at once.
+    /// Starts this round's keep-alive (`next_round` dropped the previous one before joining, so
+    /// one that reported this node out or fenced it never carries over), and the watch, or the
+    /// watch again when its task ended (it would otherwise end the fresh round at once).
     fn ensure_background(&mut self, plan: &LaunchPlan) {
-        if !self.keep_alive.as_ref().is_some_and(keep_alive_live) {
-            if self.keep_alive.is_some() {
-                debug!(job = %self.job, node = %self.node, "the previous keep-alive ended; starting a new one");
-            }
-            let policy = KeepAlivePolicy {
-                // Three renewals before the fence (lease - margin), as torchrun's three attempts
-                // per lease: an outage of one or two of them is a pause.
-                interval: (plan.timeouts.lease.saturating_sub(self.fence_margin) / 3).max(Duration::from_millis(30)),
-                // A service in this process cannot be cut off from this node: no fencing.
-                lease: self.embedded.is_none().then_some(plan.timeouts.lease),
-                margin: self.fence_margin,
-                give_up: plan.timeouts.keep_alive_give_up,
-            };
-            self.keep_alive = Some(self.client.spawn_keep_alive_with(&self.job, &self.node, policy));
-        }
+        let policy = KeepAlivePolicy {
+            // Three renewals before the fence (lease - margin), as torchrun's three attempts per
+            // lease: an outage of one or two of them is a pause.
+            interval: (plan.timeouts.lease.saturating_sub(self.fence_margin) / 3).max(Duration::from_millis(30)),
+            // A service in this process cannot be cut off from this node: no fencing.
+            lease: self.embedded.is_none().then_some(plan.timeouts.lease),
+            margin: self.fence_margin,
+            give_up: plan.timeouts.keep_alive_give_up,
+        };
+        self.keep_alive = Some(self.client.spawn_keep_alive_with(&self.job, &self.node, policy));
         if self.watch.as_ref().is_none_or(|w| w.has_changed().is_err()) {
             self.watch = Some(self.client.watch(&self.job, &self.node));
         }
@@ -744,12 +739,6 @@ fn nonempty(s: String, default: &str) -> String {
     if s.is_empty() { default.to_owned() } else { s }
 }
 
-/// Whether a keep-alive still renews the lease: it has not reported this node out, and its task runs.
-fn keep_alive_live(k: &KeepAliveHandle) -> bool {
-    // `has_changed` fails once the task ended (its sender is gone). A fenced one renews nothing.
-    k.lost.borrow().is_none() && k.lost.has_changed().is_ok() && k.lapsed.borrow().is_none()
-}
-
 /// How a job ended, as a refusal says it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Ended {
@@ -979,6 +968,13 @@ fn advertised_addrs(plan: &LaunchPlan, target: SocketAddr) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Whether a keep-alive still renews the lease: it has not reported this node out, its task
+    /// runs, and it has not fenced the node.
+    fn keep_alive_live(k: &KeepAliveHandle) -> bool {
+        // `has_changed` fails once the task ended (its sender is gone).
+        k.lost.borrow().is_none() && k.lost.has_changed().is_ok() && k.lapsed.borrow().is_none()
+    }
     use crate::plan::tests::{host, parse};
     use crate::report::WorkerFailure;
 

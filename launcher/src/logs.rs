@@ -145,11 +145,6 @@ impl LogFile {
         LogFile { file: Some(tokio::fs::File::from_std(file)), path }
     }
 
-    /// The file's path.
-    pub fn path(&self) -> &std::path::Path {
-        &self.path
-    }
-
     /// Writes `bytes` in one `write_all` (a line of a shared file never interleaves with another
     /// writer's). An error, here or from the previous write, ends the file's writing.
     pub async fn write(&mut self, bytes: &[u8]) {

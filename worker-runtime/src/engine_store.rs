@@ -116,7 +116,6 @@ impl Store for EngineStore {
 mod tests {
     use std::sync::Arc;
 
-    use rsrun_rendezvous::client::{ClientConfig, JobSpec, JoinSpec, RdzvClient};
     use rsrun_training_engine::comm::{BackendKind, CommOptions, ProcessGroup, ReduceOp};
 
     use super::*;
@@ -126,23 +125,8 @@ mod tests {
     fn process_group_bootstraps_through_the_rendezvous_store() {
         let rt = tokio::runtime::Runtime::new().unwrap();
         let (srv, store) = rt.block_on(async {
-            let srv = rsrun_rendezvous::server::spawn_embedded("127.0.0.1:0".parse().unwrap()).await.unwrap();
-            let client = RdzvClient::connect(ClientConfig::new(srv.addr.to_string())).unwrap();
-            let joined = client
-                .join(JoinSpec {
-                    job_id: "job".into(),
-                    node_id: "n0".into(),
-                    addrs: vec!["127.0.0.1".into()],
-                    local_world_size: 2,
-                    rank_hint: None,
-                    config: JobSpec { min_nodes: 1, max_nodes: 1, last_call: Duration::ZERO, lease: Duration::from_secs(60), max_restarts: 0, fixed_ranks: false },
-                    timeout: Duration::from_secs(10),
-                    master_port: 0,
-                    hostname: "h".into(),
-                })
-                .await
-                .unwrap();
-            (srv, client.store("job", joined.round.unwrap().round).round_scoped())
+            let (srv, client, round) = crate::test_round("job", "n0", 2).await;
+            (srv, client.store("job", round).round_scoped())
         });
         let handles: Vec<_> = (0..2)
             .map(|rank| {

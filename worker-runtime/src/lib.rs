@@ -515,6 +515,30 @@ fn is_unix_datagram_socket(fd: RawFd) -> bool {
     opt(libc::SO_TYPE) == Some(libc::SOCK_DGRAM) && opt(libc::SO_DOMAIN) == Some(libc::AF_UNIX)
 }
 
+/// A one-node job round on an embedded service, for this crate's tests.
+#[cfg(test)]
+pub(crate) async fn test_round(job: &str, node: &str, local_world_size: u32) -> (rsrun_rendezvous::server::EmbeddedServer, RdzvClient, u64) {
+    use rsrun_rendezvous::client::{JobSpec, JoinSpec};
+    let srv = rsrun_rendezvous::server::spawn_embedded("127.0.0.1:0".parse().expect("a loopback address")).await.expect("an embedded service");
+    let client = RdzvClient::connect(ClientConfig::new(srv.addr.to_string())).expect("a client");
+    let joined = client
+        .join(JoinSpec {
+            job_id: job.into(),
+            node_id: node.into(),
+            addrs: vec!["127.0.0.1".into()],
+            local_world_size,
+            rank_hint: None,
+            config: JobSpec { min_nodes: 1, max_nodes: 1, last_call: Duration::ZERO, lease: Duration::from_secs(60), max_restarts: 0, fixed_ranks: false },
+            timeout: Duration::from_secs(10),
+            master_port: 1,
+            hostname: "h".into(),
+        })
+        .await
+        .expect("the join");
+    let round = joined.round.expect("a round").round;
+    (srv, client, round)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -595,25 +619,8 @@ mod tests {
     /// an error that says a new communicator needs a new name.
     #[tokio::test(flavor = "current_thread")]
     async fn rank0_republishing_is_a_retry_or_an_error() {
-        use rsrun_rendezvous::client::{JobSpec, JoinSpec};
-        use rsrun_rendezvous::server::{ServerConfig, spawn_with};
-        let srv = spawn_with(ServerConfig::in_memory(std::net::SocketAddr::from(([127, 0, 0, 1], 0)))).await.unwrap();
-        let client = RdzvClient::connect(ClientConfig::new(srv.addr.to_string())).unwrap();
-        let joined = client
-            .join(JoinSpec {
-                job_id: "uid".into(),
-                node_id: "n".into(),
-                addrs: vec!["127.0.0.1".into()],
-                local_world_size: 1,
-                rank_hint: None,
-                config: JobSpec { min_nodes: 1, max_nodes: 1, last_call: Duration::ZERO, lease: Duration::from_secs(60), max_restarts: 0, fixed_ranks: false },
-                timeout: Duration::from_secs(10),
-                master_port: 1,
-                hostname: "h".into(),
-            })
-            .await
-            .unwrap();
-        let round = joined.round.unwrap().round.to_string();
+        let (srv, _client, round) = test_round("uid", "n", 1).await;
+        let round = round.to_string();
         let endpoint = srv.addr.to_string();
         let v: Vec<(&str, &str)> = vec![
             ("RANK", "0"),

@@ -448,14 +448,18 @@ fn ssh_fanout_is_a_sliding_window() {
     }
 }
 
+/// `rsrun --hostfile hosts --allow-same-host sh -c SCRIPT` through the fake rsh in `dir`, with
+/// `hosts` holding `hostfile`.
+fn run_hostfile(dir: &Path, hostfile: &str, script: &str) -> std::process::Output {
+    std::fs::write(dir.join("hosts"), hostfile).unwrap();
+    rsrun_tests::run(fake_rsh_head(dir).args(["--hostfile", "hosts", "--allow-same-host", "sh", "-c", script]))
+}
+
 /// Hostfile `user=`, `port=` and `addr=`: each host's own ssh user, port and address, on its argv.
 #[test]
 fn hostfile_user_port_and_addr_are_on_the_ssh_argv() {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("hosts"), "h1 slots=1\nh2 slots=1 user=alice port=2200 addr=192.0.2.7\n").unwrap();
-    let out = rsrun_tests::run(
-        fake_rsh_head(dir.path()).args(["--hostfile", "hosts", "--allow-same-host", "sh", "-c", "echo $FAKE_RSH_HOST > host.$RANK"]),
-    );
+    let out = run_hostfile(dir.path(), "h1 slots=1\nh2 slots=1 user=alice port=2200 addr=192.0.2.7\n", "echo $FAKE_RSH_HOST > host.$RANK");
     assert_eq!(code(&out.status), 0, "{}", text(&out));
     let calls: Vec<Vec<String>> = rsh_calls(dir.path()).into_iter().map(|(_, a)| a).collect();
     let h2 = calls.iter().find(|a| a.contains(&"192.0.2.7".to_owned())).unwrap_or_else(|| panic!("{calls:?}"));
@@ -469,10 +473,7 @@ fn hostfile_user_port_and_addr_are_on_the_ssh_argv() {
 #[test]
 fn a_bare_hostfile_host_runs_one_worker_per_gpu_else_one() {
     let dir = tempfile::tempdir().unwrap();
-    std::fs::write(dir.path().join("hosts"), "h1 slots=2\nh2\n").unwrap();
-    let out = rsrun_tests::run(
-        fake_rsh_head(dir.path()).args(["--hostfile", "hosts", "--allow-same-host", "sh", "-c", "echo $WORLD_SIZE $FAKE_RSH_HOST > ws.$RANK"]),
-    );
+    let out = run_hostfile(dir.path(), "h1 slots=2\nh2\n", "echo $WORLD_SIZE $FAKE_RSH_HOST > ws.$RANK");
     assert_eq!(code(&out.status), 0, "{}", text(&out));
     assert!(String::from_utf8_lossy(&out.stderr).contains("h2: no slot count"), "{}", text(&out));
     for rank in 0..3 {
