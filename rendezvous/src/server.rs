@@ -35,7 +35,8 @@ pub struct ServerConfig {
     pub tls: Option<(PathBuf, PathBuf)>,
     /// Prometheus text endpoint.
     pub metrics_listen: Option<SocketAddr>,
-    /// Allow a non-loopback listener without a token.
+    /// Allow a non-loopback listener without a token or without TLS (an embedded service, like
+    /// torchrun's agent store, or a trusted network).
     pub insecure: bool,
     /// Limits.
     pub limits: Limits,
@@ -90,7 +91,8 @@ pub struct Bound {
 /// listeners are bound (the binary prints the address there).
 ///
 /// # Errors
-/// Bad configuration (a non-loopback address without a token, unreadable token or TLS files), a
+/// Bad configuration (a non-loopback address without a token and TLS unless `insecure`, unreadable
+/// token or TLS files), a
 /// listener that cannot bind, or a data directory that cannot be recovered.
 pub async fn serve(config: ServerConfig, shutdown: CancellationToken, on_bound: impl FnOnce(Bound)) -> Result<(), RdzvError> {
     let tokens = config.token_file.as_deref().map(TokenTable::load).transpose()?;
@@ -105,7 +107,18 @@ pub async fn serve(config: ServerConfig, shutdown: CancellationToken, on_bound: 
         ));
     }
     if !config.listen.ip().is_loopback() && config.tls.is_none() {
-        tracing::warn!(listen = %config.listen, "serving without TLS on a non-loopback address: tokens travel in clear text");
+        if !config.insecure {
+            return Err(RdzvError::invalid(
+                "listen",
+                format!(
+                    "{} is not a loopback address and no --tls-cert/--tls-key were given: the tokens and every store \
+                     value would cross the network in clear text, for anyone on the path to read and replay. Give \
+                     --tls-cert and --tls-key (clients then pass --rdzv-tls-ca), or --insecure to accept the risk",
+                    config.listen
+                ),
+            ));
+        }
+        tracing::warn!(listen = %config.listen, "serving without TLS on a non-loopback address (--insecure): tokens travel in clear text");
     }
     // The server and its TLS identity are built before anything binds, so an unusable certificate
     // or key is told before "listening on" is printed.

@@ -373,6 +373,21 @@ async fn non_loopback_without_token_is_refused() {
 }
 
 #[tokio::test]
+async fn non_loopback_with_a_token_but_no_tls_is_refused_unless_insecure() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = dir.path().join("tokens");
+    std::fs::write(&tokens, "0123456789abcdef0123456789abcdef\n").unwrap();
+    let mut cfg = ServerConfig::in_memory("0.0.0.0:0".parse().unwrap());
+    cfg.token_file = Some(tokens);
+    let e = server::spawn_with(cfg.clone()).await.unwrap_err().to_string();
+    assert!(e.contains("0.0.0.0:0 is not a loopback address and no --tls-cert/--tls-key") && e.contains("clear text"), "{e}");
+    // Accepting the risk, as an embedded service does.
+    cfg.insecure = true;
+    let server = server::spawn_with(cfg).await.unwrap();
+    assert!(server.addr.ip().is_unspecified(), "{}", server.addr);
+}
+
+#[tokio::test]
 async fn tls_service_accepts_tls_clients_only() {
     use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
     let dir = tempfile::tempdir().unwrap();

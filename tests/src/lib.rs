@@ -340,6 +340,11 @@ pub fn python_with_torch() -> Option<PathBuf> {
 /// A CA, and a certificate it signed for 127.0.0.1 and localhost, written into `dir`:
 /// `(ca.pem, cert.pem, key.pem)`.
 pub fn tls_files(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
+    tls_files_for(dir, &["127.0.0.1", "localhost"])
+}
+
+/// [`tls_files`] with a server certificate for `names` (host names or IP addresses).
+pub fn tls_files_for(dir: &Path, names: &[&str]) -> (PathBuf, PathBuf, PathBuf) {
     use rcgen::{BasicConstraints, CertificateParams, IsCa, Issuer, KeyPair};
     let ca_key = KeyPair::generate().expect("CA key");
     let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("CA params");
@@ -347,7 +352,7 @@ pub fn tls_files(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
     let ca_cert = ca_params.self_signed(&ca_key).expect("CA certificate");
     let issuer = Issuer::new(ca_params, ca_key);
     let leaf_key = KeyPair::generate().expect("leaf key");
-    let leaf = CertificateParams::new(vec!["127.0.0.1".to_string(), "localhost".to_string()])
+    let leaf = CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
         .expect("leaf params")
         .signed_by(&leaf_key, &issuer)
         .expect("leaf certificate");

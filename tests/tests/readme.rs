@@ -90,6 +90,7 @@ const TORCH_MODULE: &str = "rsrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint 
 const TOKENS: &str = "openssl rand -hex 32 > /etc/rsrun/tokens";
 const DAEMON: &str = "rsrun-rendezvous serve --listen 0.0.0.0:29400 --token-file /etc/rsrun/tokens --data-dir /var/lib/rsrun --tls-cert cert.pem --tls-key key.pem --metrics-listen 0.0.0.0:9400";
 const CLUSTER_NODE: &str = "rsrun --nnodes 4 --nproc-per-node 8 --rdzv-endpoint head:29400 --rdzv-id job7 --rdzv-token-file /etc/rsrun/tokens --rdzv-tls-ca ca.pem --max-restarts 3 train --steps 1000";
+const DAEMON_STATUS: &str = "rsrun-rendezvous status --endpoint head:29400 --token-file /etc/rsrun/tokens --tls-ca ca.pem";
 const STATIC_0: &str = "rsrun --nnodes 2 --node-rank 0 --master-addr head --master-port 29500 --nproc-per-node 8 train";
 const STATIC_1: &str = "rsrun --nnodes 2 --node-rank 1 --master-addr head --master-port 29500 --nproc-per-node 8 train";
 
@@ -105,13 +106,13 @@ const SSH_CHECK: &str = "rsrun -H node1:8,node2:8 --check train --steps 1000";
 const FAKE_RSH_RUN: &str = "./target/release/rsrun -H h1:2,h2:2 --rsh tests/fake-rsh --allow-same-host --rdzv-endpoint 127.0.0.1:0 ./target/release/hello --steps 3";
 
 const ETCD_MEMBER: &str = "etcd --name e1 --data-dir /var/lib/etcd --listen-client-urls http://e1:2379 --advertise-client-urls http://e1:2379 --listen-peer-urls http://e1:2380 --initial-advertise-peer-urls http://e1:2380 --initial-cluster e1=http://e1:2380,e2=http://e2:2380,e3=http://e3:2380 --auto-compaction-retention 1h";
-const HA_DAEMON: &str = "rsrun-rendezvous serve --listen 0.0.0.0:29400 --advertise h1:29400 --token-file /etc/rsrun/tokens --etcd-endpoints e1:2379,e2:2379,e3:2379 --etcd-prefix /rsrun --leader-lease-ttl 5";
-const HA_NODE: &str = "rsrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint h1:29400,h2:29400,h3:29400 --rdzv-id job8 --rdzv-token-file /etc/rsrun/tokens train --steps 1000";
-const HA_STATUS: &str = "rsrun-rendezvous status --endpoint h1:29400,h2:29400,h3:29400 --token-file /etc/rsrun/tokens";
+const HA_DAEMON: &str = "rsrun-rendezvous serve --listen 0.0.0.0:29400 --advertise h1:29400 --token-file /etc/rsrun/tokens --tls-cert cert.pem --tls-key key.pem --etcd-endpoints e1:2379,e2:2379,e3:2379 --etcd-prefix /rsrun --leader-lease-ttl 5";
+const HA_NODE: &str = "rsrun --nnodes 2 --nproc-per-node 8 --rdzv-endpoint h1:29400,h2:29400,h3:29400 --rdzv-id job8 --rdzv-token-file /etc/rsrun/tokens --rdzv-tls-ca ca.pem train --steps 1000";
+const HA_STATUS: &str = "rsrun-rendezvous status --endpoint h1:29400,h2:29400,h3:29400 --token-file /etc/rsrun/tokens --tls-ca ca.pem";
 const ETCD_ROOT_ENV: &str = r#"export ETCDCTL_USER="root:$(cat /etc/etcd/root-password)""#;
 const ETCD_USER: &str = r#"etcdctl user add rsrun --new-user-password "$(cat /etc/rsrun/etcd-password)""#;
 const ETCD_ROLE: &str = "etcdctl role add rsrun && etcdctl role grant-permission rsrun --prefix=true readwrite /rsrun/ && etcdctl user grant-role rsrun rsrun";
-const HA_DAEMON_AUTH: &str = "rsrun-rendezvous serve --listen 0.0.0.0:29400 --advertise h1:29400 --etcd-endpoints e1:2379,e2:2379,e3:2379 --etcd-user rsrun --etcd-password-file /etc/rsrun/etcd-password";
+const HA_DAEMON_AUTH: &str = "rsrun-rendezvous serve --listen 0.0.0.0:29400 --advertise h1:29400 --token-file /etc/rsrun/tokens --tls-cert cert.pem --tls-key key.pem --etcd-endpoints e1:2379,e2:2379,e3:2379 --etcd-user rsrun --etcd-password-file /etc/rsrun/etcd-password";
 
 const BENCH: &str = "scripts/bench-vs-torch.sh 30";
 const GEMM_PROFILE: &str = "./target/release/engine-bench --steps 12 --gemm-profile";
@@ -132,6 +133,7 @@ const COVERED: &[&str] = &[
     TOKENS,
     DAEMON,
     CLUSTER_NODE,
+    DAEMON_STATUS,
     STATIC_0,
     STATIC_1,
     HOSTFILE_WRITE,
@@ -291,6 +293,11 @@ fn cluster_daemon_with_tokens_tls_and_two_nodes() {
     let outs = run_all(vec![shell(d, &node), shell(d, &node)], RUN_DEADLINE * 3);
     ok(&outs);
     assert!(text(&outs[0]).contains("summary:") || text(&outs[1]).contains("summary:"), "{}\n{}", text(&outs[0]), text(&outs[1]));
+    // The job, as status shows it over TLS.
+    let status = paths(&readme(DAEMON_STATUS)).replace("head:29400", &format!("127.0.0.1:{port}"));
+    let out = run_all(vec![shell(d, &status)], RUN_DEADLINE).remove(0);
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("job job7"), "{}", text(&out));
 
     // The durable state is where the README says.
     assert!(d.join("var/lib/rsrun/format").is_file());
@@ -457,13 +464,16 @@ fn ha_group_over_three_etcd_members() {
     );
     std::fs::create_dir_all(d.join("etc/rsrun")).unwrap();
     std::fs::write(d.join("etc/rsrun/tokens"), "0123456789abcdef0123456789abcdef\n").unwrap();
+    // One certificate for the three daemons here: it names 127.0.0.1, where they all advertise.
+    tls_files(d);
     let paths = |c: &str| c.replace("/etc/rsrun", &d.join("etc/rsrun").display().to_string());
-    // Three daemons, each with its own --advertise; the first one started leads.
+    // Three daemons on every interface, as printed, each with its own --advertise; the first one
+    // started leads.
     let dports: Vec<u16> = (0..3).map(|_| free_port()).collect();
     let mut daemons = Vec::new();
     for (i, port) in dports.iter().enumerate() {
         let cmd = paths(&readme(HA_DAEMON))
-            .replace("0.0.0.0:29400", &format!("127.0.0.1:{port}"))
+            .replace("0.0.0.0:29400", &format!("0.0.0.0:{port}"))
             .replace("--advertise h1:29400", &format!("--advertise 127.0.0.1:{port}"))
             .replace("e1:2379,e2:2379,e3:2379", &etcd_eps);
         daemons.push(Some(KillOnDrop::spawn(&mut shell(d, &format!("exec {cmd}")))));
@@ -511,6 +521,8 @@ fn ha_etcd_auth_recipe() {
         let out = etcd.etcdctl(args);
         assert!(out.status.success(), "etcdctl {args:?}: {}", String::from_utf8_lossy(&out.stderr));
     }
+    std::fs::write(d.join("etc/rsrun/tokens"), "0123456789abcdef0123456789abcdef\n").unwrap();
+    tls_files(d);
     let paths = |c: &str| c.replace("/etc/rsrun", &d.join("etc/rsrun").display().to_string()).replace("/etc/etcd", &d.join("etc/etcd").display().to_string());
     let recipe = [ETCD_ROOT_ENV, ETCD_USER, ETCD_ROLE].iter().map(|c| paths(&readme(c))).collect::<Vec<_>>().join(" && ");
     let mut sh = shell(d, &recipe);
@@ -519,12 +531,12 @@ fn ha_etcd_auth_recipe() {
     assert_eq!(code(&out.status), 0, "{}", text(&out));
     let port = free_port();
     let cmd = paths(&readme(HA_DAEMON_AUTH))
-        .replace("0.0.0.0:29400", &format!("127.0.0.1:{port}"))
+        .replace("0.0.0.0:29400", &format!("0.0.0.0:{port}"))
         .replace("--advertise h1:29400", &format!("--advertise 127.0.0.1:{port}"))
         .replace("e1:2379,e2:2379,e3:2379", &etcd.endpoints_csv());
     let daemon = KillOnDrop::spawn(&mut shell(d, &format!("exec {cmd}")));
     assert!(listens(port), "the daemon did not listen");
-    let status = format!("rsrun-rendezvous status --endpoint 127.0.0.1:{port}");
+    let status = format!("rsrun-rendezvous status --endpoint 127.0.0.1:{port} --token-file {} --tls-ca ca.pem", d.join("etc/rsrun/tokens").display());
     let out = run_all(vec![shell(d, &status)], RUN_DEADLINE).remove(0);
     assert_eq!(code(&out.status), 0, "{}", text(&out));
     assert!(String::from_utf8_lossy(&out.stdout).starts_with(&format!("leader 127.0.0.1:{port}")), "{}", text(&out));

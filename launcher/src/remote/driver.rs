@@ -224,6 +224,9 @@ async fn start_rendezvous(plan: &RemotePlan) -> anyhow::Result<Rendezvous> {
             };
             let mut cfg = ServerConfig::in_memory(*bind);
             cfg.token_file = token_file;
+            // A plain service for this job only, like torchrun's agent store (a daemon on a
+            // non-loopback address needs TLS): its random per-job token keeps other callers out.
+            cfg.insecure = true;
             let server = spawn_with(cfg)
                 .await
                 .map_err(|e| anyhow::anyhow!("cannot host the rendezvous service at {bind}: {e}"))?;

@@ -93,8 +93,9 @@ struct ServeArgs {
     /// Serve Prometheus metrics at http://ADDR/metrics.
     #[arg(long)]
     metrics_listen: Option<SocketAddr>,
-    /// Allow a non-loopback listen address without a token.
-    #[arg(long)]
+    /// Allow a non-loopback listen address without a token or without TLS (by default both are
+    /// required there: tokens and store values would otherwise cross the network in clear text).
+    #[arg(long, alias = "insecure-no-auth")]
     insecure: bool,
     /// Largest store value in bytes [default: 1048576; with --etcd-endpoints 262144, at most 524288].
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=(64 << 20)))]

@@ -1,6 +1,6 @@
 //! "Hosts" made of network namespaces, one per host, joined by a bridge in one more namespace
-//! (addresses 10.201.X.1, .2, ...): a token-authenticated daemon on host 1 (it listens on a
-//! non-loopback address), one launcher per host.
+//! (addresses 10.201.X.1, .2, ...): a daemon with a token and TLS on host 1 (it listens on a
+//! non-loopback address, which needs both), one launcher per host.
 //!
 //! - Two hosts: a job completes, and a launcher without the token is turned away.
 //! - Three hosts (issue 9, acceptance test 5): each host has its own hostname (a UTS namespace) and
@@ -196,10 +196,15 @@ fn two_hosts_in_network_namespaces_through_an_authenticated_daemon() {
     let dir = tempfile::tempdir().unwrap();
     let tokens = dir.path().join("tokens");
     std::fs::write(&tokens, "netns-test-token-0123456789abcdef\n").unwrap();
+    let (ca, cert, key) = rsrun_tests::tls_files_for(dir.path(), &[&net.addr(0)]);
     let mut daemon = KillOnDrop::spawn(
         net.exec(0, &bin("rsrun-rendezvous"))
             .args(["serve", "--listen", &format!("{}:0", net.addr(0)), "--token-file"])
             .arg(&tokens)
+            .arg("--tls-cert")
+            .arg(&cert)
+            .arg("--tls-key")
+            .arg(&key)
             .stdout(Stdio::piped())
             .stderr(Stdio::null()),
     );
@@ -212,7 +217,8 @@ fn two_hosts_in_network_namespaces_through_an_authenticated_daemon() {
         cmd.current_dir(dir.path())
             .args(["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", &endpoint])
             .args(["--rdzv-id", "netns", "--local-addr", &net.addr(host)])
-            .args(["--rdzv-conf", "last_call_timeout=0.5,join_timeout=30"]);
+            .args(["--rdzv-conf", "last_call_timeout=0.5,join_timeout=30", "--rdzv-tls-ca"])
+            .arg(&ca);
         if let Some(t) = token {
             cmd.arg("--rdzv-token-file").arg(t);
         }
@@ -256,11 +262,16 @@ fn three_hosts_a_partitioned_host_ends_the_round_and_leaves_no_worker() {
     let dir = tempfile::tempdir().unwrap();
     let tokens = dir.path().join("tokens");
     std::fs::write(&tokens, "netns3-test-token-0123456789abcdef\n").unwrap();
+    let (ca, cert, key) = rsrun_tests::tls_files_for(dir.path(), &[&net.addr(0)]);
     let daemon_log = dir.path().join("daemon.log");
     let mut daemon = KillOnDrop::spawn(
         net.exec(0, &bin("rsrun-rendezvous"))
             .args(["serve", "--listen", &format!("{}:0", net.addr(0)), "--token-file"])
             .arg(&tokens)
+            .arg("--tls-cert")
+            .arg(&cert)
+            .arg("--tls-key")
+            .arg(&key)
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&daemon_log).unwrap()),
     );
@@ -275,6 +286,8 @@ fn three_hosts_a_partitioned_host_ends_the_round_and_leaves_no_worker() {
             .exec(0, &bin("rsrun-rendezvous"))
             .args(["status", "--endpoint", &endpoint, "--job", "netns3", "--token-file"])
             .arg(&tokens)
+            .arg("--tls-ca")
+            .arg(&ca)
             .output()
             .expect("rsrun-rendezvous status");
         String::from_utf8_lossy(&out.stdout).into_owned()
@@ -304,6 +317,8 @@ fn three_hosts_a_partitioned_host_ends_the_round_and_leaves_no_worker() {
                 .args(["--nnodes", "3", "--nproc-per-node", &NPROC.to_string(), "--rdzv-backend", "c10d"])
                 .args(["--rdzv-endpoint", &endpoint, "--rdzv-id", "netns3", "--rdzv-conf", &conf, "--rdzv-token-file"])
                 .arg(&tokens)
+                .arg("--rdzv-tls-ca")
+                .arg(&ca)
                 .args(["sh", "-c", script, "sh"])
                 .arg(bin("hello"));
             Watched::spawn(&mut cmd)
