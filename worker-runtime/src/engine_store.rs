@@ -79,6 +79,19 @@ impl EngineStore {
         Ok(EngineStore { store, rt: Some(rt) })
     }
 
+    /// The store client (its channel lives on this store's runtime).
+    pub(crate) fn client(&self) -> &StoreClient {
+        &self.store
+    }
+
+    /// Runs `fut` on this store's runtime; the result can be awaited from any runtime.
+    pub(crate) async fn spawn<T: Send + 'static>(&self, fut: impl Future<Output = T> + Send + 'static) -> Result<T, RdzvError> {
+        let Some(rt) = &self.rt else {
+            return Err(RdzvError::Unavailable("the store is shut down".into()));
+        };
+        rt.spawn(fut).await.map_err(|e| RdzvError::Unavailable(format!("store call ended without an answer: {e}")))
+    }
+
     fn run<T: Send + 'static>(&self, key: &str, fut: impl Future<Output = Result<T, RdzvError>> + Send + 'static) -> Result<T, RdzvError> {
         let (tx, rx) = std::sync::mpsc::channel();
         let Some(rt) = &self.rt else {

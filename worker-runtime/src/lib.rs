@@ -146,6 +146,21 @@ pub struct WorkerContext {
     /// TORCHELASTIC_ERROR_FILE (`None` when unset or empty).
     pub error_file: Option<PathBuf>,
     progress: Option<Arc<UnixDatagram>>,
+    /// What [`WorkerContext::barrier`] and [`WorkerContext::unique_id`] keep between calls
+    /// (shared by clones).
+    shared: Arc<Shared>,
+}
+
+/// State kept between a context's calls.
+#[derive(Debug, Default)]
+struct Shared {
+    /// One store client for every call, on a runtime of its own (made at the first call): a
+    /// client per call re-read the token file, opened a connection (a TLS handshake), and forgot
+    /// which daemon of an HA group leads, trying a dead first one again every time.
+    client: std::sync::Mutex<Option<Arc<engine_store::EngineStore>>>,
+    /// The ids this rank generated, per name: a retried publication sends the same bytes (a new
+    /// id would be refused as a second one, while the other ranks may hold the first).
+    generated: std::sync::Mutex<std::collections::HashMap<String, [u8; 128]>>,
 }
 
 fn required(get: &dyn Fn(&str) -> Option<String>, name: &'static str) -> Result<String, WorkerError> {
@@ -230,8 +245,14 @@ impl WorkerContext {
         below("RANK", rank, "WORLD_SIZE", world_size)?;
         let local_rank = number32(get, "LOCAL_RANK", "this process's rank on its node", 0)?;
         // rsrun and torchrun always set it; unset, the fewest ranks LOCAL_RANK allows.
-        let local_world_size =
-            optional_number32(get, "LOCAL_WORLD_SIZE", "the number of ranks on this node", 1, local_rank.saturating_add(1))?;
+        let local_world_size = match get("LOCAL_WORLD_SIZE") {
+            Some(_) => number32(get, "LOCAL_WORLD_SIZE", "the number of ranks on this node", 1)?,
+            // Unset: the fewest ranks LOCAL_RANK allows, and LOCAL_RANK is what to blame.
+            None => {
+                below("LOCAL_RANK", local_rank, "WORLD_SIZE", world_size)?;
+                local_rank + 1
+            }
+        };
         below("LOCAL_RANK", local_rank, "LOCAL_WORLD_SIZE", local_world_size)?;
         if local_world_size > world_size {
             return Err(WorkerError::BadVar {
@@ -240,20 +261,49 @@ impl WorkerContext {
                 expected: format!("at most WORLD_SIZE={world_size} ranks on this node"),
             });
         }
+        // A rank is its node's offset plus its local rank (LOCAL_RANK is 0 under
+        // --virtual-local-rank, which keeps this true).
+        if local_rank > rank {
+            return Err(WorkerError::BadVar {
+                name: "LOCAL_RANK",
+                value: local_rank.to_string(),
+                expected: format!("at most RANK={rank} (a rank is its node's first rank plus its local rank)"),
+            });
+        }
         let node_rank = optional_number32(get, "GROUP_RANK", "this node's rank", 0, 0)?;
         let num_nodes = optional_number32(get, "GROUP_WORLD_SIZE", "the number of nodes", 1, node_rank.saturating_add(1))?;
         below("GROUP_RANK", node_rank, "GROUP_WORLD_SIZE", num_nodes)?;
+        if num_nodes > world_size {
+            return Err(WorkerError::BadVar {
+                name: "GROUP_WORLD_SIZE",
+                value: num_nodes.to_string(),
+                expected: format!("at most WORLD_SIZE={world_size} nodes (every node runs a rank)"),
+            });
+        }
         // Invariant: number() returns at most u16::MAX here.
         let master_port = number(get, "MASTER_PORT", "a TCP port", 1, u16::MAX.into()).map(|p| u16::try_from(p).unwrap_or(u16::MAX))?;
         let master_addr = required(get, "MASTER_ADDR")?;
         if master_addr.trim().is_empty() {
             return Err(WorkerError::BadVar { name: "MASTER_ADDR", value: master_addr, expected: "a host name or address".into() });
         }
+        let rdzv_endpoint = get("RSRUN_RDZV_ENDPOINT").filter(|s| !s.is_empty());
         let round = match get("RSRUN_ROUND") {
             Some(_) => Some(number(get, "RSRUN_ROUND", "the rendezvous round", 0, u64::MAX)?),
+            // rsrun sets both: an endpoint without a round would write into round 0's keys.
+            None if rdzv_endpoint.is_some() => return Err(WorkerError::MissingVar { name: "RSRUN_ROUND" }),
             None => None,
         };
-        let job_id = get("RSRUN_JOB_ID").or_else(|| get("TORCHELASTIC_RUN_ID")).unwrap_or_else(|| "none".into());
+        let nonempty = |k: &str| get(k).filter(|s| !s.trim().is_empty());
+        let job_id = nonempty("RSRUN_JOB_ID").or_else(|| nonempty("TORCHELASTIC_RUN_ID")).unwrap_or_else(|| "none".into());
+        let restart_count = optional_number32(get, "TORCHELASTIC_RESTART_COUNT", "the restarts so far", 0, 0)?;
+        let max_restarts = optional_number32(get, "TORCHELASTIC_MAX_RESTARTS", "the restart budget", 0, restart_count)?;
+        if restart_count > max_restarts {
+            return Err(WorkerError::BadVar {
+                name: "TORCHELASTIC_RESTART_COUNT",
+                value: restart_count.to_string(),
+                expected: format!("at most TORCHELASTIC_MAX_RESTARTS={max_restarts}"),
+            });
+        }
         Ok(WorkerContext {
             rank,
             local_rank,
@@ -261,18 +311,19 @@ impl WorkerContext {
             local_world_size,
             node_rank,
             num_nodes,
-            restart_count: optional_number32(get, "TORCHELASTIC_RESTART_COUNT", "the restarts so far", 0, 0)?,
-            max_restarts: optional_number32(get, "TORCHELASTIC_MAX_RESTARTS", "the restart budget", 0, 0)?,
+            restart_count,
+            max_restarts,
             job_id,
             round,
             master_addr,
             master_port,
-            rdzv_endpoint: get("RSRUN_RDZV_ENDPOINT").filter(|s| !s.is_empty()),
+            rdzv_endpoint,
             node_id: get("RSRUN_NODE_ID").filter(|s| !s.is_empty()),
             token_file: get("RSRUN_TOKEN_FILE").filter(|s| !s.is_empty()).map(PathBuf::from),
             tls_ca: get("RSRUN_TLS_CA").filter(|s| !s.is_empty()).map(PathBuf::from),
             error_file: get("TORCHELASTIC_ERROR_FILE").filter(|s| !s.is_empty()).map(PathBuf::from),
             progress: None,
+            shared: Arc::default(),
         })
     }
 
@@ -317,9 +368,26 @@ impl WorkerContext {
     /// # Errors
     /// Not every rank arrived within `timeout`, or the store is unavailable.
     pub async fn barrier(&self, name: &str, timeout: Duration) -> Result<(), WorkerError> {
-        let store = self.store()?;
-        store.barrier(name, &self.rank.to_string(), self.world_size, timeout).await?;
+        let shared = self.shared_store()?;
+        let (name, member, world) = (name.to_owned(), self.rank.to_string(), self.world_size);
+        let store = shared.client().clone();
+        shared.spawn(async move { store.barrier(&name, &member, world, timeout).await }).await??;
         Ok(())
+    }
+
+    /// The client [`WorkerContext::barrier`] and [`WorkerContext::unique_id`] share, made at the
+    /// first call, on a runtime of its own (so it outlives the caller's runtime, if need be).
+    fn shared_store(&self) -> Result<Arc<engine_store::EngineStore>, WorkerError> {
+        if self.rdzv_endpoint.is_none() {
+            return Err(WorkerError::NoRendezvous);
+        }
+        let mut slot = self.shared.client.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(store) = &*slot {
+            return Ok(store.clone());
+        }
+        let store = Arc::new(engine_store::EngineStore::new(self)?);
+        *slot = Some(store.clone());
+        Ok(store)
     }
 
     /// The round's 128-byte NCCL unique id under `name` ("" for the default communicator).
@@ -330,26 +398,40 @@ impl WorkerContext {
     /// # Errors
     /// Rank 0 has no id to publish, or the id did not arrive in time.
     pub async fn unique_id(&self, name: &str, own: Option<[u8; 128]>, timeout: Duration) -> Result<[u8; 128], WorkerError> {
-        let store = self.store()?;
+        let shared = self.shared_store()?;
+        let store = shared.client().clone();
+        let key = name.to_owned();
         if self.is_rank0() {
             let id = match own {
                 Some(id) => id,
-                None => generate_unique_id()?,
+                None => {
+                    let mut generated = self.shared.generated.lock().unwrap_or_else(|p| p.into_inner());
+                    match generated.get(name) {
+                        Some(id) => *id,
+                        None => *generated.entry(name.to_owned()).or_insert(generate_unique_id()?),
+                    }
+                }
             };
             // The service checks that this node runs rank 0 in the round.
-            let node = self.node_id.as_deref().ok_or(WorkerError::MissingVar { name: "RSRUN_NODE_ID" })?;
+            let node = self.node_id.clone().ok_or(WorkerError::MissingVar { name: "RSRUN_NODE_ID" })?;
+            let rank = self.rank;
             // The same id again is answered as the first (a retry); another id under a name used
             // in this round is refused: an NCCL id serves one communicator's init, so a new
-            // communicator needs a new name.
-            store.publish_unique_id(name, node, self.rank, &id).await.map_err(|e| match e {
-                RdzvError::AlreadyExists(why) => {
-                    WorkerError::UniqueId(format!("{why}: a new communicator in this round needs a name of its own"))
+            // communicator needs a new name. Bounded by `timeout` like the other ranks' wait.
+            let publish = async move { tokio::time::timeout(timeout, store.publish_unique_id(&key, &node, rank, &id)).await };
+            match shared.spawn(publish).await? {
+                Ok(Ok(())) => return Ok(id),
+                Ok(Err(RdzvError::AlreadyExists(why))) => {
+                    return Err(WorkerError::UniqueId(format!("{why}: a new communicator in this round needs a name of its own")));
                 }
-                e => e.into(),
-            })?;
-            return Ok(id);
+                Ok(Err(e)) => return Err(e.into()),
+                Err(_) => {
+                    return Err(RdzvError::Timeout(format!("publishing unique id {name:?} took longer than {timeout:?}")).into());
+                }
+            }
         }
-        Self::received(store.get_unique_id(name, timeout).await?)
+        let got = shared.spawn(async move { store.get_unique_id(&key, timeout).await }).await??;
+        Self::received(got)
     }
 
     fn received(bytes: Vec<u8>) -> Result<[u8; 128], WorkerError> {
@@ -615,25 +697,29 @@ mod tests {
         assert!(m.starts_with("HEAD") && m.ends_with("TAIL") && m.contains("bytes left out"), "{}", &m[..100]);
     }
 
-    /// Rank 0 publishing the same id again gets it (a retry); another id under the same name is
-    /// an error that says a new communicator needs a new name.
-    #[tokio::test(flavor = "current_thread")]
-    async fn rank0_republishing_is_a_retry_or_an_error() {
-        let (srv, _client, round) = test_round("uid", "n", 1).await;
-        let round = round.to_string();
-        let endpoint = srv.addr.to_string();
+    /// The context of the one rank of `job`'s `round` (node "n") on `srv`.
+    fn rank0_of(job: &str, round: u64, srv: &rsrun_rendezvous::server::EmbeddedServer) -> WorkerContext {
+        let (round, endpoint) = (round.to_string(), srv.addr.to_string());
         let v: Vec<(&str, &str)> = vec![
             ("RANK", "0"),
             ("LOCAL_RANK", "0"),
             ("WORLD_SIZE", "1"),
             ("MASTER_ADDR", "127.0.0.1"),
             ("MASTER_PORT", "1"),
-            ("RSRUN_JOB_ID", "uid"),
+            ("RSRUN_JOB_ID", job),
             ("RSRUN_ROUND", &round),
             ("RSRUN_RDZV_ENDPOINT", &endpoint),
             ("RSRUN_NODE_ID", "n"),
         ];
-        let ctx = WorkerContext::from_vars(&vars(&v)).unwrap();
+        WorkerContext::from_vars(&vars(&v)).unwrap()
+    }
+
+    /// Rank 0 publishing the same id again gets it (a retry); another id under the same name is
+    /// an error that says a new communicator needs a new name.
+    #[tokio::test(flavor = "current_thread")]
+    async fn rank0_republishing_is_a_retry_or_an_error() {
+        let (srv, _client, round) = test_round("uid", "n", 1).await;
+        let ctx = rank0_of("uid", round, &srv);
         let first = ctx.unique_id("nccl", Some([1; 128]), Duration::from_secs(5)).await.unwrap();
         let again = ctx.unique_id("nccl", Some([1; 128]), Duration::from_secs(5)).await.unwrap();
         assert_eq!((first, again), ([1; 128], [1; 128]));
@@ -676,6 +762,12 @@ mod tests {
             (&[("MASTER_PORT", Some("0"))], "MASTER_PORT=\"0\" is malformed: expected a TCP port"),
             (&[("MASTER_ADDR", Some(" "))], "MASTER_ADDR=\" \" is malformed: expected a host name or address"),
             (&[("RSRUN_ROUND", Some("x"))], "RSRUN_ROUND=\"x\" is malformed: expected the rendezvous round"),
+            (&[("RANK", Some("0"))], "LOCAL_RANK=\"1\" is malformed: expected at most RANK=0"),
+            (&[("GROUP_WORLD_SIZE", Some("5"))], "GROUP_WORLD_SIZE=\"5\" is malformed: expected at most WORLD_SIZE=4 nodes"),
+            // Unset LOCAL_WORLD_SIZE is not blamed for LOCAL_RANK.
+            (&[("LOCAL_WORLD_SIZE", None), ("LOCAL_RANK", Some("4"))], "LOCAL_RANK=\"4\" is malformed: expected a value below WORLD_SIZE=4"),
+            (&[("TORCHELASTIC_MAX_RESTARTS", Some("1"))], "TORCHELASTIC_RESTART_COUNT=\"2\" is malformed: expected at most TORCHELASTIC_MAX_RESTARTS=1"),
+            (&[("RSRUN_ROUND", None), ("RSRUN_RDZV_ENDPOINT", Some("127.0.0.1:9"))], "variable RSRUN_ROUND is not set"),
         ];
         for (changes, want) in cases {
             let e = with(changes).err().unwrap_or_else(|| panic!("{changes:?} accepted"));
@@ -686,6 +778,29 @@ mod tests {
         assert_eq!((ctx.local_world_size, ctx.num_nodes), (2, 2));
         let ctx = with(&[("GROUP_RANK", None), ("GROUP_WORLD_SIZE", None), ("TORCHELASTIC_RESTART_COUNT", None)]).unwrap();
         assert_eq!((ctx.node_rank, ctx.num_nodes, ctx.restart_count), (0, 1, 0));
+        // An empty job id is no job id: torchrun's run id is next.
+        let ctx = with(&[("RSRUN_JOB_ID", Some("")), ("TORCHELASTIC_RUN_ID", Some("tr"))]).unwrap();
+        assert_eq!(ctx.job_id, "tr");
+    }
+
+    /// barrier() and unique_id() share one client on a runtime of their own: it serves calls from
+    /// a runtime started after the first caller's ended.
+    #[test]
+    fn barrier_and_unique_id_share_a_client_that_outlives_the_callers_runtime() {
+        let service_rt = tokio::runtime::Runtime::new().unwrap();
+        let (srv, _client, round) = service_rt.block_on(test_round("shared", "n", 1));
+        let ctx = rank0_of("shared", round, &srv);
+        let caller = || tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        caller().block_on(ctx.barrier("b1", Duration::from_secs(5))).unwrap();
+        let first = ctx.shared_store().unwrap();
+        // The first caller's runtime is gone; the next call runs on a new one.
+        let id = caller().block_on(ctx.unique_id("nccl", Some([3; 128]), Duration::from_secs(5))).unwrap();
+        assert_eq!(id, [3; 128]);
+        caller().block_on(ctx.clone().barrier("b2", Duration::from_secs(5))).unwrap();
+        assert!(Arc::ptr_eq(&first, &ctx.shared_store().unwrap()), "one client for every call and every clone");
+        drop(ctx);
+        drop(first);
+        let _ = service_rt.block_on(srv.shutdown());
     }
 
     /// The report is replaced whole (no temporary left beside it), and only the first panic of
