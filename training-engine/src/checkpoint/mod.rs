@@ -18,10 +18,11 @@
 //! shard file its size and header CRC-32.
 //!
 //! # Who writes
-//! Only the first replica of the sharding group writes: the ranks with
-//! `rank == shard_rank` ([`is_writer`]). For DDP (`layout.world == 1`) that is rank 0 alone,
-//! writing the one full copy; for ZeRO/FSDP every rank writes its shard; for hybrid sharding
-//! the ranks of the first host do.
+//! Only the first replica of the sharding group writes. For DDP (`layout.world == 1`) that is
+//! rank 0 alone, writing the one full copy; for ZeRO/FSDP every rank writes its shard
+//! (`rank == shard_rank`, [`is_writer`]); for hybrid sharding the ranks of the first host do,
+//! which the engine picks from its groups ([`write_shard`]): with ranks placed round-robin
+//! over the hosts they are not the ranks `0..shard_world`.
 //!
 //! # Save protocol (collective)
 //! 1. rank 0: [`begin_save`] removes a leftover `step-N.incomplete/` and creates it fresh;
@@ -190,10 +191,21 @@ fn check_state(state: &ShardState) -> Result<usize, CheckpointError> {
 /// Inconsistent state, or I/O errors naming the file (`ENOSPC`, `EIO`); the temp file is
 /// removed on error.
 pub fn save_shard(root: &Path, state: &ShardState) -> Result<Option<PathBuf>, CheckpointError> {
-    let slots = check_state(state)?;
+    check_state(state)?;
     if !is_writer(state) {
         return Ok(None);
     }
+    write_shard(root, state).map(Some)
+}
+
+/// [`save_shard`] for a rank its caller chose to write its shard (one rank for every shard
+/// rank: the engine picks, under hybrid sharding, the ranks of the first replica, wherever
+/// the job placed them).
+///
+/// # Errors
+/// As [`save_shard`].
+pub fn write_shard(root: &Path, state: &ShardState) -> Result<PathBuf, CheckpointError> {
+    let slots = check_state(state)?;
     let dir = incomplete_dir(root, state.step);
     let path = dir.join(shard_file_name(state.shard_rank));
     // Sections in order with their CRCs, then the header, then the data.
@@ -272,7 +284,7 @@ pub fn save_shard(root: &Path, state: &ShardState) -> Result<Option<PathBuf>, Ch
         }
     };
     commit_tmp(file, &tmp, &path)?;
-    Ok(Some(path))
+    Ok(path)
 }
 
 /// The longest shard header read: about 100 bytes a section, so room for a million sections.
@@ -362,7 +374,7 @@ pub fn commit(
             header_crc32: crc,
         });
     }
-    let meta = Metadata {
+    let mut meta = Metadata {
         format_version: FORMAT_VERSION,
         step: state.step,
         strategy: state.strategy.name().to_string(),
@@ -377,7 +389,9 @@ pub fn commit(
         rng_state: format::to_hex(&progress.rng_state),
         units: format::units_meta(&state.layout),
         files,
+        checksum: None,
     };
+    meta.checksum = Some(meta.crc());
     let json = serde_json::to_vec_pretty(&meta)
         .map_err(|e| CheckpointError::InvalidArgument(format!("cannot encode metadata: {e}")))?;
     write_atomic(&inc.join(METADATA), &json)?;
@@ -482,6 +496,14 @@ pub fn latest(root: &Path) -> Result<PathBuf, CheckpointError> {
     match std::fs::read_to_string(&pointer) {
         Ok(s) => {
             let name = s.trim();
+            // `latest` names a checkpoint of this root: one path component, never `..` or `/x`.
+            let component = std::path::Path::new(name).components().collect::<Vec<_>>();
+            if !name.is_empty() && !matches!(component[..], [std::path::Component::Normal(_)]) {
+                return Err(CheckpointError::Corrupt {
+                    path: pointer,
+                    reason: format!("names {name:?}, expected a checkpoint directory of {} such as step-000000100", root.display()),
+                });
+            }
             let dir = root.join(name);
             if !name.is_empty() && dir.join(METADATA).is_file() {
                 return Ok(dir);
@@ -538,6 +560,19 @@ pub fn read_metadata(dir: &Path) -> Result<Metadata, CheckpointError> {
             ),
         });
     }
+    if let Some(want) = meta.checksum
+        && meta.crc() != want
+    {
+        return Err(CheckpointError::Corrupt {
+            path,
+            reason: format!("checksum mismatch (metadata says {want:#010x}, its fields give {:#010x}): changed after it was written", meta.crc()),
+        });
+    }
+    if let Some(scale) = meta.loss_scale
+        && !(scale.is_finite() && scale > 0.0)
+    {
+        return Err(CheckpointError::Corrupt { path, reason: format!("loss_scale {scale}, expected a finite number above 0") });
+    }
     Ok(meta)
 }
 
@@ -570,6 +605,11 @@ impl Reader {
         }
         let mut files = Vec::with_capacity(meta.files.len());
         for (j, fm) in meta.files.iter().enumerate() {
+            // Shard j's file is always named for j: a name from the file may not lead elsewhere
+            // (`../x`, an absolute path).
+            if fm.name != shard_file_name(j) {
+                return Err(bad(format!("file {j} is named {:?}, expected {:?}", fm.name, shard_file_name(j))));
+            }
             let path = dir.join(&fm.name);
             let (h, crc, size) = read_header(&path)?;
             let corrupt = |reason: String| CheckpointError::Corrupt {

@@ -197,6 +197,30 @@ fn corruption_is_detected_and_named() {
     assert!(e.contains("shard-00001.bin") && e.contains("open"), "{e}");
     std::fs::write(&shard, &good).unwrap();
     try_load().unwrap();
+    // metadata.json carries its own checksum: one changed digit is caught.
+    let meta_bytes = std::fs::read(dir.join(METADATA)).unwrap();
+    let mut meta: serde_json::Value = serde_json::from_slice(&meta_bytes).unwrap();
+    assert!(meta["checksum"].is_u64(), "{meta}");
+    let mut edited = meta.clone();
+    edited["data_position"] = serde_json::json!(edited["data_position"].as_u64().unwrap() + 1);
+    std::fs::write(dir.join(METADATA), serde_json::to_vec_pretty(&edited).unwrap()).unwrap();
+    let e = try_load().unwrap_err().to_string();
+    assert!(e.contains("metadata.json") && e.contains("checksum mismatch"), "{e}");
+    // Without a checksum (an older checkpoint) it is read as before; a shard file name that
+    // leads out of the checkpoint is refused, and so is a loss scale that is no scale.
+    meta.as_object_mut().unwrap().remove("checksum");
+    let mut edited = meta.clone();
+    edited["files"][1]["name"] = serde_json::json!("../shard-00001.bin");
+    std::fs::write(dir.join(METADATA), serde_json::to_vec_pretty(&edited).unwrap()).unwrap();
+    let e = try_load().unwrap_err().to_string();
+    assert!(e.contains("file 1 is named \"../shard-00001.bin\", expected \"shard-00001.bin\""), "{e}");
+    let mut edited = meta.clone();
+    edited["loss_scale"] = serde_json::json!(-1.0);
+    std::fs::write(dir.join(METADATA), serde_json::to_vec_pretty(&edited).unwrap()).unwrap();
+    let e = try_load().unwrap_err().to_string();
+    assert!(e.contains("loss_scale -1, expected a finite number above 0"), "{e}");
+    std::fs::write(dir.join(METADATA), serde_json::to_vec_pretty(&meta).unwrap()).unwrap();
+    try_load().unwrap();
     // Broken metadata.
     std::fs::write(dir.join(METADATA), b"{\"format_version\": 1").unwrap();
     let e = try_load().unwrap_err().to_string();
@@ -268,6 +292,12 @@ fn failed_save_keeps_previous_latest() {
     std::fs::remove_file(second.join("metadata.json")).unwrap();
     let e = latest(root).unwrap_err().to_string();
     assert!(e.contains("step-000000020") && e.contains("metadata.json") && e.contains("damaged"), "{e}");
+    // A pointer out of the root is damage too, whatever it points at.
+    for outside in ["../other/step-000000020", "/tmp", ".."] {
+        std::fs::write(root.join(LATEST), format!("{outside}\n")).unwrap();
+        let e = latest(root).unwrap_err().to_string();
+        assert!(e.contains(&format!("names {outside:?}, expected a checkpoint directory")), "{e}");
+    }
 }
 
 #[test]
@@ -348,9 +378,12 @@ fn unreadable_latest_is_an_error_not_a_fresh_start() {
 }
 
 /// Rewrites `metadata.json` of `dir` through `edit`.
+/// Edits metadata.json and seals it with a matching checksum (as a hostile or buggy writer
+/// could): what the checks behind the checksum see.
 fn edit_metadata(dir: &Path, edit: impl FnOnce(&mut Metadata)) {
     let mut meta = read_metadata(dir).unwrap();
     edit(&mut meta);
+    meta.checksum = Some(meta.crc());
     std::fs::write(dir.join(METADATA), serde_json::to_vec(&meta).unwrap()).unwrap();
 }
 

@@ -168,8 +168,14 @@ impl<M: UnitModel> Engine<M> {
         // copy their state out of the tiers: under DDP every other rank would copy the whole
         // master and optimizer state (12 bytes a parameter, read back from an offload tier) for
         // nothing.
-        let writer = self.rank == self.shard_rank;
-        let state = writer.then(|| self.shard_state());
+        let writer = match &self.rep_pg {
+            // Hybrid: the ranks of the first host (replica 0 of every shard rank), wherever
+            // the job placed them (round-robin placement puts ranks 0, 2, 4, ... on host 0).
+            Some(rep) => rep.rank() == 0,
+            None => self.rank == self.shard_rank,
+        };
+        // Rank 0 commits, with its own view of the layout and step.
+        let state = (writer || self.rank == 0).then(|| self.shard_state());
         let begun = match (&state, self.rank) {
             (Some(Err(e)), _) => Err(e.clone()),
             (_, 0) => checkpoint::begin_save(root, self.step).map(drop).map_err(Into::into),
@@ -178,8 +184,8 @@ impl<M: UnitModel> Engine<M> {
         self.agree(begun, "checkpoint begin")?;
         let state = state.transpose()?;
         let written = match &state {
-            Some(state) => checkpoint::save_shard(root, state).map(drop).map_err(Into::into),
-            None => Ok(()),
+            Some(state) if writer => checkpoint::write_shard(root, state).map(drop).map_err(Into::into),
+            _ => Ok(()),
         };
         self.agree(written, "checkpoint shard write")?;
         let committed = match (&state, self.rank) {
@@ -224,7 +230,39 @@ impl<M: UnitModel> Engine<M> {
         let installed = loaded.and_then(|(dir, state, progress)| self.install_shard_state(state).map(|()| (dir, progress)));
         self.agree(installed.as_ref().map(drop).map_err(Clone::clone), "checkpoint load")?;
         let (dir, progress) = installed?;
+        self.agree_on_resume_point(&dir, &progress)?;
         self.gather_installed_params()?;
         Ok((dir, progress))
+    }
+
+    /// Every rank must have loaded the same step and data position: ranks that each take the
+    /// latest checkpoint of a directory on node-local disks can load different ones, and then
+    /// DDP's replicas train from different weights, ZeRO mixes shards of two steps, and the loops
+    /// start at different steps so the collectives no longer pair. Collective; the error is the
+    /// same on every rank.
+    fn agree_on_resume_point(&self, dir: &Path, progress: &Progress) -> EngineResult<()> {
+        if self.world == 1 {
+            return Ok(());
+        }
+        // Both fit an i64 (and so does their negation): a step or position past 2^63 is refused.
+        let as_i64 = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        let (step, position) = (as_i64(self.step), as_i64(progress.data_position));
+        // One all-reduce gives both extremes: the maximum of v and of −v.
+        let mut v = [step, position, -step, -position];
+        self.pg.all_reduce(&mut v, ReduceOp::Max)?;
+        let (steps, positions) = ((-v[2], v[0]), (-v[3], v[1]));
+        if steps.0 != steps.1 || positions.0 != positions.1 {
+            return Err(EngineError::Checkpoint(format!(
+                "the ranks loaded different checkpoints: this rank loaded {} (step {step}, data position {position}), and \
+                 the ranks' steps range over {}..={} and their data positions over {}..={}; every rank must read the same \
+                 checkpoint directory (a shared filesystem, not node-local disks)",
+                dir.display(),
+                steps.0,
+                steps.1,
+                positions.0,
+                positions.1
+            )));
+        }
+        Ok(())
     }
 }

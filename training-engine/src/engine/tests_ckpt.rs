@@ -257,3 +257,74 @@ fn corrupted_or_missing_checkpoint_fails_clearly_on_every_rank() {
     let e = res[0].loaded.clone().unwrap().unwrap_err().to_string();
     assert!(e.contains("no committed checkpoint"), "{e}");
 }
+
+/// Ranks that each take the latest checkpoint of their own directory (node-local disks) and find
+/// different steps fail on every rank, naming both, instead of training from different states.
+#[test]
+fn ranks_that_loaded_different_checkpoints_fail_on_every_rank() {
+    let (a, b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    run(Run { world: 2, cfg: cfg(Strategy::Ddp), steps: 0..1, micro: 1, load: None, save: Some(a.path()) });
+    run(Run { world: 2, cfg: cfg(Strategy::Ddp), steps: 0..2, micro: 1, load: None, save: Some(b.path()) });
+    one_thread();
+    let store = Arc::new(LocalStore::new());
+    let prefix = format!("c{}", rand::random::<u64>());
+    let roots = [a.path(), b.path()];
+    let errors: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..2)
+            .map(|rank| {
+                let (store, prefix, root) = (store.clone(), prefix.clone(), roots[rank]);
+                s.spawn(move || {
+                    let pg = ProcessGroup::new(rank, 2, store, &prefix, CommOptions::default()).unwrap();
+                    let mut e = Engine::new(Gpt::new(tiny()), cfg(Strategy::Ddp), pg).unwrap();
+                    e.load_checkpoint(root).unwrap_err().to_string()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, e) in errors.iter().enumerate() {
+        assert!(e.contains("the ranks loaded different checkpoints") && e.contains("steps range over 1..=2"), "rank {rank}: {e}");
+        assert!(e.contains("data positions over 1..=2") && e.contains(&roots[rank].display().to_string()), "rank {rank}: {e}");
+    }
+}
+
+/// Hybrid sharding with ranks placed round-robin over the hosts (Slurm's cyclic distribution:
+/// ranks 0 and 2 on host A, 1 and 3 on host B): the first host's ranks write their shards, so the
+/// checkpoint commits and loads back as the same model.
+#[test]
+fn hybrid_checkpoint_with_round_robin_ranks_commits_and_loads() {
+    let root = tempfile::tempdir().unwrap();
+    one_thread();
+    let store = Arc::new(LocalStore::new());
+    let prefix = format!("c{}", rand::random::<u64>());
+    let hybrid: Strategy = "hybrid".parse().unwrap();
+    let saved: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..4)
+            .map(|rank| {
+                let (store, prefix, root) = (store.clone(), prefix.clone(), root.path());
+                s.spawn(move || {
+                    let opts = CommOptions {
+                        host_identity: Some(format!("host{}", rank % 2)),
+                        backend: crate::comm::BackendKind::Tcp,
+                        ..CommOptions::default()
+                    };
+                    let pg = ProcessGroup::new(rank, 4, store, &prefix, opts).unwrap();
+                    let mut e = Engine::new(Gpt::new(tiny()), cfg(hybrid), pg).unwrap();
+                    let rows = global_batch(3, 0, GLOBAL_B, tiny().seq, 256);
+                    e.train_step(&[Batch::from_rows(&rank_rows(&rows, rank, 4)).unwrap()]).unwrap();
+                    let progress = Progress { data_position: 1, epoch: 0, rng_state: Vec::new() };
+                    e.save_checkpoint(root, &progress, 0).unwrap();
+                    e.full_params().unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let dir = root.path().join(crate::checkpoint::step_dir_name(1));
+    for f in ["shard-00000.bin", "shard-00001.bin"] {
+        assert!(dir.join(f).is_file(), "{f} missing");
+    }
+    crate::checkpoint::verify(&dir).unwrap();
+    let res = run(Run { world: 1, cfg: cfg(Strategy::Ddp), steps: 1..1, micro: 1, load: Some(root.path()), save: None });
+    assert!(res[0].params == saved[0], "the loaded model is not the saved one");
+}
