@@ -195,7 +195,7 @@ pub struct LaunchArgs {
     // torchrun: logs
     /// Base log directory; files go to `<dir>/<job>/attempt_<round>/<rank>/{stdout,stderr}.log`
     /// (default `.rsrun/logs` under the current directory). A re-run of the same job id keeps the
-    /// earlier run's files there as `NAME.1`, `NAME.2`, ...
+    /// earlier runs' files there as `NAME.1`, `NAME.2`, ... (the latest 16 of them).
     #[arg(long = "log-dir", alias = "log_dir", env = "PET_LOG_DIR", value_name = "DIR",
           help_heading = "Logs")]
     pub log_dir: Option<PathBuf>,

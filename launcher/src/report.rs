@@ -90,6 +90,10 @@ pub struct ErrorFileInfo {
     pub traceback: Option<String>,
     /// `message.extraInfo.timestamp` (epoch seconds).
     pub timestamp: Option<SystemTime>,
+    /// When the file was last written (its modification time, to the file system's precision):
+    /// the timestamp counts whole seconds, which cannot tell a file written before a peer's
+    /// exit from one written just after it in the same second.
+    pub written: Option<SystemTime>,
 }
 
 /// The most of an error file rsrun reads (a larger one is reported, not parsed).
@@ -131,7 +135,7 @@ impl std::fmt::Display for ErrorFileProblem {
 /// it is opened with `O_NOFOLLOW` (a link to `/dev/zero` is not followed), `O_NONBLOCK` (a FIFO
 /// does not block the open) and `O_CLOEXEC`, must be a regular file (`fstat` of the open file), and
 /// at most [`ERROR_FILE_LIMIT`] bytes are read.
-fn read_error_json(path: &Path) -> Result<serde_json::Value, ErrorFileProblem> {
+fn read_error_json(path: &Path) -> Result<(serde_json::Value, Option<SystemTime>), ErrorFileProblem> {
     use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
     let file = std::fs::OpenOptions::new()
         .read(true)
@@ -170,7 +174,7 @@ fn read_error_json(path: &Path) -> Result<serde_json::Value, ErrorFileProblem> {
     if v.get("message").is_none() {
         return Err(ErrorFileProblem::NotJson);
     }
-    Ok(v)
+    Ok((v, meta.modified().ok()))
 }
 
 /// Reads a torchelastic error file (see [`read_error_json`] for how). `None` when absent or not
@@ -181,16 +185,16 @@ fn read_error_json(path: &Path) -> Result<serde_json::Value, ErrorFileProblem> {
 /// Blocking I/O (bounded, but the log directory may be on a network file system): call it off the
 /// async runtime.
 pub fn read_error_file(path: &Path) -> Option<ErrorFileInfo> {
-    let v = match read_error_json(path) {
+    let (v, written) = match read_error_json(path) {
         Ok(v) => v,
         Err(ErrorFileProblem::Absent | ErrorFileProblem::NotJson) => return None,
         Err(problem) => {
-            return Some(ErrorFileInfo { message: format!("<error file not read: {problem}>"), traceback: None, timestamp: None });
+            return Some(ErrorFileInfo { message: format!("<error file not read: {problem}>"), traceback: None, timestamp: None, written: None });
         }
     };
     let msg = v.get("message")?;
     if let Some(s) = msg.as_str() {
-        return Some(ErrorFileInfo { message: s.to_owned(), traceback: None, timestamp: None });
+        return Some(ErrorFileInfo { message: s.to_owned(), traceback: None, timestamp: None, written });
     }
     let message = msg.get("message").and_then(|m| m.as_str()).unwrap_or("<no message>").to_owned();
     let extra = msg.get("extraInfo");
@@ -199,7 +203,7 @@ pub fn read_error_file(path: &Path) -> Option<ErrorFileInfo> {
         .and_then(|e| e.get("timestamp"))
         .and_then(|t| t.as_str().and_then(|s| s.parse::<u64>().ok()).or_else(|| t.as_u64()))
         .map(|s| UNIX_EPOCH + Duration::from_secs(s));
-    Some(ErrorFileInfo { message, traceback, timestamp })
+    Some(ErrorFileInfo { message, traceback, timestamp, written })
 }
 
 /// torchrun's copy of the root cause for its own parent (`@record` on the launcher, torchrun.md
@@ -213,7 +217,7 @@ pub fn read_error_file(path: &Path) -> Option<ErrorFileInfo> {
 pub fn write_parent_error_file(path: &Path, report: &FailureReport) -> std::io::Result<()> {
     let root = &report.root;
     let code = root.exit.worker_exit_code();
-    let copied = root.error.as_ref().and(root.error_file.as_deref()).and_then(|p| read_error_json(p).ok());
+    let copied = root.error.as_ref().and(root.error_file.as_deref()).and_then(|p| read_error_json(p).ok()).map(|(v, _)| v);
     let mut data = copied.unwrap_or_else(|| {
         let time = root.error.as_ref().and_then(|e| e.timestamp).unwrap_or(root.time);
         let secs = time.duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);

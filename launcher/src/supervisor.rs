@@ -399,7 +399,14 @@ impl<'a> Group<'a> {
                         return Ended::Done(GroupOutcome::Succeeded);
                     }
                 }
-                _ = tick.tick(), if plan.timeouts.hang.is_some() => {
+                _ = tick.tick() => {
+                    // An exited worker's group that emptied is forgotten soon, not only at the
+                    // next stop: its id (the leader's reaped pid) may go to an unrelated group,
+                    // which a later stop or the guardian must never signal.
+                    self.release_gone();
+                    if plan.timeouts.hang.is_none() {
+                        continue;
+                    }
                     if let Some((stalled, idle)) = self.stalled() {
                         self.state = WorkerGroupState::Unhealthy;
                         let ranks: Vec<u32> = stalled.iter().map(|&i| self.slots[i].rank).collect();
@@ -601,8 +608,9 @@ impl<'a> Group<'a> {
 
     /// torchrun's root cause: the smallest error-file timestamp (torchrun.md §4.4), among the first
     /// failure seen and the workers that failed on their own (not by rsrun's SIGTERM or SIGKILL),
-    /// counting only timestamps no later than that first exit (a later one is a consequence of it).
-    /// Without any, the first failure seen. Ties go to the earlier exit.
+    /// counting only files written no later than that first exit (a later one is a consequence of
+    /// it: its whole-second timestamp can still equal the exit's second, so the file's own
+    /// modification time decides). Without any, the first failure seen. Ties go to the earlier exit.
     fn root_cause(&self, first: usize, errors: &[Option<ErrorFileInfo>]) -> usize {
         let Some((_, first_at)) = self.slots[first].exited else { return first };
         self.slots
@@ -610,9 +618,11 @@ impl<'a> Group<'a> {
             .enumerate()
             .filter(|(i, s)| *i == first || s.exited.as_ref().is_some_and(|(k, _)| failed_on_its_own(k)))
             .filter_map(|(i, s)| {
-                let ts = errors.get(i)?.as_ref()?.timestamp?;
+                let info = errors.get(i)?.as_ref()?;
+                let ts = info.timestamp?;
                 let at = s.exited.as_ref().map(|(_, at)| *at);
-                (ts <= first_at).then_some((ts, at, i))
+                let before = i == first || (ts <= first_at && info.written.is_none_or(|w| w <= first_at));
+                before.then_some((ts, at, i))
             })
             .min()
             .map_or(first, |(_, _, i)| i)
@@ -743,20 +753,40 @@ fn failed_on_its_own(kind: &ExitKind) -> bool {
 /// The files of one worker's log directory.
 const WORKER_FILES: [&str; 3] = ["stdout.log", "stderr.log", "error.json"];
 
-/// Renames the files an earlier run left in a worker's log directory to `NAME.N`, with the first N
-/// that none of them has (1 for the oldest run), so that this run's files start empty and every
-/// earlier run's stay together. Returns that N, or `None` when there was nothing to keep.
+/// How many earlier runs' files a worker's log directory keeps: a job id re-run in a loop (a sweep
+/// script) must not fill the disk.
+const KEPT_EARLIER_RUNS: u32 = 16;
+
+/// Renames the files an earlier run left in a worker's log directory to `NAME.N`, N one more than
+/// the highest an earlier run is kept under (1 for the first), so that this run's files start
+/// empty and every earlier run's stay together; then removes the runs older than the latest
+/// [`KEPT_EARLIER_RUNS`]. Returns that N, or `None` when there was nothing to keep.
 fn set_aside_earlier_run(dir: &std::path::Path) -> std::io::Result<Option<u32>> {
     let present: Vec<&str> = WORKER_FILES.into_iter().filter(|f| dir.join(f).symlink_metadata().is_ok()).collect();
     if present.is_empty() {
         return Ok(None);
     }
-    let taken = |n: u32| WORKER_FILES.iter().any(|f| dir.join(format!("{f}.{n}")).symlink_metadata().is_ok());
-    let Some(n) = (1..=u32::MAX).find(|&n| !taken(n)) else {
+    // The numbers earlier runs are kept under, from one read of the directory.
+    let mut kept = std::collections::BTreeSet::new();
+    for entry in std::fs::read_dir(dir)? {
+        let name = entry?.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let number = WORKER_FILES.iter().find_map(|f| name.strip_prefix(f)?.strip_prefix('.')?.parse::<u32>().ok());
+        kept.extend(number);
+    }
+    let Some(n) = kept.last().map_or(Some(1), |m| m.checked_add(1)) else {
         return Err(std::io::Error::other("no free NAME.N to keep an earlier run's logs under"));
     };
     for f in present {
         std::fs::rename(dir.join(f), dir.join(format!("{f}.{n}")))?;
+    }
+    for old in kept.range(..=n.saturating_sub(KEPT_EARLIER_RUNS)) {
+        for f in WORKER_FILES {
+            match std::fs::remove_file(dir.join(format!("{f}.{old}"))) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+                _ => {}
+            }
+        }
     }
     Ok(Some(n))
 }
@@ -972,6 +1002,27 @@ mod tests {
         assert_eq!((others[0].rank, &others[0].exit, others[0].stopped_by_rsrun), (Some(1), &ExitKind::Code(1), false));
     }
 
+    /// An error file written after the first failure's exit is its consequence, though its
+    /// whole-second timestamp may equal that exit's second: the bare exit stays the root cause.
+    #[tokio::test(flavor = "current_thread")]
+    async fn an_error_file_written_after_the_first_exit_is_not_the_root_cause() {
+        let dir = tempfile::tempdir().unwrap();
+        let logs = dir.path().display().to_string();
+        let marker = dir.path().join("rank1-exiting");
+        // Rank 1 dies at once without an error file (as a segfault would). Rank 0, blocked in a
+        // "collective", sees it go, then writes its error file (its @record) and exits 1.
+        let script = format!(
+            r#"if [ $RANK = 1 ]; then touch {m}; exit 3; fi; trap '' TERM; while [ ! -f {m} ]; do sleep 0.01; done; sleep 0.2; printf '{{"message": {{"message": "RuntimeError: connection reset by peer", "extraInfo": {{"py_callstack": "tb", "timestamp": "%s"}}}}}}' "$(date +%s)" > "$TORCHELASTIC_ERROR_FILE"; exit 1"#,
+            m = marker.display()
+        );
+        let plan = plan_of(2, &["--log-dir", &logs, "--shutdown-timeout", "10"], &script);
+        let outcome = run_round(&plan, &mut Signals::none(), std::future::pending::<RoundEndCause>()).await;
+        let GroupOutcome::Failed { root, others, .. } = outcome else { panic!("{outcome:?}") };
+        assert_eq!((root.rank, &root.exit), (Some(1), &ExitKind::Code(3)), "{root:?}");
+        assert_eq!(others.len(), 1, "{others:?}");
+        assert_eq!(others[0].rank, Some(0), "{others:?}");
+    }
+
     /// A worker that makes its error file a FIFO gets a clear report, not a launcher stuck in
     /// open(2) (the round runs on a thread of its own so that the test fails instead of hanging).
     #[test]
@@ -1056,5 +1107,18 @@ mod tests {
         assert_eq!(std::fs::read_to_string(dir.join("stdout.log.2")).unwrap(), "run 2");
         assert_eq!(std::fs::read_to_string(dir.join("stderr.log.2")).unwrap(), "run 2 err");
         assert!(!dir.join("stderr.log.1").exists());
+        // Only the latest 16 earlier runs stay: run 18's files push out runs 1 and 2.
+        for run in 3..=18 {
+            std::fs::write(dir.join("stdout.log"), format!("run {run}")).unwrap();
+            assert_eq!(set_aside_earlier_run(dir).unwrap(), Some(run));
+        }
+        for gone in ["stdout.log.1", "error.json.1", "stdout.log.2", "stderr.log.2"] {
+            assert!(!dir.join(gone).exists(), "{gone}");
+        }
+        assert_eq!(std::fs::read_to_string(dir.join("stdout.log.3")).unwrap(), "run 3");
+        assert_eq!(std::fs::read_to_string(dir.join("stdout.log.18")).unwrap(), "run 18");
+        // A number after a gap follows the highest, not the first free one.
+        std::fs::write(dir.join("stdout.log"), "run 19").unwrap();
+        assert_eq!(set_aside_earlier_run(dir).unwrap(), Some(19));
     }
 }
