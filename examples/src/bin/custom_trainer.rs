@@ -26,6 +26,8 @@ use rsrun_worker_runtime::engine_store::EngineStore;
 static ALLOC: rsrun_training_engine::hugepage::HugePageAlloc = rsrun_training_engine::hugepage::HugePageAlloc;
 
 fn main() -> anyhow::Result<()> {
+    // The libraries' warnings on stderr, in this worker's log (RSRUN_LOG / RUST_LOG filter them).
+    rsrun_examples::init_tracing("custom_trainer").map_err(anyhow::Error::msg)?;
     // ① Who am I? rsrun sets torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, ...) plus its own;
     //    `from_env` reads them once, and names any variable that is missing or malformed.
     let ctx = WorkerContext::from_env().context("start me with rsrun")?;

@@ -322,6 +322,7 @@ fn run() -> anyhow::Result<()> {
         let _ = e.print();
         if e.use_stderr() { anyhow::Error::new(BadInput("invalid arguments".into())) } else { std::process::exit(0) }
     })?;
+    rsrun_examples::init_tracing("train").map_err(BadInput)?;
     let strategy: Strategy = args
         .strategy
         .parse()
