@@ -47,7 +47,8 @@ GLOO=$refdir/gloo_collectives.py
 [[ -f $REF && -f $GLOO ]] || { echo "bench-vs-torch: $refdir lacks reference_gpt.py or gloo_collectives.py" >&2; exit 2; }
 BIN=${RSRUN_BENCH_BIN:-target/release}
 if [[ -z ${RSRUN_BENCH_BIN:-} ]]; then
-  cargo build --release -q -p rsrun-launcher -p rsrun-examples --bin rsrun --bin engine-bench --bin collectives-bench
+  # The README's build (a narrower -p selection unifies features differently and rebuilds).
+  cargo build --release -q --workspace
 fi
 PIN=()
 if [[ -n ${RSRUN_BENCH_CPUS:-} ]]; then

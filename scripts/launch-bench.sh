@@ -4,6 +4,8 @@
 # on loopback. Ends with two `summary:` lines.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --release -q -p rsrun-launcher -p rsrun-rendezvous --bins
-cargo build --release -q -p rsrun-examples --bin launch-bench
+# The README's build: the same features as `cargo build --release --workspace`, so that after it
+# this rebuilds nothing (a narrower -p selection unifies dependency features differently and
+# recompiles them over the workspace's binaries).
+cargo build --release -q --workspace
 exec target/release/launch-bench "$@"

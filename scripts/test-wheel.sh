@@ -13,6 +13,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
 python=${PYTHON:-python3}
+# A target directory of its own: the wheel's feature set differs from the workspace's, and
+# building it into target/release would recompile dependencies over the workspace's binaries.
+export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$root/target/wheel}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 started=$SECONDS

@@ -119,6 +119,17 @@ const GEMM_PROFILE: &str = "./target/release/engine-bench --steps 12 --gemm-prof
 const GPU_BUILD: &str = "cargo build --release -p rsrun-examples --features nccl --bin gpu-smoke";
 const GPU_RUN: &str = "./target/release/rsrun --standalone --nproc-per-node 1 ./target/release/gpu-smoke";
 
+const TORCH_VENV: &str = "scripts/torch-venv.sh";
+const TEST_WHEEL: &str = "scripts/test-wheel.sh";
+const ENGINE_SINGLE: &str = "./target/release/engine-bench --steps 20";
+const ENGINE_DDP: &str = "./target/release/rsrun --standalone --nproc-per-node 2 ./target/release/engine-bench --strategy ddp --steps 20";
+const COLLECTIVES: &str = "./target/release/collectives-bench --spawn 2 --backends shm --sizes 67108864";
+const LAUNCH_BENCH: &str = "scripts/launch-bench.sh";
+const RDZV_BENCH: &str = "./target/release/rendezvous-bench --agents 10000";
+const RDZV_BENCH_HA: &str = "./target/release/rendezvous-bench --agents 1024 --compare-ha";
+const HA_FAILOVER_BENCH: &str = "./target/release/ha-failover-bench --trials 50";
+const TCPSTORE_BENCH: &str = "./target/release/tcpstore-bench";
+
 const PIP_VENV: &str = "python3 -m venv .venv";
 const PIP_INSTALL: &str = ".venv/bin/pip install .";
 const PIP_VERSIONS: &str = ".venv/bin/rsrun --version && .venv/bin/rsrun-rendezvous --version";
@@ -157,6 +168,16 @@ const COVERED: &[&str] = &[
     GEMM_PROFILE,
     GPU_BUILD,
     GPU_RUN,
+    TORCH_VENV,
+    TEST_WHEEL,
+    ENGINE_SINGLE,
+    ENGINE_DDP,
+    COLLECTIVES,
+    LAUNCH_BENCH,
+    RDZV_BENCH,
+    RDZV_BENCH_HA,
+    HA_FAILOVER_BENCH,
+    TCPSTORE_BENCH,
     PIP_VENV,
     PIP_INSTALL,
     PIP_VERSIONS,
@@ -405,7 +426,11 @@ fn pip_install_from_a_clone() {
     let v = venv.path().join("venv");
     let at = |c: &str| readme(c).replace(".venv", &v.display().to_string());
     for cmd in [PIP_VENV, PIP_INSTALL, PIP_VERSIONS] {
-        let out = run_all(vec![shell(&workspace(), &at(cmd))], Duration::from_secs(1800)).remove(0);
+        // The wheel's build goes where scripts/test-wheel.sh puts it, not over target/release:
+        // its dependency features differ from the workspace's.
+        let mut sh = shell(&workspace(), &at(cmd));
+        sh.env("CARGO_TARGET_DIR", workspace().join("target/wheel"));
+        let out = run_all(vec![sh], Duration::from_secs(1800)).remove(0);
         assert_eq!(code(&out.status), 0, "{cmd}\n{}", text(&out));
     }
     // The installed programs, from anywhere.
@@ -659,4 +684,140 @@ fn gpu_smoke_build_and_run() {
         assert_eq!(code(&out.status), 77, "{all}");
         assert!(all.contains("gpu-smoke: skipped:"), "{all}");
     }
+}
+
+/// A `key=number` field of `line`, which must be there.
+fn number(line: &str, key: &str) -> f64 {
+    let v = rsrun_tests::field(line, key).unwrap_or_else(|| panic!("no {key}= in {line}"));
+    v.parse().unwrap_or_else(|_| panic!("{key}={v} is not a number in {line}"))
+}
+
+/// The `summary:` lines of a run that must have exited 0 (without rsrun's `[rank N] ` prefix).
+fn summaries(out: &Output) -> Vec<String> {
+    let all = text(out);
+    assert_eq!(code(&out.status), 0, "{all}");
+    let unprefixed = |l: &str| l.strip_prefix('[').and_then(|r| Some(r.split_once("] ")?.1.to_owned())).unwrap_or_else(|| l.to_owned());
+    let lines: Vec<String> =
+        String::from_utf8_lossy(&out.stdout).lines().map(unprefixed).filter(|l| l.starts_with("summary: ")).collect();
+    assert!(!lines.is_empty(), "no summary line: {all}");
+    lines
+}
+
+#[test]
+fn torch_venv_script() {
+    let _turn = serial();
+    let cmd = readme(TORCH_VENV);
+    let ci = std::fs::read_to_string(workspace().join(".ci/run")).unwrap();
+    assert!(ci.lines().any(|l| l.contains(&cmd)), ".ci/run does not run {cmd:?}:\n{ci}");
+    // Making the venv downloads gigabytes, which .ci/run does once before the tests; here the
+    // script runs again where it made one, finds torch, and names the same python.
+    let made = std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache/rsrun-torch-venv/bin/python"));
+    let Some(made) = made.filter(|p| rsrun_tests::python_with_torch().is_some_and(|py| &py == p)) else {
+        eprintln!("torch_venv_script: the tests' python is not the script's venv (.ci/run makes it); skipped");
+        return;
+    };
+    let out = run_all(vec![shell(&workspace(), &cmd)], RUN_DEADLINE).remove(0);
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    let last = String::from_utf8_lossy(&out.stdout).lines().last().unwrap_or_default().to_owned();
+    assert_eq!(Path::new(&last), made, "{}", text(&out));
+}
+
+#[test]
+fn wheel_check_script() {
+    let _turn = serial();
+    // As printed: it builds the wheel and installs it into fresh venvs (PyPI for maturin).
+    let out = run_all(vec![shell(&workspace(), &readme(TEST_WHEEL))], Duration::from_secs(3600)).remove(0);
+    let all = text(&out);
+    assert_eq!(code(&out.status), 0, "{all}");
+    assert!(all.contains("test-wheel: PASS") && all.contains("python -m rsrun: both ranks ran"), "{all}");
+}
+
+#[test]
+fn engine_and_collective_benchmarks_alone() {
+    let _turn = serial();
+    release_build();
+    // As printed, with 4 steps (the first 3 are warm-up) instead of 20.
+    let single = run_all(vec![shell(&workspace(), &readme(ENGINE_SINGLE).replace("--steps 20", "--steps 4"))], RUN_DEADLINE).remove(0);
+    let line = summaries(&single).pop().unwrap();
+    assert!(number(&line, "tok_per_s_total") > 0.0 && number(&line, "mfu") > 0.0, "{line}");
+    assert!(text(&single).contains("machine:"), "{}", text(&single));
+    let ddp = run_all(vec![shell(&workspace(), &readme(ENGINE_DDP).replace("--steps 20", "--steps 4"))], RUN_DEADLINE).remove(0);
+    let line = summaries(&ddp).pop().unwrap();
+    assert!(line.contains("strategy=ddp") && line.contains("world=2") && number(&line, "tok_per_s_total") > 0.0, "{line}");
+    // Every rank's comm line.
+    let all = text(&ddp);
+    assert!(all.matches("comm:").count() >= 2, "{all}");
+    // As printed: its headline fractions are the 64 MiB ones.
+    let coll = run_all(vec![shell(&workspace(), &readme(COLLECTIVES))], RUN_DEADLINE * 3).remove(0);
+    let all = text(&coll);
+    let line = summaries(&coll).pop().unwrap();
+    for key in ["allreduce_frac_of_bound", "reduce_scatter_frac", "all_gather_frac", "memcpy_gbps"] {
+        assert!(number(&line, key) > 0.0, "{line}");
+    }
+    for op in ["all_reduce", "reduce_scatter", "all_gather"] {
+        let seen = all.lines().any(|l| l.contains(&format!("op={op} backend=shm ")) && l.contains(" world=2 bytes=67108864 "));
+        assert!(seen, "{op}: {all}");
+    }
+}
+
+#[test]
+fn launch_and_rendezvous_benchmarks() {
+    let _turn = serial();
+    release_build();
+    // As printed, with 3 single-node runs and 1 eight-node run instead of 21 and 5.
+    let out = run_all(vec![shell(&workspace(), &format!("{} --runs 3 --node-runs 1", readme(LAUNCH_BENCH)))], Duration::from_secs(1800)).remove(0);
+    let lines = summaries(&out);
+    let launch = lines.iter().find(|l| l.starts_with("summary: workers=8 ")).unwrap_or_else(|| panic!("{lines:?}"));
+    assert!(number(launch, "launch_ms") > 0.0 && number(launch, "peak_rss_mib") > 0.0, "{launch}");
+    let nodes = lines.iter().find(|l| l.starts_with("summary: nodes=8 ")).unwrap_or_else(|| panic!("{lines:?}"));
+    assert!(number(nodes, "all_done_ms") > 0.0, "{nodes}");
+    // 256 agents instead of 10,000.
+    let out = run_all(vec![shell(&workspace(), &readme(RDZV_BENCH).replace("10000", "256"))], RUN_DEADLINE).remove(0);
+    let line = summaries(&out).pop().unwrap();
+    assert!(line.starts_with("summary: agents=256 ") && number(&line, "round_s") > 0.0 && number(&line, "p99_rpc_ms") > 0.0, "{line}");
+    if rsrun_tests::etcd::require_etcd("launch_and_rendezvous_benchmarks --compare-ha").is_none() {
+        return;
+    }
+    let out = run_all(vec![shell(&workspace(), &readme(RDZV_BENCH_HA).replace("1024", "64"))], Duration::from_secs(600)).remove(0);
+    let line = summaries(&out).pop().unwrap();
+    for key in ["ha_round_s", "data_dir_round_s", "memory_round_s"] {
+        assert!(number(&line, key) > 0.0, "{line}");
+    }
+}
+
+#[test]
+fn ha_failover_benchmark() {
+    let _turn = serial();
+    release_build();
+    if rsrun_tests::etcd::require_etcd("ha_failover_benchmark").is_none() {
+        return;
+    }
+    // As printed, with 2 kill -9 trials instead of 50 and one of each other kind instead of 5.
+    let cmd = readme(HA_FAILOVER_BENCH).replace("--trials 50", "--trials 2 --sigterm-trials 1 --anchor-trials 1");
+    let out = run_all(vec![shell(&workspace(), &cmd)], Duration::from_secs(600)).remove(0);
+    let line = summaries(&out).pop().unwrap();
+    assert!(line.contains("trials=2") && number(&line, "failover_s_median") > 0.0, "{line}");
+    // A kill -9 failover waits for the leader's lease: at least TTL − TTL/3 of the default 5 s.
+    assert!(number(&line, "failover_s_max") >= 3.0, "{line}");
+}
+
+#[test]
+fn tcpstore_benchmark_against_torch() {
+    let _turn = serial();
+    release_build();
+    let Some(py) = rsrun_tests::python_with_torch() else {
+        eprintln!("tcpstore_benchmark_against_torch: no python with torch (set RSRUN_TEST_PYTHON); skipped");
+        return;
+    };
+    // As printed, with 1 s of load in 1 round instead of 5 s in 3, 256 connections instead of
+    // 10,000, and the tests' torch.
+    let cmd = format!("{} --secs 1 --rounds 1 --connections 256 --python {}", readme(TCPSTORE_BENCH), py.display());
+    let out = run_all(vec![shell(&workspace(), &cmd)], RUN_DEADLINE * 3).remove(0);
+    let lines = summaries(&out);
+    let ops = lines.iter().find(|l| l.contains("tcpstore_ops_per_s=")).unwrap_or_else(|| panic!("{lines:?}"));
+    for key in ["tcpstore_ops_per_s", "torch_libuv_ops_per_s", "ratio"] {
+        assert!(number(ops, key) > 0.0, "{ops}");
+    }
+    let conns = lines.iter().find(|l| l.starts_with("summary: connections=256 ")).unwrap_or_else(|| panic!("{lines:?}"));
+    assert!(number(conns, "connect_s") > 0.0, "{conns}");
 }
