@@ -50,10 +50,12 @@ enum Target<'a> {
         slot: &'a mut [u8],
         total: usize,
     },
-    /// A message prefixed by its length (u64 little endian); the body is allocated on arrival.
+    /// A message prefixed by its length (u64 little endian); the body is allocated on arrival,
+    /// and a length above `max` is an error (never an allocation a peer's bytes chose).
     Framed {
         len: [u8; 8],
         len_got: usize,
+        max: usize,
         body: Option<Vec<u8>>,
     },
 }
@@ -87,12 +89,14 @@ impl<'a> RecvOp<'a> {
         }
     }
 
-    pub(crate) fn framed(peer: usize) -> RecvOp<'static> {
+    /// A message of at most `max` bytes, prefixed by its length.
+    pub(crate) fn framed(peer: usize, max: usize) -> RecvOp<'static> {
         RecvOp {
             peer,
             target: Target::Framed {
                 len: [0; 8],
                 len_got: 0,
+                max,
                 body: None,
             },
             done: 0,
@@ -204,14 +208,21 @@ fn set_sock_opts(s: &TcpStream) -> Result<()> {
     Ok(())
 }
 
-fn prefix_token(prefix: &str) -> u64 {
-    // FNV-1a: enough to reject connections meant for another group.
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in prefix.bytes() {
-        h ^= b as u64;
-        h = h.wrapping_mul(0x0100_0000_01b3);
+/// The acceptor's answer to a hello it took.
+const HELLO_ACK: u8 = 0xA5;
+
+/// A random listener token: from the kernel's generator, else from std's per-process random
+/// hash keys (never fails; it only has to differ between listeners).
+fn random_token() -> u64 {
+    let mut b = [0u8; 8];
+    if std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b)).is_ok() {
+        return u64::from_le_bytes(b);
     }
-    h
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    h.write_u32(std::process::id());
+    h.finish()
 }
 
 /// The address peers should use to reach this process.
@@ -275,23 +286,24 @@ impl Mesh {
             .map_err(|e| CommError::io("listener address", e))?
             .port();
         let me = SocketAddr::new(ip, port);
+        // A connection must name this listener's random token, which only this group's ranks
+        // read from the store: a rank of another job that reached this port (its own peer's,
+        // since reused) is turned away, whatever prefix the two jobs chose.
+        let token = random_token();
         ctx.store.set(
             &format!("{}/tcp/{rank}", ctx.prefix),
-            me.to_string().as_bytes(),
+            format!("{me} {token:016x}").as_bytes(),
         )?;
-        let token = prefix_token(&ctx.prefix);
 
         for (j, slot) in socks.iter_mut().enumerate().take(rank) {
             let key = format!("{}/tcp/{j}", ctx.prefix);
             let left = deadline.saturating_duration_since(Instant::now());
             let raw = ctx.store.get(&key, left)?;
-            let addr: SocketAddr = String::from_utf8_lossy(&raw).parse().map_err(|e| {
-                boot_err(format!(
-                    "bad address {:?} for rank {}: {e}",
-                    String::from_utf8_lossy(&raw),
-                    ctx.names[j]
-                ))
-            })?;
+            let text = String::from_utf8_lossy(&raw);
+            let bad = |why: String| boot_err(format!("bad address {text:?} for rank {}: {why}", ctx.names[j]));
+            let (addr, token) = text.split_once(' ').ok_or_else(|| bad("expected ADDR TOKEN".into()))?;
+            let addr: SocketAddr = addr.parse().map_err(|e| bad(format!("{e}")))?;
+            let token = u64::from_str_radix(token, 16).map_err(|e| bad(format!("token: {e}")))?;
             let mut stream = loop {
                 let left = deadline.saturating_duration_since(Instant::now());
                 if left.is_zero() {
@@ -313,6 +325,21 @@ impl Mesh {
             stream
                 .write_all(&hello)
                 .map_err(|e| CommError::io(format!("handshake with rank {}", ctx.names[j]), e))?;
+            // The peer answers once it took the hello. Anything else at that address (another
+            // job's listener on a reused port, a server that is not rsrun) never does.
+            let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
+            let mut ack = [0u8; 1];
+            let answered = stream.set_read_timeout(Some(left)).and_then(|()| stream.read_exact(&mut ack));
+            if answered.is_err() || ack[0] != HELLO_ACK {
+                return Err(boot_err(format!(
+                    "rank {} at {addr} did not answer the handshake ({}): the address may now belong to another process",
+                    ctx.names[j],
+                    match answered {
+                        Err(e) => e.to_string(),
+                        Ok(()) => format!("answered {:#04x}", ack[0]),
+                    }
+                )));
+            }
             *slot = Some(stream);
         }
 
@@ -349,6 +376,9 @@ impl Mesh {
                         || socks[from].is_some()
                     {
                         continue;
+                    }
+                    if s.write_all(&[HELLO_ACK]).is_err() {
+                        continue; // the peer went away; it fails on its side
                     }
                     socks[from] = Some(s);
                     missing -= 1;
@@ -422,7 +452,7 @@ impl Mesh {
 
     /// The error for a connection to `peer` that failed: if `peer` aborted the group itself
     /// (it published a reason in the store), report the rank it blamed.
-    fn peer_error(&self, peer: usize, op: &str, detail: String) -> CommError {
+    pub(crate) fn peer_error(&self, peer: usize, op: &str, detail: String) -> CommError {
         self.peer_error_within(peer, op, detail, Duration::from_millis(300))
     }
 
@@ -536,6 +566,7 @@ impl Mesh {
                     if let Target::Framed {
                         len,
                         len_got,
+                        max,
                         body: None,
                     } = &mut r.target
                     {
@@ -547,17 +578,19 @@ impl Mesh {
                         progressed = true;
                         *len_got += n;
                         if *len_got == 8 {
-                            let l = u64::from_le_bytes(*len) as usize;
-                            if l > (1 << 34) {
+                            let l = u64::from_le_bytes(*len);
+                            let max = *max;
+                            let Some(l) = usize::try_from(l).ok().filter(|l| *l <= max) else {
                                 return Err(self.peer_error(
                                     r.peer,
                                     op,
-                                    format!("bad frame length {l}"),
+                                    format!("bad frame length {l}: at most {max} bytes expected (another protocol or a corrupt stream)"),
                                 ));
-                            }
+                            };
                             r.target = Target::Framed {
                                 len: [0; 8],
                                 len_got: 8,
+                                max,
                                 body: Some(vec![0u8; l]),
                             };
                         }
@@ -846,11 +879,12 @@ impl Mesh {
         )
     }
 
-    /// All-gather of variable-length blobs in ceil(log2 N) rounds (Bruck's algorithm).
-    /// Returns the blobs indexed by group rank.
+    /// All-gather of variable-length blobs of at most `max_blob` bytes each in ceil(log2 N)
+    /// rounds (Bruck's algorithm). Returns the blobs indexed by group rank.
     pub(crate) fn bruck_allgather(
         &mut self,
         mine: Vec<u8>,
+        max_blob: usize,
         deadline: Instant,
         op: &str,
     ) -> Result<Vec<Vec<u8>>> {
@@ -869,7 +903,8 @@ impl Mesh {
             let to = (r + n - dist) % n;
             let from = (r + dist) % n;
             let mut sends = [SendOp::new(to, &msg)];
-            let mut recvs = [RecvOp::framed(from)];
+            let max = cnt.saturating_mul(max_blob.saturating_add(8));
+            let mut recvs = [RecvOp::framed(from, max)];
             self.run_plain(&mut sends, &mut recvs, deadline, op, &mut ignore)?;
             let [rv] = recvs;
             let body = rv.into_body();
@@ -883,7 +918,7 @@ impl Mesh {
                 let l = u64::from_le_bytes(l) as usize;
                 off += 8;
                 // `off` is at most the body's length here; a garbled length cannot overflow.
-                if l > body.len() - off {
+                if l > body.len() - off || l > max_blob {
                     return Err(self.peer_error(from, op, "truncated message".into()));
                 }
                 held.push(body[off..off + l].to_vec());
@@ -905,5 +940,66 @@ pub(crate) fn poll_fds(fds: &mut [libc::pollfd], timeout: Duration) {
     // SAFETY: `fds` is a valid, exclusively borrowed array of pollfd of the given length.
     unsafe {
         libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms);
+    }
+}
+
+#[cfg(test)]
+mod handshake_tests {
+    use super::*;
+    use crate::comm::{CommOptions, LocalStore, Store};
+    use std::sync::Arc;
+
+    fn ctx(rank: usize, store: Arc<dyn Store>) -> Ctx {
+        Ctx {
+            rank,
+            world: 2,
+            names: Arc::new(vec![0, 1]),
+            store,
+            prefix: "hs".into(),
+            opts: CommOptions { timeout: Duration::from_secs(3), ..CommOptions::default() },
+        }
+    }
+
+    /// A rank whose peer's address now belongs to a process that takes the connection but
+    /// never answers the handshake (another job's listener on a reused port, any other server)
+    /// says so, naming the rank and the address, instead of sending it gradients.
+    #[test]
+    fn an_address_that_does_not_answer_the_handshake_is_named() {
+        let store: Arc<dyn Store> = Arc::new(LocalStore::new());
+        let stranger = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = stranger.local_addr().unwrap();
+        std::thread::spawn(move || {
+            // Takes connections and reads what comes, answering nothing.
+            for s in stranger.incoming().flatten() {
+                std::thread::spawn(move || std::io::copy(&mut &s, &mut std::io::sink()));
+            }
+        });
+        store.set("hs/tcp/0", format!("{addr} {:016x}", 7u64).as_bytes()).unwrap();
+        let err = Mesh::connect(&ctx(1, store)).err().expect("a handshake nobody answered").to_string();
+        assert!(err.contains(&format!("rank 0 at {addr} did not answer the handshake")), "{err}");
+    }
+
+    /// Two real ranks connect; a connection that names another token is turned away and the
+    /// real peer still gets in.
+    #[test]
+    fn a_hello_with_another_token_is_refused_and_the_real_peer_connects() {
+        let store: Arc<dyn Store> = Arc::new(LocalStore::new());
+        let s0 = store.clone();
+        let rank0 = std::thread::spawn(move || Mesh::connect(&ctx(0, s0)).map(|m| m.socks.iter().flatten().count()));
+        let raw = store.get("hs/tcp/0", Duration::from_secs(3)).unwrap();
+        let addr: SocketAddr = String::from_utf8_lossy(&raw).split(' ').next().unwrap().parse().unwrap();
+        // An intruder with the right magic and rank but a guessed token: no answer, then closed.
+        let mut intruder = TcpStream::connect(addr).unwrap();
+        let mut hello = [0u8; 16];
+        hello[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+        hello[4..8].copy_from_slice(&1u32.to_le_bytes());
+        hello[8..16].copy_from_slice(&7u64.to_le_bytes());
+        intruder.write_all(&hello).unwrap();
+        intruder.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+        let mut ack = [0u8; 1];
+        assert_eq!(intruder.read(&mut ack).unwrap_or(0), 0, "the intruder was answered");
+        let rank1 = Mesh::connect(&ctx(1, store)).unwrap();
+        assert_eq!(rank1.socks.iter().flatten().count(), 1);
+        assert_eq!(rank0.join().unwrap().unwrap(), 1);
     }
 }

@@ -430,9 +430,17 @@ impl std::fmt::Debug for ProcessGroup {
 /// (one-sync or chunked, small or ring) and the slot size by them without asking its peers, so
 /// a difference would pair different protocols (a stale read, a garbled blob, a panic on a
 /// length) instead of failing. Compared at [`ProcessGroup::new`].
+/// The version of what ranks exchange (segment layout, TCP frames and handshakes): ranks of
+/// builds that disagree on it are told at bootstrap, not by garbled data. Raise it with any
+/// change of the wire.
+const WIRE_VERSION: u32 = 2;
+
+/// The longest timeout honoured: "forever" (`Duration::MAX`) would overflow every deadline.
+const MAX_TIMEOUT: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
 fn agreed_options(o: &CommOptions) -> String {
     format!(
-        "backend={:?} deterministic={} shm_chunk_bytes={} shm_small_bytes={} tcp_small_bytes={}",
+        "wire={WIRE_VERSION} backend={:?} deterministic={} shm_chunk_bytes={} shm_small_bytes={} tcp_small_bytes={}",
         o.backend, o.deterministic, o.shm_chunk_bytes, o.shm_small_bytes, o.tcp_small_bytes
     )
 }
@@ -451,8 +459,9 @@ impl ProcessGroup {
         world: usize,
         store: Arc<dyn Store>,
         prefix: &str,
-        opts: CommOptions,
+        mut opts: CommOptions,
     ) -> Result<Self> {
+        opts.timeout = opts.timeout.min(MAX_TIMEOUT);
         if world == 0 || rank >= world {
             return Err(CommError::InvalidRank {
                 what: "own",

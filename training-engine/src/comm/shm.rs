@@ -99,16 +99,56 @@ pub(crate) fn map_file(file: &std::fs::File, len: usize) -> Result<Mapping> {
     })
 }
 
+/// How old a segment file of a dead creator must be before [`sweep_stale_segments`] removes
+/// it: a live group unlinks its files as soon as every rank attached, well within this.
+const STALE_SEGMENT_AGE: Duration = Duration::from_secs(600);
+
+/// Removes the segment files (`rsrun-comm-PID-…`, `rsrun-win-PID-…`) in `dir` that this user's
+/// earlier ranks left: their creator is gone (`kill(PID, 0)` says no such process) and they are
+/// older than [`STALE_SEGMENT_AGE`]. A rank killed (SIGKILL) between creating a segment and
+/// every peer attaching never unlinks it, and tmpfs keeps its pages (a DDP window is world ×
+/// the gradients) until someone does. Returns how many were removed.
+pub(crate) fn sweep_stale_segments(dir: &std::path::Path) -> usize {
+    use std::os::unix::fs::MetadataExt;
+    let Ok(entries) = std::fs::read_dir(dir) else { return 0 };
+    // SAFETY: geteuid cannot fail.
+    let me = unsafe { libc::geteuid() };
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let Some(rest) = name.strip_prefix("rsrun-comm-").or_else(|| name.strip_prefix("rsrun-win-")) else { continue };
+        let Some(pid) = rest.split('-').next().and_then(|p| p.parse::<libc::pid_t>().ok()).filter(|p| *p > 0) else { continue };
+        let Ok(meta) = entry.metadata() else { continue };
+        let old = meta.modified().ok().and_then(|m| m.elapsed().ok()).is_some_and(|age| age >= STALE_SEGMENT_AGE);
+        if meta.uid() != me || !meta.is_file() || !old {
+            continue;
+        }
+        // SAFETY: signal 0 only checks that the process exists.
+        let gone = unsafe { libc::kill(pid, 0) } != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        if gone && std::fs::remove_file(entry.path()).is_ok() {
+            tracing::info!(file = %entry.path().display(), "removed a shared-memory segment left by an earlier rank");
+            removed += 1;
+        }
+    }
+    removed
+}
+
 /// Creates a fresh file of `len` bytes for a segment in `/dev/shm` (the temp dir where there is
 /// none), mode 0600. With `reserve`, its pages are allocated now (`posix_fallocate`), so a full
-/// tmpfs is an error here rather than a `SIGBUS` at first touch.
+/// tmpfs is an error here rather than a `SIGBUS` at first touch. The first call of a process
+/// also removes what killed ranks left there ([`sweep_stale_segments`]).
 fn create_segment_file(tag: &str, len: usize, reserve: bool) -> Result<(std::fs::File, PathBuf)> {
     static COUNTER: AtomicU64 = AtomicU64::new(0);
+    static SWEPT: std::sync::Once = std::sync::Once::new();
     let dir = if std::path::Path::new("/dev/shm").is_dir() {
         PathBuf::from("/dev/shm")
     } else {
         std::env::temp_dir()
     };
+    SWEPT.call_once(|| {
+        sweep_stale_segments(&dir);
+    });
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_nanos())
@@ -1332,5 +1372,44 @@ mod spin_tests {
             b.record(WaitKind::Step, Duration::from_micros(40));
         }
         assert!(b.spin_for(WaitKind::Step, cap) <= cap);
+    }
+}
+
+#[cfg(test)]
+mod sweep_tests {
+    use super::*;
+
+    /// Segment files of a creator that is gone and older than the grace are removed; a live
+    /// creator's, a fresh one's and other files stay.
+    #[test]
+    fn stale_segments_of_dead_ranks_are_swept() {
+        let dir = tempfile::tempdir().unwrap();
+        // A pid that was used and is gone.
+        let mut child = std::process::Command::new("true").spawn().unwrap();
+        let dead = child.id();
+        child.wait().unwrap();
+        let live = std::process::id();
+        let old = std::time::SystemTime::now() - STALE_SEGMENT_AGE - Duration::from_secs(5);
+        let file = |name: &str, aged: bool| {
+            let path = dir.path().join(name);
+            let f = std::fs::File::create(&path).unwrap();
+            if aged {
+                f.set_modified(old).unwrap();
+            }
+            path
+        };
+        let stale = [file(&format!("rsrun-comm-{dead}-1a-0"), true), file(&format!("rsrun-win-{dead}-1b-1"), true)];
+        let kept = [
+            file(&format!("rsrun-comm-{live}-1c-2"), true),
+            file(&format!("rsrun-comm-{dead}-1d-3"), false),
+            file(&format!("other-{dead}"), true),
+        ];
+        assert_eq!(sweep_stale_segments(dir.path()), 2);
+        for p in &stale {
+            assert!(!p.exists(), "{} was left", p.display());
+        }
+        for p in &kept {
+            assert!(p.exists(), "{} was removed", p.display());
+        }
     }
 }

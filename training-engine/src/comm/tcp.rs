@@ -305,6 +305,13 @@ impl TcpBackend {
         Ok(())
     }
 
+    /// The largest blob a rank sends in [`Mesh::bruck_allgather`]: a header and a segment size,
+    /// or a header and a small all-reduce's data (at most `tcp_small_bytes`, an agreed option, or
+    /// fewer elements than ranks).
+    fn max_blob(&self) -> usize {
+        HEADER_BYTES + 8 + self.ctx().opts.tcp_small_bytes.max(8 * self.mesh.world())
+    }
+
     /// Exchanges the op's header with every rank (checked equal) and, after it, this rank's
     /// `tcp_segment_bytes`: the op runs on the smallest, the same on every rank. The two-rank
     /// exchange derives its stream order from the segment, so ranks that disagreed on it
@@ -312,7 +319,7 @@ impl TcpBackend {
     fn exchange_headers(&mut self, h: &OpHeader, deadline: Instant) -> Result<()> {
         let mut blob = h.encode().to_vec();
         blob.extend_from_slice(&(self.ctx().opts.tcp_segment_bytes as u64).to_le_bytes());
-        let blobs = self.mesh.bruck_allgather(blob, deadline, h.kind.name())?;
+        let blobs = self.mesh.bruck_allgather(blob, self.max_blob(), deadline, h.kind.name())?;
         self.check_blobs(h, &blobs)?;
         self.segment = agreed_segment(&blobs, self.ctx().opts.tcp_segment_bytes);
         Ok(())
@@ -469,7 +476,7 @@ impl TcpBackend {
         let n = self.mesh.world();
         let mut blob = h.encode().to_vec();
         blob.extend_from_slice(buf);
-        let blobs = self.mesh.bruck_allgather(blob, deadline, h.kind.name())?;
+        let blobs = self.mesh.bruck_allgather(blob, self.max_blob(), deadline, h.kind.name())?;
         let heads: Vec<Vec<u8>> = blobs
             .iter()
             .map(|b| b[..b.len().min(HEADER_BYTES)].to_vec())
@@ -477,6 +484,10 @@ impl TcpBackend {
         self.check_blobs(h, &heads)?;
         // Copy into aligned scratch (blob payloads sit at an unaligned offset).
         let len = buf.len();
+        // Equal headers mean equal lengths, unless a peer's bytes lie about them.
+        if let Some((j, b)) = blobs.iter().enumerate().find(|(_, b)| b.len() != HEADER_BYTES + len) {
+            return Err(self.mesh.peer_error(j, h.kind.name(), format!("sent {} bytes of data for {len}", b.len().saturating_sub(HEADER_BYTES))));
+        }
         let scratch = self.scratch.get(len * n);
         for (j, b) in blobs.iter().enumerate() {
             scratch[j * len..(j + 1) * len].copy_from_slice(&b[HEADER_BYTES..]);

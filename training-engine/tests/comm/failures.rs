@@ -276,7 +276,8 @@ fn a_silent_stray_connection_does_not_hold_up_the_bootstrap() {
         });
     }
     let raw = store.get(&addr_key, Duration::from_secs(60)).unwrap();
-    let addr: std::net::SocketAddr = String::from_utf8_lossy(&raw).parse().unwrap();
+    // "ADDR TOKEN": the listener's address and the token a hello must carry.
+    let addr: std::net::SocketAddr = String::from_utf8_lossy(&raw).split(' ').next().unwrap().parse().unwrap();
     let stray = std::net::TcpStream::connect(addr).unwrap();
     // Rank 0 takes the stray first (were rank 1 first, the test would pass without the fix).
     std::thread::sleep(Duration::from_millis(300));
