@@ -290,13 +290,56 @@ pub fn write_shard(root: &Path, state: &ShardState) -> Result<PathBuf, Checkpoin
 /// The longest shard header read: about 100 bytes a section, so room for a million sections.
 const MAX_HEADER_BYTES: u64 = 128 << 20;
 
+/// Opens a checkpoint file for reading: only a regular file (a FIFO in its place would block the
+/// open, and the load with it, forever; a directory or device is no checkpoint file).
+fn open_regular(path: &Path) -> Result<File, CheckpointError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_CLOEXEC)
+        .open(path)
+        .map_err(io("open", path))?;
+    let kind = f.metadata().map_err(io("stat", path))?.file_type();
+    if !kind.is_file() {
+        use std::os::unix::fs::FileTypeExt;
+        let what = if kind.is_fifo() {
+            "a FIFO"
+        } else if kind.is_dir() {
+            "a directory"
+        } else if kind.is_socket() {
+            "a socket"
+        } else {
+            "a device or special file"
+        };
+        return Err(CheckpointError::Corrupt { path: path.to_path_buf(), reason: format!("not a regular file: {what}") });
+    }
+    Ok(f)
+}
+
+/// The largest `metadata.json` or `latest` read (a sparse file of terabytes is no metadata).
+const MAX_SMALL_FILE: u64 = 1 << 30;
+
+/// Reads a small checkpoint file (`metadata.json`, `latest`) whole, through [`open_regular`].
+fn read_small(path: &Path) -> Result<Vec<u8>, std::io::Error> {
+    let f = open_regular(path).map_err(|e| match e {
+        CheckpointError::Io { source, .. } => source,
+        e => std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()),
+    })?;
+    let mut buf = Vec::new();
+    f.take(MAX_SMALL_FILE + 1).read_to_end(&mut buf)?;
+    if buf.len() as u64 > MAX_SMALL_FILE {
+        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("larger than {MAX_SMALL_FILE} bytes")));
+    }
+    Ok(buf)
+}
+
 /// Reads and checks a shard file's header (magic, header CRC, declared size).
 fn read_header(path: &Path) -> Result<(ShardHeader, u32, u64), CheckpointError> {
     let corrupt = |reason: String| CheckpointError::Corrupt {
         path: path.to_path_buf(),
         reason,
     };
-    let mut f = File::open(path).map_err(io("open", path))?;
+    let mut f = open_regular(path)?;
     let size = f.metadata().map_err(io("stat", path))?.len();
     let mut prefix = [0u8; PREFIX];
     if size < PREFIX as u64 {
@@ -493,7 +536,7 @@ pub fn committed(root: &Path) -> Result<Vec<(u64, PathBuf)>, CheckpointError> {
 /// for "no checkpoint", which would start the job over.
 pub fn latest(root: &Path) -> Result<PathBuf, CheckpointError> {
     let pointer = root.join(LATEST);
-    match std::fs::read_to_string(&pointer) {
+    match read_small(&pointer).and_then(|b| String::from_utf8(b).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))) {
         Ok(s) => {
             let name = s.trim();
             // `latest` names a checkpoint of this root: one path component, never `..` or `/x`.
@@ -546,7 +589,7 @@ pub fn latest(root: &Path) -> Result<PathBuf, CheckpointError> {
 /// Missing or unparsable metadata, or another format version.
 pub fn read_metadata(dir: &Path) -> Result<Metadata, CheckpointError> {
     let path = dir.join(METADATA);
-    let bytes = std::fs::read(&path).map_err(io("read", &path))?;
+    let bytes = read_small(&path).map_err(io("read", &path))?;
     let meta: Metadata = serde_json::from_slice(&bytes).map_err(|e| CheckpointError::Corrupt {
         path: path.clone(),
         reason: format!("bad metadata: {e}"),
@@ -638,7 +681,7 @@ impl Reader {
             if !sections_ok || h.step != meta.step || h.state_slots != meta.state_slots {
                 return Err(corrupt("sections do not match metadata.json".into()));
             }
-            let f = File::open(&path).map_err(io("open", &path))?;
+            let f = open_regular(&path)?;
             files.push((path, f, h));
         }
         Ok(Reader {

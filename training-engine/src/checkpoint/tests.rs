@@ -195,6 +195,11 @@ fn corruption_is_detected_and_named() {
     std::fs::remove_file(&shard).unwrap();
     let e = try_load().unwrap_err().to_string();
     assert!(e.contains("shard-00001.bin") && e.contains("open"), "{e}");
+    // A FIFO in its place is named, not waited on forever.
+    assert!(std::process::Command::new("mkfifo").arg(&shard).status().unwrap().success());
+    let e = try_load().unwrap_err().to_string();
+    assert!(e.contains("shard-00001.bin") && e.contains("not a regular file"), "{e}");
+    std::fs::remove_file(&shard).unwrap();
     std::fs::write(&shard, &good).unwrap();
     try_load().unwrap();
     // metadata.json carries its own checksum: one changed digit is caught.
@@ -292,6 +297,12 @@ fn failed_save_keeps_previous_latest() {
     std::fs::remove_file(second.join("metadata.json")).unwrap();
     let e = latest(root).unwrap_err().to_string();
     assert!(e.contains("step-000000020") && e.contains("metadata.json") && e.contains("damaged"), "{e}");
+    // A `latest` that is a FIFO is an error, not a wait.
+    std::fs::remove_file(root.join(LATEST)).unwrap();
+    assert!(std::process::Command::new("mkfifo").arg(root.join(LATEST)).status().unwrap().success());
+    let e = latest(root).unwrap_err().to_string();
+    assert!(e.contains("latest") && e.contains("not a regular file"), "{e}");
+    std::fs::remove_file(root.join(LATEST)).unwrap();
     // A pointer out of the root is damage too, whatever it points at.
     for outside in ["../other/step-000000020", "/tmp", ".."] {
         std::fs::write(root.join(LATEST), format!("{outside}\n")).unwrap();
