@@ -785,6 +785,18 @@ pub fn node_id(hostname: &str, pid: u32) -> String {
     format!("{}{tag}{suffix}", &clean[..room - tag.len()])
 }
 
+/// A random 128-bit secret (hex) from the kernel's generator: the token that alone guards a
+/// plain service, so never a guessable fallback.
+///
+/// # Errors
+/// `/dev/urandom` cannot be read.
+pub fn secret_token() -> std::io::Result<String> {
+    use std::io::Read;
+    let mut buf = [0u8; 16];
+    std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut buf))?;
+    Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
+}
+
 /// Random 128-bit hex id (like torchrun's uuid4 run ids).
 pub fn random_id() -> String {
     use std::io::Read;

@@ -314,9 +314,12 @@ fn parse_line(text: &str) -> Result<LineEntry, PlanError> {
                 entry.user = Some(v.to_owned());
             }
             _ => {
-                // addr: a name or an address, never an option.
-                if v.is_empty() || v.starts_with('-') || v.contains(['"', '\'', ';', '$', '`', '\\']) {
-                    return Err(hosts_err(format!("invalid addr \"{v}\" in \"{text}\"")));
+                // addr: an IP address or a host name, never an option or shell syntax (ssh
+                // hands it to ProxyCommand and --rsh wrappers may build shell strings with it).
+                if v.parse::<std::net::IpAddr>().is_err() && check_name("addr", v).is_err() {
+                    return Err(hosts_err(format!(
+                        "invalid addr \"{v}\" in \"{text}\": expected an IP address or a host name (letters, digits, '-', '_' and '.', not starting with '-')"
+                    )));
                 }
                 entry.addr = Some(v.to_owned());
             }

@@ -190,9 +190,10 @@ pub unsafe fn prepare(launch: &NodeLaunch) -> Result<PreparedAgent, String> {
         unsafe { std::env::set_var(k, OsStr::from_bytes(v)) };
     }
     if let Some(d) = &launch.devices {
-        let list: Vec<String> = d.ids.iter().map(u32::to_string).collect();
+        let inherited = std::env::var("CUDA_VISIBLE_DEVICES").ok();
+        let list = visible_devices(&d.ids, inherited.as_deref(), host)?;
         // SAFETY: as above.
-        unsafe { std::env::set_var("CUDA_VISIBLE_DEVICES", list.join(",")) };
+        unsafe { std::env::set_var("CUDA_VISIBLE_DEVICES", list) };
     }
     let secrets = write_secrets(launch)?;
     let place = NodePlace {
@@ -209,6 +210,31 @@ pub unsafe fn prepare(launch: &NodeLaunch) -> Result<PreparedAgent, String> {
     let plan = node_plan(argv, &info, host)?;
     let node_id = crate::plan::node_id(&plan.hostname, std::process::id());
     Ok(PreparedAgent { plan, host: host.clone(), node_id, private_dir: secrets.dir, gpus: info.gpus, rdzv_in_head: launch.rdzv_in_head })
+}
+
+/// The `CUDA_VISIBLE_DEVICES` for the slots `ids` that `--include`/`--exclude` picked: slot `i`
+/// is entry `i` of the host's own list when it has one (an allocation's `4,5,6,7`, or UUIDs), the
+/// device `i` otherwise.
+///
+/// # Errors
+/// A slot past the end of the host's list, naming both.
+pub(crate) fn visible_devices(ids: &[u32], inherited: Option<&str>, host: &str) -> Result<String, String> {
+    let Some(own) = inherited.map(str::trim).filter(|s| !s.is_empty()) else {
+        return Ok(ids.iter().map(u32::to_string).collect::<Vec<_>>().join(","));
+    };
+    let entries: Vec<&str> = own.split(',').map(str::trim).collect();
+    let picked: Result<Vec<&str>, String> = ids
+        .iter()
+        .map(|&i| {
+            entries.get(i as usize).copied().ok_or_else(|| {
+                format!(
+                    "--include/--exclude picks slot {i} on {host}, but its CUDA_VISIBLE_DEVICES={own:?} lists {} devices (slot i is its entry i)",
+                    entries.len()
+                )
+            })
+        })
+        .collect();
+    Ok(picked?.join(","))
 }
 
 /// The token and the TLS CA of a launch plan, in files only this user can read.
@@ -391,6 +417,18 @@ pub fn control_loop(stdin: &mut impl Read, injector: &SignalInjector, head_gone:
 mod tests {
     use super::*;
     use crate::signals::Signals;
+
+    /// Slot i is entry i of the host's own CUDA_VISIBLE_DEVICES (an allocation's devices, or
+    /// UUIDs); without one it is device i; a slot past the list is named.
+    #[test]
+    fn picked_slots_map_through_the_hosts_own_device_list() {
+        assert_eq!(visible_devices(&[0, 2], None, "w1").unwrap(), "0,2");
+        assert_eq!(visible_devices(&[0, 2], Some(""), "w1").unwrap(), "0,2");
+        assert_eq!(visible_devices(&[1], Some("4,5,6,7"), "w1").unwrap(), "5");
+        assert_eq!(visible_devices(&[0, 3], Some("GPU-aa, GPU-bb,GPU-cc,GPU-dd"), "w1").unwrap(), "GPU-aa,GPU-dd");
+        let e = visible_devices(&[2], Some("4,5"), "w1").unwrap_err();
+        assert!(e.contains("slot 2 on w1") && e.contains("CUDA_VISIBLE_DEVICES=\"4,5\" lists 2 devices"), "{e}");
+    }
 
     #[tokio::test]
     async fn control_messages_and_eof_become_stop_signals() {

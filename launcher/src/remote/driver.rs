@@ -71,6 +71,8 @@ enum FromAgent {
     Event(agent_event::Event),
     /// The stream began with something else: its first bytes.
     Garbled(Vec<u8>),
+    /// A later message broke the protocol (too large, undecodable): why.
+    Broken(String),
 }
 
 /// The start-failure line for an agent whose stdout began with `bytes` instead of a message:
@@ -131,6 +133,8 @@ struct Ended {
     tail: Vec<String>,
     /// The head had asked it to stop (or killed it).
     stopped: bool,
+    /// The agent's stream broke the protocol after it started (the head killed it).
+    broken: Option<String>,
 }
 
 /// What a host's task tells the event loop: a few per host, never held back by the console.
@@ -203,10 +207,9 @@ struct HostState {
     lost: Option<String>,
 }
 
-/// The embedded service with its token file (removed on drop).
+/// The embedded service (or the daemon's endpoint) and a client of it.
 struct Rendezvous {
     _server: Option<EmbeddedServer>,
-    _token_dir: Option<super::agent::PrivateDir>,
     endpoint: String,
     client: Option<RdzvClient>,
 }
@@ -230,16 +233,19 @@ async fn start_rendezvous(plan: &RemotePlan) -> anyhow::Result<Rendezvous> {
             let server = spawn_with(cfg)
                 .await
                 .map_err(|e| anyhow::anyhow!("cannot host the rendezvous service at {bind}: {e}"))?;
+            // The service read its tokens before it listened: the file goes now, so that not even
+            // a kill -9 of this head leaves the job's token on disk.
+            drop(dir);
             let port = server.addr.port();
             let endpoint = if advertise.contains(':') { format!("[{advertise}]:{port}") } else { format!("{advertise}:{port}") };
             info!(job = %plan.job_id, %endpoint, "hosting the rendezvous service");
             let client = client(&endpoint, plan.token.clone(), None);
-            Ok(Rendezvous { _server: Some(server), _token_dir: dir, endpoint, client })
+            Ok(Rendezvous { _server: Some(server), endpoint, client })
         }
         RemoteRdzv::External { endpoint } => {
             let endpoint = endpoint.to_string();
             let client = client(&endpoint, plan.token.clone(), plan.tls_ca.as_ref().map(|ca| ca.path.clone()));
-            Ok(Rendezvous { _server: None, _token_dir: None, endpoint, client })
+            Ok(Rendezvous { _server: None, endpoint, client })
         }
     }
 }
@@ -480,6 +486,9 @@ fn lost_text(host: &str, e: &Ended) -> String {
         },
         None => "could not be waited for".into(),
     };
+    if let Some(why) = &e.broken {
+        return format!("{host}: lost the agent: it sent {why} and was stopped (another rsrun version there?)");
+    }
     match e.tail.last() {
         Some(l) => format!("{host}: lost the agent: ssh {how} ({l})"),
         None => format!("{host}: lost the agent: ssh {how}"),
@@ -619,7 +628,7 @@ async fn host_task(
         let _ = events.send((idx, ev));
     };
     let outlet = Outlet { idx, tx: output };
-    let not_started = || Ended { status: None, exit_frame: None, ready: false, failure: None, tail: Vec::new(), stopped: true };
+    let not_started = || Ended { status: None, exit_frame: None, ready: false, failure: None, tail: Vec::new(), stopped: true, broken: None };
     let mut attempt = 0;
     loop {
         let permit = tokio::select! {
@@ -737,7 +746,7 @@ async fn run_attempt(
         Ok(c) => c,
         Err(e) => {
             let failure = StartFailure::Other { code: None, last: format!("cannot run {}: {e}", node.argv[0].to_string_lossy()) };
-            return Ended { status: None, exit_frame: None, ready: false, failure: Some(failure), tail: Vec::new(), stopped: false };
+            return Ended { status: None, exit_frame: None, ready: false, failure: Some(failure), tail: Vec::new(), stopped: false, broken: None };
         }
     };
     // The child leads its own group (process_group(0)): its pid is the group id.
@@ -814,9 +823,16 @@ async fn run_attempt(
                             let _ = tx.send(FromAgent::Garbled(raw)).await;
                             return;
                         }
-                        (Err(err), None) => warn!(%err, "undecodable message from the agent"),
+                        (Err(err), None) => {
+                            let _ = tx.send(FromAgent::Broken(format!("an undecodable message of {} bytes ({err})", buf.len()))).await;
+                            return;
+                        }
                     },
                     Ok(None) => break,
+                    Err(err) if err.kind() == std::io::ErrorKind::InvalidData => {
+                        let _ = tx.send(FromAgent::Broken(format!("a broken message ({err})"))).await;
+                        return;
+                    }
                     Err(err) => {
                         debug!(%err, "agent stdout ended");
                         break;
@@ -842,6 +858,7 @@ async fn run_attempt(
     let mut ready = false;
     let mut exit_frame = None;
     let mut start_failed: Option<String> = None;
+    let mut broken: Option<String> = None;
     let mut tail: VecDeque<String> = VecDeque::new();
     let mut held: VecDeque<String> = VecDeque::new();
     // Output for the console queue, in the order it was read.
@@ -898,6 +915,14 @@ async fn run_attempt(
                 match ev {
                     Some(FromAgent::Garbled(bytes)) => {
                         start_failed = Some(garbled(&bytes));
+                        group.kill();
+                    }
+                    Some(FromAgent::Broken(why)) => {
+                        warn!(%why, "the agent broke the protocol: stopping it");
+                        if !ready {
+                            start_failed = Some(format!("the agent sent {why}"));
+                        }
+                        broken = Some(why);
                         group.kill();
                     }
                     Some(FromAgent::Event(agent_event::Event::Ready(r))) => {
@@ -971,7 +996,7 @@ async fn run_attempt(
     } else {
         Some(classify(status.and_then(|s| s.code()), &tail))
     };
-    Ended { status, exit_frame, ready, failure, tail, stopped: stop_asked }
+    Ended { status, exit_frame, ready, failure, tail, stopped: stop_asked, broken }
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::cli::LaunchArgs;
-use crate::plan::{Endpoint, HostInfo, LaunchPlan, PlanError, parse_duration, random_id};
+use crate::plan::{Endpoint, HostInfo, LaunchPlan, PlanError, parse_duration};
 use crate::signals::SignalPolicy;
 use super::Slots;
 
@@ -289,11 +289,14 @@ impl RemotePlan {
         let mut seen: HashMap<String, &str> = HashMap::new();
         for h in &list {
             let local = is_local_host(h.target(), &host.hostname);
-            let key = if local { "this machine".to_owned() } else { h.target().to_ascii_lowercase() };
+            // One address with different ssh ports (containers behind one gateway) is several
+            // machines as far as names tell; the agents' identities decide.
+            let port = h.port.map(|p| format!(":{p}")).unwrap_or_default();
+            let key = if local && h.port.is_none() { "this machine".to_owned() } else { format!("{}{port}", h.target().to_ascii_lowercase()) };
             if let Some(prev) = seen.insert(key, &h.host)
                 && !args.allow_same_host
             {
-                let why = if local { "both name this machine".to_owned() } else { format!("both reach {}", h.target()) };
+                let why = if local && h.port.is_none() { "both name this machine".to_owned() } else { format!("both reach {}{port}", h.target()) };
                 return Err(conflict(super::identity::same_machine_error(prev, &h.host, &why)));
             }
         }
@@ -321,9 +324,13 @@ impl RemotePlan {
             }
         }
         if let Some(user) = &args.ssh_user
-            && (user.is_empty() || user.starts_with('-') || user.contains(char::is_whitespace))
+            && (user.is_empty() || user.starts_with('-') || !user.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)))
         {
-            return Err(PlanError::Invalid { flag: "--ssh-user", value: user.clone(), expected: "a user name".into() });
+            return Err(PlanError::Invalid {
+                flag: "--ssh-user",
+                value: user.clone(),
+                expected: "a user name (letters, digits, '-', '_' and '.', not starting with '-')".into(),
+            });
         }
         // `--ssh-option ConnectTimeout=N` replaces --ssh-connect-timeout on ssh's command line (see
         // `command`; ssh keeps the first value): the start timeout follows it.
@@ -411,11 +418,17 @@ impl RemotePlan {
                         (SocketAddr::from(([127, 0, 0, 1], 0)), "127.0.0.1".to_owned())
                     } else {
                         let first = nodes.iter().find(|n| !is_local_host(n.host.target(), &host.hostname)).map(|n| n.host.target().to_owned());
-                        let ip = first
-                            .as_deref()
-                            .and_then(route_to)
-                            .or_else(|| route_to("192.0.2.1"))
-                            .unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
+                        let routed = first.as_deref().and_then(route_to).or_else(|| route_to("192.0.2.1"));
+                        // Over ssh the other hosts cannot reach this machine's loopback: no
+                        // route found is an error, not 127.0.0.1 (an --rsh transport may run
+                        // every "host" here, as tests/fake-rsh does).
+                        if routed.is_none() && args.rsh.is_none() {
+                            return Err(conflict(format!(
+                                "no address of this host routes to {} (an ssh_config alias, or no default route), and the hosts cannot reach its loopback: pass --rdzv-endpoint ADDR[:PORT], an address of this host they reach",
+                                first.unwrap_or_default()
+                            )));
+                        }
+                        let ip = routed.unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST));
                         notes.push(format!(
                             "hosting the rendezvous at {ip} (the address that routes to {}); override with --rdzv-endpoint ADDR[:PORT]",
                             first.unwrap_or_default()
@@ -439,7 +452,9 @@ impl RemotePlan {
                     }
                     (SocketAddr::new(ip, endpoint.port), endpoint.host)
                 };
-                (RemoteRdzv::Embedded { bind, advertise }, Some(random_id()))
+                let token = crate::plan::secret_token()
+                    .map_err(|e| PlanError::Conflict(format!("cannot make the job's rendezvous token: /dev/urandom: {e}")))?;
+                (RemoteRdzv::Embedded { bind, advertise }, Some(token))
             }
             (other, _) => return Err(PlanError::Invalid { flag: "--rdzv-backend", value: other.into(), expected: "c10d (an external daemon) or static".into() }),
         };

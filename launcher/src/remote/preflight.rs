@@ -57,7 +57,9 @@ pub fn classify(code: Option<i32>, stderr: &[String]) -> StartFailure {
     let find = |needles: &[&str]| -> Option<String> {
         stderr.iter().rev().find(|l| needles.iter().any(|n| l.contains(n))).map(|l| l.trim().to_owned())
     };
-    if let Some(l) = find(&["Permission denied ("]) {
+    // ssh's "Permission denied (publickey,password)." names the methods it tried; an OS error
+    // ("Permission denied (os error 13)") is no authentication failure.
+    if let Some(l) = find(&["Permission denied (publickey", "Permission denied (password", "Permission denied (keyboard", "Permission denied (gssapi", "Permission denied (hostbased"]) {
         // "root@h: Permission denied (publickey)." → "Permission denied (publickey)".
         let start = l.find("Permission denied").unwrap_or(0);
         return StartFailure::Auth(l[start..].trim_end_matches('.').to_owned());
@@ -153,6 +155,9 @@ mod tests {
         assert!(is_retryable(&kex), "{kex:?}");
         assert!(c(Some(127), "sh: 1: exec: /opt/rsrun: not found").contains("rsrun not found at /opt/rsrun on h2"));
         assert_eq!(c(Some(255), "weird\nlast words\n"), "h2: the agent exited with code 255 before starting (last words)");
+        // An OS error is not an ssh login failure.
+        let os = c(Some(1), "rsrun: error: cannot open /work/x: Permission denied (os error 13)");
+        assert!(!os.contains("authentication"), "{os}");
         assert!(c(Some(0), "").contains("(nothing on stderr: does the ssh command (or --rsh) run its arguments"), "{}", c(Some(0), ""));
     }
 

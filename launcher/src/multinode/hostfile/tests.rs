@@ -210,6 +210,12 @@ fn grammar_rejects() {
     assert!(file_err("-u@w slots=1").contains("user names may not start with '-'"));
     assert!(file_err("[fe80::zz] slots=1").contains("not an IPv6 address"));
     assert!(file_err("w addr=-oX slots=1").contains("invalid addr"));
+    // Shell syntax never reaches ssh (or a ProxyCommand, or an --rsh wrapper's shell).
+    for bad in ["10.0.0.5|touch>/tmp/x", "gw&&id", "h(1)", "a{b}"] {
+        let e = file_err(&format!("w addr={bad} slots=1"));
+        assert!(e.contains("invalid addr") && e.contains("expected an IP address or a host name"), "{bad}: {e}");
+    }
+    assert!(table("w addr=fe80::1 slots=1\nv addr=gw-2.example slots=1\n", &["--hostfile", "./hosts"]).is_ok());
     assert!(table("", &["-H", "a:1,,b:1"]).unwrap_err().contains("empty host"));
 }
 

@@ -137,6 +137,13 @@ fn hostfile_user_port_and_addr_reach_the_ssh_argv() {
         e.to_string(),
         "hosts \"w1\" and \"w2\" are the same machine (both reach 10.9.9.9); list it once, or pass --allow-same-host to run several nodes on one machine"
     );
+    // One address behind different ssh ports (containers behind one gateway) is no conflict
+    // by name; the same port twice is.
+    std::fs::write(&hosts, "w1 slots=1 addr=10.9.9.9 port=2201\nw2 slots=1 addr=10.9.9.9 port=2202\n").unwrap();
+    RemotePlan::resolve(&parse(&["--hostfile", hosts.to_str().unwrap(), "true"]), &host(), Path::new(EXE)).unwrap();
+    std::fs::write(&hosts, "w1 slots=1 addr=10.9.9.9 port=2201\nw2 slots=1 addr=10.9.9.9 port=2201\n").unwrap();
+    let e = RemotePlan::resolve(&parse(&["--hostfile", hosts.to_str().unwrap(), "true"]), &host(), Path::new(EXE)).unwrap_err();
+    assert!(e.to_string().contains("(both reach 10.9.9.9:2201)"), "{e}");
     // An addr= that is this machine starts a local agent.
     std::fs::write(&hosts, "w1 slots=1 addr=127.0.0.1\n").unwrap();
     let p = RemotePlan::resolve(&parse(&["--hostfile", hosts.to_str().unwrap(), "true"]), &host(), Path::new(EXE)).unwrap();
