@@ -241,6 +241,13 @@ pub struct Engine<M: UnitModel> {
     scaler: Option<tiers::LossScaler>,
     /// Buffers of the native fp32 path (`engine/native.rs`).
     native: native::NativeState,
+    /// Why the engine is unusable: a step that failed part-way (see [`EngineError::Unusable`]).
+    broken: Option<String>,
+    /// The current step has changed nothing yet (its checks of the input are still running).
+    before_step: bool,
+    /// Tests: the optimizer update of this unit fails (as an offload tier's I/O error would).
+    #[cfg(test)]
+    pub(crate) fail_update_of: Option<usize>,
 }
 
 fn tensor_err(e: candle_core::Error) -> EngineError {
@@ -428,6 +435,10 @@ impl<M: UnitModel> Engine<M> {
             units,
             buckets,
             step: 0,
+            broken: None,
+            before_step: false,
+            #[cfg(test)]
+            fail_update_of: None,
             gathered: Tracker::default(),
             comm: Tracker::default(),
             comm_wait_ns: Default::default(),
@@ -598,7 +609,32 @@ impl<M: UnitModel> Engine<M> {
     /// # Errors
     /// Empty `micro`, tensor, collective or non-finite-loss failures.
     pub fn train_step(&mut self, micro: &[Batch]) -> EngineResult<StepOutput> {
+        self.check_usable()?;
+        let step = self.step + 1;
+        let r = self.run_step(micro);
+        // Failures found before anything changed (the ranks' micro-batch counts, a loss that is
+        // not finite, found before the update on every rank alike) leave the engine as it was.
+        // Any other left it part-way: units updated or not, buffers lent to collectives.
+        if let Err(e) = &r
+            && !matches!(e, EngineError::NonFinite { .. })
+            && !self.before_step
+        {
+            self.broken = Some(format!("step {step} failed ({e})"));
+        }
+        r
+    }
+
+    /// [`EngineError::Unusable`] once a step failed part-way.
+    pub(crate) fn check_usable(&self) -> EngineResult<()> {
+        match &self.broken {
+            Some(why) => Err(EngineError::Unusable(why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    fn run_step(&mut self, micro: &[Batch]) -> EngineResult<StepOutput> {
         let _span = info_span!("train_step", rank = self.rank, step = self.step + 1).entered();
+        self.before_step = true;
         // Collectives before this step (loading a checkpoint, a failed step) are not its own.
         self.take_comm_wait();
         // Every rank must run as many micro-batches: their collectives pair up, and each averages
@@ -619,6 +655,7 @@ impl<M: UnitModel> Engine<M> {
         if micro.is_empty() {
             return Err(EngineError::Config("train_step needs at least one micro-batch".into()));
         }
+        self.before_step = false;
         let native = self.native_enabled();
         // The native backward overwrites a unit's full gradient on the first micro-batch, and
         // under ZeRO-2/3 that micro-batch's reduce-scatter writes the gradient shard itself
@@ -727,8 +764,9 @@ impl<M: UnitModel> Engine<M> {
             grad_scale,
         };
         let opt = self.cfg.optimizer;
+        let mut updated: EngineResult<()> = Ok(());
         for ui in 0..self.units.len() {
-            if !z1 && !half {
+            let r = if !z1 && !half {
                 // fp32 gradients are read in place (a registered buffer stays registered).
                 let g = std::mem::take(&mut self.units[ui].grad);
                 let r = match g.as_f32() {
@@ -736,17 +774,33 @@ impl<M: UnitModel> Engine<M> {
                     None => Err(EngineError::Config("fp32 gradient buffer expected".into())),
                 };
                 self.units[ui].grad = g;
-                r?;
-                continue;
-            }
-            let g = if z1 {
-                std::mem::take(&mut z1_shards[ui])
+                r
             } else {
-                // The upcast to fp32 (the master update's gradient).
-                self.step_grad(ui, k, inv)
+                let g = if z1 {
+                    std::mem::take(&mut z1_shards[ui])
+                } else {
+                    // The upcast to fp32 (the master update's gradient).
+                    self.step_grad(ui, k, inv)
+                };
+                self.update_unit(ui, opt.as_tile(), &sp, &g)
             };
-            self.update_unit(ui, opt.as_tile(), &sp, &g)?;
+            #[cfg(test)]
+            let r = if self.fail_update_of == Some(ui) { Err(EngineError::Offload(format!("injected failure of unit {ui}"))) } else { r };
+            if r.is_err() {
+                updated = r;
+                break;
+            }
         }
+        // An update that failed on one rank (an offload tier's I/O error) fails the step on every
+        // rank: the others must not train on, or wait in the next collective, beside it.
+        if self.world > 1 {
+            let mut bad = [if updated.is_ok() { 0f32 } else { 1.0 }];
+            self.in_comm(|| self.pg.all_reduce(&mut bad, ReduceOp::Max))?;
+            if bad[0] != 0.0 && updated.is_ok() {
+                updated = Err(EngineError::Offload(format!("the optimizer step {} failed on another rank", self.step)));
+            }
+        }
+        updated?;
         if matches!(self.cfg.strategy.zero_stage(), 1 | 2) {
             for ui in 0..self.units.len() {
                 self.all_gather_params(ui)?;

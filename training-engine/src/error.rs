@@ -50,6 +50,10 @@ pub enum EngineError {
     /// The offload store failed.
     #[error("offload: {0}")]
     Offload(String),
+    /// An earlier call failed part-way and left this engine's state undefined (some units
+    /// updated, buffers handed to collectives): it trains, saves and loads no more.
+    #[error("the engine is unusable since {0}: build a new engine and load a checkpoint")]
+    Unusable(String),
 }
 
 impl EngineError {

@@ -28,6 +28,8 @@ impl<M: UnitModel> Engine<M> {
     /// # Errors
     /// Offload-tier I/O or tensor failures.
     pub fn shard_state(&self) -> EngineResult<ShardState> {
+        // A state a failed step left part-way must not become a checkpoint.
+        self.check_usable()?;
         let mut master = Vec::with_capacity(self.units.len());
         let mut state = Vec::with_capacity(self.units.len());
         for ui in 0..self.units.len() {
@@ -58,6 +60,7 @@ impl<M: UnitModel> Engine<M> {
     /// A state for another model, sharding, shard rank or optimizer ([`EngineError::Layout`],
     /// [`EngineError::Checkpoint`], [`EngineError::Length`]); tier or collective failures.
     pub fn load_shard_state(&mut self, s: ShardState) -> EngineResult<()> {
+        self.check_usable()?;
         self.install_shard_state(s)?;
         self.gather_installed_params()
     }
@@ -164,6 +167,7 @@ impl<M: UnitModel> Engine<M> {
         keep_last: usize,
     ) -> EngineResult<PathBuf> {
         let _span = tracing::info_span!("save_checkpoint", rank = self.rank, step = self.step).entered();
+        self.check_usable()?;
         // Only the ranks that write (the first replica of the sharding group, rank 0 among them)
         // copy their state out of the tiers: under DDP every other rank would copy the whole
         // master and optimizer state (12 bytes a parameter, read back from an offload tier) for
@@ -206,6 +210,7 @@ impl<M: UnitModel> Engine<M> {
     /// names the file), I/O errors.
     pub fn load_checkpoint(&mut self, path: &Path) -> EngineResult<(PathBuf, Progress)> {
         let _span = tracing::info_span!("load_checkpoint", rank = self.rank).entered();
+        self.check_usable()?;
         let dir = if path.join(METADATA).is_file() {
             Ok(path.to_path_buf())
         } else {

@@ -299,9 +299,10 @@ fn memory_matches_formulas_and_traffic_ratio() {
             sent.insert(name, *bytes);
         }
     }
-    // Each step's agreement first: the micro-batch count [k, -k] and the loss's finiteness, three
-    // f32 all-reduced (a two-rank ring sends each element's 4 bytes once).
-    let control = 3 * 4;
+    // Each step's agreements: the micro-batch count [k, -k] and the loss's finiteness first, and
+    // after the update whether it went through on every rank, four f32 all-reduced (a two-rank
+    // ring sends each element's 4 bytes once).
+    let control = 4 * 4;
     for v in sent.values_mut() {
         *v -= control;
     }
@@ -483,4 +484,30 @@ fn hybrid_sharding_over_uneven_hosts_is_refused() {
         let e = e.expect("built over uneven hosts");
         assert!(e.contains("same number of ranks on every host, got host 0: 2, host 1: 1"), "{e}");
     }
+}
+
+/// An optimizer update that fails on one rank (an offload tier's I/O error, here injected)
+/// fails the step on every rank, and leaves each engine unusable rather than part-updated:
+/// later steps and checkpoint saves are refused with the reason, on every rank.
+#[test]
+fn a_failed_update_on_one_rank_fails_every_rank_and_the_engine_stays_failed() {
+    let dir = tempfile::tempdir().unwrap();
+    let root = dir.path().to_owned();
+    let got = on_ranks(2, 1, cfg(Strategy::Ddp), move |rank, e| {
+        let mut e = e.unwrap();
+        e.fail_update_of = (rank == 1).then_some(1);
+        let step = e.train_step(&batches(rank, 2, 0, 1)).map(drop).map_err(|e| e.to_string());
+        let again = e.train_step(&batches(rank, 2, 1, 1)).map(drop).map_err(|e| e.to_string());
+        let progress = crate::checkpoint::Progress { data_position: 1, epoch: 0, rng_state: Vec::new() };
+        let save = e.save_checkpoint(&root, &progress, 0).map(drop).map_err(|e| e.to_string());
+        (step, again, save)
+    });
+    let (step0, again0, save0) = &got[0];
+    let (step1, again1, save1) = &got[1];
+    assert!(step1.as_ref().is_err_and(|e| e.contains("injected failure of unit 1")), "{step1:?}");
+    assert!(step0.as_ref().is_err_and(|e| e.contains("the optimizer step 1 failed on another rank")), "{step0:?}");
+    for r in [again0, again1, save0, save1] {
+        assert!(r.as_ref().is_err_and(|e| e.contains("the engine is unusable since step 1 failed")), "{r:?}");
+    }
+    assert!(!dir.path().join(crate::checkpoint::step_dir_name(1)).exists());
 }
