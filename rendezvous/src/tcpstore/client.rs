@@ -222,9 +222,12 @@ impl TcpStoreClient {
     /// As [`TcpStoreClient::read_u8`].
     pub async fn read_bytes(&mut self) -> Result<Vec<u8>, RdzvError> {
         let len = self.stream.read_u64_le().await.map_err(|e| io_err(self.addr, "read", e))?;
-        let len = usize::try_from(len).map_err(|_| self.err(format!("reply length {len}")))?;
-        let mut v = vec![0; len];
-        self.stream.read_exact(&mut v).await.map_err(|e| io_err(self.addr, "read", e))?;
+        // The buffer grows with what arrives: a length the server sent is no allocation size.
+        let mut v = Vec::with_capacity(usize::try_from(len).unwrap_or(usize::MAX).min(1 << 20));
+        (&mut self.stream).take(len).read_to_end(&mut v).await.map_err(|e| io_err(self.addr, "read", e))?;
+        if (v.len() as u64) < len {
+            return Err(io_err(self.addr, "read", std::io::Error::new(std::io::ErrorKind::UnexpectedEof, format!("reply of {len} bytes ended after {}", v.len()))));
+        }
         Ok(v)
     }
 

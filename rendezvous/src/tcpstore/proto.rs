@@ -323,8 +323,9 @@ impl RequestParser {
         RequestParser { limits, validated: false, cur: None, fields: Vec::new(), scratch: Vec::with_capacity(8), held: 0 }
     }
 
-    /// Key and value bytes of the request being read that arrived so far: what a partly sent
-    /// request costs the server (a declared length costs nothing until its bytes come).
+    /// Key and value bytes of the request being read that arrived so far, and the parsed fields'
+    /// own size: what a partly sent request costs the server (a declared length costs nothing
+    /// until its bytes come).
     pub fn held_bytes(&self) -> usize {
         self.held
     }
@@ -366,6 +367,11 @@ impl RequestParser {
                 self.cur = None;
                 self.held = 0;
                 let req = build(cmd, &mut self.fields)?;
+                // A request of many keys leaves a long field list: its capacity is not kept for
+                // the connection's lifetime.
+                if self.fields.capacity() > 1024 {
+                    self.fields = Vec::new();
+                }
                 if let Request::Validate { magic } = req {
                     if magic != VALIDATE_MAGIC {
                         return Err(RdzvError::TcpStoreProtocol(format!(
@@ -386,6 +392,8 @@ impl RequestParser {
                     return Ok(());
                 }
                 self.fields.push(Field::Blob(std::mem::take(&mut p.body)));
+                // A field costs more than its bytes: count the list's entry too.
+                self.held += std::mem::size_of::<Field>();
                 p.body_len = None;
                 continue;
             }
@@ -420,6 +428,7 @@ impl RequestParser {
                     self.scratch.clear();
                     p.n_bytes += 4;
                     self.fields.push(Field::Int(u64::from(v)));
+                    self.held += std::mem::size_of::<Field>();
                 }
                 Kind::I64 | Kind::Count => {
                     let v = le_u64(&self.scratch);
@@ -434,6 +443,7 @@ impl RequestParser {
                     }
                     check_request_size(p.n_bytes, &self.limits)?;
                     self.fields.push(Field::Int(v));
+                    self.held += std::mem::size_of::<Field>();
                 }
             }
         }

@@ -693,8 +693,13 @@ impl EventLoop {
             let Some(c) = self.conns.get_mut(slot).and_then(Option::as_mut) else { continue };
             c.dirty = false;
             // Drop what was written before appending, so a peer that keeps reading a little
-            // behind does not grow the buffer with everything it was ever sent.
-            if c.out_at > 0 {
+            // behind does not grow the buffer with everything it was ever sent; but move the
+            // unsent rest only once the written part is at least as long (amortized), not on
+            // every writable event of a slow reader (each moved up to a whole large reply).
+            if c.out_at == c.out.len() {
+                c.out.clear();
+                c.out_at = 0;
+            } else if c.out_at > 0 && c.out_at >= c.out.len() - c.out_at {
                 c.out.drain(..c.out_at);
                 c.out_at = 0;
             }

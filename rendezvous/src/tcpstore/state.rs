@@ -239,8 +239,19 @@ impl StoreState {
                 Reply::Bytes(out)
             }
             Request::MultiSet { pairs } => {
+                // All or nothing: the store's cap is checked for the whole batch first (its last
+                // value of each key). A batch refused half-way had already completed other
+                // connections' waits, whose wake-ups the refusal dropped: they hung.
+                let mut last: HashMap<&Key, usize> = HashMap::new();
+                for (k, v) in &pairs {
+                    last.insert(k, v.len());
+                }
+                let total = last.iter().fold(self.n_bytes, |t, (k, len)| {
+                    t - self.kv.get(*k).map_or(0, |v| k.len() + v.len()) + k.len() + len
+                });
+                self.check_total(total)?;
                 for (k, v) in pairs {
-                    self.write(k, v, &mut woken)?;
+                    self.write_within_checked(k, v, &mut woken);
                 }
                 Reply::None
             }
@@ -397,16 +408,21 @@ impl StoreState {
     /// Stores `key = value` and completes the waits that were waiting for `key`.
     fn write(&mut self, key: Key, value: Vec<u8>, woken: &mut Vec<WaitId>) -> Result<(), RdzvError> {
         let old = self.kv.get(&key).map_or(0, |v| key.len() + v.len());
-        let new_total = self.n_bytes - old + key.len() + value.len();
-        self.check_total(new_total)?;
-        self.n_bytes = new_total;
+        self.check_total(self.n_bytes - old + key.len() + value.len())?;
+        self.write_within_checked(key, value, woken);
+        Ok(())
+    }
+
+    /// [`StoreState::write`] once the caller checked the store's cap (for a whole batch).
+    fn write_within_checked(&mut self, key: Key, value: Vec<u8>, woken: &mut Vec<WaitId>) {
+        let old = self.kv.get(&key).map_or(0, |v| key.len() + v.len());
+        self.n_bytes = self.n_bytes - old + key.len() + value.len();
         if let Some(set) = self.key_waiters.remove(&key) {
             for id in set {
                 self.key_written(id, woken);
             }
         }
         self.kv.insert(key, value);
-        Ok(())
     }
 
     /// Appends to queue `key` and completes that part of one wait on `key`: the oldest that this

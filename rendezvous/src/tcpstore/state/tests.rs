@@ -328,6 +328,23 @@ fn the_total_byte_cap_refuses_writes_without_changing_anything() {
     assert_eq!(s.stats().n_bytes, 0);
 }
 
+/// A MULTI_SET past the cap writes nothing: before, its first pairs were written (and completed
+/// other connections' waits, whose wake-ups the refusal dropped, so they hung). A batch that
+/// only passes the cap on the way (a key written big, then small) fits.
+#[test]
+fn a_multi_set_past_the_cap_writes_nothing_and_wakes_nobody() {
+    let mut s = StoreState::new(20);
+    let w = pending(&mut s, B, wait(&["/x"]));
+    let over = s.apply(A, Request::MultiSet { pairs: vec![(k("/x"), k("1")), (k("/y"), k("0123456789abcdefghij"))] }).unwrap_err();
+    assert_eq!(over, RdzvError::TcpStoreLimit { limit: "store size", value: 25, max: 20 });
+    check_invariants(&s);
+    assert_eq!(s.stats().n_bytes, 0);
+    assert!(s.waits.contains_key(&w), "the wait on /x was completed by a refused batch");
+    let a = ok(&mut s, A, Request::MultiSet { pairs: vec![(k("/x"), k("0123456789abcdefghij")), (k("/x"), k("1"))] });
+    assert_eq!(a.woken, vec![w]);
+    assert_eq!(s.stats().n_bytes, 3);
+}
+
 /// One small request cannot make the store build a reply past its cap: a MULTI_GET naming a
 /// big value many times, a LIST_KEYS of many keys, an APPEND that grows a value past it.
 #[test]
