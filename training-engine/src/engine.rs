@@ -1248,6 +1248,12 @@ fn check_training_config(cfg: &EngineConfig) -> Result<(), String> {
             finite_at_least("SGD weight_decay", g.weight_decay, 0.0)?;
         }
     }
+    if cfg.bucket_cap_bytes == 0 || cfg.first_bucket_bytes == 0 {
+        return Err(format!(
+            "bucket_cap_bytes {} and first_bucket_bytes {}: expected sizes of at least 1 byte",
+            cfg.bucket_cap_bytes, cfg.first_bucket_bytes
+        ));
+    }
     if let Some(n) = cfg.clip_grad_norm
         && !(n.is_finite() && n > 0.0)
     {

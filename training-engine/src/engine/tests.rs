@@ -390,7 +390,10 @@ fn bad_training_settings_are_refused_by_name() {
     clip_nan.clip_grad_norm = Some(f64::NAN);
     let mut sgd = sgd_cfg(Strategy::Ddp);
     sgd.optimizer = OptimizerConfig::Sgd(Sgd { lr: -0.1, momentum: 0.9, weight_decay: 0.0 });
+    let mut bucket = cfg(Strategy::Ddp);
+    bucket.bucket_cap_bytes = 0;
     let cases = [
+        (bucket, "bucket_cap_bytes 0 and first_bucket_bytes 16384: expected sizes of at least 1 byte"),
         (adam(|a| a.beta1 = 1.0), "AdamW beta1 1: expected a value in [0, 1)"),
         (adam(|a| a.beta2 = -0.5), "AdamW beta2 -0.5"),
         (adam(|a| a.lr = f64::INFINITY), "AdamW lr inf"),

@@ -128,6 +128,14 @@ impl NvmeStore {
                 cfg.queue_depth, cfg.buffer_count, cfg.sub_group_elems
             )));
         }
+        // io_uring takes at most 32768 entries; past it the pool fallback would start that many
+        // threads.
+        if cfg.queue_depth > MAX_QUEUE_DEPTH {
+            return Err(OffloadError::InvalidArgument(format!(
+                "queue_depth {}: expected at most {MAX_QUEUE_DEPTH} requests in flight",
+                cfg.queue_depth
+            )));
+        }
         let tiles = tile_specs(unit_lens, cfg.sub_group_elems);
         let unit_tiles = (0..unit_lens.len())
             .map(|u| {
@@ -149,6 +157,9 @@ impl NvmeStore {
         }
         let path: Arc<Path> = cfg.dir.join(&cfg.file_name).into();
         let (file, direct) = open_swap(&path)?;
+        if !direct {
+            tracing::warn!(path = %path.display(), "the file system refuses O_DIRECT: the NVMe tier goes through the page cache (slower, and it competes with the job for memory)");
+        }
         // Unlinked at once: the space lives as long as the descriptor, so a rank that is killed
         // (SIGKILL, an abort, a restart by the launcher) cannot leave gigabytes behind.
         if let Err(e) = std::fs::remove_file(&path) {
@@ -570,6 +581,9 @@ fn open_swap(path: &Path) -> Result<(File, bool), OffloadError> {
         Err(e) => Err(open_error(path, e)),
     }
 }
+
+/// The most requests in flight ([`NvmeConfig::queue_depth`]).
+const MAX_QUEUE_DEPTH: usize = 4096;
 
 fn open_error(path: &Path, source: std::io::Error) -> OffloadError {
     OffloadError::Io {

@@ -207,6 +207,10 @@ fn invalid_arguments_are_errors() {
         assert!(matches!(err, OffloadError::InvalidArgument(_)), "{err}");
         assert!(err.to_string().contains(&bad.to_string()), "{err}");
     }
+    cfg.block_size = 1 << 20;
+    cfg.queue_depth = 100_000;
+    let err = NvmeStore::new(&[10], 2, &cfg).unwrap_err().to_string();
+    assert!(err.contains("queue_depth 100000: expected at most 4096"), "{err}");
     assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "nothing created");
     let mut cpu = CpuStore::new(&[10], 2, 4).unwrap();
     assert!(cpu.init_unit(1, &[0.0; 10], 2).is_err());
