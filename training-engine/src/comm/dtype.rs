@@ -9,7 +9,8 @@
 //!   inputs in one kernel call (shared memory, deterministic TCP, small TCP messages) therefore
 //!   rounds once; the pipelined TCP ring folds one peer per step and rounds at every step.
 //! - integers: wrapping arithmetic; `Avg` is the wrapped sum divided by N, truncating toward zero.
-//! - `Max`/`Min` use `>`/`<` comparisons (a NaN in the accumulator is kept, a NaN source is not).
+//! - `Max`/`Min` of floats propagate NaN (as `torch.max` does): the result is NaN if any rank's
+//!   element is, whatever the order the ranks are folded in.
 
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
@@ -146,11 +147,12 @@ macro_rules! acc_float {
             }
             #[inline(always)]
             fn max(a: Self, b: Self) -> Self {
-                if b > a { b } else { a }
+                // A NaN wins from either side: the result does not depend on the order.
+                if b > a || b.is_nan() { b } else { a }
             }
             #[inline(always)]
             fn min(a: Self, b: Self) -> Self {
-                if b < a { b } else { a }
+                if b < a || b.is_nan() { b } else { a }
             }
             #[inline(always)]
             fn div_n(a: Self, n: usize) -> Self {
@@ -461,6 +463,19 @@ mod tests {
         )
         .unwrap();
         assert_eq!(m, [2.0, 5.0, 7.0]);
+    }
+
+    /// Max and Min give NaN when either side is NaN, so that ranks folding in different orders
+    /// (the two-rank TCP exchange folds each block on another rank) agree.
+    #[test]
+    fn max_and_min_propagate_nan_from_either_side() {
+        for op in [ReduceOp::Max, ReduceOp::Min] {
+            for (x, y) in [(1.0f32, f32::NAN), (f32::NAN, 1.0)] {
+                let mut acc = [x];
+                fold_into(DType::F32, op, bytemuck::cast_slice_mut(&mut acc), bytemuck::cast_slice(&[y])).unwrap();
+                assert!(acc[0].is_nan(), "{op:?} of {x} and {y} gave {}", acc[0]);
+            }
+        }
     }
 
     #[test]
