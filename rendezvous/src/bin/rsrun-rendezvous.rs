@@ -64,7 +64,8 @@ struct TcpStoreArgs {
     /// Largest single request in bytes.
     #[arg(long, default_value_t = 64 << 20, value_parser = clap::value_parser!(u64).range(1..=(1 << 34)))]
     max_request_bytes: u64,
-    /// Most bytes of keys and values the store holds.
+    /// Most bytes of keys and values the store holds (and, apart, the most its pending WAITs'
+    /// and BARRIERs' bookkeeping may take over all connections).
     #[arg(long, default_value_t = 1 << 30, value_parser = clap::value_parser!(u64).range(1..=(1 << 40)))]
     max_total_bytes: u64,
     /// Most bytes held for all connections together in unfinished requests and unread replies;

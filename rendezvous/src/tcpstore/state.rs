@@ -107,6 +107,9 @@ pub struct StoreState {
     /// Memory the keys of each connection's pending WAITs take (see [`wait_cost`]), held under
     /// [`MAX_WAIT_BYTES_PER_CONN`].
     conn_wait_bytes: HashMap<ConnId, usize>,
+    /// The sum of `conn_wait_bytes`, held under the store's own cap (`max_total_bytes`): many
+    /// connections each under their own cap could otherwise hold any amount together.
+    total_wait_bytes: usize,
     next_seq: u64,
 }
 
@@ -142,6 +145,7 @@ impl StoreState {
             waits: HashMap::new(),
             conn_waits: HashMap::new(),
             conn_wait_bytes: HashMap::new(),
+            total_wait_bytes: 0,
             next_seq: 0,
         }
     }
@@ -301,8 +305,19 @@ impl StoreState {
                         .and_then(|c| c.checked_add(1))
                         .ok_or_else(|| not_a_number(&key, v))?,
                 };
-                self.write(key.clone(), count.to_string().into_bytes(), &mut woken)?;
-                if count >= world_size {
+                // A wait that will stay pending is charged before the counter moves: a refusal
+                // changes nothing.
+                let waits = count < world_size;
+                if waits {
+                    self.charge_wait_bytes(conn, wait_cost(std::slice::from_ref(&key)))?;
+                }
+                if let Err(e) = self.write(key.clone(), count.to_string().into_bytes(), &mut woken) {
+                    if waits {
+                        self.release_wait_bytes(conn, std::slice::from_ref(&key));
+                    }
+                    return Err(e);
+                }
+                if !waits {
                     if let Some(set) = self.barrier_waiters.remove(&key) {
                         for id in set {
                             self.finish(id);
@@ -337,15 +352,7 @@ impl StoreState {
         if missing.is_empty() {
             return Ok(Reply::Bytes(vec![STOP_WAITING]));
         }
-        let held = self.conn_wait_bytes.get(&conn).copied().unwrap_or(0) + wait_cost(&missing);
-        if held > MAX_WAIT_BYTES_PER_CONN {
-            return Err(RdzvError::TcpStoreLimit {
-                limit: "pending WAIT keys size",
-                value: held as u64,
-                max: MAX_WAIT_BYTES_PER_CONN as u64,
-            });
-        }
-        self.conn_wait_bytes.insert(conn, held);
+        self.charge_wait_bytes(conn, wait_cost(&missing))?;
         let id = self.register(conn, PendingWait::Keys { remaining: missing.len(), keys: Vec::new() });
         for k in &missing {
             self.key_waiters.entry(k.clone()).or_default().insert(id);
@@ -356,10 +363,37 @@ impl StoreState {
         Ok(Reply::Pending(id))
     }
 
+    /// Counts `cost` more bytes of `conn`'s pending waits, within the connection's cap and the
+    /// store's.
+    fn charge_wait_bytes(&mut self, conn: ConnId, cost: usize) -> Result<(), RdzvError> {
+        let held = self.conn_wait_bytes.get(&conn).copied().unwrap_or(0) + cost;
+        if held > MAX_WAIT_BYTES_PER_CONN {
+            return Err(RdzvError::TcpStoreLimit {
+                limit: "pending WAIT keys size",
+                value: held as u64,
+                max: MAX_WAIT_BYTES_PER_CONN as u64,
+            });
+        }
+        let total = self.total_wait_bytes + cost;
+        if total > self.max_total_bytes {
+            return Err(RdzvError::TcpStoreLimit {
+                limit: "pending WAIT keys size of all connections",
+                value: total as u64,
+                max: self.max_total_bytes as u64,
+            });
+        }
+        self.conn_wait_bytes.insert(conn, held);
+        self.total_wait_bytes = total;
+        Ok(())
+    }
+
     /// `conn`'s pending WAITs no longer hold `keys`.
     fn release_wait_bytes(&mut self, conn: ConnId, keys: &[Key]) {
+        let cost = wait_cost(keys);
         if let Some(held) = self.conn_wait_bytes.get_mut(&conn) {
-            *held = held.saturating_sub(wait_cost(keys));
+            let freed = cost.min(*held);
+            *held -= freed;
+            self.total_wait_bytes = self.total_wait_bytes.saturating_sub(freed);
             if *held == 0 {
                 self.conn_wait_bytes.remove(&conn);
             }
@@ -376,8 +410,10 @@ impl StoreState {
 
     /// Removes a wait that completed (it is in no waiter set any more).
     fn finish(&mut self, id: WaitId) {
-        if let Some(PendingWait::Keys { keys, .. }) = self.waits.remove(&id) {
-            self.release_wait_bytes(id.conn, &keys);
+        match self.waits.remove(&id) {
+            Some(PendingWait::Keys { keys, .. }) => self.release_wait_bytes(id.conn, &keys),
+            Some(PendingWait::Barrier { key }) => self.release_wait_bytes(id.conn, std::slice::from_ref(&key)),
+            None => {}
         }
         if let Some(set) = self.conn_waits.get_mut(&id.conn) {
             set.remove(&id);
@@ -398,7 +434,10 @@ impl StoreState {
                     }
                     self.release_wait_bytes(conn, &keys);
                 }
-                Some(PendingWait::Barrier { key }) => remove_waiter(&mut self.barrier_waiters, &key, id),
+                Some(PendingWait::Barrier { key }) => {
+                    remove_waiter(&mut self.barrier_waiters, &key, id);
+                    self.release_wait_bytes(conn, std::slice::from_ref(&key));
+                }
                 None => {}
             }
         }

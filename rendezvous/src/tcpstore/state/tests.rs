@@ -74,6 +74,16 @@ fn check_invariants(s: &StoreState) {
     }
     let listed: usize = s.conn_waits.values().map(BTreeSet::len).sum();
     assert_eq!(listed, s.waits.len());
+    // Every pending wait's bookkeeping is charged to its connection, and the total is their sum.
+    let mut charged: HashMap<ConnId, usize> = HashMap::new();
+    for (id, w) in &s.waits {
+        *charged.entry(id.conn).or_default() += match w {
+            PendingWait::Keys { keys, .. } => wait_cost(keys),
+            PendingWait::Barrier { key } => wait_cost(std::slice::from_ref(key)),
+        };
+    }
+    assert_eq!(charged, s.conn_wait_bytes, "wait bytes per connection");
+    assert_eq!(s.total_wait_bytes, s.conn_wait_bytes.values().sum::<usize>(), "wait bytes in all");
 }
 
 #[test]
@@ -328,19 +338,40 @@ fn the_total_byte_cap_refuses_writes_without_changing_anything() {
     assert_eq!(s.stats().n_bytes, 0);
 }
 
+/// Pending waits of all connections together are held under the store's cap, BARRIERs
+/// included; a refused BARRIER does not move its counter.
+#[test]
+fn pending_waits_of_all_connections_are_capped_together() {
+    let mut s = StoreState::new(300);
+    // Each WAIT on one missing key of 3 bytes costs 2 * 3 + 96 = 102 bytes.
+    pending(&mut s, A, wait(&["/k1"]));
+    pending(&mut s, B, wait(&["/k2"]));
+    let over = s.apply(ConnId(3), wait(&["/k3"])).unwrap_err();
+    assert_eq!(over, RdzvError::TcpStoreLimit { limit: "pending WAIT keys size of all connections", value: 306, max: 300 });
+    let over = s.apply(ConnId(3), Request::Barrier { key: k("/b1"), world_size: 2 }).unwrap_err();
+    assert!(matches!(over, RdzvError::TcpStoreLimit { .. }), "{over:?}");
+    assert!(!s.kv.contains_key(&k("/b1")), "a refused BARRIER counted its arrival");
+    check_invariants(&s);
+    // A connection that goes away frees its share.
+    s.disconnect(A);
+    pending(&mut s, ConnId(3), Request::Barrier { key: k("/b1"), world_size: 2 });
+    check_invariants(&s);
+    assert_eq!(s.total_wait_bytes, 204);
+}
+
 /// A MULTI_SET past the cap writes nothing: before, its first pairs were written (and completed
 /// other connections' waits, whose wake-ups the refusal dropped, so they hung). A batch that
 /// only passes the cap on the way (a key written big, then small) fits.
 #[test]
 fn a_multi_set_past_the_cap_writes_nothing_and_wakes_nobody() {
-    let mut s = StoreState::new(20);
+    let mut s = StoreState::new(200);
     let w = pending(&mut s, B, wait(&["/x"]));
-    let over = s.apply(A, Request::MultiSet { pairs: vec![(k("/x"), k("1")), (k("/y"), k("0123456789abcdefghij"))] }).unwrap_err();
-    assert_eq!(over, RdzvError::TcpStoreLimit { limit: "store size", value: 25, max: 20 });
+    let over = s.apply(A, Request::MultiSet { pairs: vec![(k("/x"), k("1")), (k("/y"), vec![7; 198])] }).unwrap_err();
+    assert_eq!(over, RdzvError::TcpStoreLimit { limit: "store size", value: 203, max: 200 });
     check_invariants(&s);
     assert_eq!(s.stats().n_bytes, 0);
     assert!(s.waits.contains_key(&w), "the wait on /x was completed by a refused batch");
-    let a = ok(&mut s, A, Request::MultiSet { pairs: vec![(k("/x"), k("0123456789abcdefghij")), (k("/x"), k("1"))] });
+    let a = ok(&mut s, A, Request::MultiSet { pairs: vec![(k("/x"), vec![7; 199]), (k("/x"), k("1"))] });
     assert_eq!(a.woken, vec![w]);
     assert_eq!(s.stats().n_bytes, 3);
 }
