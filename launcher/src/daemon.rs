@@ -933,7 +933,7 @@ fn resolve(host: &str, port: u16) -> std::io::Result<SocketAddr> {
 
 /// Whether `ip` belongs to this machine (a socket can bind it).
 fn is_local_ip(ip: IpAddr) -> bool {
-    ip.is_loopback() || std::net::UdpSocket::bind(SocketAddr::new(ip, 0)).is_ok()
+    crate::localaddr::is_own_address(ip)
 }
 
 /// Whether something accepts connections at `addr` (short deadline).

@@ -25,6 +25,7 @@ pub mod console;
 pub mod daemon;
 pub mod dry_run;
 pub mod env;
+pub mod localaddr;
 pub mod logs;
 pub mod multinode;
 pub mod plan;

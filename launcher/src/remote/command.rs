@@ -132,7 +132,7 @@ pub fn is_local_host(host: &str, hostname: &str) -> bool {
         return true;
     }
     if let Ok(ip) = h.parse::<IpAddr>() {
-        return ip.is_loopback() || std::net::UdpSocket::bind((ip, 0)).is_ok();
+        return crate::localaddr::is_own_address(ip);
     }
     let short = |s: &str| s.split('.').next().unwrap_or(s).to_ascii_lowercase();
     !hostname.is_empty() && (h.eq_ignore_ascii_case(hostname) || short(h) == short(hostname) && !h.contains('.'))
