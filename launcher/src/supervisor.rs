@@ -378,6 +378,13 @@ impl<'a> Group<'a> {
                 },
                 cause = &mut stop => {
                     let RoundEndCause { reason, grace: limit } = cause;
+                    // A worker that failed on its own in the same moment is not this round's
+                    // report (the round ends for everyone anyway), but it is not hidden either.
+                    while let Ok((idx, status, at)) = self.exits.try_recv() {
+                        if let Some(kind) = self.record_exit(idx, status, at) {
+                            warn!(rank = self.slots[idx].rank, exit = ?kind, %reason, "a worker failed while the round was ending elsewhere; the next round shows whether it fails again");
+                        }
+                    }
                     info!(%reason, "round ended elsewhere: stopping workers");
                     self.stop(Signal::SIGTERM, limit.map_or(grace, |l| l.min(grace)), signals).await;
                     return self.after_stop(Ended::Done(GroupOutcome::Stopped(reason)));
