@@ -194,6 +194,7 @@ pub fn render(plan: &LaunchPlan) -> String {
             let _ = writeln!(s, "    {k}={v}");
         }
         let _ = writeln!(s, "    RSRUN_PROGRESS_FD=<fd of the progress socket>");
+        let _ = writeln!(s, "    RSRUN_PROGRESS_PEER=<pid of the rsrun that made it>");
     }
     s
 }

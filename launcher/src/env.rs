@@ -63,6 +63,9 @@ impl RoundAssignment {
 pub const TOKEN_FILE_VAR: &str = "RSRUN_TOKEN_FILE";
 /// Variable carrying the number of the inherited progress socket.
 pub const PROGRESS_FD_VAR: &str = "RSRUN_PROGRESS_FD";
+/// Variable carrying the pid of the process that made the progress socket (rsrun): the worker
+/// adopts the descriptor only if its peer is that process.
+pub const PROGRESS_PEER_VAR: &str = "RSRUN_PROGRESS_PEER";
 /// Variable carrying the path of the CA certificate of the daemon's TLS certificate (`--rdzv-tls-ca`).
 pub const TLS_CA_VAR: &str = "RSRUN_TLS_CA";
 

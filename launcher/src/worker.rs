@@ -148,6 +148,7 @@ pub fn spawn(spec: SpawnSpec<'_>) -> io::Result<Spawned> {
         .kill_on_drop(true);
     if let Some(fd) = child_fd {
         cmd.env(crate::env::PROGRESS_FD_VAR, fd.to_string());
+        cmd.env(crate::env::PROGRESS_PEER_VAR, parent.to_string());
     }
     // SAFETY: the closure runs in the forked child before exec and only makes async-signal-safe
     // system calls (prctl, getppid, close_range, fcntl, sched_setaffinity, _exit); it allocates

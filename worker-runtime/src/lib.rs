@@ -558,8 +558,12 @@ fn progress_socket() -> Option<Arc<UnixDatagram>> {
             let value = std::env::var("RSRUN_PROGRESS_FD").ok()?;
             // An inherited variable can outlive its descriptor (a child of the trainer: the
             // socket is close-on-exec there), and the number may then name another socket.
+            // The socket's peer must be the process that made it (rsrun, RSRUN_PROGRESS_PEER):
+            // a datagram socket the trainer opened itself (syslog's /dev/log) may have taken the
+            // number.
+            let peer: Option<libc::pid_t> = std::env::var("RSRUN_PROGRESS_PEER").ok().and_then(|p| p.trim().parse().ok());
             let fd: RawFd = match value.trim().parse() {
-                Ok(fd) if fd >= 3 && is_unix_datagram_socket(fd) => fd,
+                Ok(fd) if fd >= 3 && is_unix_datagram_socket(fd) && peer.is_none_or(|p| peer_pid(fd) == Some(p)) => fd,
                 _ => {
                     tracing::warn!(
                         RSRUN_PROGRESS_FD = %value,
@@ -583,6 +587,16 @@ fn progress_socket() -> Option<Arc<UnixDatagram>> {
             Some(Arc::new(sock))
         })
         .clone()
+}
+
+/// The pid of the process at the other end of the socket `fd` (for a socketpair, the one that
+/// made it).
+fn peer_pid(fd: RawFd) -> Option<libc::pid_t> {
+    let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: cred and len are valid for writes of the sizes given.
+    let rc = unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut cred as *mut libc::ucred).cast(), &mut len) };
+    (rc == 0 && cred.pid > 0).then_some(cred.pid)
 }
 
 /// Whether `fd` is an `AF_UNIX` `SOCK_DGRAM` socket (what rsrun passes).
@@ -781,6 +795,18 @@ mod tests {
         // An empty job id is no job id: torchrun's run id is next.
         let ctx = with(&[("RSRUN_JOB_ID", Some("")), ("TORCHELASTIC_RUN_ID", Some("tr"))]).unwrap();
         assert_eq!(ctx.job_id, "tr");
+    }
+
+    /// The progress socket's peer is the process that made the pair; a socket of the trainer's
+    /// own with no peer has none, so its number is never taken for rsrun's.
+    #[test]
+    fn the_progress_socket_peer_is_its_maker() {
+        use std::os::fd::AsRawFd;
+        let (a, _b) = UnixDatagram::pair().unwrap();
+        assert_eq!(peer_pid(a.as_raw_fd()), Some(std::process::id() as libc::pid_t));
+        let lone = UnixDatagram::unbound().unwrap();
+        assert!(is_unix_datagram_socket(lone.as_raw_fd()));
+        assert_ne!(peer_pid(lone.as_raw_fd()), Some(std::process::id() as libc::pid_t));
     }
 
     /// barrier() and unique_id() share one client on a runtime of their own: it serves calls from

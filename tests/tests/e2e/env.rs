@@ -82,6 +82,7 @@ fn worker_environment_matches_torchrun() {
         assert!(get("RSRUN_RDZV_ENDPOINT").starts_with("127.0.0.1:"));
         assert!(!get("RSRUN_ROUND").is_empty() && !get("RSRUN_NODE_ID").is_empty());
         assert!(get("RSRUN_PROGRESS_FD").parse::<i32>().is_ok());
+        assert!(get("RSRUN_PROGRESS_PEER").parse::<i32>().is_ok_and(|p| p > 1));
         let port: u16 = get("MASTER_PORT").parse().expect("MASTER_PORT is a port");
         assert_ne!(port, 0);
         ports.push(port);
