@@ -524,7 +524,8 @@ impl ShmBackend {
         Ok(())
     }
 
-    fn check_dead(&self) -> Result<()> {
+    /// A peer that has not arrived and whose process exited fails `op` (the collective waiting).
+    fn check_dead(&self, op: &str) -> Result<()> {
         for j in 0..self.ctx.world {
             if self.u64_at(self.ctrl(j) + SEQ_OFF).load(Ordering::Acquire) >= self.epoch {
                 continue;
@@ -534,7 +535,7 @@ impl ShmBackend {
             {
                 return Err(CommError::PeerFailed {
                     peer: self.ctx.names[j],
-                    op: "shared-memory wait".into(),
+                    op: op.to_string(),
                     detail: format!("process {} exited", self.pids[j]),
                 });
             }
@@ -579,7 +580,7 @@ impl ShmBackend {
         let sleepers = self.u32_at(SLEEPERS_OFF);
         loop {
             self.check_aborts()?;
-            self.check_dead()?;
+            self.check_dead(op)?;
             let now = Instant::now();
             if now >= deadline {
                 // Grace period: if the late peer gave up first (blaming someone else), report that.
