@@ -1144,7 +1144,7 @@ impl pb::rendezvous_server::Rendezvous for Service {
                 master_port: r.master_port,
                 spec: job_spec(r.config.as_ref()).map_err(forget)?,
             });
-            self.core.execute(cmd).await.map_err(forget)?;
+            self.core.execute(cmd.clone()).await.map_err(forget)?;
             let (job, node) = (r.job_id.as_str(), r.node_id.as_str());
             // Instrumented, never entered across an await: an entered span would leak into whatever
             // else runs on this thread meanwhile, and spans would nest into each other.
@@ -1175,7 +1175,10 @@ impl pb::rendezvous_server::Rendezvous for Service {
                                     reason: "it left or its lease expired while waiting".into(),
                                 });
                             }
-                            Ok(j.assignment(node))
+                            if j.awaits_rejoin(node) {
+                                return Ok(Some(None));
+                            }
+                            Ok(j.assignment(node).map(Some))
                         },
                         |s| forming_summary(s, job),
                     )
@@ -1185,7 +1188,12 @@ impl pb::rendezvous_server::Rendezvous for Service {
                         // Renewal failure shows up as NotMember on the next check.
                         let _ = self.core.execute(Command::KeepAlive { job: job.into(), node: node.into() }).await;
                     }
-                    Ok(mut resp) => {
+                    // The round this node joined formed and ended before it looked: it joins the
+                    // next one, as its launcher would have (the same request again).
+                    Ok(None) => {
+                        self.core.execute(cmd.clone()).await?;
+                    }
+                    Ok(Some(mut resp)) => {
                         if let Some(round) = resp.round.as_mut()
                             && let Some(ep) = self.core.round_store(job, round.round)
                         {
@@ -1194,7 +1202,7 @@ impl pb::rendezvous_server::Rendezvous for Service {
                         }
                         return Ok(resp);
                     }
-                    other => return other,
+                    Err(e) => return Err(e),
                 }
             }
             }

@@ -633,6 +633,13 @@ impl Job {
         }
     }
 
+    /// Whether `node` survived an ended round and has not joined the next one: a pending Join
+    /// that saw the round only after it ended (it formed and ended between two looks) must
+    /// join again, or it waits for a round that cannot form without it.
+    pub fn awaits_rejoin(&self, node: &str) -> bool {
+        matches!(&self.phase, Phase::Forming { rejoining, .. } if rejoining.contains(node))
+    }
+
     /// The round assignment of `node` if it takes part in the running round.
     pub fn assignment(&self, node: &str) -> Option<pb::JoinResponse> {
         let Phase::Running { members, world_size, master_addr, master_port, .. } = &self.phase else {
@@ -696,7 +703,12 @@ impl Job {
             *last_call_deadline = None;
             return false;
         }
-        let deadline = *last_call_deadline.get_or_insert(now.saturating_add(self.spec.last_call_ms));
+        // After an ended round, the survivors still tearing their workers down are waited for
+        // up to one lease past the last call (a dead one is dropped by its lease first): closed
+        // without them at the last call, each came back to a running round, whose scale-up ended
+        // it again, round after round while teardown took longer than the last call.
+        let survivors = if *early_close && !rejoining.is_empty() { self.spec.lease_ms } else { 0 };
+        let deadline = *last_call_deadline.get_or_insert(now.saturating_add(self.spec.last_call_ms).saturating_add(survivors));
         let close = n >= self.spec.max_nodes || now >= deadline || (*early_close && rejoining.is_empty());
         if !close {
             return false;
@@ -753,8 +765,10 @@ impl Job {
         for b in self.barriers.values_mut() {
             b.arrived.clear();
         }
+        // Spares fill only the places the survivors leave: taking them first put survivors out
+        // of the next round (and their sticky ranks with them).
         let mut joined = BTreeSet::new();
-        while (joined.len() as u32) < self.spec.max_nodes {
+        while ((joined.len() + previous.len()) as u32) < self.spec.max_nodes {
             let Some(id) = self.waiting.pop_first() else { break };
             joined.insert(id);
         }
@@ -816,7 +830,14 @@ impl Job {
     /// A stale round; a node that is not a member of the running round, or does not hold rank 0.
     pub fn check_rank0_node(&self, round: u64, node: &str) -> Result<(), RdzvError> {
         self.check_round(round)?;
-        let Phase::Running { members, .. } = &self.phase else { return Ok(()) };
+        // While the round forms nobody holds rank 0 yet: a check passed then would let whoever
+        // asked first publish once the round runs (the write-once id is decided by then).
+        let Phase::Running { members, .. } = &self.phase else {
+            return Err(RdzvError::FailedPrecondition(format!(
+                "round {round} of job {:?} is still forming: the node of global rank 0 publishes its unique id once it runs",
+                self.id
+            )));
+        };
         match members.get(node) {
             Some(m) if m.rank_offset == 0 => Ok(()),
             Some(m) => Err(RdzvError::PermissionDenied(format!(

@@ -166,6 +166,60 @@ fn lease_expiry_ends_round_and_survivors_reform_without_last_call() {
     }
 }
 
+/// A failure report of `node` for `round`, as a launcher sends it.
+fn report(node: &str, round: u64) -> Command {
+    let failure = Failure {
+        node_id: node.into(),
+        round,
+        rank: 0,
+        local_rank: 0,
+        exit_code: 1,
+        signal: 0,
+        message: "worker exited 1".into(),
+        time_unix_ms: 5,
+        hostname: format!("host-{node}"),
+    };
+    Command::ReportFailure { job: "job".into(), round, node: node.into(), failure, restartable: true }
+}
+
+/// Spares take only the places survivors leave: after a failure, the survivors are in the next
+/// round with their ranks, and the spare keeps waiting.
+#[test]
+fn spares_do_not_displace_survivors() {
+    let mut w = World::new(1, 2, 3);
+    w.join("a").unwrap();
+    w.join("b").unwrap();
+    assert_eq!(w.state_name(), pb::JobState::Running);
+    w.join("c").unwrap();
+    assert_eq!(w.job().view().nodes_waiting, 1);
+    w.apply(report("a", 1)).unwrap();
+    assert_eq!(w.job().round, 2);
+    w.join("a").unwrap();
+    w.join("b").unwrap();
+    assert_eq!(w.state_name(), pb::JobState::Running);
+    assert_eq!(w.ranks(), vec![("a".to_string(), 0), ("b".to_string(), 1)]);
+    assert_eq!(w.job().view().nodes_waiting, 1, "c is still the spare");
+}
+
+/// After a round ends, a survivor still tearing its workers down is waited for past the last
+/// call, up to a lease (closing without it made its return a scale-up that ended the round
+/// again, round after round while teardown took longer than the last call).
+#[test]
+fn a_slow_survivor_is_waited_for_past_the_last_call() {
+    let mut w = World::new(1, 2, 1);
+    w.join("a").unwrap();
+    w.join("b").unwrap();
+    w.apply(report("b", 1)).unwrap();
+    w.join("b").unwrap();
+    w.advance(LAST_CALL + 1);
+    w.keep_alive(&["a", "b"]);
+    assert_eq!(w.state_name(), pb::JobState::Forming, "a, a survivor, is still tearing down");
+    w.join("a").unwrap();
+    assert_eq!(w.state_name(), pb::JobState::Running);
+    assert_eq!(w.job().round, 2);
+    assert_eq!(w.ranks(), vec![("a".to_string(), 0), ("b".to_string(), 1)]);
+}
+
 #[test]
 fn survivor_below_min_waits_for_replacement() {
     let mut w = World::new(2, 2, 0);
