@@ -17,8 +17,9 @@ use clap::{CommandFactory, FromArgMatches, Parser};
 ///
 /// Every option also reads `PET_<NAME>` from the environment when it is not given (for example
 /// `PET_NPROC_PER_NODE=4`), and every `--long-option` has an underscore alias (`--nproc_per_node`).
-/// Everything after PROGRAM is passed to it unchanged; `${local_rank}` in ARGS is replaced by each
-/// worker's local rank.
+/// Everything after PROGRAM is passed to it as torchrun passes it: `${local_rank}` and
+/// `$local_rank` in ARGS become each worker's local rank and `$$` becomes `$` (Python's
+/// `string.Template`); any other `$` stays.
 #[derive(Debug, Clone, Parser)]
 #[command(
     name = "rsrun",
@@ -391,8 +392,9 @@ pub struct LaunchArgs {
     pub dry_run: bool,
 
     /// PROGRAM and its arguments. PROGRAM is a `.py` script or a module (run under `python -u`), or an
-    /// executable path or a name on PATH (run directly). The arguments are passed unchanged
-    /// (`${local_rank}` is substituted); rsrun options after PROGRAM belong to PROGRAM.
+    /// executable path or a name on PATH (run directly). The arguments are passed as torchrun
+    /// passes them (`${local_rank}` and `$local_rank` substituted, `$$` made `$`); rsrun options
+    /// after PROGRAM belong to PROGRAM.
     #[arg(value_name = "PROGRAM [ARGS]", required = true, num_args = 1.., trailing_var_arg = true,
           allow_hyphen_values = true)]
     pub command: Vec<String>,

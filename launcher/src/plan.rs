@@ -380,16 +380,47 @@ pub struct ProgramPlan {
 }
 
 impl ProgramPlan {
-    /// argv\[1..\] for the worker with `local_rank` (`${local_rank}` substituted in user arguments, as
-    /// torchrun does).
+    /// argv\[1..\] for the worker with `local_rank`: the user's arguments go through torchrun's
+    /// `Template(arg).safe_substitute(local_rank=...)` ([`substitute_local_rank`]).
     pub fn argv(&self, local_rank: u32) -> Vec<String> {
         let lr = local_rank.to_string();
         self.lead_args
             .iter()
             .cloned()
-            .chain(self.args.iter().map(|a| a.replace("${local_rank}", &lr)))
+            .chain(self.args.iter().map(|a| substitute_local_rank(a, &lr)))
             .collect()
     }
+}
+
+/// Python's `string.Template(arg).safe_substitute(local_rank=lr)`, as torchrun applies it to every
+/// argument of the script: `$$` becomes `$`, `$local_rank` and `${local_rank}` become `lr`, and
+/// any other `$` stays as it is (`$HOME`, `${x}`, a `$` at the end).
+pub fn substitute_local_rank(arg: &str, lr: &str) -> String {
+    const NAME: &str = "local_rank";
+    let is_ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let mut out = String::with_capacity(arg.len());
+    let mut rest = arg;
+    while let Some(i) = rest.find('$') {
+        out.push_str(&rest[..i]);
+        let after = &rest[i + 1..];
+        if let Some(r) = after.strip_prefix('$') {
+            out.push('$');
+            rest = r;
+        } else if let Some(r) = after.strip_prefix("{local_rank}") {
+            out.push_str(lr);
+            rest = r;
+        } else if let Some(r) = after.strip_prefix(NAME)
+            && !r.starts_with(is_ident)
+        {
+            out.push_str(lr);
+            rest = r;
+        } else {
+            out.push('$');
+            rest = after;
+        }
+    }
+    out.push_str(rest);
+    out
 }
 
 /// Which standard streams a setting applies to (torchrun's `Std`: 0 none, 1 out, 2 err, 3 both).
@@ -826,11 +857,21 @@ fn is_executable(p: &Path) -> bool {
     std::fs::metadata(p).map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0).unwrap_or(false)
 }
 
+/// Set by `python -m rsrun` to its `sys.executable`: the workers' Python when PYTHON_EXEC is unset.
+pub const PYTHON_OF_MODULE_VAR: &str = "RSRUN_PYTHON_OF_MODULE";
+
 fn python(host: &HostInfo) -> Result<PathBuf, PlanError> {
     if let Some(exec) = host.var("PYTHON_EXEC").filter(|s| !s.is_empty()) {
         return find_executable(exec, host).ok_or_else(|| {
             PlanError::Program(format!("PYTHON_EXEC={exec} is not an executable file or a name on PATH"))
         });
+    }
+    // `python -m rsrun`: the interpreter that ran it, as torchrun's workers get `sys.executable`
+    // (a venv's python off PATH), not the first python3 on PATH.
+    if let Some(exec) = host.var(PYTHON_OF_MODULE_VAR).filter(|s| !s.is_empty())
+        && let Some(p) = find_executable(exec, host)
+    {
+        return Ok(p);
     }
     find_executable("python3", host).or_else(|| find_executable("python", host)).ok_or_else(|| {
         PlanError::Program(
@@ -856,7 +897,7 @@ fn resolve_program(args: &LaunchArgs, host: &HostInfo, notes: &mut Vec<String>) 
     let python_script = |notes: &mut Vec<String>| -> Result<ProgramPlan, PlanError> {
         let _ = notes;
         let script = host.cwd.join(&name);
-        if !script.is_file() {
+        if !script.is_file() && !script.join("__main__.py").is_file() {
             return Err(PlanError::Program(format!("program '{name}' not found: no such file")));
         }
         Ok(ProgramPlan {
@@ -914,6 +955,11 @@ fn resolve_program(args: &LaunchArgs, host: &HostInfo, notes: &mut Vec<String>) 
         }
         return python_script(notes);
     }
+    // A path to a file that is not executable, or to a package directory (its __main__.py), runs
+    // under Python, as torchrun runs every PROGRAM.
+    if name.contains('/') && ((here.is_file() && !is_executable(&here)) || here.join("__main__.py").is_file()) {
+        return python_script(notes);
+    }
     if let Some(exe) = find_executable(&name, host) {
         return Ok(direct(exe));
     }
@@ -961,7 +1007,13 @@ fn parse_rdzv_conf(s: &str, notes: &mut Vec<String>) -> Result<RdzvConf, PlanErr
         // The key and its value in the error: "--rdzv-conf join_timeout=1e400".
         let duration = |v: &str| parse_duration(v, FLAG).map_err(|_| invalid(FLAG, entry, format!("{k}=DURATION like 30, 2.5, 500ms, 30s, 5m or 1h")));
         match k {
-            "join_timeout" => conf.join = duration(v)?,
+            "join_timeout" => {
+                conf.join = duration(v)?;
+                // torchrun: "The join timeout must be a positive integer."
+                if conf.join.is_zero() {
+                    return Err(invalid(FLAG, entry, "join_timeout=SECONDS > 0"));
+                }
+            }
             "last_call_timeout" => conf.last_call = duration(v)?,
             "keep_alive_interval" => keep_alive = duration(v)?,
             "keep_alive_max_attempt" => {
@@ -973,7 +1025,15 @@ fn parse_rdzv_conf(s: &str, notes: &mut Vec<String>) -> Result<RdzvConf, PlanErr
                     return Err(invalid(FLAG, entry, format!("{k}=SECONDS > 0")));
                 }
             }
-            "read_timeout" => conf.rpc = duration(v)?,
+            "read_timeout" => {
+                conf.rpc = duration(v)?;
+                if conf.rpc.is_zero() {
+                    return Err(invalid(FLAG, entry, "read_timeout=SECONDS > 0"));
+                }
+                if conf.rpc > Duration::from_secs(30) || conf.rpc < Duration::from_secs(1) {
+                    notes.push(format!("--rdzv-conf read_timeout={v}: each rendezvous call is bounded by 1 to 30 s; the nearest is used"));
+                }
+            }
             "keep_alive_timeout" => {
                 conf.give_up = duration(v)?;
                 if conf.give_up.is_zero() {
@@ -982,8 +1042,9 @@ fn parse_rdzv_conf(s: &str, notes: &mut Vec<String>) -> Result<RdzvConf, PlanErr
             }
             "is_host" => {
                 conf.host = match v.to_ascii_lowercase().as_str() {
-                    "1" | "true" | "yes" | "y" | "on" => HostMode::Always,
-                    "0" | "false" | "no" | "n" | "off" => HostMode::Never,
+                    // torchrun's get_as_bool: 1/true/t/yes/y and 0/false/f/no/n.
+                    "1" | "true" | "t" | "yes" | "y" | "on" => HostMode::Always,
+                    "0" | "false" | "f" | "no" | "n" | "off" => HostMode::Never,
                     _ => return Err(invalid(FLAG, entry, "is_host=true|false")),
                 }
             }
@@ -1232,16 +1293,23 @@ impl LaunchPlan {
                         if let Some(addr) = args.master_addr.as_deref().filter(|a| !plausible_host(a.trim())) {
                             return Err(invalid("--master-addr", addr, "the host name or IP address of node rank 0"));
                         }
-                        let master_addr = args
-                            .master_addr
-                            .as_deref()
-                            .map(|a| a.trim().to_owned())
-                            .or_else(|| endpoint.as_ref().map(|e| e.host.clone()))
-                            .unwrap_or_else(|| "127.0.0.1".into());
-                        let master_port = args
-                            .master_port
-                            .or_else(|| endpoint.as_ref().map(|e| e.port))
-                            .unwrap_or(DEFAULT_MASTER_PORT);
+                        // As torchrun: a --rdzv-endpoint names the rendezvous, host and port;
+                        // --master-addr/--master-port stand in only without one.
+                        let (master_addr, master_port) = match &endpoint {
+                            Some(e) => {
+                                if args.master_addr.is_some() || args.master_port.is_some() {
+                                    notes.push(format!(
+                                        "--master-addr/--master-port are not used: --rdzv-endpoint {}:{} names the rendezvous (as with torchrun's static backend)",
+                                        e.host, e.port
+                                    ));
+                                }
+                                (e.host.clone(), e.port)
+                            }
+                            None => (
+                                args.master_addr.as_deref().map_or_else(|| "127.0.0.1".into(), |a| a.trim().to_owned()),
+                                args.master_port.unwrap_or(DEFAULT_MASTER_PORT),
+                            ),
+                        };
                         if master_port == 0 {
                             return Err(invalid("--master-port", "0", "a port in 1..65535"));
                         }
@@ -1377,7 +1445,12 @@ impl LaunchPlan {
             // Found now, not as every worker's start failure (which restarts the job for nothing).
             check_log_dir(d, args.log_dir.is_some())?;
         }
+        // A typed flag wins over the other spelling's PET_ variable.
+        let typed_template = args.origin("log_line_prefix_template") == crate::cli::Origin::CommandLine;
         let (prefix, prefix_flag) = match (&args.log_prefix, &args.log_line_prefix_template) {
+            (Some(_), Some(p)) if typed_template && args.origin("log_prefix") != crate::cli::Origin::CommandLine => {
+                (p.clone(), "--log-line-prefix-template")
+            }
             (Some(p), _) => (p.clone(), "--log-prefix"),
             (None, Some(p)) => (p.clone(), "--log-line-prefix-template"),
             (None, None) => match host.var("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE") {
@@ -1657,12 +1730,14 @@ fn topology_sources(
             if !has(&out, "node rank") && !has(&out, "rank") {
                 out.push(Sourced { name: "node rank", value: node_rank.to_string(), source: opt("node_rank", "--node-rank") });
             }
+            // A --rdzv-endpoint wins over --master-addr/--master-port (see `resolve`).
+            let from_endpoint = !args.rdzv_endpoint.trim().is_empty();
             if !has(&out, "MASTER_ADDR") {
-                let source = if args.master_addr.is_some() { opt("master_addr", "--master-addr") } else { opt("rdzv_endpoint", "--rdzv-endpoint") };
+                let source = if args.master_addr.is_some() && !from_endpoint { opt("master_addr", "--master-addr") } else { opt("rdzv_endpoint", "--rdzv-endpoint") };
                 out.push(Sourced { name: "MASTER_ADDR", value: master_addr.clone(), source });
             }
             if !has(&out, "MASTER_PORT") && !has(&out, "rendezvous port") {
-                let source = if args.master_port.is_some() { opt("master_port", "--master-port") } else { opt("rdzv_endpoint", "--rdzv-endpoint") };
+                let source = if args.master_port.is_some() && !from_endpoint { opt("master_port", "--master-port") } else { opt("rdzv_endpoint", "--rdzv-endpoint") };
                 out.push(Sourced { name: "MASTER_PORT", value: master_port.to_string(), source });
             }
         }

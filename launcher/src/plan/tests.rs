@@ -97,6 +97,12 @@ fn program_resolution() {
     let p = resolve(&["true", "a", "${local_rank}"]).unwrap();
     assert_eq!(p.program.kind, ProgramKind::Executable);
     assert_eq!(p.program.argv(3), vec!["a", "3"]);
+    // torchrun's Template(arg).safe_substitute(local_rank=...): `$$` is `$`, `$local_rank` is
+    // substituted too, anything else with a `$` stays.
+    let p = resolve(&["sh", "-c", "echo $$ $local_rank ${local_rank}x $local_rankx $HOME ${x} $5 $"]).unwrap();
+    assert_eq!(p.program.argv(2), vec!["-c", "echo $ 2 2x $local_rankx $HOME ${x} $5 $"]);
+    assert_eq!(substitute_local_rank("$$local_rank", "1"), "$local_rank");
+    assert_eq!(substitute_local_rank("a$local_rank.b", "1"), "a1.b");
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("train.py"), "print(1)").unwrap();
     let mut h = host();
@@ -108,6 +114,17 @@ fn program_resolution() {
     }
     let e = LaunchPlan::resolve(&parse(&["nope.py"]), &h).unwrap_err().to_string();
     assert!(e.contains("nope.py") && e.contains("not found"), "{e}");
+    // A path to a non-executable script without .py, and a package directory, run under Python
+    // (torchrun runs every PROGRAM that way).
+    std::fs::create_dir_all(dir.path().join("scripts/pkg")).unwrap();
+    std::fs::write(dir.path().join("scripts/train"), "print(1)").unwrap();
+    std::fs::write(dir.path().join("scripts/pkg/__main__.py"), "print(1)").unwrap();
+    for program in ["scripts/train", "scripts/pkg"] {
+        if let Ok(plan) = LaunchPlan::resolve(&parse(&[program]), &h) {
+            assert_eq!(plan.program.kind, ProgramKind::PythonScript, "{program}");
+            assert_eq!(plan.program.argv(0), vec!["-u", program]);
+        }
+    }
     // A file here comes before a program of that name on PATH (torchrun's rule): a script runs
     // under Python, an executable as it is, and a note names the one on PATH.
     std::fs::write(dir.path().join("true"), "print(1)").unwrap();
@@ -174,6 +191,10 @@ fn an_endpoint_without_backend_or_node_rank_means_c10d() {
     // PET_RDZV_BACKEND or the flag still decide.
     let p = resolve(&["--nnodes", "2", "--rdzv-backend", "static", "--rdzv-endpoint", "h:29400", "true"]).unwrap();
     assert!(matches!(p.rdzv, RdzvPlan::Static { node_rank: 0, .. }));
+    // As torchrun's static backend: the endpoint, host and port, wins over --master-addr/port.
+    let p = resolve(&["--nnodes", "2", "--node-rank", "1", "--rdzv-backend", "static", "--rdzv-endpoint", "h:29400", "--master-addr", "other", "true"]).unwrap();
+    assert_eq!(p.rdzv, RdzvPlan::Static { node_rank: 1, master_addr: "h".into(), master_port: 29400 });
+    assert!(p.notes.iter().any(|n| n.contains("--master-addr/--master-port are not used")), "{:?}", p.notes);
 }
 
 #[test]
@@ -390,11 +411,18 @@ fn monitor_interval_rdzv_conf_and_ssh_port_bounds() {
         ("last_call_timeout=2d", "last_call_timeout=DURATION"),
         ("last_call_timeout=25h", "last_call_timeout of at most 86400s (got 90000s)"),
         ("join_timeout=100000", "join_timeout of at most 86400s"),
+        // torchrun refuses these too.
+        ("join_timeout=0", "join_timeout=SECONDS > 0"),
+        ("read_timeout=0", "read_timeout=SECONDS > 0"),
     ] {
         let e = d(conf).unwrap_err().to_string();
         assert!(e.contains("--rdzv-conf") && e.contains(want), "{conf}: {e}");
     }
     assert!(d("lease_timeout=1h,last_call_timeout=24h,join_timeout=24h").is_ok());
+    // A bounded value is said; torchrun's short booleans are taken.
+    let p = d("read_timeout=120").unwrap();
+    assert!(p.notes.iter().any(|n| n.contains("read_timeout=120: each rendezvous call is bounded by 1 to 30 s")), "{:?}", p.notes);
+    assert!(d("is_host=f").is_ok() && d("is_host=t").is_ok());
     let e = LaunchArgs::try_parse_with_origins_from(["rsrun", "--ssh-port", "0", "true"]).unwrap_err().to_string();
     assert!(e.contains("--ssh-port") && e.contains("0"), "{e}");
 }
@@ -535,4 +563,29 @@ fn the_dry_run_shows_the_log_directory_and_node_id_the_run_uses() {
     assert!(want.ends_with("_../attempt_0"), "{}", want.display());
     assert!(text.contains(&format!("logs         : {}/attempt_<round>/", want.parent().unwrap().display())), "{text}");
     assert!(text.contains("RSRUN_NODE_ID=testhost-<pid>"), "{text}");
+}
+
+/// A typed --log-line-prefix-template wins over the other spelling's PET_LOG_PREFIX.
+#[test]
+fn a_typed_prefix_wins_over_the_other_spellings_variable() {
+    let (a, h) = parse_env(&["--log-line-prefix-template", "T| ", "true"], &[("PET_LOG_PREFIX", "E| ")]);
+    assert_eq!(LaunchPlan::resolve(&a, &h).unwrap().logs.prefix, "T| ");
+    let (a, h) = parse_env(&["true"], &[("PET_LOG_PREFIX", "E| ")]);
+    assert_eq!(LaunchPlan::resolve(&a, &h).unwrap().logs.prefix, "E| ");
+}
+
+/// `python -m rsrun` hands its interpreter over: Python programs run under it (as torchrun's run
+/// under sys.executable), unless PYTHON_EXEC names another.
+#[test]
+fn python_of_the_module_runs_the_scripts() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("train.py"), "print(1)").unwrap();
+    let mut h = host();
+    h.cwd = dir.path().to_owned();
+    h.env.insert(PYTHON_OF_MODULE_VAR.into(), "/bin/sh".into());
+    let plan = LaunchPlan::resolve(&parse(&["train.py"]), &h).unwrap();
+    assert_eq!(plan.program.exe, Path::new("/bin/sh"));
+    h.env.insert("PYTHON_EXEC".into(), "/bin/true".into());
+    let plan = LaunchPlan::resolve(&parse(&["train.py"]), &h).unwrap();
+    assert_eq!(plan.program.exe, Path::new("/bin/true"));
 }
