@@ -18,8 +18,8 @@ use clap::{CommandFactory, FromArgMatches, Parser};
 /// Every option also reads `PET_<NAME>` from the environment when it is not given (for example
 /// `PET_NPROC_PER_NODE=4`), and every `--long-option` has an underscore alias (`--nproc_per_node`).
 /// Everything after PROGRAM is passed to it as torchrun passes it: `${local_rank}` and
-/// `$local_rank` in ARGS become each worker's local rank and `$$` becomes `$` (Python's
-/// `string.Template`); any other `$` stays.
+/// `$local_rank` in ARGS become each worker's local rank; any other `$` stays (`$$` too, which
+/// torchrun would make `$`).
 #[derive(Debug, Clone, Parser)]
 #[command(
     name = "rsrun",
@@ -85,12 +85,14 @@ pub struct LaunchArgs {
           action = clap::ArgAction::SetTrue, help_heading = "Rendezvous")]
     pub standalone: bool,
 
-    /// Static backend: address of node rank 0, given to workers as MASTER_ADDR.
+    /// Static backend: address of node rank 0, which hosts the rendezvous there (workers get
+    /// MASTER_ADDR:MASTER_PORT of the store it serves for each round). A --rdzv-endpoint wins.
     #[arg(long = "master-addr", alias = "master_addr", env = "PET_MASTER_ADDR", value_name = "ADDR",
           help_heading = "Rendezvous")]
     pub master_addr: Option<String>,
 
-    /// Static backend: port for PyTorch's store on node rank 0 (MASTER_PORT).
+    /// Static backend: the rendezvous port on node rank 0 (workers' MASTER_PORT is the round's
+    /// store, on a free port). A --rdzv-endpoint wins.
     #[arg(long = "master-port", alias = "master_port", env = "PET_MASTER_PORT", value_name = "PORT",
           help_heading = "Rendezvous")]
     pub master_port: Option<u16>,
@@ -247,7 +249,8 @@ pub struct LaunchArgs {
     /// torchrun: multiprocessing start method for function entrypoints (no effect: rsrun runs
     /// programs).
     #[arg(long = "start-method", alias = "start_method", env = "PET_START_METHOD",
-          value_name = "METHOD", help_heading = "Accepted for compatibility")]
+          value_name = "METHOD", value_parser = ["spawn", "fork", "forkserver"],
+          help_heading = "Accepted for compatibility")]
     pub start_method: Option<String>,
 
     /// torchrun: events handler (no effect: rsrun logs its events through RSRUN_LOG).
@@ -262,6 +265,7 @@ pub struct LaunchArgs {
 
     /// torchrun: numactl wrapping (use --cpu-bind numa).
     #[arg(long = "numa-binding", alias = "numa_binding", value_name = "MODE",
+          value_parser = ["node", "socket", "exclusive", "core-complex"],
           help_heading = "Accepted for compatibility")]
     pub numa_binding: Option<String>,
 
@@ -393,8 +397,8 @@ pub struct LaunchArgs {
 
     /// PROGRAM and its arguments. PROGRAM is a `.py` script or a module (run under `python -u`), or an
     /// executable path or a name on PATH (run directly). The arguments are passed as torchrun
-    /// passes them (`${local_rank}` and `$local_rank` substituted, `$$` made `$`); rsrun options
-    /// after PROGRAM belong to PROGRAM.
+    /// passes them (`${local_rank}` and `$local_rank` substituted); rsrun options after PROGRAM
+    /// belong to PROGRAM.
     #[arg(value_name = "PROGRAM [ARGS]", required = true, num_args = 1.., trailing_var_arg = true,
           allow_hyphen_values = true)]
     pub command: Vec<String>,

@@ -151,10 +151,24 @@ fn read_numa_nodes(allowed: &[usize]) -> Vec<Vec<usize>> {
 }
 
 fn count_gpus(env: &HashMap<String, String>) -> u32 {
-    if let Some(list) = env.get("CUDA_VISIBLE_DEVICES") {
-        return list.split(',').filter(|s| !s.trim().is_empty() && s.trim() != "-1").count() as u32;
-    }
-    std::fs::read_dir("/proc/driver/nvidia/gpus").map(|d| d.count() as u32).unwrap_or(0)
+    // The driver's list of the machine's GPUs; `None` where it cannot be read (no driver, or a
+    // sandbox that hides it).
+    let physical = std::fs::read_dir("/proc/driver/nvidia/gpus").ok().map(|d| d.count() as u32);
+    visible_gpus(env.get("CUDA_VISIBLE_DEVICES").map(String::as_str), physical)
+}
+
+/// The GPUs a process sees, as the CUDA runtime counts them: `CUDA_VISIBLE_DEVICES` up to its
+/// first entry that names no device (empty, `-1`, an index past the machine's), and never more
+/// than the machine has when that is known (a list on a machine without a driver is no GPU).
+fn visible_gpus(list: Option<&str>, physical: Option<u32>) -> u32 {
+    let Some(list) = list else { return physical.unwrap_or(0) };
+    let valid = |s: &str| match s.parse::<u32>() {
+        Ok(i) => physical.is_none_or(|n| i < n),
+        // UUIDs (GPU-..., MIG-...) name devices too.
+        Err(_) => !s.is_empty() && !s.starts_with('-'),
+    };
+    let n = list.split(',').map(str::trim).take_while(|s| valid(s)).count() as u32;
+    physical.map_or(n, |p| n.min(p))
 }
 
 /// Parses a Linux CPU list (`0-3,8,10-11`).
@@ -381,7 +395,7 @@ pub struct ProgramPlan {
 
 impl ProgramPlan {
     /// argv\[1..\] for the worker with `local_rank`: the user's arguments go through torchrun's
-    /// `Template(arg).safe_substitute(local_rank=...)` ([`substitute_local_rank`]).
+    /// substitution of `$local_rank` / `${local_rank}` ([`substitute_local_rank`]).
     pub fn argv(&self, local_rank: u32) -> Vec<String> {
         let lr = local_rank.to_string();
         self.lead_args
@@ -392,9 +406,11 @@ impl ProgramPlan {
     }
 }
 
-/// Python's `string.Template(arg).safe_substitute(local_rank=lr)`, as torchrun applies it to every
-/// argument of the script: `$$` becomes `$`, `$local_rank` and `${local_rank}` become `lr`, and
-/// any other `$` stays as it is (`$HOME`, `${x}`, a `$` at the end).
+/// torchrun's substitution of the local rank in every argument of the script (Python's
+/// `string.Template(arg).safe_substitute(local_rank=lr)`): `$local_rank` and `${local_rank}`
+/// become `lr`, and any other `$` stays as it is (`$HOME`, `${x}`, a `$` at the end). One
+/// difference, on purpose: `$$` stays `$$` (Template makes it `$`), so that a shell one-liner's
+/// `$$` (`sh -c 'echo $$ > pid'`) keeps meaning the shell's pid.
 pub fn substitute_local_rank(arg: &str, lr: &str) -> String {
     const NAME: &str = "local_rank";
     let is_ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
@@ -404,7 +420,7 @@ pub fn substitute_local_rank(arg: &str, lr: &str) -> String {
         out.push_str(&rest[..i]);
         let after = &rest[i + 1..];
         if let Some(r) = after.strip_prefix('$') {
-            out.push('$');
+            out.push_str("$$");
             rest = r;
         } else if let Some(r) = after.strip_prefix("{local_rank}") {
             out.push_str(lr);
@@ -968,8 +984,15 @@ fn resolve_program(args: &LaunchArgs, host: &HostInfo, notes: &mut Vec<String>) 
     )))
 }
 
+/// torchrun's default `timeout` of the static rendezvous.
+const STATIC_RDZV_TIMEOUT: Duration = Duration::from_secs(900);
+
 struct RdzvConf {
     join: Duration,
+    /// torchrun's `timeout` key: the static backend's wait for every node.
+    timeout: Option<Duration>,
+    /// join_timeout was given.
+    join_set: bool,
     last_call: Duration,
     lease: Duration,
     rpc: Duration,
@@ -981,6 +1004,8 @@ fn parse_rdzv_conf(s: &str, notes: &mut Vec<String>) -> Result<RdzvConf, PlanErr
     const FLAG: &str = "--rdzv-conf";
     let mut conf = RdzvConf {
         join: Duration::from_secs(600),
+        timeout: None,
+        join_set: false,
         last_call: Duration::from_secs(30),
         lease: Duration::ZERO,
         rpc: Duration::from_secs(60),
@@ -1009,6 +1034,7 @@ fn parse_rdzv_conf(s: &str, notes: &mut Vec<String>) -> Result<RdzvConf, PlanErr
         match k {
             "join_timeout" => {
                 conf.join = duration(v)?;
+                conf.join_set = true;
                 // torchrun: "The join timeout must be a positive integer."
                 if conf.join.is_zero() {
                     return Err(invalid(FLAG, entry, "join_timeout=SECONDS > 0"));
@@ -1049,8 +1075,11 @@ fn parse_rdzv_conf(s: &str, notes: &mut Vec<String>) -> Result<RdzvConf, PlanErr
                 }
             }
             "timeout" => {
-                duration(v)?;
-                notes.push(format!("--rdzv-conf timeout={v}: not used by rsrun (the rendezvous waits join_timeout)"));
+                let t = duration(v)?;
+                if t.is_zero() {
+                    return Err(invalid(FLAG, entry, "timeout=SECONDS > 0"));
+                }
+                conf.timeout = Some(t);
             }
             "close_timeout" | "store_type" | "cas_backoff_max_seconds" | "rank" => {
                 notes.push(format!("--rdzv-conf {k}: not used by rsrun's rendezvous"));
@@ -1425,7 +1454,21 @@ impl LaunchPlan {
             shutdown,
             hang,
             exit_barrier: parse_duration(&args.exit_barrier_timeout, "--exit-barrier-timeout")?,
-            join: rconf.join,
+            // torchrun's static rendezvous waits `timeout` (900 s unless given) for every node
+            // (rsrun's join_timeout too, when given); c10d waits join_timeout.
+            join: match &rdzv {
+                RdzvPlan::Static { .. } => match (rconf.timeout, rconf.join_set) {
+                    (Some(t), _) => t.min(Duration::from_secs(24 * 3600)),
+                    (None, true) => rconf.join,
+                    (None, false) => STATIC_RDZV_TIMEOUT,
+                },
+                _ => {
+                    if let Some(t) = rconf.timeout {
+                        notes.push(format!("--rdzv-conf timeout={}: not used by the c10d backend (it waits join_timeout)", t.as_secs_f64()));
+                    }
+                    rconf.join
+                }
+            },
             last_call: rconf.last_call,
             lease: rconf.lease,
             rpc: rconf.rpc,

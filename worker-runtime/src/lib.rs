@@ -462,15 +462,17 @@ impl WorkerContext {
     }
 
     /// Installs a panic hook that writes the error file (message, location, backtrace) before the
-    /// previous hook runs. Only the process's first panic is written: later ones (a poisoned
-    /// lock, a thread that saw the first one fail) are consequences, and the report names the
-    /// cause.
+    /// previous hook runs. The process's first panic is written, and a panic of the main thread
+    /// replaces what another thread's wrote: later panics elsewhere (a poisoned lock, a thread
+    /// that saw the first one fail) are consequences, while the main thread's ends the process
+    /// (a worker thread's panic that the program caught and handled must not stand for it).
     pub fn install_panic_hook(&self) {
         let Some(path) = self.error_file.clone() else { return };
         let previous = std::panic::take_hook();
         let written = std::sync::atomic::AtomicBool::new(false);
         std::panic::set_hook(Box::new(move |info| {
-            if !written.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            let main = std::thread::current().name() == Some("main");
+            if !written.swap(true, std::sync::atomic::Ordering::SeqCst) || main {
                 let payload = info.payload_as_str().unwrap_or("Box<dyn Any>");
                 let location = info.location().map(|l| format!(" at {}:{}", l.file(), l.line())).unwrap_or_default();
                 let backtrace = std::backtrace::Backtrace::force_capture().to_string();
@@ -849,10 +851,16 @@ mod tests {
         ctx.install_panic_hook();
         let _ = std::thread::spawn(|| panic!("the cause")).join();
         let _ = std::thread::spawn(|| panic!("a consequence")).join();
+        let message = || {
+            let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+            v["message"]["message"].as_str().unwrap().to_owned()
+        };
+        assert!(message().starts_with("panic: the cause at "), "{}", message());
+        // The main thread's panic ends the process: it replaces a panic another thread had (one
+        // the program may have caught and handled).
+        let _ = std::thread::Builder::new().name("main".into()).spawn(|| panic!("the end")).unwrap().join();
         std::panic::set_hook(before);
-        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
-        let message = v["message"]["message"].as_str().unwrap();
-        assert!(message.starts_with("panic: the cause at "), "{message}");
+        assert!(message().starts_with("panic: the end at "), "{}", message());
     }
 
     /// Building the store inside an async context without a rendezvous fails with the reason,

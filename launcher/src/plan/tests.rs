@@ -97,11 +97,11 @@ fn program_resolution() {
     let p = resolve(&["true", "a", "${local_rank}"]).unwrap();
     assert_eq!(p.program.kind, ProgramKind::Executable);
     assert_eq!(p.program.argv(3), vec!["a", "3"]);
-    // torchrun's Template(arg).safe_substitute(local_rank=...): `$$` is `$`, `$local_rank` is
-    // substituted too, anything else with a `$` stays.
+    // torchrun's Template(arg).safe_substitute(local_rank=...): `$local_rank` is substituted too,
+    // anything else with a `$` stays; `$$` too (a shell's pid; Template would make it `$`).
     let p = resolve(&["sh", "-c", "echo $$ $local_rank ${local_rank}x $local_rankx $HOME ${x} $5 $"]).unwrap();
-    assert_eq!(p.program.argv(2), vec!["-c", "echo $ 2 2x $local_rankx $HOME ${x} $5 $"]);
-    assert_eq!(substitute_local_rank("$$local_rank", "1"), "$local_rank");
+    assert_eq!(p.program.argv(2), vec!["-c", "echo $$ 2 2x $local_rankx $HOME ${x} $5 $"]);
+    assert_eq!(substitute_local_rank("$$local_rank", "1"), "$$local_rank");
     assert_eq!(substitute_local_rank("a$local_rank.b", "1"), "a1.b");
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("train.py"), "print(1)").unwrap();
@@ -304,6 +304,12 @@ fn compat_flags_warn() {
     let p = resolve(&["--start-method", "fork", "--numa-binding", "node", "true"]).unwrap();
     assert!(p.notes.iter().any(|n| n.contains("--start-method")));
     assert!(p.notes.iter().any(|n| n.contains("--cpu-bind numa")));
+    // torchrun's choices still hold for them (argparse refuses others, exit 2).
+    for (flag, bad) in [("--start-method", "thread"), ("--numa-binding", "everywhere")] {
+        let e = LaunchArgs::try_parse_with_origins_from(["rsrun", flag, bad, "true"]).unwrap_err();
+        assert_eq!(e.exit_code(), 2);
+        assert!(e.to_string().contains(bad), "{e}");
+    }
 }
 
 #[test]
@@ -588,4 +594,33 @@ fn python_of_the_module_runs_the_scripts() {
     h.env.insert("PYTHON_EXEC".into(), "/bin/true".into());
     let plan = LaunchPlan::resolve(&parse(&["train.py"]), &h).unwrap();
     assert_eq!(plan.program.exe, Path::new("/bin/true"));
+}
+
+/// CUDA_VISIBLE_DEVICES counts as the CUDA runtime counts it: up to the first entry that names no
+/// device, and never past the machine's GPUs when the driver lists them.
+#[test]
+fn visible_gpus_follow_the_cuda_runtime() {
+    assert_eq!(visible_gpus(None, Some(8)), 8);
+    assert_eq!(visible_gpus(None, None), 0);
+    assert_eq!(visible_gpus(Some("0,1"), Some(8)), 2);
+    assert_eq!(visible_gpus(Some("0,1"), Some(0)), 0, "a list on a machine without GPUs");
+    assert_eq!(visible_gpus(Some("0,1"), None), 2, "no driver list: the variable is all we know");
+    assert_eq!(visible_gpus(Some("0,-1,1"), Some(8)), 1, "the runtime stops at -1");
+    assert_eq!(visible_gpus(Some("0,9,1"), Some(8)), 1, "and at an index the machine lacks");
+    assert_eq!(visible_gpus(Some(""), Some(8)), 0);
+    assert_eq!(visible_gpus(Some("GPU-3f2a,GPU-77b1"), Some(8)), 2);
+}
+
+/// torchrun's static rendezvous waits `timeout` for every node, 900 s unless given; c10d waits
+/// join_timeout and says that `timeout` is not its.
+#[test]
+fn the_static_backend_waits_timeout() {
+    let st = |conf: &str| resolve(&["--nnodes", "2", "--node-rank", "1", "--master-addr", "h", "--rdzv-conf", conf, "true"]).unwrap();
+    assert_eq!(st("last_call_timeout=1").timeouts.join, Duration::from_secs(900));
+    assert_eq!(st("timeout=3600").timeouts.join, Duration::from_secs(3600));
+    // rsrun's own key still counts when torchrun's is not given.
+    assert_eq!(st("join_timeout=60").timeouts.join, Duration::from_secs(60));
+    let p = resolve(&["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-id", "j", "--rdzv-conf", "timeout=3600,join_timeout=60", "true"]).unwrap();
+    assert_eq!(p.timeouts.join, Duration::from_secs(60));
+    assert!(p.notes.iter().any(|n| n.contains("timeout=3600: not used by the c10d backend")), "{:?}", p.notes);
 }
