@@ -823,11 +823,12 @@ impl Job {
         Err(RdzvError::NotMember { job: self.id.clone(), node: node.to_owned(), reason: "only a node of the job can fail it".into() })
     }
 
-    /// Whether `node` may publish round `round`'s unique id: it runs global rank 0 there. A
-    /// round that is not running is left to the publication itself to refuse.
+    /// Whether `node` may publish round `round`'s unique id: it runs global rank 0 there, in the
+    /// running round (while a round forms nobody holds rank 0 yet).
     ///
     /// # Errors
-    /// A stale round; a node that is not a member of the running round, or does not hold rank 0.
+    /// A stale round, one still forming; a node that is not a member of the running round, or does
+    /// not hold rank 0.
     pub fn check_rank0_node(&self, round: u64, node: &str) -> Result<(), RdzvError> {
         self.check_round(round)?;
         // While the round forms nobody holds rank 0 yet: a check passed then would let whoever
