@@ -25,7 +25,7 @@
 //! completed while this node waited (a spare) ends it with exit 0; a job that failed before this
 //! node's `Finish` ends it with the job's root cause.
 
-use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
+use std::net::{SocketAddr, ToSocketAddrs};
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
 use anyhow::{Context, bail};
@@ -36,6 +36,7 @@ use tokio::sync::watch;
 use tracing::{debug, info, warn};
 
 use crate::env::RoundAssignment;
+use crate::localaddr::is_own_address;
 use crate::logs::{ConsoleEvent, ConsoleTx};
 use crate::plan::{Endpoint, HostMode, LaunchPlan, RdzvPlan, StartError};
 use crate::reach;
@@ -100,7 +101,7 @@ impl DaemonRdzv {
                     .with_context(|| format!("cannot resolve the rendezvous endpoint {endpoint}"))?;
                 let addrs = advertised_addrs(plan, target);
                 // A launcher hosts a plain service: never when the daemon is expected to speak TLS.
-                let host_here = plan.tls_ca.is_none() && is_local_ip(target.ip()) && !listening(target).await;
+                let host_here = plan.tls_ca.is_none() && is_own_address(target.ip()) && !listening(target).await;
                 let mut embedded = None;
                 if host_here {
                     let mut cfg = ServerConfig::in_memory(target);
@@ -161,7 +162,7 @@ impl DaemonRdzv {
                 reach::refuse_loopback(master_addr, target, &plan.node_list).await?;
                 let addrs = advertised_addrs(plan, target);
                 let (addr, embedded) = if *node_rank == 0 {
-                    if !is_local_ip(target.ip()) {
+                    if !is_own_address(target.ip()) {
                         bail!(
                             "node rank 0 hosts the static rendezvous at --master-addr {master_addr}, but {} is not an address of this host ({}): start node rank 0 on that host, or pass this host's address as --master-addr",
                             target.ip(),
@@ -689,7 +690,7 @@ impl DaemonRdzv {
 /// is taken. An address that is not this host's (a Kubernetes Service in front of the pod) is served
 /// on every interface at that port.
 async fn host_for_job(plan: &LaunchPlan, token: Option<&str>, target: SocketAddr) -> anyhow::Result<(SocketAddr, Option<EmbeddedServer>)> {
-    let bind = if is_local_ip(target.ip()) {
+    let bind = if is_own_address(target.ip()) {
         target
     } else if target.is_ipv4() {
         SocketAddr::from(([0, 0, 0, 0], target.port()))
@@ -929,11 +930,6 @@ fn resolve(host: &str, port: u16) -> std::io::Result<SocketAddr> {
         .to_socket_addrs()?
         .next()
         .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, format!("no address for {host}")))
-}
-
-/// Whether `ip` belongs to this machine (a socket can bind it).
-fn is_local_ip(ip: IpAddr) -> bool {
-    crate::localaddr::is_own_address(ip)
 }
 
 /// Whether something accepts connections at `addr` (short deadline).

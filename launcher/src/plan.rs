@@ -841,21 +841,23 @@ pub fn secret_token() -> std::io::Result<String> {
     use std::io::Read;
     let mut buf = [0u8; 16];
     std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut buf))?;
-    Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
+    Ok(hex(&buf))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Random 128-bit hex id (like torchrun's uuid4 run ids).
 pub fn random_id() -> String {
-    use std::io::Read;
-    let mut buf = [0u8; 16];
-    let ok = std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut buf)).is_ok();
-    if !ok {
+    secret_token().unwrap_or_else(|_| {
         // Not cryptographic: only needs to differ between jobs on this host.
         let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        let mut buf = [0u8; 16];
         buf[..8].copy_from_slice(&(t.as_nanos() as u64).to_le_bytes());
         buf[8..12].copy_from_slice(&std::process::id().to_le_bytes());
-    }
-    buf.iter().map(|b| format!("{b:02x}")).collect()
+        hex(&buf)
+    })
 }
 
 /// Finds `name` on `PATH` (or checks it when it contains a `/`).
@@ -986,13 +988,14 @@ fn resolve_program(args: &LaunchArgs, host: &HostInfo, notes: &mut Vec<String>) 
 
 /// torchrun's default `timeout` of the static rendezvous.
 const STATIC_RDZV_TIMEOUT: Duration = Duration::from_secs(900);
+/// The default `join_timeout` of the c10d rendezvous.
+const JOIN_TIMEOUT: Duration = Duration::from_secs(600);
 
 struct RdzvConf {
-    join: Duration,
+    /// `join_timeout`, when given.
+    join: Option<Duration>,
     /// torchrun's `timeout` key: the static backend's wait for every node.
     timeout: Option<Duration>,
-    /// join_timeout was given.
-    join_set: bool,
     last_call: Duration,
     lease: Duration,
     rpc: Duration,
@@ -1003,9 +1006,8 @@ struct RdzvConf {
 fn parse_rdzv_conf(s: &str, notes: &mut Vec<String>) -> Result<RdzvConf, PlanError> {
     const FLAG: &str = "--rdzv-conf";
     let mut conf = RdzvConf {
-        join: Duration::from_secs(600),
+        join: None,
         timeout: None,
-        join_set: false,
         last_call: Duration::from_secs(30),
         lease: Duration::ZERO,
         rpc: Duration::from_secs(60),
@@ -1033,12 +1035,12 @@ fn parse_rdzv_conf(s: &str, notes: &mut Vec<String>) -> Result<RdzvConf, PlanErr
         let duration = |v: &str| parse_duration(v, FLAG).map_err(|_| invalid(FLAG, entry, format!("{k}=DURATION like 30, 2.5, 500ms, 30s, 5m or 1h")));
         match k {
             "join_timeout" => {
-                conf.join = duration(v)?;
-                conf.join_set = true;
+                let join = duration(v)?;
                 // torchrun: "The join timeout must be a positive integer."
-                if conf.join.is_zero() {
+                if join.is_zero() {
                     return Err(invalid(FLAG, entry, "join_timeout=SECONDS > 0"));
                 }
+                conf.join = Some(join);
             }
             "last_call_timeout" => conf.last_call = duration(v)?,
             "keep_alive_interval" => keep_alive = duration(v)?,
@@ -1098,7 +1100,7 @@ fn parse_rdzv_conf(s: &str, notes: &mut Vec<String>) -> Result<RdzvConf, PlanErr
     for (what, value, max) in [
         ("a lease (lease_timeout, or keep_alive_interval x keep_alive_max_attempt)", conf.lease, HOUR),
         ("last_call_timeout", conf.last_call, 24 * HOUR),
-        ("join_timeout", conf.join, 24 * HOUR),
+        ("join_timeout", conf.join.unwrap_or(JOIN_TIMEOUT), 24 * HOUR),
     ] {
         if value > max {
             return Err(invalid(FLAG, s, format!("{what} of at most {max:?} (got {value:?})")));
@@ -1457,16 +1459,15 @@ impl LaunchPlan {
             // torchrun's static rendezvous waits `timeout` (900 s unless given) for every node
             // (rsrun's join_timeout too, when given); c10d waits join_timeout.
             join: match &rdzv {
-                RdzvPlan::Static { .. } => match (rconf.timeout, rconf.join_set) {
+                RdzvPlan::Static { .. } => match (rconf.timeout, rconf.join) {
                     (Some(t), _) => t.min(Duration::from_secs(24 * 3600)),
-                    (None, true) => rconf.join,
-                    (None, false) => STATIC_RDZV_TIMEOUT,
+                    (None, join) => join.unwrap_or(STATIC_RDZV_TIMEOUT),
                 },
                 _ => {
                     if let Some(t) = rconf.timeout {
                         notes.push(format!("--rdzv-conf timeout={}: not used by the c10d backend (it waits join_timeout)", t.as_secs_f64()));
                     }
-                    rconf.join
+                    rconf.join.unwrap_or(JOIN_TIMEOUT)
                 }
             },
             last_call: rconf.last_call,

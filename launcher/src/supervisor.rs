@@ -411,10 +411,9 @@ impl<'a> Group<'a> {
                     // next stop: its id (the leader's reaped pid) may go to an unrelated group,
                     // which a later stop or the guardian must never signal.
                     self.release_gone();
-                    if plan.timeouts.hang.is_none() {
-                        continue;
-                    }
-                    if let Some((stalled, idle)) = self.stalled() {
+                    if plan.timeouts.hang.is_some()
+                        && let Some((stalled, idle)) = self.stalled()
+                    {
                         self.state = WorkerGroupState::Unhealthy;
                         let ranks: Vec<u32> = stalled.iter().map(|&i| self.slots[i].rank).collect();
                         info!(?ranks, "no progress: worker group UNHEALTHY");

@@ -92,8 +92,7 @@ pub struct Bound {
 ///
 /// # Errors
 /// Bad configuration (a non-loopback address without a token and TLS unless `insecure`, unreadable
-/// token or TLS files), a
-/// listener that cannot bind, or a data directory that cannot be recovered.
+/// token or TLS files), a listener that cannot bind, or a data directory that cannot be recovered.
 pub async fn serve(config: ServerConfig, shutdown: CancellationToken, on_bound: impl FnOnce(Bound)) -> Result<(), RdzvError> {
     let tokens = config.token_file.as_deref().map(TokenTable::load).transpose()?;
     if !config.listen.ip().is_loopback() && tokens.is_none() && !config.insecure {

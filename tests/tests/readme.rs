@@ -587,10 +587,6 @@ fn performance_against_pytorch() {
     let out = run_all(vec![c], Duration::from_secs(1800)).remove(0);
     let all = text(&out);
     assert_eq!(code(&out.status), 0, "{all}");
-    let number = |line: &str, key: &str| -> f64 {
-        let v = rsrun_tests::field(line, key).unwrap_or_else(|| panic!("no {key}= in {line}"));
-        v.parse().unwrap_or_else(|_| panic!("{key}={v} is not a number in {line}"))
-    };
     let engine = all.lines().find(|l| l.starts_with("summary: single_tok_ratio_vs_torch=")).unwrap_or_else(|| panic!("{all}"));
     for key in [
         "single_tok_ratio_vs_torch",
@@ -645,10 +641,6 @@ fn gemm_profile_of_the_engine() {
     let out = run_all(vec![shell(&workspace(), &cmd)], RUN_DEADLINE).remove(0);
     let all = text(&out);
     assert_eq!(code(&out.status), 0, "{all}");
-    let number = |line: &str, key: &str| -> f64 {
-        let v = rsrun_tests::field(line, key).unwrap_or_else(|| panic!("no {key}= in {line}"));
-        v.parse().unwrap_or_else(|_| panic!("{key}={v} is not a number in {line}"))
-    };
     let shapes: Vec<&str> = all.lines().filter(|l| l.starts_with("gemm_profile: ")).collect();
     // The reference GPT: 4 linear products' forward, input and weight gradients, the head's, and
     // attention's blocks; every shape ran at least once per measured step.

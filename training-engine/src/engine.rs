@@ -243,8 +243,6 @@ pub struct Engine<M: UnitModel> {
     native: native::NativeState,
     /// Why the engine is unusable: a step that failed part-way (see [`EngineError::Unusable`]).
     broken: Option<String>,
-    /// The current step has changed nothing yet (its checks of the input are still running).
-    before_step: bool,
     /// Tests: the optimizer update of this unit fails (as an offload tier's I/O error would).
     #[cfg(test)]
     pub(crate) fail_update_of: Option<usize>,
@@ -436,7 +434,6 @@ impl<M: UnitModel> Engine<M> {
             buckets,
             step: 0,
             broken: None,
-            before_step: false,
             #[cfg(test)]
             fail_update_of: None,
             gathered: Tracker::default(),
@@ -611,35 +608,26 @@ impl<M: UnitModel> Engine<M> {
     pub fn train_step(&mut self, micro: &[Batch]) -> EngineResult<StepOutput> {
         self.check_usable()?;
         let step = self.step + 1;
+        let _span = info_span!("train_step", rank = self.rank, step).entered();
+        // Collectives before this step (loading a checkpoint, a failed step) are not its own.
+        self.take_comm_wait();
+        // The input is checked before anything changes: a refusal leaves the engine as it was.
+        self.check_micro_batches(micro)?;
         let r = self.run_step(micro);
-        // Failures found before anything changed (the ranks' micro-batch counts, a loss that is
-        // not finite, found before the update on every rank alike) leave the engine as it was.
-        // Any other left it part-way: units updated or not, buffers lent to collectives.
+        // So does a loss that is not finite (found before the update, on every rank alike). Any
+        // other failure left the step part-way: units updated or not, buffers lent to collectives.
         if let Err(e) = &r
             && !matches!(e, EngineError::NonFinite { .. })
-            && !self.before_step
         {
             self.broken = Some(format!("step {step} failed ({e})"));
         }
         r
     }
 
-    /// [`EngineError::Unusable`] once a step failed part-way.
-    pub(crate) fn check_usable(&self) -> EngineResult<()> {
-        match &self.broken {
-            Some(why) => Err(EngineError::Unusable(why.clone())),
-            None => Ok(()),
-        }
-    }
-
-    fn run_step(&mut self, micro: &[Batch]) -> EngineResult<StepOutput> {
-        let _span = info_span!("train_step", rank = self.rank, step = self.step + 1).entered();
-        self.before_step = true;
-        // Collectives before this step (loading a checkpoint, a failed step) are not its own.
-        self.take_comm_wait();
-        // Every rank must run as many micro-batches: their collectives pair up, and each averages
-        // by its own count. Agreed first (an empty list included), so a mismatch is an error on
-        // every rank, not a hang or replicas that drift apart.
+    /// Every rank must run as many micro-batches: their collectives pair up, and each averages by
+    /// its own count. Agreed first (an empty list included), so a mismatch is an error on every
+    /// rank, not a hang or replicas that drift apart.
+    fn check_micro_batches(&self, micro: &[Batch]) -> EngineResult<()> {
         if self.world > 1 {
             let k = micro.len() as f32;
             let mut counts = [k, -k];
@@ -655,7 +643,29 @@ impl<M: UnitModel> Engine<M> {
         if micro.is_empty() {
             return Err(EngineError::Config("train_step needs at least one micro-batch".into()));
         }
-        self.before_step = false;
+        Ok(())
+    }
+
+    /// Whether `local` holds on any rank: one all-reduce of a flag (a collective; every rank
+    /// calls it), or this rank's own value alone.
+    pub(crate) fn on_any_rank(&self, local: bool) -> EngineResult<bool> {
+        let mut flag = [if local { 1f32 } else { 0.0 }];
+        if self.world > 1 {
+            self.in_comm(|| self.pg.all_reduce(&mut flag, ReduceOp::Max))?;
+        }
+        Ok(flag[0] != 0.0)
+    }
+
+    /// [`EngineError::Unusable`] once a step failed part-way.
+    pub(crate) fn check_usable(&self) -> EngineResult<()> {
+        match &self.broken {
+            Some(why) => Err(EngineError::Unusable(why.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// The step after its input was checked (see [`Engine::train_step`]).
+    fn run_step(&mut self, micro: &[Batch]) -> EngineResult<StepOutput> {
         let native = self.native_enabled();
         // The native backward overwrites a unit's full gradient on the first micro-batch, and
         // under ZeRO-2/3 that micro-batch's reduce-scatter writes the gradient shard itself
@@ -678,17 +688,11 @@ impl<M: UnitModel> Engine<M> {
         // A loss that is not finite on any rank concerns them all (its gradients reached every
         // replica through the reductions): with f16 the step is skipped everywhere (an overflow,
         // in `unscale_or_skip`), otherwise every rank fails here, together.
-        if self.scaler.is_none() {
-            let mut bad = [if loss.is_finite() { 0f32 } else { 1.0 }];
-            if self.world > 1 {
-                self.in_comm(|| self.pg.all_reduce(&mut bad, ReduceOp::Max))?;
-            }
-            if bad[0] != 0.0 {
-                return Err(EngineError::NonFinite {
-                    what: if loss.is_finite() { "loss of another rank" } else { "loss" },
-                    step: self.step + 1,
-                });
-            }
+        if self.scaler.is_none() && self.on_any_rank(!loss.is_finite())? {
+            return Err(EngineError::NonFinite {
+                what: if loss.is_finite() { "loss of another rank" } else { "loss" },
+                step: self.step + 1,
+            });
         }
         // ZeRO-1: reduce-scatter the accumulated full gradients into transient shards.
         let mut z1_shards: Vec<Vec<f32>> = Vec::new();
@@ -793,14 +797,10 @@ impl<M: UnitModel> Engine<M> {
         }
         // An update that failed on one rank (an offload tier's I/O error) fails the step on every
         // rank: the others must not train on, or wait in the next collective, beside it.
-        if self.world > 1 {
-            let mut bad = [if updated.is_ok() { 0f32 } else { 1.0 }];
-            self.in_comm(|| self.pg.all_reduce(&mut bad, ReduceOp::Max))?;
-            if bad[0] != 0.0 && updated.is_ok() {
-                updated = Err(EngineError::Offload(format!("the optimizer step {} failed on another rank", self.step)));
-            }
+        if self.on_any_rank(updated.is_err())? {
+            updated?;
+            return Err(EngineError::Offload(format!("the optimizer step {} failed on another rank", self.step)));
         }
-        updated?;
         if matches!(self.cfg.strategy.zero_stage(), 1 | 2) {
             for ui in 0..self.units.len() {
                 self.all_gather_params(ui)?;

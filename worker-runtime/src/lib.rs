@@ -408,7 +408,11 @@ impl WorkerContext {
                     let mut generated = self.shared.generated.lock().unwrap_or_else(|p| p.into_inner());
                     match generated.get(name) {
                         Some(id) => *id,
-                        None => *generated.entry(name.to_owned()).or_insert(generate_unique_id()?),
+                        None => {
+                            let id = generate_unique_id()?;
+                            generated.insert(name.to_owned(), id);
+                            id
+                        }
                     }
                 }
             };

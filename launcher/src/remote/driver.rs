@@ -478,6 +478,9 @@ pub async fn run_head(plan: RemotePlan, mut cx: HeadContext) -> anyhow::Result<H
 }
 
 fn lost_text(host: &str, e: &Ended) -> String {
+    if let Some(why) = &e.broken {
+        return format!("{host}: lost the agent: it sent {why} and was stopped (another rsrun version there?)");
+    }
     let how = match e.status {
         Some(s) => match (s.code(), s.signal()) {
             (Some(c), _) => format!("exited with code {c}"),
@@ -486,9 +489,6 @@ fn lost_text(host: &str, e: &Ended) -> String {
         },
         None => "could not be waited for".into(),
     };
-    if let Some(why) = &e.broken {
-        return format!("{host}: lost the agent: it sent {why} and was stopped (another rsrun version there?)");
-    }
     match e.tail.last() {
         Some(l) => format!("{host}: lost the agent: ssh {how} ({l})"),
         None => format!("{host}: lost the agent: ssh {how}"),

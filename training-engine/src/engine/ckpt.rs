@@ -142,12 +142,8 @@ impl<M: UnitModel> Engine<M> {
 
     /// Agrees on the outcome of a local action across all ranks (a collective).
     fn agree(&self, local: EngineResult<()>, what: &str) -> EngineResult<()> {
-        let mut flag = [if local.is_ok() { 0i32 } else { 1 }];
-        if self.world > 1 {
-            self.pg.all_reduce(&mut flag, ReduceOp::Max)?;
-        }
-        local?;
-        if flag[0] != 0 {
+        if self.on_any_rank(local.is_err())? {
+            local?;
             return Err(EngineError::Checkpoint(format!("{what} failed on another rank")));
         }
         Ok(())
