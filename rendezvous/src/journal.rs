@@ -29,8 +29,9 @@ use crate::validate::Limits;
 
 const SNAPSHOT_MAGIC: &[u8; 8] = b"RSRUNSN1";
 /// Version of the postcard encoding of [`Entry`] and [`State`]; bumped whenever a journaled type
-/// changes shape. 2: `JobSpec::fixed_ranks`. Directories without a `format` file hold version 1.
-pub const FORMAT_VERSION: u32 = 2;
+/// changes shape. 2: `JobSpec::fixed_ranks`. 3: `State::retired`. Directories without a
+/// `format` file hold version 1.
+pub const FORMAT_VERSION: u32 = 3;
 /// Largest record accepted when reading (a longer length field is damage, not data).
 const MAX_RECORD: u32 = 512 << 20;
 
@@ -169,7 +170,8 @@ fn read_snapshot(path: &Path) -> Result<Option<(State, u64)>, RdzvError> {
     if crc32fast::hash(payload) != crc {
         return Err(storage(path, "snapshot checksum mismatch", "the file is damaged"));
     }
-    let state = postcard::from_bytes(payload).map_err(|e| storage(path, "cannot decode snapshot", e))?;
+    let mut state: State = postcard::from_bytes(payload).map_err(|e| storage(path, "cannot decode snapshot", e))?;
+    state.recount();
     Ok(Some((state, seq)))
 }
 

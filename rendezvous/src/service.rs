@@ -185,8 +185,6 @@ struct Inner {
     last_at: Ms,
     /// Bytes queued to the current log since the last compaction.
     log_bytes: u64,
-    /// Store bytes over all jobs (for the HA total cap).
-    total_store_bytes: usize,
     /// Per job: its view and the sequence number that view is as of (pushed only once durable).
     views: HashMap<String, watch::Sender<(pb::JobView, u64)>>,
     topics: HashMap<(String, String), watch::Sender<u64>>,
@@ -296,14 +294,12 @@ impl Core {
             (None, Some(_)) => (State::default(), 0, None, Role::Standby { leader: String::new(), epoch: 0 }),
             (None, None) => (State::default(), 0, None, Role::Single),
         };
-        let total_store_bytes = state.jobs.values().map(|j| j.store_bytes).sum();
         let core = Arc::new(Core {
             inner: Mutex::new(Inner {
                 state,
                 seq,
                 last_at: 0,
                 log_bytes: 0,
-                total_store_bytes,
                 views: HashMap::new(),
                 topics: HashMap::new(),
                 stores: config.tcpstore.map(|limits| RoundStores::new(limits, config.listen, cancel.child_token())),
@@ -371,19 +367,16 @@ impl Core {
         let now = self.clock.now_ms().max(g.last_at);
         let job_id = cmd.job().to_string();
         if let Some(cap) = self.max_total_store_bytes
-            && g.total_store_bytes >= cap
+            && g.state.totals.store_bytes >= cap
             && grows_store(cmd)
         {
             return Err(RdzvError::ResourceExhausted(format!(
                 "the service holds {} store bytes over all jobs, its limit of {cap} bytes: delete keys or end jobs",
-                g.total_store_bytes
+                g.state.totals.store_bytes
             )));
         }
-        let bytes_before = g.state.jobs.get(&job_id).map(|j| j.store_bytes).unwrap_or(0);
         let was_running = g.state.jobs.get(&job_id).map(|j| (j.round, matches!(j.phase, Phase::Running { .. })));
         let (outcome, effects) = g.state.apply(cmd, now, &self.limits)?;
-        let bytes_after = g.state.jobs.get(&job_id).map(|j| j.store_bytes).unwrap_or(0);
-        g.total_store_bytes = (g.total_store_bytes + bytes_after).saturating_sub(bytes_before);
         if effects.changed && cmd.is_durable() {
             g.seq += 1;
             g.last_at = now;
@@ -745,8 +738,8 @@ impl Core {
         if !matches!(g.role, Role::Standby { .. }) {
             return Err(RdzvError::FailedPrecondition("only a standby's replica can be reset".into()));
         }
-        g.total_store_bytes = state.jobs.values().map(|j| j.store_bytes).sum();
         g.state = state;
+        g.state.recount();
         g.seq = seq;
         g.last_at = last_at;
         Ok(())
@@ -772,13 +765,10 @@ impl Core {
                     message: format!("gap in the replicated log: expected sequence {}, got {}", g.seq + 1, e.seq),
                 });
             }
-            let before = g.state.jobs.get(e.cmd.job()).map(|j| j.store_bytes).unwrap_or(0);
             if let Err(err) = g.state.apply(&e.cmd, e.at, &Limits::unbounded()) {
                 // A command that succeeded when it was logged must succeed again; say so loudly.
                 tracing::error!(seq = e.seq, error = %err, "replica diverged from the log");
             }
-            let after = g.state.jobs.get(e.cmd.job()).map(|j| j.store_bytes).unwrap_or(0);
-            g.total_store_bytes = (g.total_store_bytes + after).saturating_sub(before);
             g.seq = e.seq;
             g.last_at = g.last_at.max(e.at);
         }
@@ -796,7 +786,7 @@ impl Core {
         g.term += 1;
         let term = g.term;
         g.state.renew_all_leases(now);
-        g.total_store_bytes = g.state.jobs.values().map(|j| j.store_bytes).sum();
+        g.state.recount();
         let log = spawn_flusher(store, term, g.seq, self.flushed_tx.clone(), self.metrics.clone())?;
         g.log = Some(log);
         g.log_bytes = 0;

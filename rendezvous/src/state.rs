@@ -341,7 +341,51 @@ pub struct Job {
 pub struct State {
     /// Jobs by id.
     pub jobs: BTreeMap<String, Job>,
+    /// The last round of each job the service forgot (tombstones): a job created again under
+    /// the same id goes on counting from there, so a launcher or worker of the forgotten run
+    /// that still holds a round number is fenced off as stale instead of matching the new
+    /// run's round 1, 2, ... At most [`MAX_RETIRED`]; the oldest go first.
+    pub retired: BTreeMap<String, Retired>,
+    /// Records over all jobs, for the service-wide caps. Derived, not encoded: a decoded state
+    /// gets it from [`State::recount`].
+    #[serde(skip)]
+    pub totals: Totals,
 }
+
+/// What all jobs hold together, for the caps of [`Limits`] over the whole service.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Totals {
+    /// Store bytes (keys plus values).
+    pub store_bytes: usize,
+    /// Node records (members, waiting nodes and spares).
+    pub nodes: usize,
+    /// Barrier arrivals of the current generations.
+    pub barrier_arrivals: usize,
+}
+
+impl Totals {
+    fn replace(self, before: Totals, after: Totals) -> Totals {
+        let f = |t: usize, b: usize, a: usize| t.saturating_sub(b).saturating_add(a);
+        Totals {
+            store_bytes: f(self.store_bytes, before.store_bytes, after.store_bytes),
+            nodes: f(self.nodes, before.nodes, after.nodes),
+            barrier_arrivals: f(self.barrier_arrivals, before.barrier_arrivals, after.barrier_arrivals),
+        }
+    }
+}
+
+/// What is kept of a forgotten job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Retired {
+    /// Its last round.
+    pub round: u64,
+    /// When it was forgotten.
+    pub at: Ms,
+}
+
+/// Most tombstones of forgotten jobs kept. A fixed number, not a [`Limits`] field: journal
+/// replay runs under unbounded limits and must evict exactly what the live service evicted.
+pub const MAX_RETIRED: usize = 65_536;
 
 /// Addresses the store of a job: job-wide or the current round's namespace.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -444,6 +488,18 @@ pub enum Command {
 }
 
 impl Command {
+    /// True for the store writes, which change no node and no barrier.
+    fn is_store_write(&self) -> bool {
+        matches!(
+            self,
+            Command::StoreSet { .. }
+                | Command::StoreAdd { .. }
+                | Command::StoreCas { .. }
+                | Command::StoreDelete { .. }
+                | Command::StoreMultiSet { .. }
+        )
+    }
+
     /// The job the command is about.
     pub fn job(&self) -> &str {
         match self {
@@ -585,6 +641,16 @@ impl Job {
             unique_ids: BTreeMap::new(),
             dedup: BTreeMap::new(),
             dedup_order: VecDeque::new(),
+        }
+    }
+
+    /// What the job holds toward the service-wide caps; barrier arrivals only when `barriers`
+    /// (counting them walks every barrier).
+    fn totals(&self, barriers: bool) -> Totals {
+        Totals {
+            store_bytes: self.store_bytes,
+            nodes: self.nodes.len(),
+            barrier_arrivals: if barriers { self.barriers.values().map(|b| b.arrived.len()).sum() } else { 0 },
         }
     }
 
@@ -945,8 +1011,13 @@ impl State {
 
     /// Applies one command at time `now`. On error nothing changed.
     pub fn apply(&mut self, cmd: &Command, now: Ms, limits: &Limits) -> Result<(Outcome, Effects), RdzvError> {
+        // A command changes only its own job: the totals move by that job's difference.
+        let barriers = !cmd.is_store_write();
+        let before = self.jobs.get(cmd.job()).map_or_else(Totals::default, |j| j.totals(barriers));
         let result = self.apply_inner(cmd, now, limits);
         if let Ok((_, effects)) = &result {
+            let after = self.jobs.get(cmd.job()).map_or_else(Totals::default, |j| j.totals(barriers));
+            self.totals = self.totals.replace(before, after);
             if effects.changed {
                 if let Some(job) = self.jobs.get_mut(cmd.job()) {
                     job.last_activity = now;
@@ -954,6 +1025,23 @@ impl State {
             }
         }
         result
+    }
+
+    /// Rebuilds [`State::totals`] from the jobs (after a state was decoded).
+    pub fn recount(&mut self) {
+        self.totals = self.jobs.values().fold(Totals::default(), |t, j| t.replace(Totals::default(), j.totals(true)));
+    }
+
+    /// Keeps a forgotten job's last round, evicting the oldest tombstone past [`MAX_RETIRED`].
+    fn retire(&mut self, job: &str, round: u64, now: Ms) {
+        self.retired.insert(job.to_string(), Retired { round, at: now });
+        while self.retired.len() > MAX_RETIRED {
+            let oldest = self.retired.iter().min_by_key(|(id, r)| (r.at, *id)).map(|(id, _)| id.clone());
+            match oldest {
+                Some(id) => self.retired.remove(&id),
+                None => break,
+            };
+        }
     }
 
     fn apply_inner(&mut self, cmd: &Command, now: Ms, limits: &Limits) -> Result<(Outcome, Effects), RdzvError> {
@@ -989,7 +1077,8 @@ impl State {
                 Ok((Outcome::Done, Effects { changed: closed, topics: Vec::new() }))
             }
             Command::RemoveJob { job } => {
-                self.jobs.remove(job).ok_or_else(|| RdzvError::JobNotFound { job: job.clone() })?;
+                let removed = self.jobs.remove(job).ok_or_else(|| RdzvError::JobNotFound { job: job.clone() })?;
+                self.retire(job, removed.round, now);
                 Ok((Outcome::Done, Effects::changed()))
             }
             Command::ReportFailure { job, round, node, failure, restartable } => {
@@ -1181,6 +1270,7 @@ impl State {
                 Ok((Outcome::Deleted(existed), effects))
             }
             Command::BarrierArrive { scope, name, member, participants, request_id } => {
+                let total_arrivals = self.totals.barrier_arrivals;
                 let job = self.job_mut(&scope.job)?;
                 job.check_write(scope)?;
                 if let Some(Dedup::Barrier(g)) = job.recall(request_id) {
@@ -1204,6 +1294,12 @@ impl State {
                 // 10,000 barriers cannot each hold a million names.
                 let new_member = !job.barriers.get(&bkey).is_some_and(|b| b.arrived.contains(member));
                 if new_member {
+                    if total_arrivals >= limits.max_total_barrier_arrivals {
+                        return Err(RdzvError::ResourceExhausted(format!(
+                            "the service holds {total_arrivals} barrier arrivals over all jobs, the limit is {}",
+                            limits.max_total_barrier_arrivals
+                        )));
+                    }
                     let held: usize = job.barriers.values().map(|b| b.arrived.len()).sum();
                     if held >= MAX_BARRIER_PARTICIPANTS as usize {
                         return Err(RdzvError::ResourceExhausted(format!(
@@ -1306,11 +1402,18 @@ impl State {
                     limits.max_jobs
                 )));
             }
-            self.jobs.insert(j.job.clone(), Job::new(j.job.clone(), j.spec.clone(), now));
+            let mut job = Job::new(j.job.clone(), j.spec.clone(), now);
+            // A job the service forgot goes on from its last round (see `State::retired`).
+            if let Some(r) = self.retired.remove(&j.job) {
+                job.round = r.round.saturating_add(1);
+            }
+            self.jobs.insert(j.job.clone(), job);
         }
+        let total_nodes = self.totals.nodes;
         let job = self.job_mut(&j.job)?;
         // A job that ended and that every node has left starts over when its id is used again (a
-        // re-run with the same --rdzv-id). Rounds keep counting up, so fencing stays monotonic.
+        // re-run with the same --rdzv-id). Rounds keep counting up, so fencing stays monotonic
+        // (past the job's removal too: `State::retired`).
         if job.is_terminal() && job.nodes.is_empty() {
             let next_round = job.round + 1;
             *job = Job::new(j.job.clone(), j.spec.clone(), now);
@@ -1337,6 +1440,12 @@ impl State {
                 _ => false,
             };
         let known = job.nodes.contains_key(&j.node);
+        if !known && total_nodes >= limits.max_total_nodes {
+            return Err(RdzvError::ResourceExhausted(format!(
+                "the service holds {total_nodes} nodes over all jobs, the limit is {}",
+                limits.max_total_nodes
+            )));
+        }
         if !known && job.nodes.len() as u64 >= 2 * u64::from(job.spec.max_nodes) {
             return Err(RdzvError::ResourceExhausted(format!(
                 "job {:?} already has {} nodes (max_nodes {} plus as many spares)",

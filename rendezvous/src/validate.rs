@@ -20,6 +20,10 @@ pub struct Limits {
     pub max_timeout_ms: u64,
     /// How long a completed or failed job (or one without nodes) is kept before it is forgotten, in ms.
     pub retention_ms: u64,
+    /// Most node records over all jobs.
+    pub max_total_nodes: usize,
+    /// Most barrier arrivals waiting over all jobs.
+    pub max_total_barrier_arrivals: usize,
 }
 
 impl Limits {
@@ -34,6 +38,8 @@ impl Limits {
             max_nodes_per_job: u32::MAX,
             max_timeout_ms: u64::MAX,
             retention_ms: u64::MAX,
+            max_total_nodes: usize::MAX,
+            max_total_barrier_arrivals: usize::MAX,
         }
     }
 }
@@ -48,6 +54,8 @@ impl Default for Limits {
             max_nodes_per_job: 100_000,
             max_timeout_ms: 24 * 3600 * 1000,
             retention_ms: 3600 * 1000,
+            max_total_nodes: 1_000_000,
+            max_total_barrier_arrivals: 2_000_000,
         }
     }
 }

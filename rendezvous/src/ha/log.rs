@@ -225,7 +225,8 @@ pub async fn recover(etcd: &Etcd, keys: &Keys, revision: i64) -> Result<Recovere
             if payload.len() as u64 != p.len || crc32fast::hash(&payload) != p.crc {
                 return Err(RecoverError::Damaged(format!("snapshot {} fails its length or checksum", p.seq)));
             }
-            let state: State = postcard::from_bytes(&payload).map_err(|e| RecoverError::Damaged(format!("snapshot {}: {e}", p.seq)))?;
+            let mut state: State = postcard::from_bytes(&payload).map_err(|e| RecoverError::Damaged(format!("snapshot {}: {e}", p.seq)))?;
+            state.recount();
             (state, p.seq, p.at, p.epoch, kv.mod_revision)
         }
     };

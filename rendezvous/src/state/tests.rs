@@ -654,6 +654,82 @@ fn abandoned_jobs_are_forgotten() {
     assert!(w.state.jobs.is_empty());
 }
 
+#[test]
+fn a_forgotten_job_created_again_fences_off_its_old_rounds() {
+    let mut w = World::new(1, 1, 1);
+    w.join("a").unwrap();
+    w.apply(report("a", 1)).unwrap();
+    w.join("a").unwrap();
+    assert_eq!(w.job().round, 2);
+    // The node vanishes (its round ends); the job is forgotten once it has had no node for the
+    // retention time.
+    w.advance(LEASE);
+    let old_round = w.job().round;
+    assert!(old_round >= 2);
+    w.advance(w.limits.retention_ms);
+    assert!(w.state.jobs.is_empty());
+    assert_eq!(w.state.retired.get("job").map(|r| r.round), Some(old_round));
+    // The same id again: a new run, counting on from the forgotten one's last round.
+    w.join("b").unwrap();
+    assert_eq!(w.job().round, old_round + 1);
+    assert!(w.state.retired.is_empty(), "the tombstone is used up");
+    // A writer of the forgotten run still holding its round is stale, not a member of round 1.
+    let err = w.apply(Command::StoreSet { scope: scope(old_round), key: "k".into(), value: b"v".to_vec() }).unwrap_err();
+    assert!(matches!(err, RdzvError::StaleRound { .. }), "{err}");
+    w.apply(Command::StoreSet { scope: scope(old_round + 1), key: "k".into(), value: b"v".to_vec() }).unwrap();
+}
+
+/// The caps over all jobs: one client cannot fill the service with nodes or barrier arrivals
+/// spread over many jobs, each under its own job's cap.
+#[test]
+fn service_wide_caps_hold_nodes_and_barrier_arrivals_over_all_jobs() {
+    let mut w = World::new(1, 4, 0);
+    w.limits.max_total_nodes = 3;
+    w.limits.max_total_barrier_arrivals = 2;
+    let join = |w: &mut World, job: &str, node: &str| {
+        let Command::Join(mut j) = join_cmd(node, 1, None, &w.spec) else { unreachable!() };
+        j.job = job.into();
+        w.apply(Command::Join(j))
+    };
+    join(&mut w, "j1", "a").unwrap();
+    join(&mut w, "j1", "b").unwrap();
+    join(&mut w, "j2", "a").unwrap();
+    assert_eq!(w.state.totals.nodes, 3);
+    let err = join(&mut w, "j3", "a").unwrap_err();
+    assert!(matches!(err, RdzvError::ResourceExhausted(_)) && err.to_string().contains("3 nodes over all jobs"), "{err}");
+    // A retried join of a known node is no new record.
+    join(&mut w, "j1", "a").unwrap();
+    let arrive = |job: &str, member: &str| Command::BarrierArrive {
+        scope: Scope { job: job.into(), round: 1, round_scoped: false },
+        name: "b".into(),
+        member: member.into(),
+        participants: 8,
+        request_id: String::new(),
+    };
+    w.apply(arrive("j1", "x")).unwrap();
+    w.apply(arrive("j2", "y")).unwrap();
+    let err = w.apply(arrive("j1", "z")).unwrap_err();
+    assert!(err.to_string().contains("2 barrier arrivals over all jobs"), "{err}");
+    // Leaving frees a place.
+    w.apply(Command::Leave { job: "j2".into(), node: "a".into(), reason: String::new() }).unwrap();
+    assert_eq!(w.state.totals.nodes, 2);
+    join(&mut w, "j3", "a").unwrap();
+    let mut recounted = w.state.clone();
+    recounted.recount();
+    assert_eq!(recounted.totals, w.state.totals);
+}
+
+#[test]
+fn tombstones_of_forgotten_jobs_are_capped_oldest_first() {
+    let mut state = State::default();
+    for i in 0..MAX_RETIRED + 2 {
+        state.retire(&format!("j{i}"), 3, i as Ms);
+    }
+    assert_eq!(state.retired.len(), MAX_RETIRED);
+    assert!(!state.retired.contains_key("j0") && !state.retired.contains_key("j1"));
+    assert!(state.retired.contains_key("j2") && state.retired.contains_key(&format!("j{}", MAX_RETIRED + 1)));
+}
+
 // ------------------------------------------------------------------------------------------------
 // Property test: arbitrary sequences of commands from several nodes keep the invariants.
 
@@ -685,6 +761,9 @@ fn step() -> impl Strategy<Value = Step> {
 }
 
 fn check_invariants(state: &State) {
+    let mut recounted = state.clone();
+    recounted.recount();
+    assert_eq!(state.totals, recounted.totals, "the running totals match a recount");
     for job in state.jobs.values() {
         match &job.phase {
             Phase::Running { members, world_size, finished, .. } => {
