@@ -26,7 +26,9 @@ pub(crate) struct HierBackend {
 }
 
 impl HierBackend {
-    pub(crate) fn new(ctx: &Ctx, host_of: Vec<usize>) -> Result<Self> {
+    /// Sets up the host's shared memory, the leaders' mesh and the flat mesh, all by `deadline`
+    /// (the bootstrap's: one timeout for the whole setup, not one per part).
+    pub(crate) fn new(ctx: &Ctx, host_of: Vec<usize>, deadline: Instant) -> Result<Self> {
         let n_hosts = host_of.iter().copied().max().map_or(0, |m| m + 1);
         let mut members = vec![Vec::new(); n_hosts];
         for (r, h) in host_of.iter().enumerate() {
@@ -38,20 +40,20 @@ impl HierBackend {
                 &members[my_host],
                 format!("{}/hier/host{my_host}", ctx.prefix),
             )?;
-            Some(ShmBackend::new(&sub, false)?)
+            Some(ShmBackend::new(&sub, false, deadline)?)
         } else {
             None
         };
         let leader_ranks: Vec<usize> = members.iter().map(|m| m[0]).collect();
         let leaders = if n_hosts > 1 && leader_ranks.contains(&ctx.rank) {
             let sub = ctx.sub(&leader_ranks, format!("{}/hier/leaders", ctx.prefix))?;
-            Some(TcpBackend::new(&sub)?)
+            Some(TcpBackend::new(&sub, deadline)?)
         } else {
             None
         };
         let mut flat_ctx = ctx.clone();
         flat_ctx.prefix = format!("{}/hier/flat", ctx.prefix);
-        let flat = TcpBackend::new(&flat_ctx)?;
+        let flat = TcpBackend::new(&flat_ctx, deadline)?;
         Ok(HierBackend {
             ctx: ctx.clone(),
             host_of,

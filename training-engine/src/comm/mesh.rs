@@ -256,8 +256,9 @@ pub(crate) fn advertise_addr(opt: Option<IpAddr>) -> IpAddr {
 const HELLO_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl Mesh {
-    /// Connects every pair of ranks: rank i connects to every j < i and accepts from every j > i.
-    pub(crate) fn connect(ctx: &Ctx) -> Result<Mesh> {
+    /// Connects every pair of ranks: rank i connects to every j < i and accepts from every j > i,
+    /// all by `deadline` (the group bootstrap's, which began `ctx.opts.timeout` before it).
+    pub(crate) fn connect(ctx: &Ctx, deadline: Instant) -> Result<Mesh> {
         let (rank, world) = (ctx.rank, ctx.world);
         let mut socks: Vec<Option<TcpStream>> = (0..world).map(|_| None).collect();
         if world == 1 {
@@ -272,7 +273,6 @@ impl Mesh {
             prefix: ctx.prefix.clone(),
             reason,
         };
-        let deadline = Instant::now() + ctx.opts.timeout;
         let ip = advertise_addr(ctx.opts.advertise_addr);
         let bind_ip = if ip.is_loopback() {
             ip
@@ -960,6 +960,11 @@ mod handshake_tests {
         }
     }
 
+    /// The bootstrap deadline of `ctx`'s timeout from now.
+    fn soon() -> Instant {
+        Instant::now() + Duration::from_secs(3)
+    }
+
     /// A rank whose peer's address now belongs to a process that takes the connection but
     /// never answers the handshake (another job's listener on a reused port, any other server)
     /// says so, naming the rank and the address, instead of sending it gradients.
@@ -975,7 +980,7 @@ mod handshake_tests {
             }
         });
         store.set("hs/tcp/0", format!("{addr} {:016x}", 7u64).as_bytes()).unwrap();
-        let err = Mesh::connect(&ctx(1, store)).err().expect("a handshake nobody answered").to_string();
+        let err = Mesh::connect(&ctx(1, store), soon()).err().expect("a handshake nobody answered").to_string();
         assert!(err.contains(&format!("rank 0 at {addr} did not answer the handshake")), "{err}");
     }
 
@@ -985,7 +990,7 @@ mod handshake_tests {
     fn a_hello_with_another_token_is_refused_and_the_real_peer_connects() {
         let store: Arc<dyn Store> = Arc::new(LocalStore::new());
         let s0 = store.clone();
-        let rank0 = std::thread::spawn(move || Mesh::connect(&ctx(0, s0)).map(|m| m.socks.iter().flatten().count()));
+        let rank0 = std::thread::spawn(move || Mesh::connect(&ctx(0, s0), soon()).map(|m| m.socks.iter().flatten().count()));
         let raw = store.get("hs/tcp/0", Duration::from_secs(3)).unwrap();
         let addr: SocketAddr = String::from_utf8_lossy(&raw).split(' ').next().unwrap().parse().unwrap();
         // An intruder with the right magic and rank but a guessed token: no answer, then closed.
@@ -998,7 +1003,7 @@ mod handshake_tests {
         intruder.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
         let mut ack = [0u8; 1];
         assert_eq!(intruder.read(&mut ack).unwrap_or(0), 0, "the intruder was answered");
-        let rank1 = Mesh::connect(&ctx(1, store)).unwrap();
+        let rank1 = Mesh::connect(&ctx(1, store), soon()).unwrap();
         assert_eq!(rank1.socks.iter().flatten().count(), 1);
         assert_eq!(rank0.join().unwrap().unwrap(), 1);
     }

@@ -486,12 +486,12 @@ impl ProcessGroup {
         let ours = agreed_options(&ctx.opts);
         ctx.store
             .set(&format!("{prefix}/host/{rank}"), format!("{ours}\n{my_id}").as_bytes())?;
-        let deadline = std::time::Instant::now() + ctx.opts.timeout;
+        let deadline = Instant::now() + ctx.opts.timeout;
         let mut ids = Vec::with_capacity(world);
         for j in 0..world {
             let v = ctx.store.get(
                 &format!("{prefix}/host/{j}"),
-                deadline.saturating_duration_since(std::time::Instant::now()),
+                deadline.saturating_duration_since(Instant::now()),
             )?;
             let v = String::from_utf8_lossy(&v).to_string();
             let (theirs, id) = v.split_once('\n').unwrap_or(("", v.as_str()));
@@ -505,10 +505,13 @@ impl ProcessGroup {
             }
             ids.push(id.to_string());
         }
-        Self::from_ctx(ctx, ids)
+        Self::from_ctx(ctx, ids, deadline)
     }
 
-    fn from_ctx(ctx: Ctx, host_ids: Vec<String>) -> Result<Self> {
+    /// Builds the group's backend by `deadline`: the whole bootstrap (host exchange, shared
+    /// memory, meshes) shares one timeout, so a missing peer fails it after `opts.timeout`, not
+    /// after a timeout per phase.
+    fn from_ctx(ctx: Ctx, host_ids: Vec<String>, deadline: Instant) -> Result<Self> {
         let mut hosts: Vec<&str> = Vec::new();
         let host_of: Vec<usize> = host_ids
             .iter()
@@ -537,11 +540,11 @@ impl ProcessGroup {
                         reason: format!("ranks span {n_hosts} hosts"),
                     });
                 }
-                Box::new(shm::ShmBackend::new(&ctx, true)?)
+                Box::new(shm::ShmBackend::new(&ctx, true, deadline)?)
             }
-            Some(BackendKind::Tcp) => Box::new(tcp::TcpBackend::new(&ctx)?),
+            Some(BackendKind::Tcp) => Box::new(tcp::TcpBackend::new(&ctx, deadline)?),
             Some(BackendKind::Hierarchical) | Some(BackendKind::Auto) => {
-                Box::new(hier::HierBackend::new(&ctx, host_of.clone())?)
+                Box::new(hier::HierBackend::new(&ctx, host_of.clone(), deadline)?)
             }
         };
         let backend_name = backend.name();
@@ -883,7 +886,8 @@ impl ProcessGroup {
             .iter()
             .map(|r| self.inner.host_ids[*r].clone())
             .collect();
-        Self::from_ctx(ctx, ids)
+        let deadline = Instant::now() + ctx.opts.timeout;
+        Self::from_ctx(ctx, ids, deadline)
     }
 
     /// Splits the group by host for hybrid sharding: returns `(intra, inter)` where `intra`
@@ -1138,6 +1142,34 @@ impl<T> Work<T> {
 #[cfg(test)]
 mod guard_tests {
     use super::*;
+
+    /// The whole bootstrap shares one timeout: a peer that shows up late in the host exchange
+    /// and then never publishes its address fails the group at `timeout` after the start, not
+    /// at a second full timeout after the host exchange (up to four with the hierarchical
+    /// backend).
+    #[test]
+    fn the_bootstrap_shares_one_timeout() {
+        within_10s(|| {
+            let timeout = std::time::Duration::from_millis(2000);
+            let opts = CommOptions { timeout, backend: BackendKind::Tcp, ..CommOptions::default() };
+            let store = Arc::new(LocalStore::new());
+            let late = store.clone();
+            let ours = agreed_options(&opts);
+            let peer = std::thread::spawn(move || {
+                std::thread::sleep(std::time::Duration::from_millis(1800));
+                late.set("boot/host/0", format!("{ours}\nhost-0").as_bytes())
+            });
+            let t0 = Instant::now();
+            let Err(err) = ProcessGroup::new(1, 2, store, "boot", opts) else {
+                panic!("rank 0 never publishes its address")
+            };
+            let took = t0.elapsed();
+            peer.join().unwrap().unwrap();
+            assert!(err.to_string().contains("boot/tcp/0"), "waits for rank 0's address: {err}");
+            // 2 s of budget; a timeout per phase would end at 1.8 + 2 = 3.8 s.
+            assert!(took < std::time::Duration::from_millis(3500), "took {took:?}: {err}");
+        })
+    }
 
     fn solo(prefix: &str) -> ProcessGroup {
         ProcessGroup::new(0, 1, Arc::new(LocalStore::new()), prefix, CommOptions::default()).unwrap()

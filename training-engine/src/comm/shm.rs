@@ -311,8 +311,9 @@ impl SpinBudget {
 }
 
 impl ShmBackend {
-    /// Creates or attaches the group's segment. `with_p2p` also connects a TCP mesh for send/recv.
-    pub(crate) fn new(ctx: &Ctx, with_p2p: bool) -> Result<Self> {
+    /// Creates or attaches the group's segment by `deadline` (the bootstrap's). `with_p2p` also
+    /// connects a TCP mesh for send/recv, by the same deadline.
+    pub(crate) fn new(ctx: &Ctx, with_p2p: bool, deadline: Instant) -> Result<Self> {
         let (rank, world) = (ctx.rank, ctx.world);
         let boot_err = |reason: String| CommError::Bootstrap {
             prefix: ctx.prefix.clone(),
@@ -321,7 +322,6 @@ impl ShmBackend {
         let slot = ctx.opts.shm_chunk_bytes.max(4096).next_multiple_of(4096);
         let data_base = (CTRL_BASE + world * CTRL_STRIDE).next_multiple_of(4096);
         let len = data_base + world * 2 * slot;
-        let deadline = Instant::now() + ctx.opts.timeout;
         let name_key = format!("{}/shm/name", ctx.prefix);
         let (map, path) = if rank == 0 {
             // Reserved, not sparse: a full /dev/shm (Docker's 64 MiB) is an error here, not a
@@ -450,7 +450,7 @@ impl ShmBackend {
         if with_p2p {
             let mut sub = ctx.clone();
             sub.prefix = format!("{}/p2p", ctx.prefix);
-            me.p2p = Some(TcpBackend::new(&sub)?);
+            me.p2p = Some(TcpBackend::new(&sub, deadline)?);
         }
         Ok(me)
     }

@@ -262,9 +262,10 @@ fn bytes(r: Range<usize>, esz: usize) -> Range<usize> {
 }
 
 impl TcpBackend {
-    pub(crate) fn new(ctx: &Ctx) -> Result<Self> {
+    /// Connects the group's mesh by `deadline` (the bootstrap's).
+    pub(crate) fn new(ctx: &Ctx, deadline: Instant) -> Result<Self> {
         Ok(TcpBackend {
-            mesh: Mesh::connect(ctx)?,
+            mesh: Mesh::connect(ctx, deadline)?,
             scratch: AlignedBuf::new(),
             work: AlignedBuf::new(),
             segment: ctx.opts.tcp_segment_bytes.max(1),
