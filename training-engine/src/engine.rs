@@ -1200,7 +1200,7 @@ fn make_buckets(
     let mut end = layout.units.len();
     let mut bytes = 0usize;
     for ui in (0..layout.units.len()).rev() {
-        bytes += layout.units[ui].numel * 4;
+        bytes = bytes.saturating_add(layout.units[ui].numel.saturating_mul(4));
         let cap = if out.is_empty() { first_bytes } else { cap_bytes };
         if bytes >= cap || ui == 0 {
             out.push(ui..end);

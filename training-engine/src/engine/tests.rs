@@ -514,3 +514,24 @@ fn a_failed_update_on_one_rank_fails_every_rank_and_the_engine_stays_failed() {
     }
     assert!(!dir.path().join(crate::checkpoint::step_dir_name(1)).exists());
 }
+
+/// DDP buckets run from the last unit back: the first closes at `first_bytes`, the others at
+/// `cap_bytes`, a unit is never split, and the first unit closes whatever is left.
+#[test]
+fn buckets_cover_every_unit_once_from_the_back() {
+    let unit = |name: &str, n: usize| crate::layout::UnitSpec {
+        name: name.into(),
+        params: vec![(format!("{name}.w"), vec![n])],
+    };
+    // 4-byte elements: 100, 50, 300, 10, 20 elements = 400, 200, 1200, 40, 80 bytes.
+    let specs = [unit("a", 100), unit("b", 50), unit("c", 300), unit("d", 10), unit("e", 20)];
+    let layout = FlatLayout::new(1, &specs).unwrap();
+    // First bucket closes at 100 bytes: e (80) + d (40) = 120. Then 1000: c (1200) alone. Then b + a.
+    assert_eq!(make_buckets(&layout, 100, 1000), vec![3..5, 2..3, 0..2]);
+    // One bucket for everything when the caps are never reached.
+    assert_eq!(make_buckets(&layout, usize::MAX, usize::MAX), vec![0..5]);
+    // A bucket per unit when each unit alone reaches the cap.
+    assert_eq!(make_buckets(&layout, 1, 1), vec![4..5, 3..4, 2..3, 1..2, 0..1]);
+    let huge = FlatLayout::new(1, &[unit("x", 1)]).unwrap();
+    assert_eq!(make_buckets(&huge, 0, 0), vec![0..1]);
+}

@@ -128,6 +128,9 @@ impl JobCtx {
     }
 }
 
+/// How often a job that has not completed is reported while it is waited for.
+const STALL_REPORT: std::time::Duration = std::time::Duration::from_secs(60);
+
 /// Completion handle of a submitted job.
 pub(crate) struct Ticket {
     ctx: Option<Arc<JobCtx>>,
@@ -144,8 +147,24 @@ impl Ticket {
             return Ok(());
         };
         let mut p = ctx.lock();
+        // No deadline: the buffers stay lent to the kernel until it answers, so giving up early
+        // would break `submit`'s contract. A device that does not answer is said, every minute.
+        let started = std::time::Instant::now();
         while !p.done {
-            p = ctx.cv.wait(p).unwrap_or_else(|e| e.into_inner());
+            let (next, waited) = ctx
+                .cv
+                .wait_timeout(p, STALL_REPORT)
+                .unwrap_or_else(|e| e.into_inner());
+            p = next;
+            if waited.timed_out() && !p.done {
+                tracing::warn!(
+                    path = %ctx.path.display(),
+                    pending = p.pending,
+                    "offload I/O on {} has not completed after {} s (a stalled or failing device?)",
+                    ctx.path.display(),
+                    started.elapsed().as_secs()
+                );
+            }
         }
         match p.error.take() {
             Some(e) => Err(e),
@@ -358,6 +377,50 @@ fn split(reqs: Vec<IoReq>, block: usize) -> Vec<IoReq> {
 struct InFlight {
     ctx: Arc<JobCtx>,
     req: IoReq,
+    /// Push order: the kernel consumes submission entries in this order.
+    seq: u64,
+}
+
+/// Consecutive failures of `io_uring_enter` after which the ring is given up.
+const MAX_ENTER_FAILURES: u32 = 1000;
+
+/// What the driver does after `io_uring_enter` failed with `errno`, the `streak`-th failure in
+/// a row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum EnterError {
+    /// Interrupted, or the kernel is short of memory or completion space for a moment: try
+    /// again (after reaping completions).
+    Retry,
+    /// Fail the requests not handed to the ring yet, and try again.
+    FailQueued,
+    /// The ring is unusable (a bad descriptor or argument, or failing for good): fail every
+    /// request the kernel has not taken, wait for those it has, and stop submitting.
+    Dead,
+}
+
+fn on_enter_error(errno: Option<i32>, streak: u32) -> EnterError {
+    match errno {
+        Some(libc::EINTR) => EnterError::Retry,
+        Some(libc::EBADF | libc::EBADFD | libc::EFAULT | libc::EINVAL | libc::ENXIO | libc::EOPNOTSUPP) => {
+            EnterError::Dead
+        }
+        _ if streak >= MAX_ENTER_FAILURES => EnterError::Dead,
+        Some(libc::EAGAIN | libc::EBUSY) => EnterError::Retry,
+        _ => EnterError::FailQueued,
+    }
+}
+
+/// The in-flight slots whose submission entries the kernel has not consumed: the last
+/// `unconsumed` pushed.
+fn unconsumed_slots(slots: &[Option<InFlight>], unconsumed: usize) -> Vec<usize> {
+    let mut pushed: Vec<(u64, usize)> = slots
+        .iter()
+        .enumerate()
+        .filter_map(|(i, s)| s.as_ref().map(|f| (f.seq, i)))
+        .collect();
+    pushed.sort_unstable();
+    let skip = pushed.len().saturating_sub(unconsumed);
+    pushed[skip..].iter().map(|(_, i)| *i).collect()
 }
 
 fn uring_loop(mut ring: io_uring::IoUring, rx: Receiver<Op>, queue_depth: usize) {
@@ -365,6 +428,10 @@ fn uring_loop(mut ring: io_uring::IoUring, rx: Receiver<Op>, queue_depth: usize)
     let mut slots: Vec<Option<InFlight>> = (0..queue_depth).map(|_| None).collect();
     let mut free: Vec<usize> = (0..queue_depth).rev().collect();
     let mut closed = false;
+    let mut seq = 0u64;
+    let mut streak = 0u32;
+    // Set once the ring failed for good: why, for every request from then on.
+    let mut dead: Option<String> = None;
     loop {
         let in_flight = queue_depth - free.len();
         if in_flight == 0 && queue.is_empty() {
@@ -384,6 +451,12 @@ fn uring_loop(mut ring: io_uring::IoUring, rx: Receiver<Op>, queue_depth: usize)
                     closed = true;
                     break;
                 }
+            }
+        }
+        if let Some(why) = &dead {
+            for (ctx, _) in std::mem::take(&mut queue) {
+                ctx.fail(OffloadError::Engine(why.clone()));
+                finish(&ctx, &mut queue);
             }
         }
         // Fill the ring up to the queue depth.
@@ -422,27 +495,52 @@ fn uring_loop(mut ring: io_uring::IoUring, rx: Receiver<Op>, queue_depth: usize)
                 break;
             }
             free.pop();
-            slots[slot] = Some(InFlight { ctx, req });
+            seq += 1;
+            slots[slot] = Some(InFlight { ctx, req, seq });
         }
         if free.len() == queue_depth {
             continue;
         }
-        match ring.submit_and_wait(1) {
-            Ok(_) => {}
-            Err(e)
-                if matches!(
-                    e.raw_os_error(),
-                    Some(libc::EINTR) | Some(libc::EAGAIN) | Some(libc::EBUSY)
-                ) => {}
-            Err(e) => {
-                // The ring itself failed. Requests already in the kernel still complete (and
-                // are reaped below); fail the ones not submitted yet.
-                let msg = format!("io_uring_enter failed: {e}");
-                for (ctx, _) in std::mem::take(&mut queue) {
-                    ctx.fail(OffloadError::Engine(msg.clone()));
-                    finish(&ctx, &mut queue);
+        if dead.is_some() {
+            // Nothing is submitted any more: the completions of what the kernel took arrive
+            // in the shared completion ring on their own.
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        } else {
+            match ring.submit_and_wait(1) {
+                Ok(_) => streak = 0,
+                Err(e) => {
+                    let interrupted = e.raw_os_error() == Some(libc::EINTR);
+                    if !interrupted {
+                        streak += 1;
+                        std::thread::sleep(std::time::Duration::from_millis(1));
+                    }
+                    let action = on_enter_error(e.raw_os_error(), streak);
+                    let msg = format!("io_uring_enter failed: {e}");
+                    if action != EnterError::Retry {
+                        // Requests already in the kernel still complete (and are reaped below);
+                        // fail the ones not handed to the ring yet.
+                        for (ctx, _) in std::mem::take(&mut queue) {
+                            ctx.fail(OffloadError::Engine(msg.clone()));
+                            finish(&ctx, &mut queue);
+                        }
+                    }
+                    if action == EnterError::Dead {
+                        let why = format!("{msg}; this store's io_uring stopped (after {streak} failures in a row)");
+                        tracing::error!("{why}");
+                        // Without SQPOLL the kernel reads submission entries only inside
+                        // io_uring_enter, which is never called again: those it did not
+                        // consume will never be read, so their buffers are free now.
+                        let unconsumed = ring.submission().len();
+                        for slot in unconsumed_slots(&slots, unconsumed) {
+                            if let Some(InFlight { ctx, .. }) = slots[slot].take() {
+                                free.push(slot);
+                                ctx.fail(OffloadError::Engine(why.clone()));
+                                finish(&ctx, &mut queue);
+                            }
+                        }
+                        dead = Some(why);
+                    }
                 }
-                std::thread::sleep(std::time::Duration::from_millis(1));
             }
         }
         let done: Vec<(u64, i32)> = ring
@@ -451,7 +549,7 @@ fn uring_loop(mut ring: io_uring::IoUring, rx: Receiver<Op>, queue_depth: usize)
             .collect();
         for (slot, res) in done {
             let slot = slot as usize;
-            let Some(InFlight { ctx, req }) = slots.get_mut(slot).and_then(Option::take) else {
+            let Some(InFlight { ctx, req, .. }) = slots.get_mut(slot).and_then(Option::take) else {
                 continue;
             };
             free.push(slot);
@@ -567,4 +665,42 @@ fn positioned(req: &IoReq) -> io::Result<()> {
         done += n as usize;
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod enter_tests {
+    use super::*;
+
+    #[test]
+    fn enter_errors_retry_fail_the_queue_or_stop_the_ring() {
+        assert_eq!(on_enter_error(Some(libc::EINTR), 0), EnterError::Retry);
+        assert_eq!(on_enter_error(Some(libc::EAGAIN), 3), EnterError::Retry);
+        assert_eq!(on_enter_error(Some(libc::EBUSY), 3), EnterError::Retry);
+        assert_eq!(on_enter_error(Some(libc::ENOMEM), 1), EnterError::FailQueued);
+        assert_eq!(on_enter_error(None, 1), EnterError::FailQueued);
+        for fatal in [libc::EBADF, libc::EFAULT, libc::EINVAL, libc::ENXIO, libc::EOPNOTSUPP] {
+            assert_eq!(on_enter_error(Some(fatal), 1), EnterError::Dead, "errno {fatal}");
+        }
+        // Anything that keeps failing stops the ring, even what is transient once.
+        assert_eq!(on_enter_error(Some(libc::EAGAIN), MAX_ENTER_FAILURES), EnterError::Dead);
+        assert_eq!(on_enter_error(Some(libc::ENOMEM), MAX_ENTER_FAILURES), EnterError::Dead);
+    }
+
+    #[test]
+    fn the_entries_the_kernel_did_not_take_are_the_last_pushed() {
+        let ctx = Arc::new(JobCtx {
+            path: Arc::from(Path::new("/tmp/x")),
+            progress: Mutex::new(Progress::default()),
+            cv: Condvar::new(),
+        });
+        let req = IoReq { fd: -1, offset: 0, ptr: std::ptr::null_mut(), len: 1, dir: Dir::Read };
+        let mut slots: Vec<Option<InFlight>> = (0..6).map(|_| None).collect();
+        // Slots are reused out of order: the push sequence decides, not the slot index.
+        for (slot, seq) in [(4, 1), (0, 2), (5, 3), (2, 4)] {
+            slots[slot] = Some(InFlight { ctx: ctx.clone(), req, seq });
+        }
+        assert_eq!(unconsumed_slots(&slots, 0), Vec::<usize>::new());
+        assert_eq!(unconsumed_slots(&slots, 2), vec![5, 2]);
+        assert_eq!(unconsumed_slots(&slots, 9), vec![4, 0, 5, 2]);
+    }
 }
