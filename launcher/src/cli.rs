@@ -448,14 +448,31 @@ pub fn env_source_of(err: &clap::Error, var: impl Fn(&str) -> Option<OsString>, 
     (!on_line).then(|| format!("{env}={}", value.to_string_lossy()))
 }
 
+/// Names the first argument that is not valid UTF-8 (`argv[0]`, the program, is not counted).
+pub fn non_utf8_argument(argv: &[OsString]) -> Option<String> {
+    argv.iter().enumerate().skip(1).find(|(_, a)| a.to_str().is_none()).map(|(i, a)| {
+        format!(
+            "argument {i} ({:?}) is not valid UTF-8: rsrun passes its arguments, and the program's, as UTF-8 text",
+            a.to_string_lossy()
+        )
+    })
+}
+
 impl LaunchArgs {
     /// Parses the process's arguments like `Parser::parse` (printing usage errors and exiting 2), and
     /// records where each value came from.
     pub fn parse_with_origins() -> Self {
         Self::try_parse_with_origins_from(std::env::args_os()).unwrap_or_else(|e| {
-            if let Some(var) = env_source_of(&e, |v| std::env::var_os(v), &std::env::args_os().collect::<Vec<_>>()) {
+            let argv: Vec<OsString> = std::env::args_os().collect();
+            if let Some(var) = env_source_of(&e, |v| std::env::var_os(v), &argv) {
                 // clap names the flag; the user set a variable.
                 eprintln!("rsrun: {var} in the environment sets that option:");
+            }
+            if e.kind() == clap::error::ErrorKind::InvalidUtf8 {
+                // clap does not say which one.
+                if let Some(which) = non_utf8_argument(&argv) {
+                    eprintln!("rsrun: {which}");
+                }
             }
             e.exit()
         })

@@ -624,3 +624,23 @@ fn the_static_backend_waits_timeout() {
     assert_eq!(p.timeouts.join, Duration::from_secs(60));
     assert!(p.notes.iter().any(|n| n.contains("timeout=3600: not used by the c10d backend")), "{:?}", p.notes);
 }
+
+/// An argument that is not UTF-8 (a Latin-1 file name) is a usage error, never a panic, and
+/// rsrun says which one it is (clap does not).
+#[test]
+fn a_non_utf8_argument_is_refused_by_position() {
+    use std::ffi::OsString;
+    use std::os::unix::ffi::OsStringExt;
+    let argv = vec![
+        OsString::from("rsrun"),
+        OsString::from("--nproc-per-node"),
+        OsString::from("2"),
+        OsString::from("cat"),
+        OsString::from_vec(b"caf\xe9.txt".to_vec()),
+    ];
+    let Err(err) = crate::cli::LaunchArgs::try_parse_with_origins_from(argv.clone()) else { panic!("accepted") };
+    assert_eq!(err.kind(), clap::error::ErrorKind::InvalidUtf8);
+    let which = crate::cli::non_utf8_argument(&argv).unwrap();
+    assert!(which.starts_with("argument 4 (\"caf\u{fffd}.txt\") is not valid UTF-8"), "{which}");
+    assert_eq!(crate::cli::non_utf8_argument(&argv[..4]), None);
+}

@@ -48,7 +48,7 @@ use crate::signals::{SignalAction, Signals};
 
 use super::identity::{HostIdentity, same_machine, same_machine_error};
 use super::plan::{RemoteNode, RemotePlan, RemoteRdzv};
-use super::preflight::{self, StartFailure, classify, describe, is_retryable};
+use super::preflight::{self, SshTarget, StartFailure, classify, describe, is_retryable};
 use super::wire::{self, FirstFrame, NODE_LAUNCH_PROTOCOL, RSRUN_VERSION, decode_event, read_frame_async};
 
 /// After a FORCE, how long before the ssh clients (or local agents) are SIGKILLed.
@@ -502,7 +502,10 @@ async fn decide(plan: &RemotePlan, hosts: &[HostState], signalled: Option<Signal
         .nodes
         .iter()
         .zip(hosts)
-        .filter_map(|(node, h)| h.failure.as_ref().map(|f| describe(&node.host.host, f, &rsrun, plan.ssh.connect_timeout)))
+        .filter_map(|(node, h)| {
+            let target = SshTarget { addr: node.host.target(), port: node.host.port.or(plan.ssh.port) };
+            h.failure.as_ref().map(|f| describe(&node.host.host, target, f, &rsrun, plan.ssh.connect_timeout))
+        })
         .collect();
     let report = if plan.check { check_report(plan, hosts) } else { Vec::new() };
     if !failed.is_empty() {

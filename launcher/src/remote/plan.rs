@@ -355,6 +355,14 @@ impl RemotePlan {
             }
             None => host.cwd.clone(),
         };
+        if cwd.to_str().is_none() {
+            // It travels to the hosts as text: a lossy copy would name a directory that does not exist.
+            return Err(PlanError::Invalid {
+                flag: if args.chdir.is_some() { "--chdir" } else { "the working directory" },
+                value: cwd.display().to_string(),
+                expected: "a UTF-8 path (the agents get it as text); pass --chdir with one".into(),
+            });
+        }
         let remote_rsrun = match &args.remote_rsrun {
             Some(p) if p.is_absolute() => p.clone(),
             Some(p) => {

@@ -3,7 +3,8 @@
 //! | stderr contains | classified as |
 //! |---|---|
 //! | `Permission denied (publickey` | authentication |
-//! | `Host key verification failed` / `host key is known` / `REMOTE HOST IDENTIFICATION` | known_hosts |
+//! | `REMOTE HOST IDENTIFICATION HAS CHANGED` | changed host key |
+//! | `Host key verification failed` / `host key is known` | unknown host key |
 //! | `Could not resolve hostname` | DNS |
 //! | `Connection refused` | no sshd / wrong port |
 //! | `Connection timed out` / `No route to host` / `Network is unreachable` | network |
@@ -27,8 +28,10 @@ pub fn kex_backoff(attempt: u32, u: f64) -> std::time::Duration {
 pub enum StartFailure {
     /// Public-key authentication refused.
     Auth(String),
-    /// Unknown or changed host key.
-    KnownHosts(String),
+    /// No key for the host in known_hosts (strict checking).
+    UnknownHostKey(String),
+    /// The host's key differs from the one in known_hosts.
+    ChangedHostKey(String),
     /// The name does not resolve.
     Dns(String),
     /// Nothing listens at the ssh port.
@@ -64,8 +67,12 @@ pub fn classify(code: Option<i32>, stderr: &[String]) -> StartFailure {
         let start = l.find("Permission denied").unwrap_or(0);
         return StartFailure::Auth(l[start..].trim_end_matches('.').to_owned());
     }
-    if let Some(l) = find(&["Host key verification failed", "host key is known", "REMOTE HOST IDENTIFICATION"]) {
-        return StartFailure::KnownHosts(l.trim_end_matches('.').to_owned());
+    // OpenSSH prints the banner first and "Host key verification failed." last: the banner decides.
+    if stderr.iter().any(|l| l.contains("REMOTE HOST IDENTIFICATION HAS CHANGED")) {
+        return StartFailure::ChangedHostKey("REMOTE HOST IDENTIFICATION HAS CHANGED".to_owned());
+    }
+    if let Some(l) = find(&["Host key verification failed", "host key is known"]) {
+        return StartFailure::UnknownHostKey(l.trim_end_matches('.').to_owned());
     }
     if let Some(l) = find(&["Could not resolve hostname"]) {
         return StartFailure::Dns(l);
@@ -91,13 +98,42 @@ pub fn is_retryable(f: &StartFailure) -> bool {
     matches!(f, StartFailure::Kex(_))
 }
 
-/// The one line printed for a host that did not start.
-pub fn describe(host: &str, f: &StartFailure, rsrun: &str, connect_timeout: std::time::Duration) -> String {
+/// Where ssh connected: the address (`addr=`, else the host name) and the port when not 22.
+#[derive(Debug, Clone, Copy)]
+pub struct SshTarget<'a> {
+    /// The address ssh was given.
+    pub addr: &'a str,
+    /// `port=` of the host, else `--ssh-port`.
+    pub port: Option<u16>,
+}
+
+impl SshTarget<'_> {
+    /// `ssh-keyscan` for this address and port, and the known_hosts entry name (`[addr]:port`).
+    fn keyscan(&self) -> (String, String) {
+        let addr = super::command::shell_quote(self.addr);
+        match self.port.filter(|p| *p != 22) {
+            Some(p) => (format!("ssh-keyscan -p {p} -H {addr}"), super::command::shell_quote(&format!("[{}]:{p}", self.addr))),
+            None => (format!("ssh-keyscan -H {addr}"), addr),
+        }
+    }
+}
+
+/// The one line printed for a host that did not start (`host`: its label in the hostfile).
+pub fn describe(host: &str, target: SshTarget<'_>, f: &StartFailure, rsrun: &str, connect_timeout: std::time::Duration) -> String {
     match f {
         StartFailure::Auth(l) => format!("{host}: ssh authentication failed ({l})"),
-        StartFailure::KnownHosts(l) => format!(
-            "{host}: unknown or changed ssh host key ({l}): check known_hosts; add the key with `ssh-keyscan -H {host} >> ~/.ssh/known_hosts`, or pass --ssh-option StrictHostKeyChecking=accept-new"
-        ),
+        StartFailure::UnknownHostKey(l) => {
+            let (scan, _) = target.keyscan();
+            format!(
+                "{host}: unknown ssh host key ({l}): add it with `{scan} >> ~/.ssh/known_hosts` (check the fingerprint), or pass --ssh-option StrictHostKeyChecking=accept-new"
+            )
+        }
+        StartFailure::ChangedHostKey(l) => {
+            let (scan, entry) = target.keyscan();
+            format!(
+                "{host}: the ssh host key CHANGED ({l}): this may be an attack, or the host was reinstalled; once its new key is verified, replace the old one with `ssh-keygen -R {entry} && {scan} >> ~/.ssh/known_hosts`"
+            )
+        }
         StartFailure::Dns(l) => format!("{host}: cannot resolve the host name ({l})"),
         StartFailure::Refused(l) => format!("{host}: connection refused: no sshd listening there, or a wrong --ssh-port ({l})"),
         StartFailure::Network(l) => {
@@ -137,7 +173,8 @@ mod tests {
     #[test]
     fn openssh_messages() {
         let t = std::time::Duration::from_secs(10);
-        let c = |code, s: &str| describe("h2", &classify(code, &lines(s)), "/opt/rsrun", t);
+        let to = SshTarget { addr: "h2", port: None };
+        let c = |code, s: &str| describe("h2", to, &classify(code, &lines(s)), "/opt/rsrun", t);
         assert_eq!(c(Some(255), "h2: Permission denied (publickey)."), "h2: ssh authentication failed (Permission denied (publickey))");
         assert_eq!(
             c(Some(255), "root@127.0.0.1: Permission denied (publickey,password)."),
@@ -147,7 +184,20 @@ mod tests {
             Some(255),
             "No ED25519 host key is known for [127.0.0.1]:2222 and you have requested strict checking.\nHost key verification failed.",
         );
-        assert!(k.starts_with("h2: unknown or changed ssh host key (Host key verification failed)") && k.contains("known_hosts"), "{k}");
+        assert!(k.starts_with("h2: unknown ssh host key (Host key verification failed)") && k.contains("`ssh-keyscan -H h2 >> ~/.ssh/known_hosts`"), "{k}");
+        // The address and port ssh used, not the host's label: the entry must be [addr]:port.
+        let failure = classify(Some(255), &lines("Host key verification failed."));
+        let at = SshTarget { addr: "127.0.0.1", port: Some(2222) };
+        let k = describe("h2", at, &failure, "/opt/rsrun", t);
+        assert!(k.contains("`ssh-keyscan -p 2222 -H 127.0.0.1 >> ~/.ssh/known_hosts`"), "{k}");
+        let changed = classify(
+            Some(255),
+            &lines("@@@@@@@\n@    WARNING: REMOTE HOST IDENTIFICATION HAS CHANGED!     @\n@@@@@@@\nIT IS POSSIBLE THAT SOMEONE IS DOING SOMETHING NASTY!\nHost key verification failed."),
+        );
+        assert!(matches!(changed, StartFailure::ChangedHostKey(_)), "{changed:?}");
+        let k = describe("h2", at, &changed, "/opt/rsrun", t);
+        assert!(k.contains("CHANGED") && k.contains("`ssh-keygen -R '[127.0.0.1]:2222' && ssh-keyscan -p 2222 -H 127.0.0.1 >> ~/.ssh/known_hosts`"), "{k}");
+        assert!(!k.contains("accept-new"), "accept-new does not replace a changed key: {k}");
         assert!(c(Some(255), "ssh: connect to host 127.0.0.1 port 2299: Connection refused").contains("connection refused"));
         assert!(c(Some(255), "ssh: connect to host 10.77.0.2 port 22: Connection timed out").contains("ConnectTimeout=10s"));
         assert!(c(Some(255), "ssh: Could not resolve hostname nope: Name or service not known").contains("cannot resolve"));

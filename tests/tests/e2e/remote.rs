@@ -926,7 +926,8 @@ mod sshd {
         assert_eq!(code(&out.status), 2, "{}", text(&out));
         let stderr = String::from_utf8_lossy(&out.stderr);
         for h in ["h1", "h2", "h3"] {
-            assert!(stderr.contains(&format!("rsrun: error: {h}: unknown or changed ssh host key")), "{stderr}");
+            assert!(stderr.contains(&format!("rsrun: error: {h}: unknown ssh host key")), "{stderr}");
+            assert!(stderr.contains(&format!("`ssh-keyscan -H {h} >> ~/.ssh/known_hosts`")), "{stderr}");
         }
         assert!(stderr.contains("known_hosts"), "{stderr}");
         assert!(start.elapsed() < Duration::from_secs(6), "took {:?} (ConnectTimeout 5 s + 1 s)", start.elapsed());

@@ -182,6 +182,21 @@ fn chdir_sets_every_hosts_directory() {
     assert!(!node.notes.iter().any(|n| n.contains("no effect")), "{:?}", node.notes);
 }
 
+/// A working directory that is not UTF-8 is refused at the head: the agents get the directory
+/// as text, and a lossy copy would send them to one that does not exist.
+#[test]
+fn a_non_utf8_working_directory_is_refused_by_name() {
+    use std::os::unix::ffi::OsStringExt;
+    let mut h = host();
+    h.cwd = std::path::PathBuf::from(std::ffi::OsString::from_vec(b"/data/caf\xe9".to_vec()));
+    let args = parse(&["-H", "w1:1", "--rdzv-endpoint", "127.0.0.1", "true"]);
+    let e = RemotePlan::resolve(&args, &h, Path::new(EXE)).unwrap_err().to_string();
+    assert!(e.starts_with("invalid value '/data/caf\u{fffd}' for the working directory: expected a UTF-8 path"), "{e}");
+    // --chdir with a UTF-8 directory is the way out.
+    let args = parse(&["-H", "w1:1", "--rdzv-endpoint", "127.0.0.1", "--chdir", "/data/cafe", "true"]);
+    assert!(RemotePlan::resolve(&args, &h, Path::new(EXE)).is_ok());
+}
+
 /// The per-node check resolves node 0 as its agent will: the log filters name ranks of the whole
 /// table (world 10 here), which the first host's slots alone do not bound.
 #[test]
