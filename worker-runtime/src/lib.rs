@@ -569,7 +569,7 @@ fn progress_socket() -> Option<Arc<UnixDatagram>> {
             // number.
             let peer: Option<libc::pid_t> = std::env::var("RSRUN_PROGRESS_PEER").ok().and_then(|p| p.trim().parse().ok());
             let fd: RawFd = match value.trim().parse() {
-                Ok(fd) if fd >= 3 && is_unix_datagram_socket(fd) && peer.is_none_or(|p| peer_pid(fd) == Some(p)) => fd,
+                Ok(fd) if fd >= 3 && is_unix_datagram_socket(fd) && peer_is_rsrun(peer, peer_pid(fd), || peer_is_unnamed(fd)) => fd,
                 _ => {
                     tracing::warn!(
                         RSRUN_PROGRESS_FD = %value,
@@ -595,14 +595,38 @@ fn progress_socket() -> Option<Arc<UnixDatagram>> {
         .clone()
 }
 
+/// Whether the socket's peer is the rsrun that passed it: its pid is `expected`
+/// (RSRUN_PROGRESS_PEER; no check when unset). A peer outside this process's pid namespace (the
+/// trainer runs in a container of its own) reads as pid 0: then the socket must be one end of
+/// a socket pair (an unnamed peer), which a socket the trainer connected itself (to `/dev/log`)
+/// is not.
+fn peer_is_rsrun(expected: Option<libc::pid_t>, seen: Option<libc::pid_t>, unnamed_peer: impl FnOnce() -> bool) -> bool {
+    match (expected, seen) {
+        (None, _) => true,
+        (Some(_), Some(0)) => unnamed_peer(),
+        (Some(p), Some(q)) => p == q,
+        (Some(_), None) => false,
+    }
+}
+
 /// The pid of the process at the other end of the socket `fd` (for a socketpair, the one that
-/// made it).
+/// made it); 0 when that process is outside this pid namespace.
 fn peer_pid(fd: RawFd) -> Option<libc::pid_t> {
     let mut cred = libc::ucred { pid: 0, uid: 0, gid: 0 };
     let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
     // SAFETY: cred and len are valid for writes of the sizes given.
     let rc = unsafe { libc::getsockopt(fd, libc::SOL_SOCKET, libc::SO_PEERCRED, (&mut cred as *mut libc::ucred).cast(), &mut len) };
-    (rc == 0 && cred.pid > 0).then_some(cred.pid)
+    (rc == 0 && cred.pid >= 0).then_some(cred.pid)
+}
+
+/// Whether `fd`'s peer has no address (the other end of a socket pair).
+fn peer_is_unnamed(fd: RawFd) -> bool {
+    // SAFETY: an all-zero sockaddr_un is a valid value.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::sockaddr_un>() as libc::socklen_t;
+    // SAFETY: addr and len are valid for writes of the sizes given.
+    let rc = unsafe { libc::getpeername(fd, (&mut addr as *mut libc::sockaddr_un).cast(), &mut len) };
+    rc == 0 && len as usize <= std::mem::size_of::<libc::sa_family_t>()
 }
 
 /// Whether `fd` is an `AF_UNIX` `SOCK_DGRAM` socket (what rsrun passes).
@@ -813,6 +837,28 @@ mod tests {
         let lone = UnixDatagram::unbound().unwrap();
         assert!(is_unix_datagram_socket(lone.as_raw_fd()));
         assert_ne!(peer_pid(lone.as_raw_fd()), Some(std::process::id() as libc::pid_t));
+    }
+
+    /// A peer outside the trainer's pid namespace reads as pid 0: the socket is still rsrun's
+    /// when it is one end of a pair, and not when it is connected to a named socket (syslog's).
+    #[test]
+    fn a_peer_in_another_pid_namespace_is_taken_only_for_a_socket_pair() {
+        use std::os::fd::AsRawFd;
+        assert!(peer_is_rsrun(None, None, || false));
+        assert!(peer_is_rsrun(Some(7), Some(7), || false));
+        assert!(!peer_is_rsrun(Some(7), Some(8), || true));
+        assert!(!peer_is_rsrun(Some(7), None, || true));
+        assert!(peer_is_rsrun(Some(7), Some(0), || true));
+        assert!(!peer_is_rsrun(Some(7), Some(0), || false));
+        let (a, _b) = UnixDatagram::pair().unwrap();
+        assert!(peer_is_unnamed(a.as_raw_fd()));
+        let dir = tempfile::tempdir().unwrap();
+        let log = UnixDatagram::bind(dir.path().join("log")).unwrap();
+        let client = UnixDatagram::unbound().unwrap();
+        client.connect(dir.path().join("log")).unwrap();
+        assert!(!peer_is_unnamed(client.as_raw_fd()), "a socket connected to a path has a named peer");
+        assert!(!peer_is_unnamed(UnixDatagram::unbound().unwrap().as_raw_fd()), "no peer at all");
+        drop(log);
     }
 
     /// barrier() and unique_id() share one client on a runtime of their own: it serves calls from
