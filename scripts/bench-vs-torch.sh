@@ -11,7 +11,7 @@
 #   torch: ATEN_CPU_CAPABILITY=avx2, MKL_ENABLE_INSTRUCTIONS=AVX2, ONEDNN_MAX_CPU_ISA=AVX2), to see
 #   how an AVX2-only CPU fares.
 # Environment: RSRUN_BENCH_CPUS=0,1 pins every process to those CPUs (taskset), for a big machine;
-# RSRUN_BENCH_ROUNDS=N rounds of every run on both sides (default 2; each side's best round counts),
+# RSRUN_BENCH_ROUNDS=N rounds of every run on both sides (default 3; each side's best round counts),
 # RSRUN_BENCH_BIN=DIR uses prebuilt binaries from DIR (no cargo), RSRUN_BENCH_PYTHON=PY a python
 # with torch, RSRUN_BENCH_REF=DIR the folder holding reference_gpt.py and gloo_collectives.py
 # (default: ../shared/bench when present, else the copies in scripts/torch-ref).
@@ -62,7 +62,7 @@ export OMP_NUM_THREADS=1 RAYON_NUM_THREADS=1 STEPS=$steps
 # The workload is CPU-only on both sides: on a GPU host torch's FSDP2 would build its device mesh
 # on CUDA and fail under gloo.
 export CUDA_VISIBLE_DEVICES=
-rounds=${RSRUN_BENCH_ROUNDS:-2}
+rounds=${RSRUN_BENCH_ROUNDS:-3}
 [[ $rounds =~ ^[1-9][0-9]*$ ]] || { echo "bench-vs-torch: RSRUN_BENCH_ROUNDS=$rounds: expected a whole number of rounds, 1 or more" >&2; exit 2; }
 case $isa in
   "") ;;

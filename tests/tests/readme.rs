@@ -579,11 +579,11 @@ fn performance_against_pytorch() {
         eprintln!("performance_against_pytorch: no python with torch (set RSRUN_TEST_PYTHON); skipped");
         return;
     };
-    // As printed, with 6 steps instead of 30 (torch's script drops 3 warm-up steps), and the
-    // test's torch instead of the script's own venv.
+    // As printed, with 6 steps instead of 30 (torch's script drops 3 warm-up steps), one round
+    // instead of three, and the test's torch instead of the script's own venv.
     let cmd = readme(BENCH).replace(" 30", " 6");
     let mut c = shell(&workspace(), &cmd);
-    c.env("RSRUN_BENCH_PYTHON", &py);
+    c.env("RSRUN_BENCH_PYTHON", &py).env("RSRUN_BENCH_ROUNDS", "1");
     let out = run_all(vec![c], Duration::from_secs(1800)).remove(0);
     let all = text(&out);
     assert_eq!(code(&out.status), 0, "{all}");
