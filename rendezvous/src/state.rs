@@ -488,8 +488,9 @@ pub enum Command {
 }
 
 impl Command {
-    /// True for the store writes, which change no node and no barrier.
-    fn is_store_write(&self) -> bool {
+    /// True for the commands that change no node and no barrier (the store writes, keep-alives,
+    /// unique ids): counting their job's barrier arrivals would be wasted work.
+    fn leaves_members_alone(&self) -> bool {
         matches!(
             self,
             Command::StoreSet { .. }
@@ -497,6 +498,8 @@ impl Command {
                 | Command::StoreCas { .. }
                 | Command::StoreDelete { .. }
                 | Command::StoreMultiSet { .. }
+                | Command::KeepAlive { .. }
+                | Command::PublishUniqueId { .. }
         )
     }
 
@@ -1012,7 +1015,7 @@ impl State {
     /// Applies one command at time `now`. On error nothing changed.
     pub fn apply(&mut self, cmd: &Command, now: Ms, limits: &Limits) -> Result<(Outcome, Effects), RdzvError> {
         // A command changes only its own job: the totals move by that job's difference.
-        let barriers = !cmd.is_store_write();
+        let barriers = !cmd.leaves_members_alone();
         let before = self.jobs.get(cmd.job()).map_or_else(Totals::default, |j| j.totals(barriers));
         let result = self.apply_inner(cmd, now, limits);
         if let Ok((_, effects)) = &result {
@@ -1394,6 +1397,14 @@ impl State {
         if fresh && j.spec.fixed_ranks && j.rank_hint.is_none_or(|r| r >= j.spec.max_nodes) {
             return Err(fixed_rank_error(j, j.spec.max_nodes));
         }
+        // A job started over has no nodes, so whether this node adds a record is known now.
+        let known = self.jobs.get(&j.job).is_some_and(|job| job.nodes.contains_key(&j.node));
+        if !known && self.totals.nodes >= limits.max_total_nodes {
+            return Err(RdzvError::ResourceExhausted(format!(
+                "the service holds {} nodes over all jobs, the limit is {}",
+                self.totals.nodes, limits.max_total_nodes
+            )));
+        }
         if !self.jobs.contains_key(&j.job) {
             if self.jobs.len() >= limits.max_jobs {
                 return Err(RdzvError::ResourceExhausted(format!(
@@ -1409,7 +1420,6 @@ impl State {
             }
             self.jobs.insert(j.job.clone(), job);
         }
-        let total_nodes = self.totals.nodes;
         let job = self.job_mut(&j.job)?;
         // A job that ended and that every node has left starts over when its id is used again (a
         // re-run with the same --rdzv-id). Rounds keep counting up, so fencing stays monotonic
@@ -1439,13 +1449,6 @@ impl State {
                 Phase::Running { members, .. } => members.contains_key(&j.node),
                 _ => false,
             };
-        let known = job.nodes.contains_key(&j.node);
-        if !known && total_nodes >= limits.max_total_nodes {
-            return Err(RdzvError::ResourceExhausted(format!(
-                "the service holds {total_nodes} nodes over all jobs, the limit is {}",
-                limits.max_total_nodes
-            )));
-        }
         if !known && job.nodes.len() as u64 >= 2 * u64::from(job.spec.max_nodes) {
             return Err(RdzvError::ResourceExhausted(format!(
                 "job {:?} already has {} nodes (max_nodes {} plus as many spares)",

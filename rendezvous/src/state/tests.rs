@@ -697,6 +697,11 @@ fn service_wide_caps_hold_nodes_and_barrier_arrivals_over_all_jobs() {
     assert_eq!(w.state.totals.nodes, 3);
     let err = join(&mut w, "j3", "a").unwrap_err();
     assert!(matches!(err, RdzvError::ResourceExhausted(_)) && err.to_string().contains("3 nodes over all jobs"), "{err}");
+    // A refused join changes nothing (it is not journaled): no empty job, no tombstone used up.
+    assert!(!w.state.jobs.contains_key("j3"), "a refused join left a job behind");
+    w.state.retire("j4", 9, w.now);
+    assert!(join(&mut w, "j4", "a").is_err());
+    assert!(!w.state.jobs.contains_key("j4") && w.state.retired.contains_key("j4"));
     // A retried join of a known node is no new record.
     join(&mut w, "j1", "a").unwrap();
     let arrive = |job: &str, member: &str| Command::BarrierArrive {
