@@ -94,8 +94,10 @@ impl UnitLayout {
         }
         let mut infos = Vec::with_capacity(params.len());
         let mut offset = 0;
-        for (i, (pname, shape)) in params.iter().enumerate() {
-            if params[..i].iter().any(|(n, _)| n == pname) {
+        // A set, not a scan of the ones before: a checkpoint's table can list millions.
+        let mut seen = std::collections::HashSet::with_capacity(params.len());
+        for (pname, shape) in params {
+            if !seen.insert(pname.as_str()) {
                 return Err(EngineError::Layout(format!("parameter {pname:?} listed twice")));
             }
             let numel = shape
@@ -113,11 +115,15 @@ impl UnitLayout {
                 .ok_or_else(|| EngineError::Layout(format!("unit parameters past {pname:?} have more elements than memory can address")))?;
         }
         let shard_len = offset.div_ceil(world);
+        let name = name.into();
+        let padded_numel = shard_len.checked_mul(world).ok_or_else(|| {
+            EngineError::Layout(format!("unit {name:?} padded to {world} shards has more elements than memory can address"))
+        })?;
         Ok(UnitLayout {
-            name: name.into(),
+            name,
             params: infos,
             numel: offset,
-            padded_numel: shard_len * world,
+            padded_numel,
             shard_len,
         })
     }

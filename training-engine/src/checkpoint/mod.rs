@@ -460,22 +460,85 @@ pub fn commit(
     }
     sync_dir(root)?;
     write_atomic(&root.join(LATEST), format!("{name}\n").as_bytes())?;
+    // `latest` names the new checkpoint: the save is done. What follows only frees space, and a
+    // failure there (an old step someone made read-only, a shard still open on NFS) is logged,
+    // never a failed save: that would stop a run whose checkpoint is whole, at every save.
     if replaced.exists() {
-        std::fs::remove_dir_all(&replaced).map_err(io("remove", &replaced))?;
+        discard(&replaced);
     }
     if keep_last > 0 {
         // Only this run's line counts: checkpoints of later steps left by another run (a
         // `--resume` from an older step into the same root) are not this run's to keep or to
         // count, else each save would delete this run's previous one.
-        let mut all = committed(root)?;
-        all.retain(|(step, _)| *step <= state.step);
-        for (_, dir) in all.iter().rev().skip(keep_last) {
-            if *dir != fin {
-                std::fs::remove_dir_all(dir).map_err(io("remove old checkpoint", dir))?;
+        match committed(root) {
+            Ok(mut all) => {
+                all.retain(|(step, _)| *step <= state.step);
+                for (_, dir) in all.iter().rev().skip(keep_last) {
+                    if *dir != fin {
+                        retire_checkpoint(root, dir);
+                    }
+                }
             }
+            Err(e) => tracing::warn!(root = %root.display(), "old checkpoints not pruned: {e}"),
         }
     }
+    sweep_leftovers(root);
     Ok(fin)
+}
+
+/// Suffix of a checkpoint directory being deleted: [`committed`] never counts it.
+const DELETING: &str = ".deleting";
+
+/// Deletes a committed checkpoint without ever leaving `step-N` with its `metadata.json` but
+/// not all of its shards: it is renamed to `step-N.deleting` first (durably), then removed.
+/// Failures are logged.
+fn retire_checkpoint(root: &Path, dir: &Path) {
+    let mut aside = dir.as_os_str().to_owned();
+    aside.push(DELETING);
+    let aside = PathBuf::from(aside);
+    if let Err(e) = std::fs::rename(dir, &aside) {
+        tracing::warn!(checkpoint = %dir.display(), "old checkpoint not pruned: cannot rename it to {}: {e}", aside.display());
+        return;
+    }
+    if let Err(e) = sync_dir(root) {
+        tracing::warn!(root = %root.display(), "{e}");
+    }
+    discard(&aside);
+}
+
+/// Removes a directory that no checkpoint needs; a failure is logged.
+fn discard(dir: &Path) {
+    #[cfg(test)]
+    if tests::FAIL_DISCARD.with(std::cell::Cell::get) {
+        tracing::warn!(dir = %dir.display(), "not removed (test hook)");
+        return;
+    }
+    if let Err(e) = std::fs::remove_dir_all(dir) {
+        tracing::warn!(dir = %dir.display(), "could not remove it ({e}); it holds no checkpoint that is needed: remove it by hand");
+    }
+}
+
+/// Removes what interrupted saves and prunes left in `root`: `step-N.deleting`, and
+/// `step-N.replaced` once `step-N` is committed (while it is not, [`latest`] may need it).
+fn sweep_leftovers(root: &Path) {
+    let Ok(entries) = std::fs::read_dir(root) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if !name.starts_with("step-") {
+            continue;
+        }
+        let path = entry.path();
+        if name.ends_with(DELETING) {
+            discard(&path);
+        } else if let Some(step) = name.strip_suffix(".replaced")
+            && root.join(step).join(METADATA).is_file()
+        {
+            discard(&path);
+        }
+    }
 }
 
 /// The three save steps in one process: `states` are the states of every rank (or at least
@@ -667,7 +730,8 @@ impl Reader {
                     "header does not match metadata.json (file from another checkpoint?)".into(),
                 ));
             }
-            let expect = meta.units.len() * (1 + meta.state_slots);
+            // Saturating: a hostile `state_slots` must fail the comparison, not overflow.
+            let expect = meta.units.len().saturating_mul(meta.state_slots.saturating_add(1));
             let sections_ok = h.sections.len() == expect
                 && h.sections.iter().all(|s| {
                     s.unit < meta.units.len()

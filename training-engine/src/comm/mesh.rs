@@ -960,7 +960,7 @@ mod handshake_tests {
         }
     }
 
-    /// The bootstrap deadline of `ctx`'s timeout from now.
+    /// A bootstrap deadline 3 s from now (the timeout of `ctx`).
     fn soon() -> Instant {
         Instant::now() + Duration::from_secs(3)
     }

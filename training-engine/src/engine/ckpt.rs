@@ -61,13 +61,22 @@ impl<M: UnitModel> Engine<M> {
     /// [`EngineError::Checkpoint`], [`EngineError::Length`]); tier or collective failures.
     pub fn load_shard_state(&mut self, s: ShardState) -> EngineResult<()> {
         self.check_usable()?;
-        self.install_shard_state(s)?;
-        self.gather_installed_params()
+        self.check_shard_state(&s)?;
+        let r = self.install_shard_state(s).and_then(|()| self.gather_installed_params());
+        self.broken_by(r, "loading a shard state")
     }
 
-    /// The local part of [`Engine::load_shard_state`]: checks `s` and installs it in this rank's
-    /// tiers, without a collective (so the ranks can agree on its outcome first).
-    fn install_shard_state(&mut self, s: ShardState) -> EngineResult<()> {
+    /// Marks the engine unusable when `r` failed: an install or gather that failed part-way left
+    /// it part old state, part new.
+    fn broken_by(&mut self, r: EngineResult<()>, what: &str) -> EngineResult<()> {
+        if let Err(e) = &r {
+            self.broken = Some(format!("{what} failed part-way ({e}); the model holds part of the old state and part of the new"));
+        }
+        r
+    }
+
+    /// Whether `s` fits this engine (model, shard, optimizer, lengths); changes nothing.
+    fn check_shard_state(&self, s: &ShardState) -> EngineResult<()> {
         self.layout.check_same_model(&s.layout)?;
         if s.layout.world != self.layout.world || s.shard_rank != self.shard_rank {
             return Err(EngineError::Layout(format!(
@@ -112,6 +121,13 @@ impl<M: UnitModel> Engine<M> {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Installs a state [`Engine::check_shard_state`] accepted in this rank's tiers, without a
+    /// collective. A failure here (an offload tier's ENOSPC or EIO) leaves the units before the
+    /// failing one loaded.
+    fn install_shard_state(&mut self, s: ShardState) -> EngineResult<()> {
         for ui in 0..self.units.len() {
             self.free_unit(ui)?;
         }
@@ -226,13 +242,18 @@ impl<M: UnitModel> Engine<M> {
                 .map(|(s, p)| (dir, s, p))
                 .map_err(EngineError::from)
         });
-        // Installing the shard (which writes an offload tier: ENOSPC, EIO) is part of what the
-        // ranks agree on: a rank that failed there must not leave the others in the gather.
-        let installed = loaded.and_then(|(dir, state, progress)| self.install_shard_state(state).map(|()| (dir, progress)));
-        self.agree(installed.as_ref().map(drop).map_err(Clone::clone), "checkpoint load")?;
-        let (dir, progress) = installed?;
-        self.agree_on_resume_point(&dir, &progress)?;
-        self.gather_installed_params()?;
+        // Everything that can refuse the checkpoint is agreed on before anything changes: a
+        // load refused on any rank (none there, damaged, another model, ranks that read
+        // different steps) leaves every rank's engine as it was, so a script may start fresh.
+        let checked = loaded.and_then(|(dir, state, progress)| self.check_shard_state(&state).map(|()| (dir, state, progress)));
+        self.agree(checked.as_ref().map(drop).map_err(Clone::clone), "checkpoint load")?;
+        let (dir, state, progress) = checked?;
+        self.agree_on_resume_point(&dir, state.step, &progress)?;
+        // Installing the shard writes the offload tiers (ENOSPC, EIO): a rank that failed there
+        // must not leave the others in the gather, and after it no rank's model is whole.
+        let installed = self.install_shard_state(state);
+        let r = self.agree(installed, "checkpoint install").and_then(|()| self.gather_installed_params());
+        self.broken_by(r, &format!("loading {}", dir.display()))?;
         Ok((dir, progress))
     }
 
@@ -241,13 +262,13 @@ impl<M: UnitModel> Engine<M> {
     /// DDP's replicas train from different weights, ZeRO mixes shards of two steps, and the loops
     /// start at different steps so the collectives no longer pair. Collective; the error is the
     /// same on every rank.
-    fn agree_on_resume_point(&self, dir: &Path, progress: &Progress) -> EngineResult<()> {
+    fn agree_on_resume_point(&self, dir: &Path, step: u64, progress: &Progress) -> EngineResult<()> {
         if self.world == 1 {
             return Ok(());
         }
         // Both fit an i64 (and so does their negation): a step or position past 2^63 is refused.
         let as_i64 = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
-        let (step, position) = (as_i64(self.step), as_i64(progress.data_position));
+        let (step, position) = (as_i64(step), as_i64(progress.data_position));
         // One all-reduce gives both extremes: the maximum of v and of −v.
         let mut v = [step, position, -step, -position];
         self.pg.all_reduce(&mut v, ReduceOp::Max)?;

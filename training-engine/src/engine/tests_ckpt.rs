@@ -276,7 +276,14 @@ fn ranks_that_loaded_different_checkpoints_fail_on_every_rank() {
                 s.spawn(move || {
                     let pg = ProcessGroup::new(rank, 2, store, &prefix, CommOptions::default()).unwrap();
                     let mut e = Engine::new(Gpt::new(tiny()), cfg(Strategy::Ddp), pg).unwrap();
-                    e.load_checkpoint(root).unwrap_err().to_string()
+                    let before = e.full_params().unwrap();
+                    let err = e.load_checkpoint(root).unwrap_err().to_string();
+                    // Refused before anything changed: the engine is as it was and trains on
+                    // (a script may start fresh).
+                    assert_eq!(e.full_params().unwrap(), before, "rank {rank}: a refused load changed the model");
+                    let rows = global_batch(3, 0, GLOBAL_B, tiny().seq, 256);
+                    e.train_step(&[Batch::from_rows(&rank_rows(&rows, rank, 2)).unwrap()]).unwrap();
+                    err
                 })
             })
             .collect();
