@@ -96,9 +96,15 @@ impl DaemonRdzv {
                 (server.addr.to_string(), None, Some(server), false, vec!["127.0.0.1".to_owned()])
             }
             RdzvPlan::Daemon { endpoint, host: HostMode::Auto } => {
-                // A typed endpoint: a name that does not resolve is an error at once.
-                let target = resolve(&endpoint.host, endpoint.port)
-                    .with_context(|| format!("cannot resolve the rendezvous endpoint {endpoint}"))?;
+                let target = if plan.mode.endpoint_may_resolve_late() {
+                    // PET_RDZV_ENDPOINT of an elastic PyTorchJob names `<job>-worker-0`, whose DNS
+                    // record appears once that pod is up (and worker 0 itself must resolve it to
+                    // see that it hosts): wait for it until the join timeout.
+                    reach::resolve(&endpoint.host, endpoint.port, plan.timeouts.join, console).await?
+                } else {
+                    // A typed endpoint: a name that does not resolve is an error at once.
+                    resolve(&endpoint.host, endpoint.port).with_context(|| format!("cannot resolve the rendezvous endpoint {endpoint}"))?
+                };
                 let addrs = advertised_addrs(plan, target);
                 // A launcher hosts a plain service: never when the daemon is expected to speak TLS.
                 let host_here = plan.tls_ca.is_none() && is_own_address(target.ip()) && !listening(target).await;

@@ -83,11 +83,12 @@ fn exec_under_srun(srun: &[String]) -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let err = std::process::Command::new(&srun[0])
-        .args(&srun[1..])
-        .arg(exe)
-        .args(std::env::args_os().skip(1))
-        .exec();
+    let mut cmd = std::process::Command::new(&srun[0]);
+    cmd.args(&srun[1..]).arg(exe).args(std::env::args_os().skip(1));
+    for var in rsrun_launcher::multinode::slurm::PER_TASK_REQUESTS {
+        cmd.env_remove(var);
+    }
+    let err = cmd.exec();
     eprintln!("rsrun: error: cannot run {}: {err}", srun[0]);
     ExitCode::from(2)
 }

@@ -1573,6 +1573,9 @@ impl LaunchPlan {
                 };
                 match devices.get(t.local_rank as usize) {
                     Some(d) => GpuBind::LocalRank(vec![d.clone()]),
+                    // --virtual-local-rank (what the note on a task with one GPU advises) and srun
+                    // bound this task's GPU: that one device is the worker's.
+                    None if gpu_mode == "none" && devices.len() == 1 => GpuBind::LocalRank(devices),
                     None => {
                         return Err(PlanError::Conflict(format!(
                             "--gpu-bind local-rank: SLURM_LOCALID={} but CUDA_VISIBLE_DEVICES={} lists {} device(s); srun already bound the GPUs of this task: drop --gpu-bind, or run srun --gpu-bind=none",

@@ -239,7 +239,7 @@ fn parse_ranges(token: &str, inner: &str) -> Result<Vec<Range>, PlanError> {
         if lo > hi {
             return Err(bad(token, format!("range start {lo} > end {hi}")));
         }
-        if hi - lo + 1 > MAX_RANGE {
+        if hi - lo >= MAX_RANGE {
             return Err(bad(token, format!("too many hosts in range \"{}\" (at most {MAX_RANGE})", clip(part))));
         }
         out.push(Range { lo, hi, width: lo_s.len() });

@@ -114,6 +114,12 @@ pub fn detect(args: &LaunchArgs, host: &HostInfo) -> Result<Option<Cluster>, Pla
         },
     };
     if node_rank >= nodes.max {
+        if rank_source == Source::Env("JOB_COMPLETION_INDEX".into()) {
+            return Err(PlanError::Hosts(format!(
+                "JOB_COMPLETION_INDEX={node_rank}: expected a node rank below PET_NNODES={} (the Indexed Job has more completions than the job has nodes)",
+                args.nnodes.trim()
+            )));
+        }
         return Err(PlanError::Invalid {
             flag: "--node-rank",
             value: node_rank.to_string(),

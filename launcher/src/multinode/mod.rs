@@ -111,6 +111,15 @@ pub enum LaunchMode {
     K8sV2,
 }
 
+impl LaunchMode {
+    /// Whether the rendezvous endpoint's name may not resolve yet when this launcher starts: in
+    /// a Kubernetes pod, another pod's name (`<job>-worker-0`) gets its DNS record only once
+    /// that pod is up. (Slurm's node names resolve from the start.)
+    pub fn endpoint_may_resolve_late(&self) -> bool {
+        matches!(self, LaunchMode::K8sV1Static | LaunchMode::K8sV1Elastic | LaunchMode::K8sV2)
+    }
+}
+
 impl fmt::Display for LaunchMode {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {

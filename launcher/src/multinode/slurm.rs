@@ -235,6 +235,16 @@ pub fn detect(args: &LaunchArgs, host: &HostInfo, table_given: bool, notes: &mut
         )));
     }
     let here = tpn[node as usize];
+    // An interactive shell that is itself a step (`srun --pty bash`, or salloc with
+    // LaunchParameters=use_interactive_step) has the shape of that shell, not of the allocation.
+    if env.get("SLURM_PTY_PORT").is_some()
+        && let Some(job_nodes) = env.num("SLURM_JOB_NUM_NODES")?
+        && job_nodes > n
+    {
+        notes.push(format!(
+            "SLURM_PTY_PORT is set: rsrun runs in an interactive step of {n} node(s) ({n_var}) of an allocation of {job_nodes} (SLURM_JOB_NUM_NODES); to use them all, run `srun --nodes={job_nodes} --ntasks-per-node=1 --overlap rsrun ...` from this shell"
+        ));
+    }
     // One mode for the whole step (a node with one task in `srun -N2 -n3` runs Mode B too).
     let mode_b = ntasks != n || tpn.iter().any(|t| *t > 1);
 
@@ -335,6 +345,7 @@ pub fn detect(args: &LaunchArgs, host: &HostInfo, table_given: bool, notes: &mut
             return Err(err(format!("SLURM_LOCALID={local_rank} but this node runs {here} tasks ({tpn_var})")));
         }
         if let Some(cvd) = env.get("CUDA_VISIBLE_DEVICES")
+            && local_rank > 0
             && cvd.split(',').filter(|d| !d.trim().is_empty()).count() == 1
         {
             notes.push(format!(
@@ -401,6 +412,11 @@ pub fn detect(args: &LaunchArgs, host: &HostInfo, table_given: bool, notes: &mut
     Ok(Some(c))
 }
 
+/// Per-task requests of a batch script that srun reads from its environment (`--export=ALL`
+/// passes them on): mode C's one agent per node must get the node's whole allocation (a step's
+/// default), not one task's share of it (`#SBATCH --gpus-per-task=1` would leave it one GPU).
+pub const PER_TASK_REQUESTS: [&str; 4] = ["SLURM_TRES_PER_TASK", "SLURM_GPUS_PER_TASK", "SLURM_NTASKS_PER_GPU", "SRUN_CPUS_PER_TASK"];
+
 /// A batch script or salloc shell (no srun step).
 fn batch(args: &LaunchArgs, host: &HostInfo, table_given: bool, notes: &mut Vec<String>) -> Result<Option<Cluster>, PlanError> {
     let env = Env(&host.env);
@@ -422,10 +438,19 @@ fn batch(args: &LaunchArgs, host: &HostInfo, table_given: bool, notes: &mut Vec<
         Some(n) => ("SLURM_JOB_NUM_NODES", n),
         None => ("SLURM_NNODES", env.num("SLURM_NNODES")?.unwrap_or(1)),
     };
-    if n <= 1 {
+    // A batch script runs on the allocation's first node (slurmd sets SLURMD_NODENAME); an
+    // salloc shell runs where salloc was typed, usually a login node: a local run there would
+    // train on the login node, so it goes through srun too.
+    let on_allocated_node = env.get("SLURMD_NODENAME").is_some_and(|s| !s.is_empty());
+    if n <= 1 && on_allocated_node {
         let mut c = Cluster::plain(LaunchMode::SlurmLocal);
         nproc_per_node(args, &env, &mut c)?;
         return Ok(Some(c));
+    }
+    if !on_allocated_node {
+        notes.push(format!(
+            "SLURM_JOB_ID={job} without SLURMD_NODENAME: an salloc shell, not on the allocated nodes; the job runs on them through srun"
+        ));
     }
     let srun: Vec<String> = vec![
         "srun".into(),
@@ -441,6 +466,14 @@ fn batch(args: &LaunchArgs, host: &HostInfo, table_given: bool, notes: &mut Vec<
         "Slurm allocation of {n} nodes outside an srun step: running `{} <rsrun> <same arguments>` (one rsrun per node)",
         srun.join(" ")
     ));
+    let dropped: Vec<String> =
+        PER_TASK_REQUESTS.iter().filter_map(|v| env.get(v).map(|val| format!("{v}={val}"))).collect();
+    if !dropped.is_empty() {
+        notes.push(format!(
+            "srun runs without the batch script's per-task requests ({}): each node's rsrun gets the node's whole allocation",
+            dropped.join(", ")
+        ));
+    }
     let mut c = Cluster::plain(LaunchMode::SlurmC { srun });
     c.sources.push(Sourced::new("nnodes", n, Source::Env(n_var.into())));
     Ok(Some(c))

@@ -254,6 +254,14 @@ fn slurm_mode_b_gpu_bind_follows_slurm_localid() {
     let env = with(slurm_b(1), "CUDA_VISIBLE_DEVICES", "3");
     let e = plan(&["--gpu-bind", "local-rank", "true"], &env_ref(&env)).unwrap_err();
     assert!(e.contains("SLURM_LOCALID=1 but CUDA_VISIBLE_DEVICES=3 lists 1 device(s)"), "{e}");
+    // What the note on such a task advises, --virtual-local-rank, works: the task's one GPU.
+    let p = plan(&["true"], &env_ref(&env)).unwrap();
+    assert!(p.notes.iter().any(|n| n.contains("use --virtual-local-rank")), "{:?}", p.notes);
+    let p = plan(&["--virtual-local-rank", "true"], &env_ref(&env)).unwrap();
+    assert_eq!(p.gpu_bind, crate::plan::GpuBind::LocalRank(vec!["3".into()]));
+    // Task 0 with one GPU is no mismatch: no note.
+    let p = plan(&["true"], &env_ref(&with(slurm_b(0), "CUDA_VISIBLE_DEVICES", "3"))).unwrap();
+    assert!(!p.notes.iter().any(|n| n.contains("sees 1 GPU")), "{:?}", p.notes);
 }
 
 /// Slurm's port may be taken by another step that derived the same one: node 0 probes the next 7
@@ -305,6 +313,7 @@ fn slurm_batch(nodes: &str) -> Vec<(&'static str, String)> {
         ("SLURM_NNODES", nodes.into()),
         ("SLURM_GPUS_ON_NODE", "2".into()),
         ("SLURM_NODEID", "0".into()),
+        ("SLURMD_NODENAME", "gpu01".into()),
     ]
 }
 
@@ -327,6 +336,50 @@ fn slurm_batch_on_one_node_runs_locally() {
     assert_eq!(p.mode, LaunchMode::SlurmLocal);
     assert_eq!(p.rdzv, RdzvPlan::Standalone);
     assert_eq!(p.nproc_per_node, 2);
+}
+
+/// A shell that is itself a one-node step (`srun --pty bash` in a 2-node allocation) runs rsrun
+/// on that one node, and says how to use the whole allocation.
+#[test]
+fn an_interactive_step_smaller_than_the_allocation_is_noted() {
+    let mut env = slurm_a("0", "gpu01");
+    for (k, v) in [
+        ("SLURM_STEP_NODELIST", "gpu01"),
+        ("SLURM_STEP_NUM_NODES", "1"),
+        ("SLURM_STEP_NUM_TASKS", "1"),
+        ("SLURM_STEP_TASKS_PER_NODE", "1"),
+        ("SLURM_NNODES", "1"),
+    ] {
+        env = with(env, k, v);
+    }
+    env = with(with(env, "SLURM_JOB_NUM_NODES", "2"), "SLURM_PTY_PORT", "40000");
+    let p = plan(&["true"], &env_ref(&env)).unwrap();
+    let note = p.notes.iter().find(|n| n.contains("interactive step")).unwrap_or_else(|| panic!("{:?}", p.notes));
+    assert!(note.contains("of 1 node(s) (SLURM_STEP_NUM_NODES) of an allocation of 2"), "{note}");
+    // A batch step of the whole allocation says nothing.
+    let p = plan(&["true"], &env_ref(&with(slurm_a("0", "gpu01"), "SLURM_JOB_NUM_NODES", "2"))).unwrap();
+    assert!(!p.notes.iter().any(|n| n.contains("interactive step")), "{:?}", p.notes);
+}
+
+/// An salloc shell (no SLURMD_NODENAME: it runs where salloc was typed, a login node) never runs
+/// the job where it stands, even for one node; srun puts it on the allocation.
+#[test]
+fn an_salloc_shell_runs_the_job_on_the_allocation_through_srun() {
+    let env = without(slurm_batch("1"), "SLURMD_NODENAME");
+    let p = plan(&["true"], &env_ref(&env)).unwrap();
+    let srun = ["srun", "--nodes=1", "--ntasks=1", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--export=ALL"];
+    assert_eq!(p.mode, LaunchMode::SlurmC { srun: srun.iter().map(|s| s.to_string()).collect() });
+    assert!(p.notes.iter().any(|n| n.contains("an salloc shell")), "{:?}", p.notes);
+}
+
+/// Mode C's srun does not inherit the batch script's per-task requests, which would give each
+/// node's one rsrun a single task's share (one GPU of eight).
+#[test]
+fn slurm_mode_c_drops_per_task_requests() {
+    let env = with(with(slurm_batch("2"), "SLURM_GPUS_PER_TASK", "1"), "SLURM_TRES_PER_TASK", "cpu:4,gres/gpu:1");
+    let p = plan(&["true"], &env_ref(&env)).unwrap();
+    let note = p.notes.iter().find(|n| n.contains("per-task requests")).unwrap_or_else(|| panic!("{:?}", p.notes));
+    assert!(note.contains("SLURM_TRES_PER_TASK=cpu:4,gres/gpu:1, SLURM_GPUS_PER_TASK=1"), "{note}");
 }
 
 #[test]
@@ -438,6 +491,9 @@ fn k8s_v1_elastic() {
     let p = plan(&["true"], &env).unwrap();
     assert_eq!(p.mode, LaunchMode::K8sV1Elastic);
     assert_eq!(p.nodes, NodeRange { min: 1, max: 3 });
+    // worker-0's DNS record appears once its pod is up: the name is waited for, not refused.
+    assert!(p.mode.endpoint_may_resolve_late());
+    assert!(!LaunchMode::Rendezvous.endpoint_may_resolve_late() && !LaunchMode::SlurmA.endpoint_may_resolve_late());
     assert_eq!(
         p.rdzv,
         RdzvPlan::Daemon { endpoint: Endpoint { host: "job-worker-0".into(), port: 29400 }, host: HostMode::Auto }
@@ -511,6 +567,11 @@ fn k8s_node_rank_from_the_indexed_job_never_from_rank() {
     let p = plan(&["true"], &env).unwrap();
     assert_eq!(p.rank_hint, Some(1));
     assert!(sources(&p).contains(&"node rank = 1 (JOB_COMPLETION_INDEX)".to_owned()));
+    // Out of range: named as the variable that set it, not as a flag nobody typed.
+    env.retain(|(k, _)| *k != "JOB_COMPLETION_INDEX");
+    env.push(("JOB_COMPLETION_INDEX", "5"));
+    let e = plan(&["true"], &env).unwrap_err();
+    assert!(e.starts_with("JOB_COMPLETION_INDEX=5: expected a node rank below PET_NNODES=2"), "{e}");
 }
 
 #[test]

@@ -58,6 +58,8 @@ fn range_limit_is_65536() {
     assert_eq!(got.len(), 65_536);
     assert_eq!(got[65_535], "node65535");
     assert!(fails("node[0-65536]").contains("too many hosts in range"));
+    // The widest range: no overflow of its count (a panic, or a wrapped count that passed).
+    assert!(fails("n[0-18446744073709551615]").contains("too many hosts in range"));
 }
 
 #[test]
