@@ -108,6 +108,17 @@ pub struct SshTarget<'a> {
 }
 
 impl SshTarget<'_> {
+    /// For a host name: where the ssh config may send it instead (`HostName`, `Port`).
+    fn config_hint(&self) -> String {
+        if self.addr.parse::<std::net::IpAddr>().is_ok() {
+            return String::new();
+        }
+        format!(
+            " (if an ssh config maps {0} to another HostName or Port, scan those: `ssh -G {0}` prints them)",
+            super::command::shell_quote(self.addr)
+        )
+    }
+
     /// `ssh-keyscan` for this address and port, and the known_hosts entry name (`[addr]:port`).
     fn keyscan(&self) -> (String, String) {
         let addr = super::command::shell_quote(self.addr);
@@ -124,14 +135,16 @@ pub fn describe(host: &str, target: SshTarget<'_>, f: &StartFailure, rsrun: &str
         StartFailure::Auth(l) => format!("{host}: ssh authentication failed ({l})"),
         StartFailure::UnknownHostKey(l) => {
             let (scan, _) = target.keyscan();
+            let hint = target.config_hint();
             format!(
-                "{host}: unknown ssh host key ({l}): add it with `{scan} >> ~/.ssh/known_hosts` (check the fingerprint), or pass --ssh-option StrictHostKeyChecking=accept-new"
+                "{host}: unknown ssh host key ({l}): add it with `{scan} >> ~/.ssh/known_hosts`{hint} after checking the fingerprint, or pass --ssh-option StrictHostKeyChecking=accept-new"
             )
         }
         StartFailure::ChangedHostKey(l) => {
             let (scan, entry) = target.keyscan();
+            let hint = target.config_hint();
             format!(
-                "{host}: the ssh host key CHANGED ({l}): this may be an attack, or the host was reinstalled; once its new key is verified, replace the old one with `ssh-keygen -R {entry} && {scan} >> ~/.ssh/known_hosts`"
+                "{host}: the ssh host key CHANGED ({l}): this may be an attack, or the host was reinstalled; once its new key is verified, replace the old one with `ssh-keygen -R {entry} && {scan} >> ~/.ssh/known_hosts`{hint}"
             )
         }
         StartFailure::Dns(l) => format!("{host}: cannot resolve the host name ({l})"),
@@ -189,7 +202,9 @@ mod tests {
         let failure = classify(Some(255), &lines("Host key verification failed."));
         let at = SshTarget { addr: "127.0.0.1", port: Some(2222) };
         let k = describe("h2", at, &failure, "/opt/rsrun", t);
-        assert!(k.contains("`ssh-keyscan -p 2222 -H 127.0.0.1 >> ~/.ssh/known_hosts`"), "{k}");
+        assert!(k.contains("`ssh-keyscan -p 2222 -H 127.0.0.1 >> ~/.ssh/known_hosts` after"), "{k}");
+        // A name may be mapped by an ssh config: say how to see where to.
+        assert!(c(Some(255), "Host key verification failed.").contains("`ssh -G h2` prints them"));
         let changed = classify(
             Some(255),
             &lines("@@@@@@@\n@    WARNING: REMOTE HOST IDENTIFICATION HAS CHANGED!     @\n@@@@@@@\nIT IS POSSIBLE THAT SOMEONE IS DOING SOMETHING NASTY!\nHost key verification failed."),
