@@ -579,11 +579,12 @@ fn performance_against_pytorch() {
         eprintln!("performance_against_pytorch: no python with torch (set RSRUN_TEST_PYTHON); skipped");
         return;
     };
-    // As printed, with 6 steps instead of 30 (torch's script drops 3 warm-up steps), one round
-    // instead of three, and the test's torch instead of the script's own venv.
+    // As printed, with 6 steps instead of 30 (torch's script drops 3 warm-up steps), two rounds
+    // instead of three (enough to check that each side's best round counts), and the test's
+    // torch instead of the script's own venv.
     let cmd = readme(BENCH).replace(" 30", " 6");
     let mut c = shell(&workspace(), &cmd);
-    c.env("RSRUN_BENCH_PYTHON", &py).env("RSRUN_BENCH_ROUNDS", "1");
+    c.env("RSRUN_BENCH_PYTHON", &py).env("RSRUN_BENCH_ROUNDS", "2");
     let out = run_all(vec![c], Duration::from_secs(1800)).remove(0);
     let all = text(&out);
     assert_eq!(code(&out.status), 0, "{all}");
@@ -604,7 +605,7 @@ fn performance_against_pytorch() {
         let v = number(engine, key);
         assert!((0.0..=1.0).contains(&v), "{key}: {engine}");
     }
-    // Two rounds by default, and each side's best round is what the ratios compare.
+    // Two rounds (RSRUN_BENCH_ROUNDS above), and each side's best round is what the ratios compare.
     let rounds: Vec<&str> = all.lines().filter(|l| l.starts_with("round ")).collect();
     assert!(rounds.len() == 2 && rounds[1].starts_with("round 2 of 2,"), "{all}");
     let best = |side: usize| -> f64 {
