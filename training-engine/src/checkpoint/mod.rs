@@ -682,12 +682,21 @@ pub fn read_metadata(dir: &Path) -> Result<Metadata, CheckpointError> {
     Ok(meta)
 }
 
-/// An opened checkpoint whose metadata and file headers were verified.
+/// An opened checkpoint whose metadata was verified; its shard files are opened and checked one
+/// at a time ([`Reader::shard`]), only those a load needs: a rank of a ZeRO-3 job of 1,024 ranks
+/// reads the one or two shards that overlap its own, not 1,024 headers with 1,024 descriptors
+/// held open.
 struct Reader {
     dir: PathBuf,
     meta: Metadata,
     layout: FlatLayout,
-    files: Vec<(PathBuf, File, ShardHeader)>,
+}
+
+/// One shard file of a [`Reader`], its header checked against `metadata.json`.
+struct Shard {
+    path: PathBuf,
+    file: File,
+    header: ShardHeader,
 }
 
 impl Reader {
@@ -709,57 +718,61 @@ impl Reader {
         for u in &meta.units {
             check_unit(u, meta.shard_world).map_err(|reason| bad(format!("unit {:?}: {reason}", u.name)))?;
         }
-        let mut files = Vec::with_capacity(meta.files.len());
         for (j, fm) in meta.files.iter().enumerate() {
             // Shard j's file is always named for j: a name from the file may not lead elsewhere
             // (`../x`, an absolute path).
             if fm.name != shard_file_name(j) {
                 return Err(bad(format!("file {j} is named {:?}, expected {:?}", fm.name, shard_file_name(j))));
             }
-            let path = dir.join(&fm.name);
-            let (h, crc, size) = read_header(&path)?;
-            let corrupt = |reason: String| CheckpointError::Corrupt {
-                path: path.clone(),
-                reason,
-            };
-            if size != fm.size {
-                return Err(corrupt(format!("{size} bytes, metadata says {}", fm.size)));
-            }
-            if crc != fm.header_crc32 || fm.shard_rank != j || h.shard_rank != j {
-                return Err(corrupt(
-                    "header does not match metadata.json (file from another checkpoint?)".into(),
-                ));
-            }
-            // Saturating: a hostile `state_slots` must fail the comparison, not overflow.
-            let expect = meta.units.len().saturating_mul(meta.state_slots.saturating_add(1));
-            let sections_ok = h.sections.len() == expect
-                && h.sections.iter().all(|s| {
-                    s.unit < meta.units.len()
-                        && s.tensor <= meta.state_slots
-                        && s.len == meta.units[s.unit].shard_len
-                        && (s.len as u64)
-                            .checked_mul(4)
-                            .and_then(|b| s.offset.checked_add(b))
-                            .is_some_and(|end| end <= size)
-                });
-            if !sections_ok || h.step != meta.step || h.state_slots != meta.state_slots {
-                return Err(corrupt("sections do not match metadata.json".into()));
-            }
-            let f = open_regular(&path)?;
-            files.push((path, f, h));
         }
         Ok(Reader {
             dir: dir.to_path_buf(),
             meta,
             layout,
-            files,
         })
     }
 
-    /// Section (`unit`, `tensor`) of shard `j`, checksum-verified.
-    fn section(&self, j: usize, unit: usize, tensor: usize) -> Result<Vec<f32>, CheckpointError> {
-        let (path, f, h) = &self.files[j];
-        let Some(s) = h
+    /// Opens shard file `j` and checks its header against `metadata.json`.
+    fn shard(&self, j: usize) -> Result<Shard, CheckpointError> {
+        let meta = &self.meta;
+        let fm = &meta.files[j];
+        let path = self.dir.join(&fm.name);
+        let (h, crc, size) = read_header(&path)?;
+        let corrupt = |reason: String| CheckpointError::Corrupt {
+            path: path.clone(),
+            reason,
+        };
+        if size != fm.size {
+            return Err(corrupt(format!("{size} bytes, metadata says {}", fm.size)));
+        }
+        if crc != fm.header_crc32 || fm.shard_rank != j || h.shard_rank != j {
+            return Err(corrupt(
+                "header does not match metadata.json (file from another checkpoint?)".into(),
+            ));
+        }
+        // Saturating: a hostile `state_slots` must fail the comparison, not overflow.
+        let expect = meta.units.len().saturating_mul(meta.state_slots.saturating_add(1));
+        let sections_ok = h.sections.len() == expect
+            && h.sections.iter().all(|s| {
+                s.unit < meta.units.len()
+                    && s.tensor <= meta.state_slots
+                    && s.len == meta.units[s.unit].shard_len
+                    && (s.len as u64)
+                        .checked_mul(4)
+                        .and_then(|b| s.offset.checked_add(b))
+                        .is_some_and(|end| end <= size)
+            });
+        if !sections_ok || h.step != meta.step || h.state_slots != meta.state_slots {
+            return Err(corrupt("sections do not match metadata.json".into()));
+        }
+        let file = open_regular(&path)?;
+        Ok(Shard { path, file, header: h })
+    }
+
+    /// Section (`unit`, `tensor`) of `shard`, checksum-verified.
+    fn section(&self, shard: &Shard, unit: usize, tensor: usize) -> Result<Vec<f32>, CheckpointError> {
+        let Shard { path, file, header } = shard;
+        let Some(s) = header
             .sections
             .iter()
             .find(|s| s.unit == unit && s.tensor == tensor)
@@ -770,7 +783,7 @@ impl Reader {
             });
         };
         let mut bytes = vec![0u8; 4 * s.len];
-        f.read_exact_at(&mut bytes, s.offset)
+        file.read_exact_at(&mut bytes, s.offset)
             .map_err(io("read", path))?;
         if crc32fast::hash(&bytes) != s.crc32 {
             return Err(CheckpointError::Corrupt {
@@ -786,26 +799,28 @@ impl Reader {
         Ok(format::f32_from_bytes(&bytes))
     }
 
-    /// Elements `range` (unit coordinates, within `numel`) of `tensor` of `unit`, gathered
-    /// from the saved shards.
-    fn gather(
-        &self,
-        unit: usize,
-        tensor: usize,
-        range: std::ops::Range<usize>,
-        out: &mut [f32],
-    ) -> Result<(), CheckpointError> {
-        let u = &self.layout.units[unit];
+    /// Fills every request: `(unit, tensor, range, out)` receives elements `range` (unit
+    /// coordinates, within `numel`) of `tensor` of `unit`. Shard by shard, each opened once and
+    /// only when a request overlaps it, so at most one shard file is open at a time.
+    fn gather_all(&self, requests: &mut [(usize, usize, std::ops::Range<usize>, &mut [f32])]) -> Result<(), CheckpointError> {
         for j in 0..self.meta.shard_world {
-            let old = u.shard_range(j);
-            let start = old.start.max(range.start);
-            let end = old.end.min(range.end);
-            if start >= end {
+            let overlaps = |unit: usize, range: &std::ops::Range<usize>| {
+                let old = self.layout.units[unit].shard_range(j);
+                old.start.max(range.start) < old.end.min(range.end)
+            };
+            if !requests.iter().any(|(u, _, range, _)| overlaps(*u, range)) {
                 continue;
             }
-            let sec = self.section(j, unit, tensor)?;
-            out[start - range.start..end - range.start]
-                .copy_from_slice(&sec[start - old.start..end - old.start]);
+            let shard = self.shard(j)?;
+            for (unit, tensor, range, out) in requests.iter_mut() {
+                let old = self.layout.units[*unit].shard_range(j);
+                let (start, end) = (old.start.max(range.start), old.end.min(range.end));
+                if start >= end {
+                    continue;
+                }
+                let sec = self.section(&shard, *unit, *tensor)?;
+                out[start - range.start..end - range.start].copy_from_slice(&sec[start - old.start..end - old.start]);
+            }
         }
         Ok(())
     }
@@ -886,19 +901,25 @@ pub fn load(
         )));
     }
     let slots = r.meta.state_slots;
-    let mut master = Vec::with_capacity(target.layout.units.len());
-    let mut state = Vec::with_capacity(target.layout.units.len());
-    for (ui, unit) in target.layout.units.iter().enumerate() {
-        let range = unit.shard_range(target.shard_rank);
-        let valid = range.start.min(unit.numel)..range.end.min(unit.numel);
-        let mut tensors = Vec::with_capacity(1 + slots);
-        for tensor in 0..=slots {
-            let mut out = vec![0.0f32; unit.shard_len];
-            let n = valid.len();
-            r.gather(ui, tensor, valid.clone(), &mut out[..n])?;
-            tensors.push(out);
+    // Every tensor of every unit of this shard, padding left at zero.
+    let mut tensors: Vec<Vec<Vec<f32>>> =
+        target.layout.units.iter().map(|unit| (0..=slots).map(|_| vec![0.0f32; unit.shard_len]).collect()).collect();
+    {
+        let mut requests = Vec::with_capacity(tensors.len() * (1 + slots));
+        for (ui, (unit, outs)) in target.layout.units.iter().zip(tensors.iter_mut()).enumerate() {
+            let range = unit.shard_range(target.shard_rank);
+            let valid = range.start.min(unit.numel)..range.end.min(unit.numel);
+            for (tensor, out) in outs.iter_mut().enumerate() {
+                let n = valid.len();
+                requests.push((ui, tensor, valid.clone(), &mut out[..n]));
+            }
         }
-        let mut it = tensors.into_iter();
+        r.gather_all(&mut requests)?;
+    }
+    let mut master = Vec::with_capacity(tensors.len());
+    let mut state = Vec::with_capacity(tensors.len());
+    for unit in tensors {
+        let mut it = unit.into_iter();
         master.push(it.next().unwrap_or_default());
         state.push(it.collect());
     }
@@ -936,9 +957,10 @@ pub fn load(
 pub fn verify(dir: &Path) -> Result<Metadata, CheckpointError> {
     let r = Reader::open(dir)?;
     for j in 0..r.meta.shard_world {
+        let shard = r.shard(j)?;
         for u in 0..r.meta.units.len() {
             for t in 0..=r.meta.state_slots {
-                r.section(j, u, t)?;
+                r.section(&shard, u, t)?;
             }
         }
     }
@@ -946,38 +968,52 @@ pub fn verify(dir: &Path) -> Result<Metadata, CheckpointError> {
 }
 
 /// Writes the full fp32 parameters (the master weights, padding stripped) of checkpoint `dir`
-/// to one safetensors file `out`, by parameter name and shape; atomically.
+/// to one safetensors file `out`, by parameter name and shape; atomically. Streams unit by
+/// unit: memory holds one unit's parameters, not the model (twice over).
 ///
 /// # Errors
 /// Damaged checkpoint files, or I/O errors naming the path.
 pub fn export_safetensors(dir: &Path, out: &Path) -> Result<(), CheckpointError> {
     let r = Reader::open(dir)?;
-    let mut full: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
-    for (ui, unit) in r.layout.units.iter().enumerate() {
-        let mut flat = vec![0.0f32; unit.numel];
-        r.gather(ui, 0, 0..unit.numel, &mut flat)?;
-        for p in &unit.params {
-            full.push((
-                p.name.clone(),
-                p.shape.clone(),
-                format::f32_bytes(&flat[p.range()]).into_owned(),
-            ));
+    // The header: every tensor's dtype, shape and byte range, back to back in unit order.
+    let mut tensors = serde_json::Map::new();
+    let mut meta = serde_json::Map::new();
+    meta.insert("step".into(), r.meta.step.to_string().into());
+    meta.insert("format".into(), "pt".into());
+    tensors.insert("__metadata__".into(), meta.into());
+    let mut offset: u64 = 0;
+    for p in r.layout.units.iter().flat_map(|u| &u.params) {
+        let end = offset + 4 * p.numel as u64;
+        let entry = serde_json::json!({ "dtype": "F32", "shape": p.shape, "data_offsets": [offset, end] });
+        if tensors.insert(p.name.clone(), entry).is_some() || p.name == "__metadata__" {
+            return Err(CheckpointError::InvalidArgument(format!("safetensors: parameter name {:?} is not unique", p.name)));
+        }
+        offset = end;
+    }
+    let mut header = serde_json::to_vec(&serde_json::Value::Object(tensors))
+        .map_err(|e| CheckpointError::InvalidArgument(format!("safetensors header: {e}")))?;
+    // The data starts 8-byte aligned, as the safetensors writer pads it (with spaces).
+    header.resize(header.len().next_multiple_of(8), b' ');
+    let (file, tmp) = create_tmp(out)?;
+    let written = (|| -> Result<File, CheckpointError> {
+        let mut w = BufWriter::with_capacity(1 << 20, file);
+        let wio = |e| CheckpointError::Io { op: "write", path: tmp.clone(), source: e };
+        w.write_all(&(header.len() as u64).to_le_bytes()).map_err(wio)?;
+        w.write_all(&header).map_err(wio)?;
+        for (ui, unit) in r.layout.units.iter().enumerate() {
+            let mut flat = vec![0.0f32; unit.numel];
+            r.gather_all(&mut [(ui, 0, 0..unit.numel, flat.as_mut_slice())])?;
+            w.write_all(&format::f32_bytes(&flat)).map_err(wio)?;
+        }
+        w.into_inner().map_err(|e| wio(e.into_error()))
+    })();
+    match written {
+        Ok(file) => commit_tmp(file, &tmp, out),
+        Err(e) => {
+            let _ = std::fs::remove_file(&tmp);
+            Err(e)
         }
     }
-    let views = full
-        .iter()
-        .map(|(name, shape, bytes)| {
-            safetensors::tensor::TensorView::new(safetensors::Dtype::F32, shape.clone(), bytes)
-                .map(|v| (name.clone(), v))
-        })
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| CheckpointError::InvalidArgument(format!("safetensors: {e}")))?;
-    let mut info = std::collections::HashMap::new();
-    info.insert("step".to_string(), r.meta.step.to_string());
-    info.insert("format".to_string(), "pt".to_string());
-    let bytes = safetensors::tensor::serialize(views, Some(info))
-        .map_err(|e| CheckpointError::InvalidArgument(format!("safetensors: {e}")))?;
-    write_atomic(out, &bytes)
 }
 
 #[cfg(test)]
