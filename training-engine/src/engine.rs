@@ -246,6 +246,10 @@ pub struct Engine<M: UnitModel> {
     /// Tests: the optimizer update of this unit fails (as an offload tier's I/O error would).
     #[cfg(test)]
     pub(crate) fail_update_of: Option<usize>,
+    /// Tests: the first gradient element turns NaN after the reduction (as an overflow in the
+    /// backward would make it).
+    #[cfg(test)]
+    pub(crate) poison_grads: bool,
 }
 
 fn tensor_err(e: candle_core::Error) -> EngineError {
@@ -436,6 +440,8 @@ impl<M: UnitModel> Engine<M> {
             broken: None,
             #[cfg(test)]
             fail_update_of: None,
+            #[cfg(test)]
+            poison_grads: false,
             gathered: Tracker::default(),
             comm: Tracker::default(),
             comm_wait_ns: Default::default(),
@@ -447,7 +453,14 @@ impl<M: UnitModel> Engine<M> {
             native: native::NativeState::default(),
         };
         e.traffic_base = e.bytes_sent_total();
-        e.setup_tiers()?;
+        // An offload tier can fail on one node alone (its disk full, its --nvme-path missing,
+        // io_uring unavailable there): every rank is told, not left to time out in its first
+        // collective without the cause.
+        let tiers = e.setup_tiers();
+        if e.on_any_rank(tiers.is_err())? {
+            tiers?;
+            return Err(EngineError::Offload("setting up the offload tier failed on another rank (its error names the cause)".into()));
+        }
         Ok(e)
     }
 
@@ -740,6 +753,12 @@ impl<M: UnitModel> Engine<M> {
         let mut grad_scale = 1.0f32;
         let mut grad_norm = None;
         if let Some(max_norm) = self.cfg.clip_grad_norm {
+            #[cfg(test)]
+            if self.poison_grads
+                && let Some(g) = self.units[0].grad.as_f32_mut()
+            {
+                g[0] = f32::NAN;
+            }
             let mut sq = [0f64];
             for ui in 0..self.units.len() {
                 sq[0] += if z1 {
@@ -754,6 +773,12 @@ impl<M: UnitModel> Engine<M> {
                 self.in_comm(|| g.all_reduce(&mut sq, ReduceOp::Sum))?;
             }
             let norm = sq[0].sqrt();
+            if !norm.is_finite() {
+                // Clipping by it would scale by 1 (NaN comparisons are false) and write NaN into
+                // the weights and the optimizer's moments for good. The norm is the same on
+                // every rank (reduced, or over reduced gradients): all fail, nothing applied.
+                return Err(EngineError::NonFinite { what: "gradient norm", step: self.step + 1 });
+            }
             grad_norm = Some(norm);
             grad_scale = clip_coef(norm, max_norm);
         }

@@ -213,7 +213,7 @@ const HELLO_ACK: u8 = 0xA5;
 
 /// A random listener token: from the kernel's generator, else from std's per-process random
 /// hash keys (never fails; it only has to differ between listeners).
-fn random_token() -> u64 {
+pub(crate) fn random_token() -> u64 {
     let mut b = [0u8; 8];
     if std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b)).is_ok() {
         return u64::from_le_bytes(b);

@@ -63,6 +63,7 @@ mod dtype;
 mod error;
 mod hier;
 mod mesh;
+pub(crate) use mesh::random_token;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 mod op;

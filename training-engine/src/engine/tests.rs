@@ -515,6 +515,61 @@ fn a_failed_update_on_one_rank_fails_every_rank_and_the_engine_stays_failed() {
     assert!(!dir.path().join(crate::checkpoint::step_dir_name(1)).exists());
 }
 
+/// An offload tier that cannot be set up on one rank (its directory missing on that node)
+/// fails Engine::new on every rank, promptly and naming the cause on the rank that has it.
+#[test]
+fn an_offload_tier_that_fails_on_one_rank_fails_every_rank() {
+    one_thread();
+    let tmp = tempfile::tempdir().unwrap();
+    let store = Arc::new(LocalStore::new());
+    let prefix = format!("t{}", rand::random::<u64>());
+    let handles: Vec<_> = (0..2)
+        .map(|rank| {
+            let (store, prefix) = (store.clone(), prefix.clone());
+            let dir = if rank == 1 { tmp.path().join("missing-on-this-node") } else { tmp.path().to_owned() };
+            std::thread::spawn(move || {
+                let mut c = cfg(Strategy::Zero2);
+                c.offload = Offload::Nvme(crate::offload::NvmeConfig::new(&dir, "tier-test"));
+                let opts = CommOptions { timeout: std::time::Duration::from_secs(20), ..CommOptions::default() };
+                let pg = ProcessGroup::new(rank, 2, store, &prefix, opts).unwrap();
+                let t0 = std::time::Instant::now();
+                let e = Engine::new(Gpt::new(tiny()), c, pg).err().map(|e| e.to_string());
+                (e, t0.elapsed())
+            })
+        })
+        .collect();
+    let got: Vec<_> = handles.into_iter().map(|h| h.join().unwrap()).collect();
+    let (e0, t0) = &got[0];
+    let (e1, _) = &got[1];
+    assert!(e1.as_ref().is_some_and(|e| e.contains("missing-on-this-node")), "{e1:?}");
+    assert!(e0.as_ref().is_some_and(|e| e.contains("failed on another rank")), "{e0:?}");
+    assert!(*t0 < std::time::Duration::from_secs(15), "rank 0 waited {t0:?}, as long as a collective's timeout");
+}
+
+/// With clipping on, a gradient that is not finite (a loss that is) fails the step on every rank
+/// before anything is applied, instead of clipping by 1 and writing NaN into the weights.
+#[test]
+fn a_non_finite_gradient_norm_fails_the_step_and_applies_nothing() {
+    let mut c = cfg(Strategy::Ddp);
+    c.clip_grad_norm = Some(1.0);
+    let got = on_ranks(2, 1, c, move |rank, e| {
+        let mut e = e.unwrap();
+        let before = e.full_params().unwrap();
+        e.poison_grads = true;
+        let err = e.train_step(&batches(rank, 2, 0, 1)).map(drop).map_err(|e| e.to_string());
+        let unchanged = e.full_params().unwrap() == before;
+        // The engine goes on once the gradients are sound again.
+        e.poison_grads = false;
+        let next = e.train_step(&batches(rank, 2, 0, 1)).map(|o| o.grad_norm.is_some_and(f64::is_finite));
+        (err, unchanged, next.ok())
+    });
+    for (rank, (err, unchanged, next)) in got.iter().enumerate() {
+        assert!(err.as_ref().is_err_and(|e| e == "non-finite gradient norm at step 1"), "rank {rank}: {err:?}");
+        assert!(*unchanged, "rank {rank}: weights changed");
+        assert_eq!(*next, Some(true), "rank {rank}");
+    }
+}
+
 /// DDP buckets run from the last unit back: the first closes at `first_bytes`, the others at
 /// `cap_bytes`, a unit is never split, and the first unit closes whatever is left.
 #[test]

@@ -199,6 +199,12 @@ fn f16_loss_scaling_skips_overflowing_steps() {
     assert_eq!(s.scale, 32768.0);
     s.update(true);
     assert_eq!(s.scale, 65536.0);
+    // Never below the floor, however many overflows in a row.
+    for _ in 0..200 {
+        s.update(false);
+    }
+    assert_eq!(s.scale, 1.0);
+    assert!(s.at_minimum());
 
     one_thread();
     let pg = ProcessGroup::new(0, 1, std::sync::Arc::new(LocalStore::new()), "f16", CommOptions::default()).unwrap();
@@ -225,6 +231,18 @@ fn f16_loss_scaling_skips_overflowing_steps() {
     }
     assert!(last < first.loss - 1.0, "f16 loss {} -> {last}", first.loss);
     assert_eq!(e.step_count(), 13);
+    // An overflow at the floor is an error, not a skip (a skip would come back every step).
+    let saved = e.scaler;
+    if let Some(sc) = e.scaler.as_mut() {
+        sc.min_scale = 1e30;
+        sc.scale = 1e30;
+    }
+    let params = e.full_params().unwrap();
+    let err = e.train_step(std::slice::from_ref(&b)).unwrap_err();
+    assert!(matches!(err, EngineError::NonFinite { step: 14, .. }), "{err}");
+    assert!(err.to_string().contains("minimum loss scale"), "{err}");
+    assert!(e.full_params().unwrap() == params, "nothing was applied");
+    e.scaler = saved;
 
     // A checkpoint keeps the scaler's count of good steps, so a resumed run doubles the scale at
     // the same step as an uninterrupted one.

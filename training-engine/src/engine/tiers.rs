@@ -240,7 +240,10 @@ impl OffloadTier {
 }
 
 /// Dynamic loss scaler for f16 (PyTorch `GradScaler` defaults: 2^16, ×0.5 on overflow, ×2
-/// every 2000 good steps).
+/// every 2000 good steps), never below `min_scale` (DeepSpeed's `min_loss_scale`, 1): a step
+/// that overflows at the minimum fails instead of being skipped, since the overflow is no
+/// longer the scale's (an f16 forward that overflows, a loss that is NaN at any scale). Without
+/// the floor such a run would skip every step, halve the scale to 0 and go on forever.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LossScaler {
     /// Current scale.
@@ -249,6 +252,8 @@ pub struct LossScaler {
     pub growth_interval: u32,
     /// Good steps since the last change.
     pub good_steps: u32,
+    /// The smallest scale.
+    pub min_scale: f32,
 }
 
 impl Default for LossScaler {
@@ -257,12 +262,14 @@ impl Default for LossScaler {
             scale: 65536.0,
             growth_interval: 2000,
             good_steps: 0,
+            min_scale: 1.0,
         }
     }
 }
 
 impl LossScaler {
-    /// Records one step: halves on overflow, doubles after `growth_interval` good steps.
+    /// Records one step: halves on overflow (not below `min_scale`), doubles after
+    /// `growth_interval` good steps.
     pub fn update(&mut self, finite: bool) {
         if finite {
             self.good_steps += 1;
@@ -271,9 +278,14 @@ impl LossScaler {
                 self.good_steps = 0;
             }
         } else {
-            self.scale *= 0.5;
+            self.scale = (self.scale * 0.5).max(self.min_scale);
             self.good_steps = 0;
         }
+    }
+
+    /// Whether an overflow now cannot be helped by a smaller scale.
+    pub fn at_minimum(&self) -> bool {
+        self.scale <= self.min_scale
     }
 }
 
@@ -621,6 +633,13 @@ impl<M: UnitModel> Engine<M> {
             self.in_comm(|| self.pg.all_reduce(&mut flag, ReduceOp::Max))?;
         }
         let finite = flag[0] == 0.0;
+        if !finite && scaler.at_minimum() {
+            // The flag is agreed: every rank fails here, at the same step.
+            return Err(EngineError::NonFinite {
+                what: "loss or gradients at the minimum loss scale (the f16 forward overflows, or the loss is NaN at any scale)",
+                step: self.step + 1,
+            });
+        }
         if let Some(s) = self.scaler.as_mut() {
             s.update(finite);
         }

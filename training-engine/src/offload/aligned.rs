@@ -33,7 +33,9 @@ impl AlignedBuf {
     /// A zeroed buffer of `len` elements.
     ///
     /// # Errors
-    /// [`OffloadError::Alloc`] when the size overflows the address space.
+    /// [`OffloadError::Alloc`] when the size overflows the address space or the memory is not
+    /// there (`ulimit -v`, `vm.overcommit_memory=2`, a cgroup limit): an error for this rank to
+    /// report, not an abort of the process.
     pub fn zeroed(len: usize) -> Result<Self, OffloadError> {
         let bytes = len.checked_mul(4).and_then(|b| b.checked_add(ALIGN));
         let layout = bytes
@@ -51,7 +53,7 @@ impl AlignedBuf {
                 len,
                 capacity_bytes,
             }),
-            None => alloc::handle_alloc_error(layout),
+            None => Err(OffloadError::Alloc { bytes: capacity_bytes }),
         }
     }
 

@@ -155,8 +155,8 @@ impl NvmeStore {
             base.push(file_bytes);
             file_bytes += (2 * n_tensors * *r) as u64;
         }
-        let path: Arc<Path> = cfg.dir.join(&cfg.file_name).into();
-        let (file, direct) = open_swap(&path)?;
+        let (file, direct, path) = open_swap(&cfg.dir.join(&cfg.file_name))?;
+        let path: Arc<Path> = path.into();
         if !direct {
             tracing::warn!(path = %path.display(), "the file system refuses O_DIRECT: the NVMe tier goes through the page cache (slower, and it competes with the job for memory)");
         }
@@ -560,26 +560,37 @@ impl Drop for NvmeStore {
     }
 }
 
-/// Opens the swap file with `O_DIRECT`, or buffered when the file system refuses `O_DIRECT`
-/// (`EINVAL`).
-fn open_swap(path: &Path) -> Result<(File, bool), OffloadError> {
-    let open = |flags: i32| {
+/// Creates the swap file with `O_DIRECT`, or buffered when the file system refuses `O_DIRECT`
+/// (`EINVAL`); returns it, whether it is direct, and its path. Always a new file
+/// (`O_EXCL|O_NOFOLLOW`): a name another job took in the same directory (equal pids in two
+/// containers) or a symlink planted there is never truncated or written through; such a name
+/// gets a random suffix instead.
+fn open_swap(path: &Path) -> Result<(File, bool, PathBuf), OffloadError> {
+    let open = |path: &Path, flags: i32| {
         OpenOptions::new()
             .read(true)
             .write(true)
-            .create(true)
-            .truncate(true)
-            .custom_flags(flags)
+            .create_new(true)
+            .custom_flags(flags | libc::O_NOFOLLOW)
             .open(path)
     };
-    match open(libc::O_DIRECT) {
-        Ok(f) => Ok((f, true)),
-        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => match open(0) {
-            Ok(f) => Ok((f, false)),
-            Err(e) => Err(open_error(path, e)),
-        },
-        Err(e) => Err(open_error(path, e)),
+    let mut candidate = path.to_path_buf();
+    for _ in 0..8 {
+        let r = match open(&candidate, libc::O_DIRECT) {
+            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => open(&candidate, 0).map(|f| (f, false)),
+            r => r.map(|f| (f, true)),
+        };
+        match r {
+            Ok((f, direct)) => return Ok((f, direct, candidate)),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                let mut name = path.as_os_str().to_owned();
+                name.push(format!(".{:016x}", crate::comm::random_token()));
+                candidate = PathBuf::from(name);
+            }
+            Err(e) => return Err(open_error(&candidate, e)),
+        }
     }
+    Err(open_error(path, std::io::Error::new(std::io::ErrorKind::AlreadyExists, "every name tried is taken")))
 }
 
 /// The most requests in flight ([`NvmeConfig::queue_depth`]).

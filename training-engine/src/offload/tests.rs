@@ -83,6 +83,15 @@ fn aligned_buf_is_page_aligned_and_padded() {
     assert_eq!(e.capacity_bytes(), ALIGN);
 }
 
+/// Memory that is not there (here 4 EiB, a valid layout no machine has) is an error the rank
+/// reports, not an abort of the process.
+#[test]
+fn an_allocation_the_host_cannot_give_is_an_error() {
+    let Err(e) = AlignedBuf::zeroed(1 << 60) else { panic!("no host has 4 EiB") };
+    assert!(matches!(e, OffloadError::Alloc { bytes } if bytes == 1 << 62), "{e}");
+    assert!(AlignedBuf::zeroed(usize::MAX / 2).is_err(), "past the address space");
+}
+
 #[test]
 fn nvme_matches_cpu_bitwise_for_every_engine_and_buffer_count() {
     let lens = [3000usize, 0, 1029, 4096];
@@ -195,6 +204,29 @@ fn bad_fd_write_error_is_reported_by_both_engines() {
         assert_eq!(err.raw_os_error(), Some(libc::EBADF), "{err}");
         assert!(err.to_string().contains("ro.bin"), "{err}");
     }
+}
+
+/// The swap file is always a new one: a file of the same name (another job's, in the same
+/// directory) is not truncated, a symlink planted at the name is not written through, and the
+/// tier still starts under another name, leaving both as they were.
+#[test]
+fn the_swap_file_never_takes_over_an_existing_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = NvmeConfig::new(dir.path(), "x.swap");
+    let sentinel = dir.path().join("sentinel");
+    std::fs::write(&sentinel, b"keep me").unwrap();
+    std::os::unix::fs::symlink(&sentinel, dir.path().join("x.swap")).unwrap();
+    let mut nvme = NvmeStore::new(&[10], 2, &cfg).unwrap();
+    nvme.init_unit(0, &[1.0; 10], 2).unwrap();
+    drop(nvme);
+    assert_eq!(std::fs::read(&sentinel).unwrap(), b"keep me");
+    assert!(std::fs::symlink_metadata(dir.path().join("x.swap")).unwrap().file_type().is_symlink());
+    std::fs::remove_file(dir.path().join("x.swap")).unwrap();
+    std::fs::write(dir.path().join("x.swap"), b"another job's").unwrap();
+    drop(NvmeStore::new(&[10], 2, &cfg).unwrap());
+    assert_eq!(std::fs::read(dir.path().join("x.swap")).unwrap(), b"another job's");
+    // Nothing of ours is left behind (the file was unlinked once open).
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2);
 }
 
 #[test]
