@@ -692,6 +692,9 @@ struct Reader {
     layout: FlatLayout,
 }
 
+/// Most optimizer state tensors per weight a checkpoint may declare (AdamW keeps 2, SGD 1).
+const MAX_STATE_SLOTS: usize = 8;
+
 /// One shard file of a [`Reader`], its header checked against `metadata.json`.
 struct Shard {
     path: PathBuf,
@@ -713,6 +716,13 @@ impl Reader {
                 "{} files for {} shards",
                 meta.files.len(),
                 meta.shard_world
+            )));
+        }
+        if meta.state_slots > MAX_STATE_SLOTS {
+            // Before a load allocates that many tensors per unit.
+            return Err(bad(format!(
+                "state_slots {}: expected at most {MAX_STATE_SLOTS} (an optimizer keeps a few tensors per weight)",
+                meta.state_slots
             )));
         }
         for u in &meta.units {
@@ -967,9 +977,13 @@ pub fn verify(dir: &Path) -> Result<Metadata, CheckpointError> {
     Ok(r.meta)
 }
 
+/// Parameters gathered at once by [`export_safetensors`].
+const EXPORT_BATCH_BYTES: usize = 1 << 30;
+
 /// Writes the full fp32 parameters (the master weights, padding stripped) of checkpoint `dir`
-/// to one safetensors file `out`, by parameter name and shape; atomically. Streams unit by
-/// unit: memory holds one unit's parameters, not the model (twice over).
+/// to one safetensors file `out`, by parameter name and shape; atomically. Streams batches of
+/// units of about [`EXPORT_BATCH_BYTES`]: memory holds one batch, not the model (three times
+/// over), and each shard file is opened once per batch, not once per unit.
 ///
 /// # Errors
 /// Damaged checkpoint files, or I/O errors naming the path.
@@ -1000,10 +1014,24 @@ pub fn export_safetensors(dir: &Path, out: &Path) -> Result<(), CheckpointError>
         let wio = |e| CheckpointError::Io { op: "write", path: tmp.clone(), source: e };
         w.write_all(&(header.len() as u64).to_le_bytes()).map_err(wio)?;
         w.write_all(&header).map_err(wio)?;
-        for (ui, unit) in r.layout.units.iter().enumerate() {
-            let mut flat = vec![0.0f32; unit.numel];
-            r.gather_all(&mut [(ui, 0, 0..unit.numel, flat.as_mut_slice())])?;
-            w.write_all(&format::f32_bytes(&flat)).map_err(wio)?;
+        let units = &r.layout.units;
+        let mut first = 0;
+        while first < units.len() {
+            // Units first..end: at least one, then as many as fit the batch.
+            let mut end = first + 1;
+            let mut bytes = units[first].numel.saturating_mul(4);
+            while end < units.len() && bytes.saturating_add(units[end].numel.saturating_mul(4)) <= EXPORT_BATCH_BYTES {
+                bytes += units[end].numel * 4;
+                end += 1;
+            }
+            let mut flats: Vec<Vec<f32>> = units[first..end].iter().map(|u| vec![0.0f32; u.numel]).collect();
+            let mut requests: Vec<_> =
+                flats.iter_mut().enumerate().map(|(i, flat)| (first + i, 0, 0..flat.len(), flat.as_mut_slice())).collect();
+            r.gather_all(&mut requests)?;
+            for flat in &flats {
+                w.write_all(&format::f32_bytes(flat)).map_err(wio)?;
+            }
+            first = end;
         }
         w.into_inner().map_err(|e| wio(e.into_error()))
     })();

@@ -422,7 +422,7 @@ fn inconsistent_parameter_table_is_named_not_a_panic() {
             m.units[2].params[0].shape = vec![usize::MAX];
             m.units[2].params[0].numel = usize::MAX;
         }),
-        ("sections do not match", |m| m.state_slots = usize::MAX),
+        ("state_slots 18446744073709551615: expected at most 8", |m| m.state_slots = usize::MAX),
     ];
     for (want, edit) in cases {
         edit_metadata(&dir, edit);
@@ -436,6 +436,13 @@ fn inconsistent_parameter_table_is_named_not_a_panic() {
     }
     export_safetensors(&dir, &out).unwrap();
     assert!(!out.with_extension("safetensors.tmp").exists());
+    // A load refuses it too, before it allocates a tensor per declared slot.
+    edit_metadata(&dir, |m| m.state_slots = 1 << 40);
+    let layout = FlatLayout::new(2, &specs()).unwrap();
+    let target = LoadTarget { layout: &layout, strategy: Strategy::Zero2, world: 2, rank: 0, shard_rank: 0, optimizer: "adamw" };
+    let e = load(&dir, &target).unwrap_err().to_string();
+    assert!(e.contains("state_slots 1099511627776: expected at most 8"), "{e}");
+    std::fs::write(dir.join(METADATA), &good).unwrap();
 }
 
 #[test]

@@ -61,8 +61,12 @@ impl<M: UnitModel> Engine<M> {
     /// [`EngineError::Checkpoint`], [`EngineError::Length`]); tier or collective failures.
     pub fn load_shard_state(&mut self, s: ShardState) -> EngineResult<()> {
         self.check_usable()?;
-        self.check_shard_state(&s)?;
-        let r = self.install_shard_state(s).and_then(|()| self.gather_installed_params());
+        // Agreed like a checkpoint load: a rank that refuses must not leave the others waiting
+        // in the gather.
+        let checked = self.check_shard_state(&s);
+        self.agree(checked, "shard state check")?;
+        let installed = self.install_shard_state(s);
+        let r = self.agree(installed, "shard state install").and_then(|()| self.gather_installed_params());
         self.broken_by(r, "loading a shard state")
     }
 
@@ -78,6 +82,11 @@ impl<M: UnitModel> Engine<M> {
     /// Whether `s` fits this engine (model, shard, optimizer, lengths); changes nothing.
     fn check_shard_state(&self, s: &ShardState) -> EngineResult<()> {
         self.layout.check_same_model(&s.layout)?;
+        if let Some(ls) = s.loss_scale
+            && !(ls.is_finite() && ls > 0.0)
+        {
+            return Err(EngineError::Checkpoint(format!("loss scale {ls}: expected a finite number above 0")));
+        }
         if s.layout.world != self.layout.world || s.shard_rank != self.shard_rank {
             return Err(EngineError::Layout(format!(
                 "state is shard {}/{}, this rank is shard {}/{} (load with this engine's layout)",
@@ -139,7 +148,8 @@ impl<M: UnitModel> Engine<M> {
         }
         self.step = step;
         if let (Some(sc), Some(ls)) = (self.scaler.as_mut(), loss_scale) {
-            sc.scale = ls;
+            // A scale saved below the floor (by a version without one) starts at the floor.
+            sc.scale = ls.max(sc.min_scale);
             sc.good_steps = loss_scale_good_steps;
         }
         Ok(())

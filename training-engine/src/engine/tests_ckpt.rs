@@ -225,9 +225,16 @@ fn load_shard_state_rejects_foreign_state() {
     let err = e.load_shard_state(s.clone()).unwrap_err().to_string();
     assert!(err.contains("\"sgd\""), "{err}");
     s.optimizer = "adamw".into();
+    s.loss_scale = Some(0.0);
+    let err = e.load_shard_state(s.clone()).unwrap_err().to_string();
+    assert!(err.contains("loss scale 0: expected a finite number above 0"), "{err}");
+    s.loss_scale = None;
     s.master[1].pop();
     let err = e.load_shard_state(s).unwrap_err().to_string();
     assert!(err.contains("master of unit block.0"), "{err}");
+    // Refused before anything changed: the engine still trains.
+    let b = Batch::from_rows(&global_batch(3, 0, GLOBAL_B, tiny().seq, 256)).unwrap();
+    e.train_step(&[b]).unwrap();
 }
 
 #[test]

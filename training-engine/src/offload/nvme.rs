@@ -106,7 +106,7 @@ impl std::fmt::Debug for NvmeStore {
 const MAX_BLOCK: usize = 1 << 30;
 
 impl NvmeStore {
-    /// Creates (or truncates) the swap file, unlinks it at once, for unit shards of `unit_lens` elements with
+    /// Creates a new swap file, unlinks it at once, for unit shards of `unit_lens` elements with
     /// `slots` state slots per element, preallocates it and starts the I/O engine. The state
     /// starts at zero.
     ///
@@ -560,28 +560,27 @@ impl Drop for NvmeStore {
     }
 }
 
-/// Creates the swap file with `O_DIRECT`, or buffered when the file system refuses `O_DIRECT`
-/// (`EINVAL`); returns it, whether it is direct, and its path. Always a new file
-/// (`O_EXCL|O_NOFOLLOW`): a name another job took in the same directory (equal pids in two
-/// containers) or a symlink planted there is never truncated or written through; such a name
-/// gets a random suffix instead.
+/// Creates the swap file, then switches it to `O_DIRECT`, or leaves it buffered when the file
+/// system refuses `O_DIRECT` (`EINVAL`: tmpfs before Linux 6.6, some FUSE mounts); returns it,
+/// whether it is direct, and its path. Always a new file (`O_EXCL|O_NOFOLLOW`): a name another
+/// job took in the same directory (equal pids in two containers) or a symlink planted there is
+/// never truncated or written through; such a name gets a random suffix instead. (Creating
+/// with `O_DIRECT` itself would not do: the kernel creates the file before it refuses the flag,
+/// and a second, buffered `O_EXCL` open then finds the name taken.)
 fn open_swap(path: &Path) -> Result<(File, bool, PathBuf), OffloadError> {
-    let open = |path: &Path, flags: i32| {
-        OpenOptions::new()
+    let mut candidate = path.to_path_buf();
+    for _ in 0..8 {
+        let r = OpenOptions::new()
             .read(true)
             .write(true)
             .create_new(true)
-            .custom_flags(flags | libc::O_NOFOLLOW)
-            .open(path)
-    };
-    let mut candidate = path.to_path_buf();
-    for _ in 0..8 {
-        let r = match open(&candidate, libc::O_DIRECT) {
-            Err(e) if e.raw_os_error() == Some(libc::EINVAL) => open(&candidate, 0).map(|f| (f, false)),
-            r => r.map(|f| (f, true)),
-        };
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&candidate);
         match r {
-            Ok((f, direct)) => return Ok((f, direct, candidate)),
+            Ok(f) => {
+                let direct = set_direct(&f).map_err(|e| open_error(&candidate, e))?;
+                return Ok((f, direct, candidate));
+            }
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
                 let mut name = path.as_os_str().to_owned();
                 name.push(format!(".{:016x}", crate::comm::random_token()));
@@ -591,6 +590,22 @@ fn open_swap(path: &Path) -> Result<(File, bool, PathBuf), OffloadError> {
         }
     }
     Err(open_error(path, std::io::Error::new(std::io::ErrorKind::AlreadyExists, "every name tried is taken")))
+}
+
+/// Turns on `O_DIRECT` for `f`: `Ok(false)` when its file system does not support it.
+fn set_direct(f: &File) -> std::io::Result<bool> {
+    let fd = f.as_raw_fd();
+    // SAFETY: fcntl on a descriptor this function borrows for the call.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if flags < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: as above.
+    if unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_DIRECT) } == 0 {
+        return Ok(true);
+    }
+    let e = std::io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EINVAL) { Ok(false) } else { Err(e) }
 }
 
 /// The most requests in flight ([`NvmeConfig::queue_depth`]).
