@@ -653,8 +653,13 @@ impl Job {
         Totals {
             store_bytes: self.store_bytes,
             nodes: self.nodes.len(),
-            barrier_arrivals: if barriers { self.barriers.values().map(|b| b.arrived.len()).sum() } else { 0 },
+            barrier_arrivals: if barriers { self.barrier_arrivals() } else { 0 },
         }
+    }
+
+    /// Arrivals waiting at all of the job's barriers (walks every barrier).
+    fn barrier_arrivals(&self) -> usize {
+        self.barriers.values().map(|b| b.arrived.len()).sum()
     }
 
     /// Completed or failed.
@@ -1303,7 +1308,7 @@ impl State {
                             limits.max_total_barrier_arrivals
                         )));
                     }
-                    let held: usize = job.barriers.values().map(|b| b.arrived.len()).sum();
+                    let held = job.barrier_arrivals();
                     if held >= MAX_BARRIER_PARTICIPANTS as usize {
                         return Err(RdzvError::ResourceExhausted(format!(
                             "job {:?} holds {held} barrier arrivals, the limit is {MAX_BARRIER_PARTICIPANTS}",

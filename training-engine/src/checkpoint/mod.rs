@@ -463,9 +463,7 @@ pub fn commit(
     // `latest` names the new checkpoint: the save is done. What follows only frees space, and a
     // failure there (an old step someone made read-only, a shard still open on NFS) is logged,
     // never a failed save: that would stop a run whose checkpoint is whole, at every save.
-    if replaced.exists() {
-        discard(&replaced);
-    }
+    // (This step's own `.replaced` copy goes with the leftovers swept last.)
     if keep_last > 0 {
         // Only this run's line counts: checkpoints of later steps left by another run (a
         // `--resume` from an older step into the same root) are not this run's to keep or to

@@ -454,10 +454,7 @@ fn uring_loop(mut ring: io_uring::IoUring, rx: Receiver<Op>, queue_depth: usize)
             }
         }
         if let Some(why) = &dead {
-            for (ctx, _) in std::mem::take(&mut queue) {
-                ctx.fail(OffloadError::Engine(why.clone()));
-                finish(&ctx, &mut queue);
-            }
+            fail_queued(&mut queue, why);
         }
         // Fill the ring up to the queue depth.
         while let Some(slot) = free.last().copied() {
@@ -519,10 +516,7 @@ fn uring_loop(mut ring: io_uring::IoUring, rx: Receiver<Op>, queue_depth: usize)
                     if action != EnterError::Retry {
                         // Requests already in the kernel still complete (and are reaped below);
                         // fail the ones not handed to the ring yet.
-                        for (ctx, _) in std::mem::take(&mut queue) {
-                            ctx.fail(OffloadError::Engine(msg.clone()));
-                            finish(&ctx, &mut queue);
-                        }
+                        fail_queued(&mut queue, &msg);
                     }
                     if action == EnterError::Dead {
                         let why = format!("{msg}; this store's io_uring stopped (after {streak} failures in a row)");
@@ -573,6 +567,14 @@ fn uring_loop(mut ring: io_uring::IoUring, rx: Receiver<Op>, queue_depth: usize)
                 finish(&ctx, &mut queue);
             }
         }
+    }
+}
+
+/// Fails every request not handed to the ring yet, with `why`.
+fn fail_queued(queue: &mut VecDeque<Op>, why: &str) {
+    for (ctx, _) in std::mem::take(queue) {
+        ctx.fail(OffloadError::Engine(why.to_owned()));
+        finish(&ctx, queue);
     }
 }
 
