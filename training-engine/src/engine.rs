@@ -510,8 +510,9 @@ impl<M: UnitModel> Engine<M> {
         for (u, ul) in self.units.iter().zip(&self.layout.units) {
             let master = u.master.len() as u64 * f;
             if self.cfg.strategy.shards_params() {
-                if mixed && self.tier.is_none() {
-                    // The fp32 master shard, and its 16-bit copy that is all-gathered.
+                if mixed {
+                    // The 16-bit shard that is all-gathered, and the fp32 master shard (none in
+                    // memory with offload: the tier holds it).
                     m.optimizer += master;
                     m.params += u.shard16.bytes() as u64;
                 } else {
@@ -589,7 +590,15 @@ impl<M: UnitModel> Engine<M> {
         let g = self.shard_pg.as_ref().ok_or_else(|| {
             EngineError::Config("gather without a sharding group".into())
         })?;
-        self.in_comm(|| g.all_gather(&self.units[ui].master, out))?;
+        // With offload in 16 bits the fp32 master shard is only in the tier.
+        let tiered;
+        let master = if self.units[ui].master.is_empty() && self.tier.is_some() {
+            tiered = self.master_and_state(ui)?.0;
+            &tiered
+        } else {
+            &self.units[ui].master
+        };
+        self.in_comm(|| g.all_gather(master, out))?;
         Ok(())
     }
 

@@ -80,6 +80,20 @@ impl FlatBuf {
         }
     }
 
+    /// Overwrites `self[at..at + src.len()]` with `src` rounded to this buffer's dtype.
+    ///
+    /// # Panics
+    /// If the range is out of bounds (a caller's invariant: the tiles of a shard lie in it).
+    pub(super) fn set_from_f32(&mut self, at: usize, src: &[f32]) {
+        let r = at..at + src.len();
+        match self {
+            FlatBuf::F32(v) => v[r].copy_from_slice(src),
+            FlatBuf::SharedF32(v) => v[r].copy_from_slice(src),
+            FlatBuf::Bf16(v) => v[r].convert_from_f32_slice(src),
+            FlatBuf::F16(v) => v[r].convert_from_f32_slice(src),
+        }
+    }
+
     pub(super) fn dtype(&self) -> FlatDtype {
         match self {
             FlatBuf::F32(_) | FlatBuf::SharedF32(_) => FlatDtype::F32,

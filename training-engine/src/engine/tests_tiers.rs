@@ -188,6 +188,29 @@ fn bf16_with_offload_and_checkpoint_is_bitwise_the_in_memory_run() {
 }
 
 #[test]
+fn zero3_16_bit_offload_keeps_and_gathers_16_bit_shards() {
+    // With offload the fp32 master lives in the tier; what stays resident and is all-gathered
+    // is the 16-bit shard, as without offload (not the fp32 master: twice the bytes).
+    let tmp = tempfile::tempdir().unwrap();
+    for p in [Precision::Bf16, Precision::F16] {
+        let want = run(Run { world: 2, cfg: mixed(Strategy::Zero3, p), steps: 0..3, micro: 1, load: None, save: None });
+        for off in [Offload::Cpu, nvme(tmp.path())] {
+            let mut c = mixed(Strategy::Zero3, p);
+            c.offload = off.clone();
+            let got = run(Run { world: 2, cfg: c, steps: 0..3, micro: 1, load: None, save: None });
+            assert!(params_of(&got) == params_of(&want), "{p:?} zero3 with {} offload differs", off.name());
+            for (g, w) in got.iter().zip(&want) {
+                assert!(g.state == w.state, "{p:?}/{}: optimizer state differs", off.name());
+                let (gm, wm) = (g.memory, w.memory);
+                assert_eq!(gm.params, wm.params, "{p:?}/{}: resident shard {gm:?} vs {wm:?}", off.name());
+                assert_eq!(gm.optimizer, 0, "{p:?}/{}: {gm:?}", off.name());
+                assert_eq!(gm.comm_peak, wm.comm_peak, "{p:?}/{}: gather bytes {gm:?} vs {wm:?}", off.name());
+            }
+        }
+    }
+}
+
+#[test]
 fn f16_loss_scaling_skips_overflowing_steps() {
     let mut s = LossScaler::default();
     assert_eq!(s.scale, 65536.0);

@@ -417,12 +417,21 @@ impl<M: UnitModel> Engine<M> {
             }
             Offload::None => return Ok(()),
         };
-        for (ui, m) in masters.iter().enumerate() {
-            tier.store().init_unit(ui, m, slots)?;
+        let half = half_dtype(precision);
+        for (ui, m) in masters.into_iter().enumerate() {
+            tier.store().init_unit(ui, &m, slots)?;
             let u = &mut self.units[ui];
             u.state = Vec::new();
-            if !z3 {
-                u.master = Vec::new();
+            match (z3, half) {
+                // ZeRO-3 in 16 bits: the tier holds the fp32 master; what stays resident, and is
+                // all-gathered, is the 16-bit shard (the same bytes as without offload).
+                (true, Some(dt)) => {
+                    u.shard16 = FlatBuf::from_f32(dt, &m);
+                    u.master = Vec::new();
+                }
+                // ZeRO-3 in fp32: the resident shard is the fp32 parameter shard.
+                (true, None) => {}
+                (false, _) => u.master = Vec::new(),
             }
         }
         self.tier = Some(Mutex::new(tier));
@@ -484,7 +493,9 @@ impl<M: UnitModel> Engine<M> {
         let u = &mut self.units[ui];
         if let Some(t) = &self.tier {
             lock(t).store().write_unit(ui, &master, &state)?;
-            if z3 {
+            if z3 && !u.shard16.is_empty() {
+                u.shard16 = FlatBuf::from_f32(u.shard16.dtype(), &master);
+            } else if z3 {
                 u.master = master;
             } else {
                 write_master(&u.vars, ul, self.shard_rank, &master)?;
@@ -533,11 +544,19 @@ impl<M: UnitModel> Engine<M> {
         }
         let mut new_master = if z3 { Vec::new() } else { vec![0f32; ul.shard_len] };
         {
+            // Where each updated tile goes: ZeRO-3's resident shard (16-bit, rounded tile by
+            // tile, or fp32), or stage 0–2's new master that is written into the compute copies.
+            let half = z3 && !u.shard16.is_empty();
             let dst: &mut Vec<f32> = if z3 { &mut u.master } else { &mut new_master };
+            let shard16 = &mut u.shard16;
             lock(tier).store().update_unit(ui, &mut |t| {
                 let r = t.offset..t.offset + t.master.len();
                 opt.step_tile(sp, t.master, &g[r.clone()], t.state);
-                dst[r].copy_from_slice(t.master);
+                if half {
+                    shard16.set_from_f32(r.start, t.master);
+                } else {
+                    dst[r].copy_from_slice(t.master);
+                }
                 Ok(())
             })?;
         }
