@@ -2,7 +2,7 @@
 //! concurrent sends and receives (full duplex, no helper threads, every wait bounded).
 
 use std::io::{Read, Write};
-use std::net::{IpAddr, Ipv4Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
@@ -225,31 +225,64 @@ pub(crate) fn random_token() -> u64 {
     h.finish()
 }
 
-/// The address peers should use to reach this process.
-pub(crate) fn advertise_addr(opt: Option<IpAddr>) -> IpAddr {
+/// The address peers should use to reach this process: `opt` when given, else the interface
+/// that routes to `MASTER_ADDR`, else 127.0.0.1. A group spanning hosts (`multi_host`) whose
+/// `MASTER_ADDR` is a host name that resolves here to loopback only (Debian's `127.0.1.1` line
+/// for the host's own name in /etc/hosts) advertises the default route's interface instead, or,
+/// without one, fails naming the address: its peers on other hosts cannot reach loopback, and
+/// would otherwise time out connecting. A loopback IP given as such is taken as meant.
+pub(crate) fn advertise_addr(opt: Option<IpAddr>, multi_host: bool) -> std::result::Result<IpAddr, String> {
     if let Some(a) = opt {
-        return a;
+        return Ok(a);
     }
-    // Learn the interface that routes to MASTER_ADDR (no packet is sent by a UDP connect).
-    if let Ok(m) = std::env::var("MASTER_ADDR") {
-        use std::net::ToSocketAddrs;
-        if let Some(target) = (m.as_str(), 9)
-            .to_socket_addrs()
-            .ok()
-            .and_then(|mut a| a.next())
-        {
-            if target.ip().is_loopback() {
-                return target.ip();
-            }
-            if let Ok(u) = std::net::UdpSocket::bind((Ipv4Addr::UNSPECIFIED, 0))
-                && u.connect(target).is_ok()
-                && let Ok(local) = u.local_addr()
-            {
-                return local.ip();
-            }
+    advertise_from(std::env::var("MASTER_ADDR").ok().as_deref(), multi_host)
+}
+
+/// The local address a UDP socket would send to `target` from (no packet is sent).
+fn route_to(target: SocketAddr) -> Option<IpAddr> {
+    let any: IpAddr = if target.is_ipv6() { Ipv6Addr::UNSPECIFIED.into() } else { Ipv4Addr::UNSPECIFIED.into() };
+    let u = std::net::UdpSocket::bind((any, 0)).ok()?;
+    u.connect(target).ok()?;
+    Some(u.local_addr().ok()?.ip())
+}
+
+/// [`advertise_addr`] for a given `MASTER_ADDR`.
+fn advertise_from(master: Option<&str>, multi_host: bool) -> std::result::Result<IpAddr, String> {
+    use std::net::ToSocketAddrs;
+    let Some(m) = master else {
+        return Ok(IpAddr::V4(Ipv4Addr::LOCALHOST));
+    };
+    let literal = m.parse::<IpAddr>().is_ok();
+    let targets: Vec<SocketAddr> = (m, 9).to_socket_addrs().map(|a| a.collect()).unwrap_or_default();
+    // A name of this host that resolves to loopback only, in a group spanning hosts.
+    let misleading = multi_host && !literal && !targets.is_empty() && targets.iter().all(|t| t.ip().is_loopback());
+    if !misleading {
+        let Some(target) = targets.first() else {
+            return Ok(IpAddr::V4(Ipv4Addr::LOCALHOST));
+        };
+        if target.ip().is_loopback() {
+            return Ok(target.ip());
         }
+        return Ok(route_to(*target).unwrap_or(IpAddr::V4(Ipv4Addr::LOCALHOST)));
     }
-    IpAddr::V4(Ipv4Addr::LOCALHOST)
+    let resolved: Vec<String> = targets.iter().map(|t| t.ip().to_string()).collect();
+    default_route().ok_or_else(|| {
+        format!(
+            "the ranks span hosts, but MASTER_ADDR={m:?} resolves here to loopback only ([{}]) and this host has no \
+             default route to take an address from: peers on other hosts cannot reach a loopback address. Give \
+             MASTER_ADDR as an address every host reaches (or fix /etc/hosts, whose 127.0.1.1 line maps this host's \
+             own name to loopback)",
+            resolved.join(", ")
+        )
+    })
+}
+
+/// The address of the interface the default route leaves by (IPv4, then IPv6), if not loopback.
+fn default_route() -> Option<IpAddr> {
+    // Documentation addresses (RFC 5737, RFC 3849): routed by the default route, never sent to.
+    let v4 = SocketAddr::from((Ipv4Addr::new(192, 0, 2, 1), 9));
+    let v6 = SocketAddr::from((Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 1), 9));
+    [v4, v6].into_iter().filter_map(route_to).find(|ip| !ip.is_loopback() && !ip.is_unspecified())
 }
 
 /// How long an accepted connection has to send its hello.
@@ -273,11 +306,11 @@ impl Mesh {
             prefix: ctx.prefix.clone(),
             reason,
         };
-        let ip = advertise_addr(ctx.opts.advertise_addr);
-        let bind_ip = if ip.is_loopback() {
-            ip
-        } else {
-            IpAddr::V4(Ipv4Addr::UNSPECIFIED)
+        let ip = advertise_addr(ctx.opts.advertise_addr, ctx.multi_host).map_err(boot_err)?;
+        let bind_ip = match ip {
+            ip if ip.is_loopback() => ip,
+            IpAddr::V4(_) => IpAddr::V4(Ipv4Addr::UNSPECIFIED),
+            IpAddr::V6(_) => IpAddr::V6(Ipv6Addr::UNSPECIFIED),
         };
         let listener = TcpListener::bind((bind_ip, 0))
             .map_err(|e| CommError::io("binding the collective listener", e))?;
@@ -957,6 +990,28 @@ mod handshake_tests {
             store,
             prefix: "hs".into(),
             opts: CommOptions { timeout: Duration::from_secs(3), ..CommOptions::default() },
+            multi_host: false,
+        }
+    }
+
+    #[test]
+    fn a_group_across_hosts_never_advertises_a_name_that_resolves_to_loopback() {
+        // One host: as resolved, loopback included.
+        assert!(advertise_from(Some("localhost"), false).unwrap().is_loopback());
+        assert_eq!(advertise_from(None, true).unwrap(), IpAddr::V4(Ipv4Addr::LOCALHOST));
+        // A loopback IP given as such is meant (tests simulating hosts on one machine).
+        assert_eq!(advertise_from(Some("127.0.0.1"), true).unwrap(), IpAddr::V4(Ipv4Addr::LOCALHOST));
+        // A name resolving to loopback only, across hosts: the default route's interface, or an
+        // error naming the name and what it resolved to (never loopback).
+        match advertise_from(Some("localhost"), true) {
+            Ok(ip) => {
+                assert!(!ip.is_loopback(), "{ip}");
+                assert_eq!(Some(ip), default_route());
+            }
+            Err(e) => {
+                assert!(default_route().is_none());
+                assert!(e.contains("MASTER_ADDR=\"localhost\" resolves here to loopback only"), "{e}");
+            }
         }
     }
 

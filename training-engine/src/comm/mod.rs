@@ -176,6 +176,8 @@ pub(crate) struct Ctx {
     pub(crate) store: Arc<dyn Store>,
     pub(crate) prefix: String,
     pub(crate) opts: CommOptions,
+    /// The group's ranks span more than one host (its TCP meshes must not advertise loopback).
+    pub(crate) multi_host: bool,
 }
 
 impl Ctx {
@@ -197,6 +199,7 @@ impl Ctx {
             store: self.store.clone(),
             prefix,
             opts: self.opts.clone(),
+            multi_host: self.multi_host,
         })
     }
 }
@@ -482,6 +485,8 @@ impl ProcessGroup {
             store,
             prefix: prefix.to_string(),
             opts,
+            // Known once the hosts are exchanged (`from_ctx`).
+            multi_host: false,
         };
         let my_id = ctx.opts.host_identity.clone().unwrap_or_else(host_identity);
         let ours = agreed_options(&ctx.opts);
@@ -512,7 +517,7 @@ impl ProcessGroup {
     /// Builds the group's backend by `deadline`: the whole bootstrap (host exchange, shared
     /// memory, meshes) shares one timeout, so a missing peer fails it after `opts.timeout`, not
     /// after a timeout per phase.
-    fn from_ctx(ctx: Ctx, host_ids: Vec<String>, deadline: Instant) -> Result<Self> {
+    fn from_ctx(mut ctx: Ctx, host_ids: Vec<String>, deadline: Instant) -> Result<Self> {
         let mut hosts: Vec<&str> = Vec::new();
         let host_of: Vec<usize> = host_ids
             .iter()
@@ -525,6 +530,7 @@ impl ProcessGroup {
             })
             .collect();
         let n_hosts = hosts.len();
+        ctx.multi_host = n_hosts > 1;
         let kind = match ctx.opts.backend {
             _ if ctx.world == 1 => None,
             BackendKind::Auto if n_hosts == 1 => Some(BackendKind::Shm),

@@ -99,7 +99,7 @@ struct PairAllReduce<'a> {
 impl PairAllReduce<'_> {
     fn seg_of(&self, block: &Range<usize>, j: usize) -> Range<usize> {
         let start = block.start + j * self.seg;
-        start..(start + self.seg).min(block.end)
+        start..start.saturating_add(self.seg).min(block.end)
     }
 
     /// The bytes of `buf` a piece travelling in the given direction covers.
@@ -180,6 +180,58 @@ pub(crate) struct TcpBackend {
     segment: usize,
     /// The running op's deadline (see `Backend::set_op_deadline`).
     op_deadline: Option<Instant>,
+    /// Point-to-point messages this rank sent and received so far. Every collective carries them
+    /// in its header exchange: a send not received before the collective would leave its bytes
+    /// on a socket the collective reads raw data from (see [`TcpBackend::check_p2p`]).
+    p2p: P2pCounts,
+}
+
+/// Point-to-point messages one rank sent and received.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct P2pCounts {
+    sent: u64,
+    received: u64,
+}
+
+/// Bytes of [`P2pCounts`] after the header in every collective's exchanged blob.
+const P2P_BYTES: usize = 16;
+
+impl P2pCounts {
+    fn encode(self) -> [u8; P2P_BYTES] {
+        let mut b = [0u8; P2P_BYTES];
+        b[..8].copy_from_slice(&self.sent.to_le_bytes());
+        b[8..].copy_from_slice(&self.received.to_le_bytes());
+        b
+    }
+
+    /// The counts in `blob` (after its header); `None` when it is too short.
+    fn decode(blob: &[u8]) -> Option<Self> {
+        let b = blob.get(HEADER_BYTES..HEADER_BYTES + P2P_BYTES)?;
+        let word = |r: std::ops::Range<usize>| {
+            let mut a = [0u8; 8];
+            a.copy_from_slice(&b[r]);
+            u64::from_le_bytes(a)
+        };
+        Some(P2pCounts { sent: word(0..8), received: word(8..16) })
+    }
+}
+
+/// Whether every point-to-point message sent before a collective was received before it (the
+/// same verdict on every rank: each sees every rank's counts). `Err((rank, its counts, sent in
+/// all, received in all))` names the first rank with a send unmatched (or a receive, should the
+/// counts disagree the other way).
+fn p2p_balance(counts: &[P2pCounts]) -> std::result::Result<(), (usize, P2pCounts, u64, u64)> {
+    let sent: u64 = counts.iter().map(|c| c.sent).fold(0, u64::wrapping_add);
+    let received: u64 = counts.iter().map(|c| c.received).fold(0, u64::wrapping_add);
+    if sent == received {
+        return Ok(());
+    }
+    let j = counts
+        .iter()
+        .position(|c| if sent > received { c.sent > c.received } else { c.received > c.sent })
+        .or_else(|| counts.iter().position(|c| *c != P2pCounts::default()))
+        .unwrap_or(0);
+    Err((j, counts[j], sent, received))
 }
 
 /// The default `tcp_segment_bytes` of a host whose L2 cache per core is `l2` bytes: the largest
@@ -230,9 +282,10 @@ pub(crate) fn default_segment_bytes() -> usize {
 /// The smallest segment the ranks' header blobs carry after the header (`ours` where a blob
 /// carries none), at least one byte.
 fn agreed_segment(blobs: &[Vec<u8>], ours: usize) -> usize {
+    let at = HEADER_BYTES + P2P_BYTES;
     blobs
         .iter()
-        .map(|b| match b.get(HEADER_BYTES..HEADER_BYTES + 8) {
+        .map(|b| match b.get(at..at + 8) {
             Some(t) => {
                 let mut a = [0u8; 8];
                 a.copy_from_slice(t);
@@ -270,6 +323,7 @@ impl TcpBackend {
             work: AlignedBuf::new(),
             segment: ctx.opts.tcp_segment_bytes.max(1),
             op_deadline: None,
+            p2p: P2pCounts::default(),
         })
     }
 
@@ -306,11 +360,31 @@ impl TcpBackend {
         Ok(())
     }
 
-    /// The largest blob a rank sends in [`Mesh::bruck_allgather`]: a header and a segment size,
-    /// or a header and a small all-reduce's data (at most `tcp_small_bytes`, an agreed option, or
-    /// fewer elements than ranks).
+    /// Checks the point-to-point counts every rank sent with its header (see [`p2p_balance`]).
+    fn check_p2p(&self, h: &OpHeader, blobs: &[Vec<u8>]) -> Result<()> {
+        let ctx = self.ctx();
+        let mut counts = Vec::with_capacity(blobs.len());
+        for (j, b) in blobs.iter().enumerate() {
+            counts.push(P2pCounts::decode(b).ok_or_else(|| {
+                self.mesh.peer_error(j, h.kind.name(), format!("sent a blob of {} bytes, without point-to-point counts", b.len()))
+            })?);
+        }
+        p2p_balance(&counts).map_err(|(j, c, sent, received)| CommError::Mismatch {
+            rank: ctx.names[ctx.rank],
+            peer: ctx.names[j],
+            ours: format!(
+                "{} with point-to-point messages unmatched ({sent} sent but {received} received over all ranks; every send must be received before the next collective, as with NCCL)",
+                h.describe()
+            ),
+            theirs: format!("it after {} sends and {} receives", c.sent, c.received),
+        })
+    }
+
+    /// The largest blob a rank sends in [`Mesh::bruck_allgather`]: a header, point-to-point
+    /// counts and a segment size, or a header, the counts and a small all-reduce's data (at most
+    /// `tcp_small_bytes`, an agreed option, or fewer elements than ranks).
     fn max_blob(&self) -> usize {
-        HEADER_BYTES + 8 + self.ctx().opts.tcp_small_bytes.max(8 * self.mesh.world())
+        HEADER_BYTES + P2P_BYTES + 8 + self.ctx().opts.tcp_small_bytes.max(8 * self.mesh.world())
     }
 
     /// Exchanges the op's header with every rank (checked equal) and, after it, this rank's
@@ -319,9 +393,11 @@ impl TcpBackend {
     /// would misread each other's bytes.
     fn exchange_headers(&mut self, h: &OpHeader, deadline: Instant) -> Result<()> {
         let mut blob = h.encode().to_vec();
+        blob.extend_from_slice(&self.p2p.encode());
         blob.extend_from_slice(&(self.ctx().opts.tcp_segment_bytes as u64).to_le_bytes());
         let blobs = self.mesh.bruck_allgather(blob, self.max_blob(), deadline, h.kind.name())?;
         self.check_blobs(h, &blobs)?;
+        self.check_p2p(h, &blobs)?;
         self.segment = agreed_segment(&blobs, self.ctx().opts.tcp_segment_bytes);
         Ok(())
     }
@@ -476,6 +552,7 @@ impl TcpBackend {
     ) -> Result<()> {
         let n = self.mesh.world();
         let mut blob = h.encode().to_vec();
+        blob.extend_from_slice(&self.p2p.encode());
         blob.extend_from_slice(buf);
         let blobs = self.mesh.bruck_allgather(blob, self.max_blob(), deadline, h.kind.name())?;
         let heads: Vec<Vec<u8>> = blobs
@@ -483,15 +560,17 @@ impl TcpBackend {
             .map(|b| b[..b.len().min(HEADER_BYTES)].to_vec())
             .collect();
         self.check_blobs(h, &heads)?;
+        self.check_p2p(h, &blobs)?;
         // Copy into aligned scratch (blob payloads sit at an unaligned offset).
         let len = buf.len();
+        let at = HEADER_BYTES + P2P_BYTES;
         // Equal headers mean equal lengths, unless a peer's bytes lie about them.
-        if let Some((j, b)) = blobs.iter().enumerate().find(|(_, b)| b.len() != HEADER_BYTES + len) {
-            return Err(self.mesh.peer_error(j, h.kind.name(), format!("sent {} bytes of data for {len}", b.len().saturating_sub(HEADER_BYTES))));
+        if let Some((j, b)) = blobs.iter().enumerate().find(|(_, b)| b.len() != at + len) {
+            return Err(self.mesh.peer_error(j, h.kind.name(), format!("sent {} bytes of data for {len}", b.len().saturating_sub(at))));
         }
         let scratch = self.scratch.get(len * n);
         for (j, b) in blobs.iter().enumerate() {
-            scratch[j * len..(j + 1) * len].copy_from_slice(&b[HEADER_BYTES..]);
+            scratch[j * len..(j + 1) * len].copy_from_slice(&b[at..]);
         }
         let srcs: Vec<&[u8]> = (0..n)
             .map(|j| &self.scratch.as_slice()[j * len..(j + 1) * len])
@@ -706,6 +785,7 @@ impl Backend for TcpBackend {
         self.mesh
             .run_plain(&mut sends, &mut [], deadline, "send", &mut ctrl)?;
         t.sent += buf.len() as u64;
+        self.p2p.sent += 1;
         Ok(())
     }
 
@@ -733,7 +813,9 @@ impl Backend for TcpBackend {
             });
         }
         self.mesh
-            .run_plain(&mut [], &mut [RecvOp::new(src, buf)], deadline, "recv", t)
+            .run_plain(&mut [], &mut [RecvOp::new(src, buf)], deadline, "recv", t)?;
+        self.p2p.received += 1;
+        Ok(())
     }
 
     fn set_op_deadline(&mut self, deadline: Option<Instant>) {
@@ -748,9 +830,25 @@ impl Backend for TcpBackend {
 #[cfg(test)]
 mod tests {
     use super::{
-        HEADER_BYTES, PairOrder, Piece, agreed_segment, default_segment_bytes, parse_cache_size,
-        segment_for_l2,
+        HEADER_BYTES, P2P_BYTES, P2pCounts, PairOrder, Piece, agreed_segment, default_segment_bytes,
+        p2p_balance, parse_cache_size, segment_for_l2,
     };
+
+    #[test]
+    fn unmatched_point_to_point_messages_are_found_from_the_counts() {
+        let c = |sent, received| P2pCounts { sent, received };
+        assert_eq!(p2p_balance(&[c(0, 0), c(0, 0), c(0, 0)]), Ok(()));
+        // Rank 0 sent 2, rank 2 received both: matched, whoever holds which count.
+        assert_eq!(p2p_balance(&[c(2, 0), c(0, 0), c(0, 2)]), Ok(()));
+        // Rank 0 sent one more than was received: rank 0 is named.
+        assert_eq!(p2p_balance(&[c(3, 0), c(0, 1), c(0, 1)]), Err((0, c(3, 0), 3, 2)));
+        // A receive more than was sent (bytes that were not a send): the receiver is named.
+        assert_eq!(p2p_balance(&[c(1, 0), c(0, 0), c(0, 2)]), Err((2, c(0, 2), 1, 2)));
+        let mut blob = vec![0u8; HEADER_BYTES];
+        blob.extend_from_slice(&c(5, 7).encode());
+        assert_eq!(P2pCounts::decode(&blob), Some(c(5, 7)));
+        assert_eq!(P2pCounts::decode(&blob[..HEADER_BYTES + P2P_BYTES - 1]), None);
+    }
 
     /// The whole order a [`PairOrder`] walks.
     fn pair_schedule(rs: usize, ag: usize, lead: usize) -> Vec<Piece> {
@@ -826,7 +924,7 @@ mod tests {
     #[test]
     fn agreed_segment_is_the_smallest() {
         let blob = |seg: Option<u64>| {
-            let mut b = vec![0u8; HEADER_BYTES];
+            let mut b = vec![0u8; HEADER_BYTES + P2P_BYTES];
             if let Some(s) = seg {
                 b.extend_from_slice(&s.to_le_bytes());
             }

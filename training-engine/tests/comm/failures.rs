@@ -230,6 +230,49 @@ fn argument_errors_do_not_poison_the_group() {
     }
 }
 
+/// A send that its receiver takes only after the next collective (NCCL would hang on it) fails
+/// that collective on every rank, naming the sender, instead of the send's bytes being read as
+/// the collective's data (world 4: the header exchange reads no byte from rank 0 on rank 1).
+#[test]
+fn a_send_received_only_after_a_collective_fails_the_collective() {
+    // The hierarchical backend sends over its flat mesh, which its reduce_scatter uses.
+    for (kind, flat_op) in [(BackendKind::Tcp, false), (BackendKind::Hierarchical, true)] {
+        for len in [8usize, 1 << 16] {
+            let res = run_threads(
+                4,
+                |r| opts_for(kind, r),
+                move |pg| {
+                    let mut v = vec![1f32; len];
+                    if pg.rank() == 0 {
+                        pg.send(&[7f32; 4], 1)?;
+                    }
+                    let r = if flat_op {
+                        let input = vec![1f32; len * 4];
+                        pg.reduce_scatter(&input, &mut v, ReduceOp::Sum)
+                    } else {
+                        pg.all_reduce(&mut v, ReduceOp::Sum)
+                    };
+                    Ok(r.unwrap_err())
+                },
+            );
+            let mut named = 0;
+            for (rank, r) in res.into_iter().enumerate() {
+                match r.unwrap() {
+                    CommError::Mismatch { peer: 0, ours, theirs, .. } => {
+                        assert!(ours.contains("point-to-point messages unmatched (1 sent but 0 received"), "{ours}");
+                        assert_eq!(theirs, "it after 1 sends and 0 receives");
+                        named += 1;
+                    }
+                    // A rank whose peer reached the verdict first may see that peer's abort.
+                    CommError::Aborted { .. } => {}
+                    other => panic!("{kind:?}, {len} elements, rank {rank}: {other}"),
+                }
+            }
+            assert!(named > 0, "{kind:?}, {len} elements: no rank named the unmatched send");
+        }
+    }
+}
+
 /// A connection to a rank's collective listener that never says hello (a port scan, a health
 /// check) does not hold up the bootstrap until the group's timeout: the real peer queued behind
 /// it is accepted once the stray's hello times out (5 s).
