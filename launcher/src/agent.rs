@@ -178,13 +178,23 @@ where
                         continue;
                     }
                     Ok(Decision::Failed { remote_root, reason }) => {
+                        // Another node's failure is the job's root cause: this node's own first
+                        // failure is still reported, first among the others.
+                        let mut others = others;
+                        let root = match remote_root {
+                            Some(remote) => {
+                                others.insert(0, *root);
+                                *remote
+                            }
+                            None => *root,
+                        };
                         let report = FailureReport {
                             job_id: plan.job_id.clone(),
                             program: plan.program.name.clone(),
                             round: assignment.round,
                             restart_count: assignment.restart_count,
                             max_restarts: assignment.max_restarts,
-                            root: remote_root.map(|r| *r).unwrap_or(*root),
+                            root,
                             others,
                             reason,
                         };

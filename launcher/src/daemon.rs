@@ -487,8 +487,15 @@ impl DaemonRdzv {
             other => (other.exit_code(), 0),
         };
         let mut message = root.remote_message();
-        if hang && message.is_empty() {
-            message = "no progress (hang timeout)".into();
+        // What the exit code cannot say (a hang, a worker that never started) travels as the
+        // message's first line, so the other nodes and the head report it too
+        // ([`failure_from_proto`] reads it back).
+        if hang || matches!(root.exit, ExitKind::Hang { .. } | ExitKind::SpawnError(_)) {
+            let head = match &root.exit {
+                ExitKind::Hang { .. } | ExitKind::SpawnError(_) => root.exit.describe(),
+                _ => "hung: no progress (hang timeout)".to_owned(),
+            };
+            message = if message.is_empty() { head } else { format!("{head}\n{message}") };
         }
         let info = proto::FailureInfo {
             node_id: self.node.clone(),
@@ -516,6 +523,17 @@ impl DaemonRdzv {
             },
             // The round ended before our report (a peer's failure or a membership change): re-join.
             Err(RdzvError::FailedPrecondition(msg)) if msg.contains("stale round") => Decision::Restart,
+            // Another node's failure failed the job first (the usual cascade: its peers' collectives
+            // fail too): the job's recorded root cause is every node's, as `finish` reports it.
+            Err(err) if job_ended(&err, &self.job) == Some(Ended::Failed) => {
+                match tokio::time::timeout(EXIT_CALL_TIMEOUT, self.client.await_job_end(&self.job, Duration::ZERO)).await {
+                    Ok(Ok((v, _))) if v.state() == proto::JobState::Failed => Decision::Failed {
+                        remote_root: v.root_cause.as_ref().map(|rc| Box::new(failure_from_proto(rc))),
+                        reason: nonempty(v.reason, "the job failed"),
+                    },
+                    _ => Decision::Failed { remote_root: None, reason: err.to_string() },
+                }
+            }
             Err(err) => Decision::Failed {
                 remote_root: None,
                 reason: format!("cannot report the failure to the rendezvous: {err}"),
@@ -788,12 +806,22 @@ fn job_failed(v: &proto::JobView) -> RoundEnd {
 
 /// A failure recorded by the daemon (possibly another node's) as a report entry.
 pub fn failure_from_proto(f: &proto::FailureInfo) -> WorkerFailure {
+    // `report_failure` sends a hang's or a failed start's description as the first line.
+    let (first, rest) = f.message.split_once('\n').unwrap_or((f.message.as_str(), ""));
+    let mut message = f.message.as_str();
     let exit = if f.signal != 0 {
         ExitKind::Signal(f.signal)
     } else if f.rank < 0 {
         ExitKind::Other
+    } else if f.exit_code == 124 && first.starts_with("hung: ") {
+        message = rest;
+        let (idle, last_step) = parse_hang(first).unwrap_or((Duration::ZERO, 0));
+        ExitKind::Hang { idle, last_step }
     } else if f.exit_code == 124 && f.message.contains("hang") {
         ExitKind::Hang { idle: Duration::ZERO, last_step: 0 }
+    } else if f.exit_code == 127 && first.starts_with("could not start: ") {
+        message = rest;
+        ExitKind::SpawnError(first["could not start: ".len()..].to_owned())
     } else {
         ExitKind::Code(f.exit_code)
     };
@@ -808,9 +836,18 @@ pub fn failure_from_proto(f: &proto::FailureInfo) -> WorkerFailure {
         error_file: None,
         error: None,
         stderr_tail: Vec::new(),
-        message: (!f.message.is_empty()).then(|| f.message.clone()),
+        message: (!message.is_empty()).then(|| message.to_owned()),
         stopped_by_rsrun: false,
     }
+}
+
+/// `hung: no progress for 12.5s (last step 40)` ([`ExitKind::Hang`]'s description) read back.
+fn parse_hang(line: &str) -> Option<(Duration, u64)> {
+    let rest = line.strip_prefix("hung: no progress for ")?;
+    let (secs, rest) = rest.split_once("s (last step ")?;
+    let step = rest.strip_suffix(')')?.parse().ok()?;
+    let secs: f64 = secs.parse().ok()?;
+    Some((Duration::try_from_secs_f64(secs).ok()?, step))
 }
 
 fn node_label(n: &proto::NodeStatus) -> String {
@@ -1050,9 +1087,8 @@ mod tests {
         assert_eq!(status_period(10_000), Duration::from_secs(10));
     }
 
-    /// A node whose workers succeeded after the job failed elsewhere reports the job's failure.
-    #[tokio::test(flavor = "current_thread")]
-    async fn finish_after_the_job_failed_is_a_failure() {
+    /// Nodes `a` and `b` of a 2-node job on a service of their own, in their first round.
+    async fn two_nodes_in_a_round() -> (EmbeddedServer, ConsoleTx, [(DaemonRdzv, RoundAssignment, LaunchPlan); 2]) {
         let srv = server().await;
         let (pa, pb) = (plan(srv.addr, "2", "a", ""), plan(srv.addr, "2", "b", ""));
         let c = console();
@@ -1060,6 +1096,13 @@ mod tests {
         let mut b = DaemonRdzv::connect(&pb, &c).await.unwrap();
         let (ra, rb) = tokio::join!(a.next_round(&pa, &c), b.next_round(&pb, &c));
         let (ra, rb) = (ra.unwrap().unwrap(), rb.unwrap().unwrap());
+        (srv, c, [(a, ra, pa), (b, rb, pb)])
+    }
+
+    /// A node whose workers succeeded after the job failed elsewhere reports the job's failure.
+    #[tokio::test(flavor = "current_thread")]
+    async fn finish_after_the_job_failed_is_a_failure() {
+        let (_srv, c, [(mut a, ra, _), (mut b, rb, pb)]) = two_nodes_in_a_round().await;
         let root = failure(ra.rank(0));
         assert!(matches!(a.report_failure(&ra, &root, false).await, Decision::Failed { .. }));
         match b.finish(&pb, &rb, &c).await {
@@ -1069,6 +1112,46 @@ mod tests {
             }
             other => panic!("expected the job's failure, got {other:?}"),
         }
+    }
+
+    /// A second node whose workers failed too, after the first node's report failed the job,
+    /// reports the job's root cause (the first report), not a rendezvous error with its own.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_failure_reported_after_the_job_failed_names_the_jobs_root_cause() {
+        let (_srv, c, [(mut a, ra, _), (mut b, rb, pb)]) = two_nodes_in_a_round().await;
+        let mut first = failure(ra.rank(0));
+        first.exit = ExitKind::Signal(11);
+        assert!(matches!(a.report_failure(&ra, &first, false).await, Decision::Failed { remote_root: None, .. }));
+        match b.report_failure(&rb, &failure(rb.rank(0)), false).await {
+            Decision::Failed { remote_root: Some(r), reason } => {
+                assert_eq!((r.rank, &r.exit), (Some(ra.rank(0)), &ExitKind::Signal(11)), "{reason}");
+                assert!(!reason.contains("cannot report"), "{reason}");
+            }
+            other => panic!("expected the job's root cause, got {other:?}"),
+        }
+    }
+
+    /// A hang and a worker that never started keep their meaning on the other nodes.
+    #[test]
+    fn hang_and_spawn_failures_travel_with_their_description() {
+        let hang = ExitKind::Hang { idle: Duration::from_millis(12_500), last_step: 40 };
+        let info = |exit: &ExitKind, message: String| proto::FailureInfo {
+            rank: 3,
+            exit_code: exit.exit_code(),
+            message,
+            ..Default::default()
+        };
+        let back = failure_from_proto(&info(&hang, format!("{}\nstderr:\nstep 40", hang.describe())));
+        assert_eq!(back.exit, hang);
+        assert_eq!(back.message.as_deref(), Some("stderr:\nstep 40"));
+        let spawn = ExitKind::SpawnError("No such file or directory (os error 2)".into());
+        let back = failure_from_proto(&info(&spawn, spawn.describe()));
+        assert_eq!(back.exit, spawn);
+        assert_eq!(back.message, None);
+        // A worker's own exit codes 124 and 127 stay exit codes.
+        assert_eq!(failure_from_proto(&info(&ExitKind::Code(127), "could not find data".into())).exit, ExitKind::Code(127));
+        assert_eq!(failure_from_proto(&info(&ExitKind::Code(124), "timeout".into())).exit, ExitKind::Code(124));
+        assert_eq!(parse_hang("hung: no progress for 1e400s (last step 1)"), None);
     }
 
     /// A node joining a job that completed (while it waited, or just before) exits cleanly.

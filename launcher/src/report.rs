@@ -68,7 +68,7 @@ impl ExitKind {
         }
     }
 
-    fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         match self {
             ExitKind::Code(c) => format!("exit code {c}"),
             ExitKind::Signal(s) => format!("killed by {} (signal {s})", signal_name(*s)),
@@ -202,7 +202,8 @@ pub fn read_error_file(path: &Path) -> Option<ErrorFileInfo> {
     let timestamp = extra
         .and_then(|e| e.get("timestamp"))
         .and_then(|t| t.as_str().and_then(|s| s.parse::<u64>().ok()).or_else(|| t.as_u64()))
-        .map(|s| UNIX_EPOCH + Duration::from_secs(s));
+        // A time past what SystemTime holds is no time (checked: `+` would panic the reader).
+        .and_then(|s| UNIX_EPOCH.checked_add(Duration::from_secs(s)));
     Some(ErrorFileInfo { message, traceback, timestamp, written })
 }
 
@@ -510,6 +511,9 @@ mod tests {
         assert_eq!(e.message, "RuntimeError: boom");
         assert_eq!(e.traceback.as_deref(), Some("Traceback\n  x"));
         assert_eq!(e.timestamp, Some(UNIX_EPOCH + Duration::from_secs(1_700_000_000)));
+        // A timestamp past what the system time holds is no timestamp, not a panic.
+        std::fs::write(&p, r#"{"message": {"message": "m", "extraInfo": {"timestamp": 18446744073709551615}}}"#).unwrap();
+        assert_eq!(read_error_file(&p).unwrap().timestamp, None);
         std::fs::write(&p, r#"{"message": "plain"}"#).unwrap();
         assert_eq!(read_error_file(&p).unwrap().message, "plain");
         assert!(read_error_file(&dir.path().join("missing.json")).is_none());
