@@ -437,7 +437,7 @@ impl std::fmt::Debug for ProcessGroup {
 /// The version of what ranks exchange (segment layout, TCP frames and handshakes): ranks of
 /// builds that disagree on it are told at bootstrap, not by garbled data. Raise it with any
 /// change of the wire.
-const WIRE_VERSION: u32 = 2;
+const WIRE_VERSION: u32 = 3;
 
 /// The longest timeout honoured: "forever" (`Duration::MAX`) would overflow every deadline.
 const MAX_TIMEOUT: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
