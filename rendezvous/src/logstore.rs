@@ -37,8 +37,20 @@ pub trait LogStore: Send + 'static {
         false
     }
 
-    /// Bytes of log after which the executor queues a snapshot.
+    /// Bytes of log after which the executor queues a snapshot (at least: the executor waits for
+    /// as many log bytes as the state holds store bytes, so that a large state is not rewritten
+    /// whole for every few MiB of log).
     fn compact_every(&self) -> u64;
+
+    /// The last sequence number the store's latest snapshot holds, when entries after it may be
+    /// in the log already (a new HA leader's predecessors wrote them). A leader whose state is
+    /// past it snapshots at once: the bytes it counts towards [`LogStore::compact_every`] are
+    /// only its own, and leaders that change more often than that would never snapshot, leaving
+    /// the log to grow for good. `None`: nothing before this writer (the file journal compacts
+    /// when it opens).
+    fn snapshot_seq(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// The file journal of `--data-dir`.

@@ -391,7 +391,9 @@ impl Core {
                     }
                     _ => q.items.push(Work::Records { bytes, last_seq: g.seq, tried: false }),
                 }
-                if g.log_bytes >= d.compact_every {
+                // Proportional to the state as well: a snapshot rewrites the whole state (mostly
+                // its stores), which must not cost many times the log it replaces.
+                if g.log_bytes >= d.compact_every.max(g.state.totals.store_bytes as u64) {
                     g.log_bytes = 0;
                     q.items.push(Work::Compact { state: Box::new(g.state.clone()), seq: g.seq });
                 }
@@ -787,7 +789,14 @@ impl Core {
         let term = g.term;
         g.state.renew_all_leases(now);
         g.state.recount();
+        let backlog = store.snapshot_seq().is_some_and(|s| g.seq > s);
         let log = spawn_flusher(store, term, g.seq, self.flushed_tx.clone(), self.metrics.clone())?;
+        if backlog {
+            // The log since the last snapshot is the predecessors': snapshot it now (see
+            // `LogStore::snapshot_seq`).
+            log.lock().items.push(Work::Compact { state: Box::new(g.state.clone()), seq: g.seq });
+            log.ready.notify_one();
+        }
         g.log = Some(log);
         g.log_bytes = 0;
         g.role = Role::Leader { epoch };

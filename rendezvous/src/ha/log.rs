@@ -314,6 +314,8 @@ pub struct EtcdLog {
     fence: Arc<FenceClock>,
     /// Mod revision of `P/snap/current` (the flip compares it).
     snap_mod_revision: i64,
+    /// The last sequence number of the snapshot found at takeover (see `LogStore::snapshot_seq`).
+    snap_seq: u64,
     pending: Option<PendingSnapshot>,
     /// Time of the last entry appended (stored with a snapshot, so a recovered clock never goes back).
     last_at: Ms,
@@ -341,7 +343,8 @@ enum Refusal {
 impl EtcdLog {
     /// The log of `owner`; `snap_mod_revision` is the mod revision of `P/snap/current` it read at
     /// takeover.
-    pub fn new(etcd: Etcd, keys: Keys, rt: tokio::runtime::Handle, owner: Owner, snap_mod_revision: i64, metrics: Arc<Metrics>) -> Self {
+    pub fn new(etcd: Etcd, keys: Keys, rt: tokio::runtime::Handle, owner: Owner, snap: TakeoverSnapshot, metrics: Arc<Metrics>) -> Self {
+        let TakeoverSnapshot { mod_revision: snap_mod_revision, seq: snap_seq } = snap;
         let Owner { election_key, epoch, leader_value, fence } = owner;
         EtcdLog {
             etcd,
@@ -352,6 +355,7 @@ impl EtcdLog {
             leader_value,
             fence,
             snap_mod_revision,
+            snap_seq,
             pending: None,
             last_at: 0,
             snapshot_every: COMPACT_EVERY,
@@ -566,6 +570,19 @@ impl LogStore for EtcdLog {
     fn compact_every(&self) -> u64 {
         self.snapshot_every
     }
+
+    fn snapshot_seq(&self) -> Option<u64> {
+        Some(self.snap_seq)
+    }
+}
+
+/// The snapshot pointer a new leader found at its takeover barrier.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TakeoverSnapshot {
+    /// The pointer's mod revision (0: none), which the next flip compares.
+    pub mod_revision: i64,
+    /// The last sequence number the snapshot holds (0: none).
+    pub seq: u64,
 }
 
 /// The leader record a daemon writes at takeover and on every confirmation.

@@ -41,7 +41,7 @@ use tokio_util::sync::CancellationToken;
 
 use self::election::{Decision, LeaseTimer, decide};
 use self::etcd::{Etcd, EtcdConfig, EtcdError, WatchStream, created_at, get_op, prefix_end, put_op, txn_range};
-use self::log::{Batch, EtcdLog, Keys, Owner, RecoverError, SnapPointer, leader_value, recover};
+use self::log::{Batch, EtcdLog, Keys, Owner, RecoverError, SnapPointer, TakeoverSnapshot, leader_value, recover};
 use crate::RdzvError;
 use crate::journal::FORMAT_VERSION;
 use crate::service::{Core, DaemonIdentity, PeerSource, Role};
@@ -522,7 +522,7 @@ impl Node {
         // Catch up with everything committed before the barrier, read at its revision. A read
         // etcd did not answer (an election of its own, a compaction) is tried again behind a
         // new barrier, up to the fence: one hiccup must not cost a whole campaign.
-        let (h, snap_mod) = loop {
+        let (h, snap) = loop {
             if s.fence.fenced() {
                 return Err(End::Restart("the lease lapsed before the takeover barrier".into()));
             }
@@ -536,7 +536,7 @@ impl Node {
                 Err(e) => return Err(e.into()),
             };
             match self.catch_up(h).await {
-                Ok(Ok(snap_mod)) => break (h, snap_mod),
+                Ok(Ok(snap)) => break (h, snap),
                 Ok(Err(why)) => return Err(End::Restart(why)),
                 Err(RecoverError::Etcd(e @ (EtcdError::Uncertain(_) | EtcdError::Compacted(_)))) => {
                     tracing::debug!(error = %e, barrier_revision = h, "takeover read not answered; again behind a new barrier");
@@ -547,7 +547,7 @@ impl Node {
         };
         let _ = follow;
         let owner = Owner { election_key: s.key.clone(), epoch: s.epoch, leader_value: value, fence: s.fence.clone() };
-        let store = EtcdLog::new(self.etcd.clone(), self.keys.clone(), tokio::runtime::Handle::current(), owner, snap_mod, self.core.metrics.clone())
+        let store = EtcdLog::new(self.etcd.clone(), self.keys.clone(), tokio::runtime::Handle::current(), owner, snap, self.core.metrics.clone())
             .with_snapshot_every(self.cfg.snapshot_bytes);
         if s.fence.fenced() {
             return Err(End::Restart("the lease lapsed during the takeover".into()));
@@ -561,12 +561,12 @@ impl Node {
     /// Brings the replica to barrier revision `h`: the log after its position, or the snapshot
     /// and the log after it when the replica is behind the snapshot. The snapshot pointer's mod
     /// revision, or why the replica could not take the state.
-    async fn catch_up(&self, h: i64) -> Result<Result<i64, String>, RecoverError> {
+    async fn catch_up(&self, h: i64) -> Result<Result<TakeoverSnapshot, String>, RecoverError> {
         let (seq, _) = self.core.position();
         let (ptr, _) = self.etcd.range_all(&self.keys.snap_current(), &[], h, 1).await?;
         let snap: Option<SnapPointer> = ptr.first().and_then(|kv| postcard::from_bytes(&kv.value).ok());
         let snap_mod = ptr.first().map(|kv| kv.mod_revision).unwrap_or(0);
-        let caught_up = match snap {
+        let caught_up = match &snap {
             Some(p) if p.seq > seq => false,
             _ => {
                 let values = log::log_after(&self.etcd, &self.keys, seq, h).await?;
@@ -579,7 +579,7 @@ impl Node {
                 return Ok(Err(e.to_string()));
             }
         }
-        Ok(Ok(snap_mod))
+        Ok(Ok(TakeoverSnapshot { mod_revision: snap_mod, seq: snap.as_ref().map_or(0, |p| p.seq) }))
     }
 
     /// Decodes log values and applies them to the replica.
