@@ -30,6 +30,7 @@ fn main() -> ExitCode {
         if let Err(e) = init_tracing() {
             eprintln!("rsrun: {e}");
         }
+        raise_nofile_limit();
         return agent_main();
     }
     // clap prints usage errors itself and exits 2.
@@ -39,6 +40,7 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     if args.is_remote() {
+        raise_nofile_limit();
         return head_main(&args);
     }
     let plan = match LaunchPlan::resolve(&args, &HostInfo::probe()) {
@@ -60,8 +62,10 @@ fn main() -> ExitCode {
         eprintln!("rsrun: {note}");
     }
     if let LaunchMode::SlurmC { srun } = &plan.mode {
+        // Before any raise: srun passes this process's limits on to its tasks.
         return exec_under_srun(srun);
     }
+    raise_nofile_limit();
     match launch(plan) {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
         Err(err) => {
@@ -70,6 +74,13 @@ fn main() -> ExitCode {
             ExitCode::from(if rsrun_launcher::plan::StartError::is_in(&err) { 2 } else { 1 })
         }
     }
+}
+
+/// A node may serve the job's PyTorch store (a descriptor per rank of the job) and an embedded
+/// rendezvous, and a head one connection per host: the soft open-file limit goes up to the hard
+/// one, and workers get the limit rsrun started with back (`rsrun_rendezvous::rlimit`).
+fn raise_nofile_limit() {
+    rsrun_rendezvous::rlimit::raise_nofile_limit();
 }
 
 /// Slurm mode C: replaces this process with `srun ... <this rsrun> <the same arguments>`; each task

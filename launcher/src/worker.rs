@@ -150,9 +150,10 @@ pub fn spawn(spec: SpawnSpec<'_>) -> io::Result<Spawned> {
         cmd.env(crate::env::PROGRESS_FD_VAR, fd.to_string());
         cmd.env(crate::env::PROGRESS_PEER_VAR, parent.to_string());
     }
+    let nofile = rsrun_rendezvous::rlimit::original_soft_nofile();
     // SAFETY: the closure runs in the forked child before exec and only makes async-signal-safe
-    // system calls (prctl, getppid, close_range, fcntl, sched_setaffinity, _exit); it allocates
-    // nothing.
+    // system calls (prctl, getppid, close_range, fcntl, sched_setaffinity, getrlimit, setrlimit,
+    // _exit); it allocates nothing.
     unsafe {
         cmd.pre_exec(move || {
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
@@ -177,6 +178,15 @@ pub fn spawn(spec: SpawnSpec<'_>) -> io::Result<Spawned> {
                 && libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), set) != 0
             {
                 return Err(io::Error::last_os_error());
+            }
+            // The open-file limit rsrun raised for the store it serves: the worker gets the one
+            // rsrun started with (see `rsrun_rendezvous::rlimit`).
+            if let Some(soft) = nofile {
+                let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+                if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) == 0 {
+                    lim.rlim_cur = soft.min(lim.rlim_max);
+                    libc::setrlimit(libc::RLIMIT_NOFILE, &lim);
+                }
             }
             Ok(())
         });

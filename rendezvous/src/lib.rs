@@ -10,6 +10,7 @@
 //! - [`client`]: the typed async client used by the launcher and the worker runtime.
 //! - [`files`]: reading configuration files (tokens, certificates) with a deadline.
 //! - [`logging`]: the binaries' log filter from `RSRUN_LOG`/`RUST_LOG`.
+//! - [`rlimit`]: raising the open-file limit of a process that serves many connections.
 //! - [`tcpstore`]: a server (and a small client) for PyTorch's TCPStore protocol, so unmodified torch
 //!   workers can use a store that rsrun serves.
 #![warn(missing_docs)]
@@ -23,6 +24,7 @@ pub mod journal;
 pub mod logging;
 pub mod logstore;
 pub mod metrics;
+pub mod rlimit;
 mod round_stores;
 pub mod server;
 pub mod service;

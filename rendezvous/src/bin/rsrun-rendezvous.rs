@@ -82,7 +82,8 @@ struct ServeArgs {
     /// Journal every change here so a restart (even after kill -9) loses nothing acknowledged.
     #[arg(long)]
     data_dir: Option<PathBuf>,
-    /// Tokens callers must present (one per line, optionally followed by a job id or `prefix*`).
+    /// Tokens callers must present (one per line, optionally followed by a job id or `prefix*`,
+    /// and by `jobs=N` to cap the live jobs the token may start).
     #[arg(long)]
     token_file: Option<PathBuf>,
     /// TLS certificate (PEM); needs --tls-key.
@@ -305,6 +306,8 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         only_job: None,
         ha,
     };
+    // Every node's calls, and every rank of every job on the per-round PyTorch stores.
+    rsrun_rendezvous::rlimit::raise_nofile_limit();
     let shutdown = cancel_on_signals();
     server::serve(config, shutdown, |bound| {
         use std::io::Write;
@@ -344,20 +347,6 @@ fn cancel_on_signals() -> CancellationToken {
     shutdown
 }
 
-/// Raises the soft open-file limit to the hard one: every rank holds a connection.
-fn raise_nofile_limit() {
-    use nix::sys::resource::{Resource, getrlimit, setrlimit};
-    match getrlimit(Resource::RLIMIT_NOFILE) {
-        Ok((soft, hard)) if soft < hard => {
-            if let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
-                tracing::warn!(soft, hard, error = %e, "cannot raise the open-file limit");
-            }
-        }
-        Ok(_) => {}
-        Err(e) => tracing::warn!(error = %e, "cannot read the open-file limit"),
-    }
-}
-
 async fn tcpstore(args: TcpStoreArgs) -> anyhow::Result<()> {
     if !args.listen.ip().is_loopback() && !args.insecure {
         return Err(rsrun_rendezvous::RdzvError::invalid(
@@ -383,7 +372,7 @@ async fn tcpstore(args: TcpStoreArgs) -> anyhow::Result<()> {
         max_buffered_bytes: to_usize("max_buffered_bytes", args.max_buffered_bytes)?,
         ..TcpStoreLimits::default()
     };
-    raise_nofile_limit();
+    rsrun_rendezvous::rlimit::raise_nofile_limit();
     let shutdown = cancel_on_signals();
     let server = TcpStoreServer::start(args.listen, limits, shutdown.clone()).context("cannot start the tcpstore server")?;
     {

@@ -193,3 +193,43 @@ fn a_daemon_without_tcpstore_leaves_the_store_to_rank_0() {
         assert_eq!(env["RSRUN_RDZV_ENDPOINT"], daemon.addr, "rank {rank}");
     }
 }
+
+/// rsrun raises its own open-file limit to the hard one (its node serves the job's PyTorch store:
+/// a descriptor per rank) and gives its workers back the soft limit it started with.
+#[test]
+fn workers_keep_the_open_file_limit_rsrun_raised_for_itself() {
+    use std::os::unix::process::CommandExt;
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = rsrun(dir.path());
+    cmd.args(["--standalone", "--nproc-per-node", "2"]).args([
+        "sh",
+        "-c",
+        "ulimit -n > nofile.$RANK; grep 'Max open files' /proc/$PPID/limits > rsrun.$RANK",
+    ]);
+    let mut hard = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes the struct on our stack.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut hard) }, 0);
+    let soft = 256.min(hard.rlim_max);
+    // SAFETY: only setrlimit (async-signal-safe) between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            let lim = libc::rlimit { rlim_cur: soft, rlim_max: hard.rlim_max };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let out = run(&mut cmd);
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    for rank in 0..2 {
+        let worker = std::fs::read_to_string(dir.path().join(format!("nofile.{rank}"))).unwrap();
+        assert_eq!(worker.trim(), soft.to_string(), "rank {rank}'s soft limit");
+        let line = std::fs::read_to_string(dir.path().join(format!("rsrun.{rank}"))).unwrap();
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        // "Max open files  SOFT  HARD  files"
+        assert_eq!(fields.get(3), fields.get(4), "rsrun's limits: {line}");
+        let hard_text = if hard.rlim_max == libc::RLIM_INFINITY { "unlimited".to_owned() } else { hard.rlim_max.to_string() };
+        assert_eq!(fields.get(4).copied(), Some(hard_text.as_str()), "rsrun's limits: {line}");
+    }
+}
