@@ -315,7 +315,7 @@ impl Conn {
     fn apply_pending(&mut self, state: &mut StoreState, woken: &mut Vec<WaitId>) -> Result<(), RdzvError> {
         while !self.over_budget() {
             let Some(req) = self.pending.pop_front() else { break };
-            self.pending_bytes = self.pending_bytes.saturating_sub(req.payload_bytes());
+            self.pending_bytes = self.pending_bytes.saturating_sub(pending_cost(&req));
             let a = state.apply(self.id, req)?;
             self.queue.cancelled(&a.cancelled);
             self.queue.push(a.reply);
@@ -323,8 +323,19 @@ impl Conn {
                 if id.conn() == self.id { self.queue.woken(id) } else { woken.push(id) }
             }
         }
+        // A burst of tiny requests (64 Ki CANCEL_WAITs in one read) must not leave its queue's
+        // capacity held for the connection's life.
+        if self.pending.is_empty() && self.pending.capacity() > 64 {
+            self.pending = VecDeque::new();
+        }
         Ok(())
     }
+}
+
+/// What a held-back request costs the budgets: its payload and the request itself (a request
+/// without payload, such as CANCEL_WAIT, is not free to hold).
+fn pending_cost(req: &Request) -> usize {
+    req.payload_bytes() + std::mem::size_of::<Request>()
 }
 
 /// Why a connection is closed.
@@ -624,7 +635,7 @@ impl EventLoop {
             let parsed = c.parser.feed(&self.read_buf[..n], &mut self.reqs);
             // Requests parsed before a violation are still served, as they would be by torch.
             for req in self.reqs.drain(..) {
-                c.pending_bytes += req.payload_bytes();
+                c.pending_bytes += pending_cost(&req);
                 c.pending.push_back(req);
             }
             let applied = c.apply_pending(state, &mut self.woken);
