@@ -9,11 +9,18 @@
 //! 77ab01...  teamA-*
 //! # exactly one job
 //! 5d2e44...  job7
+//! # team B: its jobs, at most 20 of them at once
+//! 9a41c7...  teamB-*  jobs=20
 //! ```
 //!
 //! Clients send `authorization: Bearer <token>` on every RPC. A missing or unknown token is
 //! `UNAUTHENTICATED`; a known token used on another job is `PERMISSION_DENIED`. Either way nothing
 //! changes. Without a token file every caller may touch every job (loopback or `--insecure` only).
+//!
+//! `jobs=N` caps the jobs a token may start: a join that would create a job (or start an ended
+//! one over) is `RESOURCE_EXHAUSTED` while N jobs that the token may touch are live (any not
+//! ended-and-empty, whoever created them), so one team cannot take the service's `--max-jobs`
+//! from the others ([`JobQuota`]).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -21,6 +28,7 @@ use std::sync::Arc;
 use tonic::{Request, Status};
 
 use crate::RdzvError;
+use crate::state::State;
 
 /// Which jobs a caller may touch.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -70,17 +78,57 @@ pub fn served_job(message: &str) -> Option<&str> {
     Some(&rest[..rest.find('"')?])
 }
 
+/// How many live jobs a caller's token may hold (its file line's `jobs=N`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct JobQuota(pub usize);
+
+impl JobQuota {
+    /// `Ok` when `principal` may have `job` created (or started over) in `state`: the join
+    /// leaves at most this many live jobs among those it may touch. A join to a live job always
+    /// passes (its job is counted already).
+    ///
+    /// # Errors
+    /// [`RdzvError::ResourceExhausted`] naming the quota and some of the jobs that hold it.
+    pub fn admit(self, principal: &Principal, state: &State, job: &str) -> Result<(), RdzvError> {
+        let live = |j: &crate::state::Job| !(j.is_terminal() && j.nodes.is_empty());
+        if state.jobs.get(job).is_some_and(live) {
+            return Ok(());
+        }
+        let held: Vec<&str> = state.jobs.values().filter(|j| live(j) && principal.allows(&j.id)).map(|j| j.id.as_str()).collect();
+        if held.len() < self.0 {
+            return Ok(());
+        }
+        let shown: Vec<String> = held.iter().take(5).map(|j| format!("{j:?}")).collect();
+        let more = if held.len() > shown.len() { format!(" and {} more", held.len() - shown.len()) } else { String::new() };
+        Err(RdzvError::ResourceExhausted(format!(
+            "this token may hold {} live jobs at once (jobs= in the service's token file) and holds {}: {}{more}; job {job:?} can start once one of them ends",
+            self.0,
+            held.len(),
+            shown.join(", ")
+        )))
+    }
+}
+
+/// One token file line: the token, whom it lets in, and its job quota.
+#[derive(Debug, Clone)]
+struct TokenEntry {
+    token: Vec<u8>,
+    principal: Principal,
+    quota: Option<JobQuota>,
+}
+
 /// The tokens a daemon accepts.
 #[derive(Debug, Clone)]
 pub struct TokenTable {
-    entries: Vec<(Vec<u8>, Principal)>,
+    entries: Vec<TokenEntry>,
 }
 
 impl TokenTable {
-    /// Parses a token file's text.
+    /// Parses a token file's text: `TOKEN [JOB or PREFIX* or *] [jobs=N]` per line.
     ///
     /// # Errors
-    /// A line with more than two fields, a token shorter than 16 characters, or no token at all.
+    /// A line with more fields, a token shorter than 16 characters, a `jobs=` that is not a whole
+    /// number from 1 on, or no token at all.
     pub fn parse(text: &str, origin: &str) -> Result<Self, RdzvError> {
         let mut entries = Vec::new();
         for (i, line) in text.lines().enumerate() {
@@ -90,8 +138,22 @@ impl TokenTable {
             }
             let fields: Vec<&str> = line.split_whitespace().collect();
             let bad = |why: String| RdzvError::invalid("token file", format!("{origin} line {}: {why}", i + 1));
-            if fields.len() > 2 {
-                return Err(bad(format!("{} fields; expected `TOKEN [JOB or PREFIX*]`", fields.len())));
+            // The quota is the last field when it is one (`TOKEN jobs=N` scopes nothing).
+            let mut quota = None;
+            let mut fields = fields.as_slice();
+            if let [rest @ .., last] = fields
+                && let Some(n) = last.strip_prefix("jobs=")
+            {
+                let n: usize = n
+                    .parse()
+                    .ok()
+                    .filter(|n| *n > 0)
+                    .ok_or_else(|| bad(format!("{last:?}: expected jobs=N with N a whole number from 1 on")))?;
+                quota = Some(JobQuota(n));
+                fields = rest;
+            }
+            if fields.is_empty() || fields.len() > 2 {
+                return Err(bad(format!("{} fields; expected `TOKEN [JOB or PREFIX* or *] [jobs=N]`", line.split_whitespace().count())));
             }
             let token = fields[0];
             if token.len() < 16 {
@@ -105,7 +167,7 @@ impl TokenTable {
                     None => Principal::Job((*p).to_string()),
                 },
             };
-            entries.push((token.as_bytes().to_vec(), principal));
+            entries.push(TokenEntry { token: token.as_bytes().to_vec(), principal, quota });
         }
         if entries.is_empty() {
             return Err(RdzvError::invalid("token file", format!("{origin} holds no token")));
@@ -121,10 +183,19 @@ impl TokenTable {
 
     /// The principal of a presented token, comparing in constant time.
     pub fn lookup(&self, presented: &[u8]) -> Option<&Principal> {
+        self.entry(presented).map(|e| &e.principal)
+    }
+
+    /// The job quota of a presented token (`None`: unknown token, or no `jobs=`).
+    pub fn quota(&self, presented: &[u8]) -> Option<JobQuota> {
+        self.entry(presented).and_then(|e| e.quota)
+    }
+
+    fn entry(&self, presented: &[u8]) -> Option<&TokenEntry> {
         let mut found = None;
-        for (token, principal) in &self.entries {
-            if constant_time_eq(token, presented) && found.is_none() {
-                found = Some(principal);
+        for e in &self.entries {
+            if constant_time_eq(&e.token, presented) && found.is_none() {
+                found = Some(e);
             }
         }
         found
@@ -150,7 +221,7 @@ pub fn read_client_token(path: &Path) -> Result<String, RdzvError> {
     table
         .entries
         .first()
-        .map(|(token, _)| String::from_utf8_lossy(token).into_owned())
+        .map(|e| String::from_utf8_lossy(&e.token).into_owned())
         .ok_or_else(|| RdzvError::invalid("token file", format!("{} holds no token", path.display())))
 }
 
@@ -177,6 +248,7 @@ impl AuthInterceptor {
 
 impl tonic::service::Interceptor for AuthInterceptor {
     fn call(&mut self, mut req: Request<()>) -> Result<Request<()>, Status> {
+        let mut quota = None;
         let principal = match &self.table {
             None => Principal::Any,
             Some(table) => {
@@ -190,8 +262,11 @@ impl tonic::service::Interceptor for AuthInterceptor {
                     tracing::warn!(%peer, "rejected a call without a token");
                     return Err(RdzvError::Unauthenticated("missing token: send `authorization: Bearer <token>` (rsrun --rdzv-token-file)".into()).into());
                 };
-                match table.lookup(presented.as_bytes()) {
-                    Some(p) => p.clone(),
+                match table.entry(presented.as_bytes()) {
+                    Some(e) => {
+                        quota = e.quota;
+                        e.principal.clone()
+                    }
                     None => {
                         tracing::warn!(%peer, "rejected a call with a wrong token");
                         return Err(RdzvError::Unauthenticated("invalid token".into()).into());
@@ -207,6 +282,9 @@ impl tonic::service::Interceptor for AuthInterceptor {
             }
         };
         req.extensions_mut().insert(principal);
+        if let Some(q) = quota {
+            req.extensions_mut().insert(q);
+        }
         Ok(req)
     }
 }
@@ -264,6 +342,54 @@ mod tests {
         let mut req = Request::new(());
         req.metadata_mut().insert("authorization", "Bearer aaaaaaaaaaaaaaaa".parse().unwrap());
         assert_eq!(tonic::service::Interceptor::call(&mut i, req).unwrap_err().code(), tonic::Code::PermissionDenied);
+    }
+
+    #[test]
+    fn job_quotas_parse_and_count_the_live_jobs_in_scope() {
+        use crate::state::{Command, JobSpec, JoinCmd};
+        use crate::validate::Limits;
+        let t = TokenTable::parse("0123456789abcdef teamA-* jobs=2\nfedcba9876543210 jobs=1\naaaaaaaaaaaaaaaa\n", "f").unwrap();
+        assert_eq!(t.quota(b"0123456789abcdef"), Some(JobQuota(2)));
+        assert_eq!(t.lookup(b"0123456789abcdef"), Some(&Principal::Prefix("teamA-".into())));
+        assert_eq!((t.lookup(b"fedcba9876543210"), t.quota(b"fedcba9876543210")), (Some(&Principal::Any), Some(JobQuota(1))));
+        assert_eq!(t.quota(b"aaaaaaaaaaaaaaaa"), None);
+        for bad in ["0123456789abcdef jobs=0", "0123456789abcdef teamA-* jobs=x", "jobs=3", "0123456789abcdef a b jobs=1"] {
+            let e = TokenTable::parse(bad, "f").unwrap_err().to_string();
+            assert!(e.contains("f line 1"), "{bad}: {e}");
+        }
+
+        let spec = JobSpec { min_nodes: 2, max_nodes: 2, last_call_ms: 0, lease_ms: 60_000, max_restarts: 0, fixed_ranks: false };
+        let mut st = State::default();
+        let apply = |st: &mut State, cmd: Command| st.apply(&cmd, 1_000, &Limits::default()).map(|_| ()).unwrap();
+        let join = |job: &str| {
+            Command::Join(JoinCmd {
+                job: job.into(),
+                node: "n".into(),
+                addrs: vec!["10.0.0.1".into()],
+                hostname: "h".into(),
+                local_world_size: 1,
+                rank_hint: None,
+                master_port: 1,
+                spec: spec.clone(),
+            })
+        };
+        let (p, q) = (Principal::Prefix("teamA-".into()), JobQuota(2));
+        apply(&mut st, join("teamA-1"));
+        apply(&mut st, join("teamB-1"));
+        assert!(q.admit(&p, &st, "teamA-2").is_ok(), "another team's job does not count");
+        apply(&mut st, join("teamA-2"));
+        let e = q.admit(&p, &st, "teamA-3").unwrap_err();
+        assert_eq!(e.code(), tonic::Code::ResourceExhausted);
+        assert!(e.to_string().contains("may hold 2 live jobs at once") && e.to_string().contains("\"teamA-1\", \"teamA-2\""), "{e}");
+        assert!(q.admit(&p, &st, "teamA-1").is_ok(), "a join to a live job needs no room");
+        // A failed job counts while a node is still in it; ended and empty, it frees its place.
+        apply(&mut st, Command::FailJob { job: "teamA-1".into(), node: "n".into(), reason: "r".into() });
+        assert!(q.admit(&p, &st, "teamA-3").is_err());
+        apply(&mut st, Command::Leave { job: "teamA-1".into(), node: "n".into(), reason: String::new() });
+        assert!(q.admit(&p, &st, "teamA-3").is_ok());
+        // Starting the ended job over takes a place like a new one.
+        apply(&mut st, join("teamA-3"));
+        assert!(q.admit(&p, &st, "teamA-1").is_err());
     }
 
     #[test]

@@ -29,7 +29,7 @@ use tonic::{Request, Response, Status};
 use tracing::Instrument;
 
 use crate::RdzvError;
-use crate::auth::Principal;
+use crate::auth::{JobQuota, Principal};
 use crate::journal::{self, Entry, Journal};
 use crate::logstore::LogStore;
 use crate::metrics::Metrics;
@@ -475,11 +475,18 @@ impl Core {
 
     /// Executes a command and waits until it is durable.
     pub async fn execute(&self, cmd: Command) -> Result<Outcome, RdzvError> {
+        self.execute_admitted(cmd, |_| Ok(())).await
+    }
+
+    /// [`Core::execute`] after `admit` accepted the state the command would apply to, under the
+    /// same lock (no other command comes between): an admission rule of the caller's, such as a
+    /// token's job quota, that is not the state machine's (replay does not check it again).
+    pub async fn execute_admitted(&self, cmd: Command, admit: impl FnOnce(&State) -> Result<(), RdzvError>) -> Result<Outcome, RdzvError> {
         let (outcome, settle) = {
             let mut g = self.lock();
             Self::serving(&g)?;
             let before = g.seq;
-            match self.apply_locked(&mut g, &cmd) {
+            match admit(&g.state).and_then(|()| self.apply_locked(&mut g, &cmd)) {
                 // A logged command is proven by its own guarded append, which begins after it
                 // was applied; one that logged nothing needs a confirmation.
                 Ok((outcome, seq)) => (Ok(outcome), Self::settle_point(&g, seq, seq == before)),
@@ -611,9 +618,15 @@ impl Core {
                 _ = view_changed => {}
                 _ = topic_changed => {}
                 _ = tokio::time::sleep_until(deadline) => {
-                    let g = self.lock();
-                    Self::serving(&g)?;
-                    return Err(RdzvError::Timeout(on_timeout(&g.state)));
+                    // The explanation is read from the state like any answer: confirmed first (an
+                    // HA leader paused past its lease must not describe a state it lost).
+                    let (why, settle) = {
+                        let g = self.lock();
+                        Self::serving(&g)?;
+                        (on_timeout(&g.state), Self::settle_point(&g, g.seq, true))
+                    };
+                    self.settle(settle).await?;
+                    return Err(RdzvError::Timeout(why));
                 }
                 _ = self.cancel.cancelled() => return Err(RdzvError::ShuttingDown),
             }
@@ -1117,6 +1130,7 @@ fn forming_summary(state: &State, job: &str) -> String {
 impl pb::rendezvous_server::Rendezvous for Service {
     async fn join(&self, req: Request<pb::JoinRequest>) -> Result<Response<pb::JoinResponse>, Status> {
         let p = principal(&req);
+        let quota = req.extensions().get::<JobQuota>().copied();
         let local = req.local_addr();
         let r = req.into_inner();
         rpc(&self.core, "Join", async {
@@ -1143,7 +1157,8 @@ impl pb::rendezvous_server::Rendezvous for Service {
                 master_port: r.master_port,
                 spec: job_spec(r.config.as_ref()).map_err(forget)?,
             });
-            self.core.execute(cmd.clone()).await.map_err(forget)?;
+            let admit = |st: &State| quota.map_or(Ok(()), |q| q.admit(&p, st, &r.job_id));
+            self.core.execute_admitted(cmd.clone(), &admit).await.map_err(forget)?;
             let (job, node) = (r.job_id.as_str(), r.node_id.as_str());
             // Instrumented, never entered across an await: an entered span would leak into whatever
             // else runs on this thread meanwhile, and spans would nest into each other.
@@ -1190,7 +1205,7 @@ impl pb::rendezvous_server::Rendezvous for Service {
                     // The round this node joined formed and ended before it looked: it joins the
                     // next one, as its launcher would have (the same request again).
                     Ok(None) => {
-                        self.core.execute(cmd.clone()).await?;
+                        self.core.execute_admitted(cmd.clone(), &admit).await?;
                     }
                     Ok(Some(mut resp)) => {
                         if let Some(round) = resp.round.as_mut()

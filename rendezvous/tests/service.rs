@@ -366,6 +366,29 @@ async fn tokens_are_required_and_scoped_per_job() {
 }
 
 #[tokio::test]
+async fn a_token_with_a_job_quota_starts_no_more_live_jobs_than_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let team = "team-b-token-0123456789";
+    let mut cfg = ServerConfig::in_memory("127.0.0.1:0".parse().unwrap());
+    cfg.token_file = Some(token_file(dir.path(), &format!("{team} teamB-* jobs=1\n")));
+    let srv = server::spawn_with(cfg).await.unwrap();
+    let mut c = ClientConfig::new(srv.addr.to_string());
+    c.token = Some(team.into());
+    let client = RdzvClient::connect(c).unwrap();
+    let s = spec(1, 1, 5_000);
+    let round = client.join(join_spec("teamB-1", "a", &s)).await.unwrap().round.unwrap().round;
+    let e = client.join(join_spec("teamB-2", "b", &s)).await.unwrap_err();
+    assert_eq!(e.code(), Code::ResourceExhausted, "{e}");
+    assert!(e.to_string().contains("may hold 1 live jobs at once") && e.to_string().contains("teamB-1"), "{e}");
+    // Refused before anything changed: the job does not exist.
+    assert_eq!(client.status(None).await.unwrap().jobs.len(), 1);
+    // Once the first job has ended and its node left, the second may start.
+    client.finish("teamB-1", round, "a").await.unwrap();
+    client.leave("teamB-1", "a", "done").await.unwrap();
+    client.join(join_spec("teamB-2", "b", &s)).await.unwrap();
+}
+
+#[tokio::test]
 async fn non_loopback_without_token_is_refused() {
     let cfg = ServerConfig::in_memory("0.0.0.0:0".parse().unwrap());
     let e = server::spawn_with(cfg).await.unwrap_err().to_string();
