@@ -143,6 +143,27 @@ const LOOPBACK_LOOKUP_TIMEOUT: Duration = Duration::from_secs(2);
 /// nodes cannot reach node rank 0 there: the error says so. A list whose hosts all resolve to
 /// loopback is a one-machine test, and passes. `others` are the other hosts with what they resolved to.
 pub fn loopback_conflict(first: &str, addr: std::net::IpAddr, others: &[(String, Vec<std::net::IpAddr>)]) -> Option<String> {
+    loopback_conflict_of(NODE_RANK_0, first, addr, others)
+}
+
+/// Whose rendezvous a name is checked for: node rank 0's (the daemon and static modes), or a
+/// head's (`--hosts`/`--hostfile` with its own service at `--rdzv-endpoint`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Holder {
+    /// Whose host the name is: "node rank 0's host".
+    host: &'static str,
+    /// Whose service the others cannot reach: "node rank 0's rendezvous".
+    service: &'static str,
+}
+
+/// Node rank 0 hosts the rendezvous.
+pub const NODE_RANK_0: Holder = Holder { host: "node rank 0's host", service: "node rank 0's rendezvous" };
+/// A head hosts the rendezvous of the hosts it starts.
+pub const HEAD: Holder = Holder { host: "the head's --rdzv-endpoint", service: "the head's rendezvous" };
+
+/// [`loopback_conflict`] for the rendezvous of `holder`.
+pub fn loopback_conflict_of(holder: Holder, first: &str, addr: std::net::IpAddr, others: &[(String, Vec<std::net::IpAddr>)]) -> Option<String> {
+    let Holder { host: whose_host, service } = holder;
     if !addr.is_loopback() {
         return None;
     }
@@ -153,7 +174,7 @@ pub fn loopback_conflict(first: &str, addr: std::net::IpAddr, others: &[(String,
         String::new()
     };
     Some(format!(
-        "node rank 0's host {first} resolves to {addr} here, a loopback address{debian}, while {other} resolves to {ip}: the other nodes cannot reach node rank 0's rendezvous there; map {first} to its network address in /etc/hosts, or pass --rdzv-endpoint ADDR:PORT"
+        "{whose_host} {first} resolves to {addr} here, a loopback address{debian}, while {other} resolves to {ip}: the other nodes cannot reach {service} there; map {first} to its network address in /etc/hosts, or pass --rdzv-endpoint ADDR:PORT"
     ))
 }
 
@@ -163,6 +184,14 @@ pub fn loopback_conflict(first: &str, addr: std::net::IpAddr, others: &[(String,
 /// # Errors
 /// The conflict, as a [`crate::plan::StartError`].
 pub async fn refuse_loopback(first: &str, addr: SocketAddr, list: &[String]) -> Result<(), crate::plan::StartError> {
+    refuse_loopback_of(NODE_RANK_0, first, addr, list).await
+}
+
+/// [`refuse_loopback`] for the rendezvous of `holder`.
+///
+/// # Errors
+/// The conflict, as a [`crate::plan::StartError`].
+pub async fn refuse_loopback_of(holder: Holder, first: &str, addr: SocketAddr, list: &[String]) -> Result<(), crate::plan::StartError> {
     if !addr.ip().is_loopback() {
         return Ok(());
     }
@@ -178,7 +207,7 @@ pub async fn refuse_loopback(first: &str, addr: SocketAddr, list: &[String]) -> 
             break;
         }
     }
-    match loopback_conflict(first, addr.ip(), &others) {
+    match loopback_conflict_of(holder, first, addr.ip(), &others) {
         Some(msg) => Err(crate::plan::StartError(msg)),
         None => Ok(()),
     }

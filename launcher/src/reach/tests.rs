@@ -175,4 +175,8 @@ async fn refuse_loopback_resolves_the_other_hosts() {
     assert!(e.0.contains("while 192.0.2.7 resolves to 192.0.2.7"), "{e}");
     assert!(refuse_loopback("127.0.0.1", at("127.0.0.1"), &list(&["127.0.0.1", "127.0.0.2"])).await.is_ok());
     assert!(refuse_loopback("n", at("192.0.2.1"), &list(&["n", "192.0.2.7"])).await.is_ok());
+    // A head's --rdzv-endpoint on loopback, with a host elsewhere: named as the head's.
+    let e = refuse_loopback_of(HEAD, "localhost", at("127.0.0.1"), &list(&["192.0.2.7", "192.0.2.8"])).await.unwrap_err();
+    assert!(e.0.starts_with("the head's --rdzv-endpoint localhost resolves to 127.0.0.1 here"), "{e}");
+    assert!(e.0.contains("cannot reach the head's rendezvous there"), "{e}");
 }

@@ -217,6 +217,13 @@ struct Rendezvous {
 async fn start_rendezvous(plan: &RemotePlan) -> anyhow::Result<Rendezvous> {
     match &plan.rdzv {
         RemoteRdzv::Embedded { bind, advertise } => {
+            // A name of this machine that resolves to loopback here (Debian's `127.0.1.1` line)
+            // is out of the other hosts' reach: they would retry until the join timeout. A
+            // loopback IP given as such is meant (an --rsh transport may run every "host" here).
+            if advertise.parse::<std::net::IpAddr>().is_err() {
+                let hosts: Vec<String> = plan.nodes.iter().map(|n| n.host.target().to_owned()).collect();
+                crate::reach::refuse_loopback_of(crate::reach::HEAD, advertise, *bind, &hosts).await?;
+            }
             let (dir, token_file) = match &plan.token {
                 Some(t) => {
                     let dir = super::agent::PrivateDir::create("rsrun-head")?;
@@ -567,11 +574,20 @@ async fn decide(plan: &RemotePlan, hosts: &[HostState], signalled: Option<Signal
         summary.push(format!("rsrun: job {} failed: root cause {who}: {what} -> rsrun exits {code} ({})", plan.job_id, v.reason));
         return HeadOutcome { exit_code: code, summary, all_ready_after: None, report: Vec::new() };
     }
-    // No failure recorded: the agents' own codes, the first failure in host order.
+    // No failure recorded: a lost host first (the head stopped the others because of it, so
+    // their codes are its consequence), else the agents' own codes, the first failure in host
+    // order.
+    if let Some(i) = hosts.iter().position(|h| h.lost.is_some()) {
+        summary.push(format!(
+            "rsrun: job {} failed: the head lost the agent on {} (above) and stopped the other hosts -> rsrun exits 1",
+            plan.job_id, plan.nodes[i].host.host
+        ));
+        return HeadOutcome { exit_code: 1, summary, all_ready_after: None, report: Vec::new() };
+    }
     let codes: Vec<(usize, i32)> = hosts
         .iter()
         .enumerate()
-        .map(|(i, h)| (i, h.ended.as_ref().and_then(|e| e.exit_frame).unwrap_or(if h.lost.is_some() { 1 } else { 0 })))
+        .map(|(i, h)| (i, h.ended.as_ref().and_then(|e| e.exit_frame).unwrap_or(0)))
         .collect();
     match codes.iter().find(|(_, c)| *c != 0) {
         Some((i, c)) => {
@@ -885,7 +901,11 @@ async fn run_attempt(
         tokio::select! {
             c = cmds.recv(), if cmds_open => match c {
                 Some(HostCmd::Control(ctl)) => {
-                    stop_asked = true;
+                    // START lets the host go; only STOP and FORCE make its end one the head asked
+                    // for (an agent gone after START without its Exit frame is a lost host).
+                    if ctl.action() != control::Action::Start {
+                        stop_asked = true;
+                    }
                     if let Some(tx) = &stdin_tx {
                         let _ = tx.send(wire::encode(&ctl));
                     }

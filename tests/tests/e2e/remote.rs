@@ -180,12 +180,19 @@ fn worker_exit_3_on_host_2_is_the_exit_code_and_nothing_is_left() {
     assert_eq!(all_gone(&pids, Duration::from_secs(5)), Ok(()), "processes of the job left");
 }
 
+/// A head of 3 fake hosts with 2 [`SLEEPER`] workers each, once all 6 have started; and the file
+/// of their pids.
+fn three_hosts_of_sleepers(dir: &Path) -> (KillOnDrop, PathBuf) {
+    let child = KillOnDrop::spawn(head(dir, "h1:2,h2:2,h3:2").args(["sh", "-c", SLEEPER]));
+    let pids_file = dir.join("pids");
+    assert!(wait_until(Duration::from_secs(30), || read_pids(&pids_file).len() == 6), "workers did not start");
+    (child, pids_file)
+}
+
 #[test]
 fn sigint_stops_every_host_and_exits_130() {
     let dir = tempfile::tempdir().unwrap();
-    let child = KillOnDrop::spawn(head(dir.path(), "h1:2,h2:2,h3:2").args(["sh", "-c", SLEEPER]));
-    let pids_file = dir.path().join("pids");
-    assert!(wait_until(Duration::from_secs(30), || read_pids(&pids_file).len() == 6), "workers did not start");
+    let (child, pids_file) = three_hosts_of_sleepers(dir.path());
     kill(child.pid(), libc::SIGINT);
     let out = child.output_within(Duration::from_secs(30));
     assert_eq!(code(&out.status), 130, "{}", text(&out));
@@ -198,9 +205,7 @@ fn sigint_stops_every_host_and_exits_130() {
 fn kill_9_of_the_head_leaves_no_worker() {
     for attempt in 0..3 {
         let dir = tempfile::tempdir().unwrap();
-        let mut child = KillOnDrop::spawn(head(dir.path(), "h1:2,h2:2,h3:2").args(["sh", "-c", SLEEPER]));
-        let pids_file = dir.path().join("pids");
-        assert!(wait_until(Duration::from_secs(30), || read_pids(&pids_file).len() == 6), "workers did not start");
+        let (mut child, pids_file) = three_hosts_of_sleepers(dir.path());
         let workers = read_pids(&pids_file);
         let agents = agent_pids(dir.path());
         kill(child.pid(), libc::SIGKILL);
@@ -209,6 +214,28 @@ fn kill_9_of_the_head_leaves_no_worker() {
         assert_eq!(all_gone(&workers, Duration::from_secs(3)), Ok(()), "attempt {attempt}: workers left after kill -9 of the head");
         assert_eq!(all_gone(&agents, Duration::from_secs(10)), Ok(()), "attempt {attempt}: agents left");
     }
+}
+
+/// An agent that dies after the job started (OOM killer, `kill -9`, a dropped connection) is a
+/// lost host: the head names it, stops the other hosts, and exits non-zero.
+#[test]
+fn an_agent_killed_after_the_start_stops_the_others_and_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let (child, pids_file) = three_hosts_of_sleepers(dir.path());
+    let h2 = rsh_calls(dir.path())
+        .into_iter()
+        .find(|(_, argv)| argv.iter().any(|a| a == "h2"))
+        .map(|(pid, _)| pid)
+        .expect("the agent of h2");
+    kill(h2, libc::SIGKILL);
+    let out = child.output_within(Duration::from_secs(30));
+    assert_eq!(code(&out.status), 1, "{}", text(&out));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("h2: lost the agent: ssh was killed by signal 9"), "{}", text(&out));
+    assert!(stderr.contains("the head lost the agent on h2 (above) and stopped the other hosts"), "{}", text(&out));
+    let mut pids = read_pids(&pids_file);
+    pids.extend(agent_pids(dir.path()));
+    assert_eq!(all_gone(&pids, Duration::from_secs(5)), Ok(()), "processes of the job left");
 }
 
 #[test]
