@@ -1118,7 +1118,7 @@ mod tests {
     /// reports the job's root cause (the first report), not a rendezvous error with its own.
     #[tokio::test(flavor = "current_thread")]
     async fn a_failure_reported_after_the_job_failed_names_the_jobs_root_cause() {
-        let (_srv, c, [(mut a, ra, _), (mut b, rb, pb)]) = two_nodes_in_a_round().await;
+        let (_srv, _c, [(mut a, ra, _), (mut b, rb, _)]) = two_nodes_in_a_round().await;
         let mut first = failure(ra.rank(0));
         first.exit = ExitKind::Signal(11);
         assert!(matches!(a.report_failure(&ra, &first, false).await, Decision::Failed { remote_root: None, .. }));
