@@ -185,7 +185,15 @@ fn set_sock_opts(s: &TcpStream) -> Result<()> {
     s.set_nodelay(true)
         .map_err(|e| CommError::io("setting TCP_NODELAY", e))?;
     let fd = s.as_raw_fd();
-    for opt in [libc::SO_SNDBUF, libc::SO_RCVBUF] {
+    for (opt, cap) in [(libc::SO_SNDBUF, "wmem_max"), (libc::SO_RCVBUF, "rmem_max")] {
+        // A fixed size turns the kernel's autotuning off for the socket. Below SOCK_BUF the
+        // kernel's cap (net.core.{w,r}mem_max, 208 KiB by default) would pin the buffer under
+        // what autotuning reaches (tcp_{w,r}mem's maximum, MiBs): between hosts, a window of a
+        // few hundred KiB caps a long or fast link. So the size is set only where the cap allows
+        // all of it.
+        if !sock_buf_allowed(cap) {
+            continue;
+        }
         let v: libc::c_int = SOCK_BUF;
         // SAFETY: `fd` is an open socket owned by `s`; the option value is a c_int on our stack
         // and the length passed matches it.
@@ -206,6 +214,21 @@ fn set_sock_opts(s: &TcpStream) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Whether `net.core.<cap>` lets a socket hold [`SOCK_BUF`] bytes (read once per process; an
+/// unreadable value is taken as no).
+fn sock_buf_allowed(cap: &'static str) -> bool {
+    static CAPS: std::sync::OnceLock<[bool; 2]> = std::sync::OnceLock::new();
+    let caps = CAPS.get_or_init(|| {
+        ["wmem_max", "rmem_max"].map(|c| {
+            std::fs::read_to_string(format!("/proc/sys/net/core/{c}"))
+                .ok()
+                .and_then(|t| t.trim().parse::<u64>().ok())
+                .is_some_and(|max| max >= SOCK_BUF as u64)
+        })
+    });
+    caps[usize::from(cap == "rmem_max")]
 }
 
 /// The acceptor's answer to a hello it took.
@@ -1012,6 +1035,31 @@ mod handshake_tests {
                 assert!(default_route().is_none());
                 assert!(e.contains("MASTER_ADDR=\"localhost\" resolves here to loopback only"), "{e}");
             }
+        }
+    }
+
+    /// The socket buffers are fixed at SOCK_BUF only where the kernel's caps allow all of it;
+    /// elsewhere the kernel's autotuning is left on (a fixed size under the cap would pin the
+    /// window at a few hundred KiB between hosts).
+    #[test]
+    fn socket_buffers_are_fixed_only_where_the_cap_allows_them() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let s = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        set_sock_opts(&s).unwrap();
+        let get = |opt: libc::c_int| {
+            let mut v: libc::c_int = 0;
+            let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+            // SAFETY: an open socket; the value and its length are a c_int on our stack.
+            let rc = unsafe { libc::getsockopt(s.as_raw_fd(), libc::SOL_SOCKET, opt, (&mut v as *mut libc::c_int).cast(), &mut len) };
+            assert_eq!(rc, 0);
+            v
+        };
+        let cap = |name: &str| std::fs::read_to_string(format!("/proc/sys/net/core/{name}")).ok().and_then(|t| t.trim().parse::<u64>().ok());
+        for (opt, name) in [(libc::SO_SNDBUF, "wmem_max"), (libc::SO_RCVBUF, "rmem_max")] {
+            let fixed = cap(name).is_some_and(|m| m >= SOCK_BUF as u64);
+            assert_eq!(sock_buf_allowed(name), fixed);
+            // The kernel reports twice the size set (its bookkeeping overhead).
+            assert_eq!(get(opt) == 2 * SOCK_BUF, fixed, "{name}: cap {:?}, buffer {}", cap(name), get(opt));
         }
     }
 
