@@ -216,24 +216,67 @@ fn futex_wake(word: &AtomicU32) {
     }
 }
 
-fn pidfd_open(pid: u32) -> Option<OwnedFd> {
+fn pidfd_open(pid: u32) -> std::io::Result<OwnedFd> {
     // SAFETY: pidfd_open takes a pid and flags and returns a new fd or -1.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
     if fd < 0 {
-        return None;
+        return Err(std::io::Error::last_os_error());
     }
     // SAFETY: `fd` is a fresh descriptor we own.
-    Some(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as i32) })
 }
 
-fn pid_exited(fd: &OwnedFd) -> bool {
-    let mut p = [libc::pollfd {
-        fd: fd.as_raw_fd(),
-        events: libc::POLLIN,
-        revents: 0,
-    }];
-    super::mesh::poll_fds(&mut p, Duration::ZERO);
-    p[0].revents & libc::POLLIN != 0
+/// The inode of this process's pid namespace: a peer's pid means something here only when its
+/// namespace is the same (ranks of pods that share /dev/shm and the network, but not their pids,
+/// would otherwise probe unrelated pids).
+fn pid_namespace() -> Option<u64> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self/ns/pid").ok().map(|m| m.ino())
+}
+
+/// How a peer's death is seen.
+#[derive(Debug)]
+enum Liveness {
+    /// Its pidfd turns readable when it exits.
+    Pidfd(OwnedFd),
+    /// No pidfd (a kernel before 5.3, a seccomp filter that refuses it, no descriptor left):
+    /// `kill(pid, 0)` failing with ESRCH says it exited (a reused pid only delays that).
+    Pid(libc::pid_t),
+    /// Its pid is not ours to probe (another pid namespace, or not known): only the op's
+    /// deadline sees it gone.
+    Unknown,
+}
+
+impl Liveness {
+    /// For a peer that published `pid` from pid namespace `ns`, seen from namespace `ours`.
+    fn of(pid: u32, ns: Option<u64>, ours: Option<u64>) -> Liveness {
+        if pid == 0 || ns.is_none() || ns != ours {
+            return Liveness::Unknown;
+        }
+        match pidfd_open(pid) {
+            Ok(fd) => Liveness::Pidfd(fd),
+            Err(_) => match libc::pid_t::try_from(pid) {
+                Ok(p) => Liveness::Pid(p),
+                Err(_) => Liveness::Unknown,
+            },
+        }
+    }
+
+    fn exited(&self) -> bool {
+        match self {
+            Liveness::Pidfd(fd) => {
+                let mut p = [libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 }];
+                super::mesh::poll_fds(&mut p, Duration::ZERO);
+                p[0].revents & libc::POLLIN != 0
+            }
+            Liveness::Pid(p) => {
+                // SAFETY: kill with signal 0 sends nothing; it only checks that the pid exists.
+                let rc = unsafe { libc::kill(*p, 0) };
+                rc == -1 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+            }
+            Liveness::Unknown => false,
+        }
+    }
 }
 
 pub(crate) struct ShmBackend {
@@ -243,7 +286,8 @@ pub(crate) struct ShmBackend {
     data_base: usize,
     epoch: u64,
     parity: usize,
-    pidfds: Vec<Option<OwnedFd>>,
+    /// How each peer's death is seen (`Unknown` for this rank).
+    liveness: Vec<Liveness>,
     pids: Vec<u32>,
     p2p: Option<TcpBackend>,
     spin: Duration,
@@ -387,7 +431,7 @@ impl ShmBackend {
             data_base,
             epoch: 0,
             parity: 0,
-            pidfds: Vec::new(),
+            liveness: Vec::new(),
             pids: vec![0; world],
             p2p: None,
             spin: ctx.opts.spin,
@@ -399,11 +443,13 @@ impl ShmBackend {
         let pid = std::process::id();
         me.u32_at(me.ctrl(rank) + PID_OFF)
             .store(pid, Ordering::Release);
+        let ns = pid_namespace();
+        let mut namespaces = vec![None; world];
         let mut attach_err = ctx
             .store
             .set(
                 &format!("{}/shm/attached/{rank}", ctx.prefix),
-                pid.to_string().as_bytes(),
+                format!("{pid} {}", ns.unwrap_or(0)).as_bytes(),
             )
             .err();
         for j in 0..world {
@@ -415,7 +461,13 @@ impl ShmBackend {
                 .store
                 .get(&key, deadline.saturating_duration_since(Instant::now()))
             {
-                Ok(v) => me.pids[j] = String::from_utf8_lossy(&v).parse().unwrap_or(0),
+                Ok(v) => {
+                    // "PID PIDNS" (0: its namespace is not known).
+                    let v = String::from_utf8_lossy(&v);
+                    let mut f = v.split(' ');
+                    me.pids[j] = f.next().and_then(|p| p.parse().ok()).unwrap_or(0);
+                    namespaces[j] = f.next().and_then(|n| n.parse().ok()).filter(|n| *n != 0);
+                }
                 Err(e) => {
                     attach_err = Some(e);
                     break;
@@ -429,17 +481,13 @@ impl ShmBackend {
         if let Some(e) = attach_err {
             return Err(e);
         }
-        me.pidfds = me
-            .pids
-            .iter()
-            .map(|p| {
-                if *p == pid || *p == 0 {
-                    None
-                } else {
-                    pidfd_open(*p)
-                }
-            })
+        me.liveness = (0..world)
+            .map(|j| if j == rank || me.pids[j] == pid { Liveness::Unknown } else { Liveness::of(me.pids[j], namespaces[j], ns) })
             .collect();
+        let unseen: Vec<usize> = (0..world).filter(|&j| j != rank && matches!(me.liveness[j], Liveness::Unknown)).map(|j| ctx.names[j]).collect();
+        if !unseen.is_empty() {
+            tracing::debug!(ranks = ?unseen, "peers in another pid namespace: their exit is seen only at the op's deadline");
+        }
         let cores = std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(1);
@@ -495,6 +543,30 @@ impl ShmBackend {
         }
     }
 
+    /// The store value at `key`, which rank `from` sets, by `deadline`: asked for in short slices,
+    /// and between them an abort of any rank or the exit of `from` fails the wait at once (not at
+    /// the deadline, 300 s by default, while a window file waits to be unlinked).
+    fn watched_get(&self, key: &str, from: usize, deadline: Instant) -> Result<Vec<u8>> {
+        const SLICE: Duration = Duration::from_millis(100);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if let Some(v) = super::store::try_get(&*self.ctx.store, key, left.min(SLICE))? {
+                return Ok(v);
+            }
+            self.check_aborts()?;
+            if self.liveness[from].exited() {
+                return Err(CommError::PeerFailed {
+                    peer: self.ctx.names[from],
+                    op: "shared buffer setup".into(),
+                    detail: format!("process {} exited", self.pids[from]),
+                });
+            }
+            if Instant::now() >= deadline {
+                return Err(CommError::StoreTimeout { key: key.to_owned(), timeout_ms: self.ctx.opts.timeout.as_millis() as u64 });
+            }
+        }
+    }
+
     fn all_arrived(&self) -> bool {
         (0..self.ctx.world)
             .all(|j| self.u64_at(self.ctrl(j) + SEQ_OFF).load(Ordering::Acquire) >= self.epoch)
@@ -530,9 +602,7 @@ impl ShmBackend {
             if self.u64_at(self.ctrl(j) + SEQ_OFF).load(Ordering::Acquire) >= self.epoch {
                 continue;
             }
-            if let Some(fd) = &self.pidfds[j]
-                && pid_exited(fd)
-            {
+            if self.liveness[j].exited() {
                 return Err(CommError::PeerFailed {
                     peer: self.ctx.names[j],
                     op: op.to_string(),
@@ -667,7 +737,6 @@ impl ShmBackend {
         })?;
         let key = format!("{}/shm/win/{id}", self.ctx.prefix);
         let deadline = Instant::now() + self.ctx.opts.timeout;
-        let left = || deadline.saturating_duration_since(Instant::now());
         let map = if rank == 0 {
             match create_segment_file("win", len, true).and_then(|(file, path)| {
                 match map_file(&file, len) {
@@ -688,11 +757,7 @@ impl ShmBackend {
                         if acked.is_err() {
                             break;
                         }
-                        acked = self
-                            .ctx
-                            .store
-                            .get(&format!("{key}/attached/{j}"), left())
-                            .map(|_| ());
+                        acked = self.watched_get(&format!("{key}/attached/{j}"), j, deadline).map(|_| ());
                     }
                     // Every rank has mapped it (or one failed): the name is no longer needed.
                     let _ = std::fs::remove_file(&path);
@@ -706,7 +771,7 @@ impl ShmBackend {
                 }
             }
         } else {
-            let v = self.ctx.store.get(&key, left())?;
+            let v = self.watched_get(&key, 0, deadline)?;
             let v = String::from_utf8_lossy(&v).to_string();
             if v == "none" {
                 None
@@ -1412,5 +1477,31 @@ mod sweep_tests {
         for p in &kept {
             assert!(p.exists(), "{} was removed", p.display());
         }
+    }
+}
+
+#[cfg(test)]
+mod liveness_tests {
+    use super::*;
+
+    /// A peer's exit is seen through its pidfd, through `kill(pid, 0)` where there is no pidfd,
+    /// and not at all (never falsely) when its pid belongs to another namespace.
+    #[test]
+    fn a_peers_exit_is_seen_in_its_namespace_only() {
+        let ns = pid_namespace();
+        assert!(ns.is_some(), "/proc/self/ns/pid is readable");
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().unwrap();
+        let pid = child.id();
+        let pidfd = Liveness::of(pid, ns, ns);
+        assert!(matches!(pidfd, Liveness::Pidfd(_)), "{pidfd:?}");
+        let probe = Liveness::Pid(pid as libc::pid_t);
+        let other_ns = Liveness::of(pid, ns.map(|n| n + 1), ns);
+        assert!(matches!(other_ns, Liveness::Unknown));
+        assert!(matches!(Liveness::of(pid, None, ns), Liveness::Unknown), "a peer that sent no namespace");
+        assert!(!pidfd.exited() && !probe.exited() && !other_ns.exited());
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(pidfd.exited() && probe.exited());
+        assert!(!other_ns.exited());
     }
 }

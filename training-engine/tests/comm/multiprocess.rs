@@ -71,6 +71,25 @@ fn child_entry() {
             assert_eq!(pg.barrier().unwrap_err(), e);
             eprintln!("rank {rank}: failed after {took:?}: {e}");
         }
+        "death_before_shared" => {
+            // The last rank dies before a registered buffer is made: the others' setup fails
+            // naming it within moments, not at the group's timeout (10 s here).
+            let mut v = vec![1.0f32; 1000];
+            pg.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+            if rank == world - 1 {
+                std::process::abort();
+            }
+            let t0 = Instant::now();
+            let e = match pg.alloc_shared::<f32>(100_000) {
+                Err(e) => e,
+                // A rank that attached before the death finds it in its next collective.
+                Ok(mut w) => pg.all_reduce(&mut w, ReduceOp::Sum).unwrap_err(),
+            };
+            let took = t0.elapsed();
+            assert_eq!(e.peer(), Some(world - 1), "rank {rank}: {e}");
+            assert!(took < Duration::from_secs(5), "rank {rank} took {took:?}: {e}");
+            eprintln!("rank {rank}: failed after {took:?}: {e}");
+        }
         "mismatch" => {
             let mut v = vec![1.0f32; if rank == 0 { 64 } else { 65 }];
             let e = pg.all_reduce(&mut v, ReduceOp::Sum).unwrap_err();
@@ -166,6 +185,7 @@ fn multiprocess_peer_death_fails_survivors() {
         ("death", "tcp", 2),
         ("death", "hierarchical", 3),
         ("death_shared", "shm", 3),
+        ("death_before_shared", "shm", 3),
     ] {
         let res = spawn(scenario, backend, world);
         let (dead_ok, _) = &res[world - 1];
