@@ -452,7 +452,7 @@ impl ShmBackend {
                 format!("{pid} {}", ns.unwrap_or(0)).as_bytes(),
             )
             .err();
-        for j in 0..world {
+        for (j, ns_j) in namespaces.iter_mut().enumerate() {
             if attach_err.is_some() {
                 break;
             }
@@ -466,7 +466,7 @@ impl ShmBackend {
                     let v = String::from_utf8_lossy(&v);
                     let mut f = v.split(' ');
                     me.pids[j] = f.next().and_then(|p| p.parse().ok()).unwrap_or(0);
-                    namespaces[j] = f.next().and_then(|n| n.parse().ok()).filter(|n| *n != 0);
+                    *ns_j = f.next().and_then(|n| n.parse().ok()).filter(|n| *n != 0);
                 }
                 Err(e) => {
                     attach_err = Some(e);
