@@ -32,8 +32,8 @@
 //! `AF_UNIX`/`SOCK_DGRAM` socket; send one datagram per step whose first 8 bytes are the step number
 //! (little-endian u64). In Python, without ever blocking the training loop:
 //! `fd = int(os.environ["RSRUN_PROGRESS_FD"]); os.set_blocking(fd, False)` once, then per step
-//! `try: os.write(fd, step.to_bytes(8, "little"))` / `except BlockingIOError: pass` (a full
-//! buffer means the launcher has recent heartbeats enough).
+//! `try: os.write(fd, step.to_bytes(8, "little"))` / `except OSError: pass` (a full buffer means
+//! the launcher has recent heartbeats enough; a closed peer means it is gone).
 
 pub mod engine_store;
 
@@ -271,6 +271,15 @@ impl WorkerContext {
             });
         }
         let node_rank = optional_number32(get, "GROUP_RANK", "this node's rank", 0, 0)?;
+        if get("GROUP_WORLD_SIZE").is_none() && node_rank >= world_size {
+            // Without GROUP_WORLD_SIZE the node count is taken as GROUP_RANK + 1: the value to
+            // blame is GROUP_RANK itself.
+            return Err(WorkerError::BadVar {
+                name: "GROUP_RANK",
+                value: node_rank.to_string(),
+                expected: format!("below WORLD_SIZE={world_size} (every node runs a rank)"),
+            });
+        }
         let num_nodes = optional_number32(get, "GROUP_WORLD_SIZE", "the number of nodes", 1, node_rank.saturating_add(1))?;
         below("GROUP_RANK", node_rank, "GROUP_WORLD_SIZE", num_nodes)?;
         if num_nodes > world_size {
@@ -421,8 +430,23 @@ impl WorkerContext {
             let rank = self.rank;
             // The same id again is answered as the first (a retry); another id under a name used
             // in this round is refused: an NCCL id serves one communicator's init, so a new
-            // communicator needs a new name. Bounded by `timeout` like the other ranks' wait.
-            let publish = async move { tokio::time::timeout(timeout, store.publish_unique_id(&key, &node, rank, &id)).await };
+            // communicator needs a new name. Retried while the service is unreachable (a restart,
+            // a failover), up to `timeout` like the other ranks' wait (one call retries for the
+            // RPC timeout only): publishing the same bytes again is answered as the first.
+            let publish = async move {
+                let deadline = tokio::time::Instant::now() + timeout;
+                tokio::time::timeout_at(deadline, async {
+                    loop {
+                        match store.publish_unique_id(&key, &node, rank, &id).await {
+                            Err(e) if e.is_retryable() && tokio::time::Instant::now() < deadline => {
+                                tokio::time::sleep(Duration::from_millis(200)).await;
+                            }
+                            other => return other,
+                        }
+                    }
+                })
+                .await
+            };
             match shared.spawn(publish).await? {
                 Ok(Ok(())) => return Ok(id),
                 Ok(Err(RdzvError::AlreadyExists(why))) => {
@@ -469,18 +493,44 @@ impl WorkerContext {
     /// previous hook runs. The process's first panic is written, and a panic of the main thread
     /// replaces what another thread's wrote: later panics elsewhere (a poisoned lock, a thread
     /// that saw the first one fail) are consequences, while the main thread's ends the process
-    /// (a worker thread's panic that the program caught and handled must not stand for it).
+    /// (a worker thread's panic that the program caught and handled must not stand for it). When
+    /// the main thread's panic replaces another thread's, the other's message and backtrace stay
+    /// in the report as the panic before it (`handle.join().unwrap()` on a thread that panicked
+    /// would otherwise leave only `called Result::unwrap() on an Err value: Any { .. }`).
+    ///
+    /// A panic another thread caught and handled still leaves its report: a worker that then
+    /// exits with an error without panicking should [`WorkerContext::report_error`] its own.
     pub fn install_panic_hook(&self) {
         let Some(path) = self.error_file.clone() else { return };
         let previous = std::panic::take_hook();
-        let written = std::sync::atomic::AtomicBool::new(false);
+        // The first panic of another thread than main: (its message, its backtrace).
+        let first: OnceLock<(String, String)> = OnceLock::new();
         std::panic::set_hook(Box::new(move |info| {
-            let main = std::thread::current().name() == Some("main");
-            if !written.swap(true, std::sync::atomic::Ordering::SeqCst) || main {
-                let payload = info.payload_as_str().unwrap_or("Box<dyn Any>");
-                let location = info.location().map(|l| format!(" at {}:{}", l.file(), l.line())).unwrap_or_default();
+            let thread = std::thread::current();
+            let main = thread.name() == Some("main");
+            let payload = info.payload_as_str().unwrap_or("Box<dyn Any>");
+            let location = info.location().map(|l| format!(" at {}:{}", l.file(), l.line())).unwrap_or_default();
+            let message = format!("panic: {payload}{location}");
+            if main {
                 let backtrace = std::backtrace::Backtrace::force_capture().to_string();
-                let _ = write_error_file(&path, &format!("panic: {payload}{location}"), Some(&backtrace));
+                let (message, backtrace) = match first.get() {
+                    Some((m, b)) => (
+                        format!("{message} (after a panic in another thread: {m})"),
+                        format!("{backtrace}\nthe panic before it ({m}):\n{b}"),
+                    ),
+                    None => (message, backtrace),
+                };
+                let _ = write_error_file(&path, &message, Some(&backtrace));
+            } else if first.get().is_none() {
+                let name = thread.name().map_or_else(|| format!("{:?}", thread.id()), |n| format!("'{n}'"));
+                let backtrace = std::backtrace::Backtrace::force_capture().to_string();
+                let entry = (format!("{message} (thread {name})"), backtrace);
+                // Only the first of racing threads writes.
+                if first.set(entry).is_ok()
+                    && let Some((m, b)) = first.get()
+                {
+                    let _ = write_error_file(&path, m, Some(b));
+                }
             }
             previous(info);
         }));
@@ -567,7 +617,17 @@ fn progress_socket() -> Option<Arc<UnixDatagram>> {
             // The socket's peer must be the process that made it (rsrun, RSRUN_PROGRESS_PEER):
             // a datagram socket the trainer opened itself (syslog's /dev/log) may have taken the
             // number.
-            let peer: Option<libc::pid_t> = std::env::var("RSRUN_PROGRESS_PEER").ok().and_then(|p| p.trim().parse().ok());
+            let peer: Option<libc::pid_t> = match std::env::var("RSRUN_PROGRESS_PEER") {
+                Err(_) => None,
+                Ok(p) => match p.trim().parse() {
+                    Ok(pid) => Some(pid),
+                    // Set but unreadable: no socket is adopted unchecked.
+                    Err(_) => {
+                        tracing::warn!(RSRUN_PROGRESS_PEER = %p, "RSRUN_PROGRESS_PEER is not a process id; progress heartbeats are off");
+                        return None;
+                    }
+                },
+            };
             let fd: RawFd = match value.trim().parse() {
                 Ok(fd) if fd >= 3 && is_unix_datagram_socket(fd) && peer_is_rsrun(peer, peer_pid(fd), || peer_is_unnamed(fd)) => fd,
                 _ => {
@@ -810,6 +870,9 @@ mod tests {
             (&[("GROUP_WORLD_SIZE", Some("5"))], "GROUP_WORLD_SIZE=\"5\" is malformed: expected at most WORLD_SIZE=4 nodes"),
             // Unset LOCAL_WORLD_SIZE is not blamed for LOCAL_RANK.
             (&[("LOCAL_WORLD_SIZE", None), ("LOCAL_RANK", Some("4"))], "LOCAL_RANK=\"4\" is malformed: expected a value below WORLD_SIZE=4"),
+            // Without GROUP_WORLD_SIZE, an impossible GROUP_RANK is blamed, not a made-up node count.
+            (&[("GROUP_WORLD_SIZE", None), ("GROUP_RANK", Some("4"))], "GROUP_RANK=\"4\" is malformed: expected below WORLD_SIZE=4 (every node runs a rank)"),
+            (&[("GROUP_WORLD_SIZE", None), ("GROUP_RANK", Some("4294967295"))], "GROUP_RANK=\"4294967295\" is malformed: expected below WORLD_SIZE=4"),
             (&[("TORCHELASTIC_MAX_RESTARTS", Some("1"))], "TORCHELASTIC_RESTART_COUNT=\"2\" is malformed: expected at most TORCHELASTIC_MAX_RESTARTS=1"),
             (&[("RSRUN_ROUND", None), ("RSRUN_RDZV_ENDPOINT", Some("127.0.0.1:9"))], "variable RSRUN_ROUND is not set"),
         ];
@@ -911,6 +974,11 @@ mod tests {
         let _ = std::thread::Builder::new().name("main".into()).spawn(|| panic!("the end")).unwrap().join();
         std::panic::set_hook(before);
         assert!(message().starts_with("panic: the end at "), "{}", message());
+        // ... and keeps the earlier panic as the one before it (the cause, when main unwrapped a
+        // join of the thread that panicked).
+        assert!(message().contains("(after a panic in another thread: panic: the cause at "), "{}", message());
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert!(v["message"]["extraInfo"]["py_callstack"].as_str().unwrap().contains("the panic before it (panic: the cause"));
     }
 
     /// Building the store inside an async context without a rendezvous fails with the reason,
