@@ -525,8 +525,25 @@ async fn decide(plan: &RemotePlan, hosts: &[HostState], signalled: Option<Signal
         return HeadOutcome { exit_code: 0, summary, all_ready_after: None, report };
     }
     if let Some(sig) = signalled {
-        return HeadOutcome { exit_code: 128 + sig as i32, summary: Vec::new(), all_ready_after: None, report: Vec::new() };
+        // A stop signal sets the exit code; a failure before it is still reported (a host lost,
+        // or an agent that exited with its own code, not the signal's).
+        let code = 128 + sig as i32;
+        let failed_before =
+            hosts.iter().any(|h| h.lost.is_some() || h.ended.as_ref().and_then(|e| e.exit_frame).is_some_and(|c| c != 0 && c != code));
+        if !failed_before || plan.check {
+            return HeadOutcome { exit_code: code, summary: Vec::new(), all_ready_after: None, report: Vec::new() };
+        }
+        let mut outcome = failure_outcome(plan, hosts, client, Some(code)).await;
+        outcome.summary.push(format!("rsrun: stopped by {}; exiting {code}", crate::signals::signal_name(sig as i32)));
+        outcome.exit_code = code;
+        return outcome;
     }
+    failure_outcome(plan, hosts, client, None).await
+}
+
+/// The job's outcome from the rendezvous' view and the hosts' ends; `stopped_with`: the code of a
+/// stop signal's exit, which an agent's own code is not taken for.
+async fn failure_outcome(plan: &RemotePlan, hosts: &[HostState], client: Option<&RdzvClient>, stopped_with: Option<i32>) -> HeadOutcome {
     // The job's root cause, as the rendezvous recorded it.
     let view = match client {
         Some(c) => match tokio::time::timeout(Duration::from_secs(5), c.await_job_end(&plan.job_id, Duration::ZERO)).await {
@@ -589,7 +606,7 @@ async fn decide(plan: &RemotePlan, hosts: &[HostState], signalled: Option<Signal
         .enumerate()
         .map(|(i, h)| (i, h.ended.as_ref().and_then(|e| e.exit_frame).unwrap_or(0)))
         .collect();
-    match codes.iter().find(|(_, c)| *c != 0) {
+    match codes.iter().find(|(_, c)| *c != 0 && Some(*c) != stopped_with) {
         Some((i, c)) => {
             summary.push(format!("rsrun: the agent on {} exited with code {c}", plan.nodes[*i].host.host));
             HeadOutcome { exit_code: *c, summary, all_ready_after: None, report: Vec::new() }
@@ -892,7 +909,12 @@ async fn run_attempt(
             break;
         }
         let room = queue.len() < HOST_QUEUE;
-        // After the agent process ended, its pipes get DRAIN from the last progress to deliver the rest.
+        // After the agent process ended, its pipes get DRAIN from the last progress to deliver the
+        // rest. Time the console holds this host back does not count: its last lines and its Exit
+        // frame are still in the pipes then, and a console slower than DRAIN would lose them.
+        if !room && drain_until.is_some() {
+            drain_until = Some(Instant::now() + DRAIN);
+        }
         let progress = |drain_until: &mut Option<Instant>| {
             if drain_until.is_some() {
                 *drain_until = Some(Instant::now() + DRAIN);
@@ -986,7 +1008,7 @@ async fn run_attempt(
                 group.release_if_empty();
                 drain_until = Some(Instant::now() + DRAIN);
             }
-            _ = tokio::time::sleep_until(drain_until.unwrap_or_else(Instant::now)), if drain_until.is_some() => {
+            _ = tokio::time::sleep_until(drain_until.unwrap_or_else(Instant::now)), if drain_until.is_some() && room => {
                 // Something (a grandchild) holds the pipes open: stop waiting for them.
                 break;
             }
@@ -1055,6 +1077,26 @@ mod tests {
             run_attempt(&node, &frame, timeout, permit, &mut cmd_rx, &|_| {}, &Outlet { idx: 0, tx }).await
         });
         Attempt { cmds, output, ended }
+    }
+
+    /// A stop signal during the teardown after a host's failure: the head exits with the signal's
+    /// code, and still names the failure (before, the summary was empty).
+    #[tokio::test]
+    async fn a_stop_signal_after_a_failure_keeps_the_failure_in_the_summary() {
+        let args = crate::plan::tests::parse(&["-H", "w1:1,w2:1", "--rdzv-endpoint", "127.0.0.1", "true"]);
+        let plan = RemotePlan::resolve(&args, &crate::plan::tests::host(), std::path::Path::new("/opt/rsrun")).unwrap();
+        let ended = |frame: i32| Ended { status: None, exit_frame: Some(frame), ready: true, failure: None, tail: Vec::new(), stopped: false, broken: None };
+        let hosts = |w2: i32| vec![
+            HostState { ready: true, ended: Some(ended(130)), ..HostState::default() },
+            HostState { ready: true, ended: Some(ended(w2)), ..HostState::default() },
+        ];
+        let out = decide(&plan, &hosts(3), Some(Signal::SIGINT), None).await;
+        assert_eq!(out.exit_code, 130);
+        let text = out.summary.join("\n");
+        assert!(text.contains("the agent on w2 exited with code 3") && text.contains("stopped by SIGINT"), "{text}");
+        // A plain Ctrl-C (every host stopped by it) says nothing more.
+        let out = decide(&plan, &hosts(130), Some(Signal::SIGINT), None).await;
+        assert_eq!((out.exit_code, out.summary.len()), (130, 0), "{:?}", out.summary);
     }
 
     /// A transport that never reads its stdin (ssh stalled before the session opened) and a plan
@@ -1135,6 +1177,43 @@ mod tests {
         assert!(ended.stopped);
         let n = reader.await.unwrap();
         assert!(n < 4096, "the agent was killed before it wrote everything: {n}");
+    }
+
+    /// An agent that wrote its last output and its Exit frame and ended, behind a console slower
+    /// than the drain deadline: everything still arrives (the deadline counts only the time the
+    /// console keeps up), the Exit frame included.
+    #[tokio::test]
+    async fn a_console_slower_than_the_drain_deadline_loses_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let frames = dir.path().join("frames");
+        let line = |i: usize| {
+            let data = format!("{i:06} {}\n", "x".repeat(4089)).into_bytes();
+            wire::encode(&proto::AgentEvent {
+                event: Some(agent_event::Event::Line(proto::ConsoleLine { stream: console_line::Stream::Stdout as i32, data })),
+            })
+        };
+        // More lines than the console's and the host's queues hold (4 + 256), few enough that the
+        // rest fits the reader's queue: the agent writes everything and ends, then the Exit frame.
+        let mut bytes: Vec<u8> = (0..300).flat_map(line).collect();
+        bytes.extend(wire::encode(&proto::AgentEvent { event: Some(agent_event::Event::Exit(proto::AgentExit { code: 3 })) }));
+        std::fs::write(&frames, bytes).unwrap();
+        let script = format!("exec cat {}", frames.display());
+        let mut a = attempt(&["sh", "-c", &script], Vec::new(), Duration::from_secs(60), 4);
+        // Nobody reads for longer than DRAIN.
+        tokio::time::sleep(DRAIN + Duration::from_secs(1)).await;
+        let reader = tokio::spawn(async move {
+            let mut n = 0;
+            while let Some((_, out)) = a.output.recv().await {
+                if let HostOutput::Line(_, data) = out {
+                    assert!(data.starts_with(format!("{n:06} ").as_bytes()), "lines in order");
+                    n += 1;
+                }
+            }
+            n
+        });
+        let ended = tokio::time::timeout(Duration::from_secs(20), a.ended).await.expect("the attempt ends").unwrap();
+        assert_eq!(ended.exit_frame, Some(3), "the Exit frame behind the slow console");
+        assert_eq!(reader.await.unwrap(), 300, "every line behind the slow console");
     }
 
     /// The agents wait for START as long as every host may take to start: windows of the fan-out,
