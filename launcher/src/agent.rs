@@ -106,11 +106,17 @@ pub async fn run(plan: LaunchPlan, mut cx: RunContext) -> anyhow::Result<Outcome
 /// off the runtime (it reads the worker's error file). A failure to write is logged: the job's
 /// outcome stands.
 async fn write_parent_error_file(path: &std::path::Path, report: &FailureReport) {
+    // A file system that hangs (NFS) must not keep rsrun from exiting: the write gets a deadline,
+    // and the runtime's shutdown does not wait for a blocking thread past its own.
+    const WRITE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
     let (path, report) = (path.to_owned(), report.clone());
-    match tokio::task::spawn_blocking(move || crate::report::write_parent_error_file(&path, &report)).await {
-        Ok(Ok(())) => {}
+    let shown = path.display().to_string();
+    let write = tokio::task::spawn_blocking(move || crate::report::write_parent_error_file(&path, &report));
+    match tokio::time::timeout(WRITE_DEADLINE, write).await {
+        Ok(Ok(Ok(()))) => {}
+        Ok(Ok(Err(err))) => tracing::warn!(%err, "cannot copy the root cause to TORCHELASTIC_ERROR_FILE"),
         Ok(Err(err)) => tracing::warn!(%err, "cannot copy the root cause to TORCHELASTIC_ERROR_FILE"),
-        Err(err) => tracing::warn!(%err, "cannot copy the root cause to TORCHELASTIC_ERROR_FILE"),
+        Err(_) => tracing::warn!(path = %shown, "copying the root cause to TORCHELASTIC_ERROR_FILE took over {WRITE_DEADLINE:?}; exiting without it"),
     }
 }
 
