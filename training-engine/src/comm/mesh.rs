@@ -354,7 +354,15 @@ impl Mesh {
         for (j, slot) in socks.iter_mut().enumerate().take(rank) {
             let key = format!("{}/tcp/{j}", ctx.prefix);
             let left = deadline.saturating_duration_since(Instant::now());
-            let raw = ctx.store.get(&key, left)?;
+            // A peer that never publishes its address is named (and blamed), not only its key.
+            let raw = ctx.store.get(&key, left).map_err(|e| match e {
+                CommError::StoreTimeout { .. } => CommError::Timeout {
+                    peer: ctx.names[j],
+                    op: format!("bootstrap (its address, store key {key})"),
+                    waited_ms: ctx.opts.timeout.as_millis() as u64,
+                },
+                e => e,
+            })?;
             let text = String::from_utf8_lossy(&raw);
             let bad = |why: String| boot_err(format!("bad address {text:?} for rank {}: {why}", ctx.names[j]));
             let (addr, token) = text.split_once(' ').ok_or_else(|| bad("expected ADDR TOKEN".into()))?;

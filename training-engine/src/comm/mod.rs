@@ -1173,6 +1173,7 @@ mod guard_tests {
             let took = t0.elapsed();
             peer.join().unwrap().unwrap();
             assert!(err.to_string().contains("boot/tcp/0"), "waits for rank 0's address: {err}");
+            assert_eq!(err.peer(), Some(0), "rank 0, which never published its address, is named: {err}");
             // 2 s of budget; a timeout per phase would end at 1.8 + 2 = 3.8 s.
             assert!(took < std::time::Duration::from_millis(3500), "took {took:?}: {err}");
         })
