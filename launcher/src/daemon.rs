@@ -525,19 +525,26 @@ impl DaemonRdzv {
             Err(RdzvError::FailedPrecondition(msg)) if msg.contains("stale round") => Decision::Restart,
             // Another node's failure failed the job first (the usual cascade: its peers' collectives
             // fail too): the job's recorded root cause is every node's, as `finish` reports it.
-            Err(err) if job_ended(&err, &self.job) == Some(Ended::Failed) => {
-                match tokio::time::timeout(EXIT_CALL_TIMEOUT, self.client.await_job_end(&self.job, Duration::ZERO)).await {
-                    Ok(Ok((v, _))) if v.state() == proto::JobState::Failed => Decision::Failed {
-                        remote_root: v.root_cause.as_ref().map(|rc| Box::new(failure_from_proto(rc))),
-                        reason: nonempty(v.reason, "the job failed"),
-                    },
-                    _ => Decision::Failed { remote_root: None, reason: err.to_string() },
-                }
-            }
+            Err(err) if job_ended(&err, &self.job) == Some(Ended::Failed) => match self.failed_view().await {
+                Some(v) => Decision::Failed {
+                    remote_root: v.root_cause.as_ref().map(|rc| Box::new(failure_from_proto(rc))),
+                    reason: nonempty(v.reason, "the job failed"),
+                },
+                None => Decision::Failed { remote_root: None, reason: err.to_string() },
+            },
             Err(err) => Decision::Failed {
                 remote_root: None,
                 reason: format!("cannot report the failure to the rendezvous: {err}"),
             },
+        }
+    }
+
+    /// The job's view when the service says it failed (one call, bounded by
+    /// `EXIT_CALL_TIMEOUT`); `None` when it cannot be read in time or the job did not fail.
+    async fn failed_view(&self) -> Option<proto::JobView> {
+        match tokio::time::timeout(EXIT_CALL_TIMEOUT, self.client.await_job_end(&self.job, Duration::ZERO)).await {
+            Ok(Ok((v, _))) if v.state() == proto::JobState::Failed => Some(v),
+            _ => None,
         }
     }
 
@@ -551,9 +558,9 @@ impl DaemonRdzv {
                 Some(Ended::Completed) => return RoundEnd::Completed,
                 // The job failed elsewhere before this node finished: not a success.
                 Some(Ended::Failed) => {
-                    return match tokio::time::timeout(EXIT_CALL_TIMEOUT, self.client.await_job_end(&self.job, Duration::ZERO)).await {
-                        Ok(Ok((v, _))) if v.state() == proto::JobState::Failed => job_failed(&v),
-                        _ => RoundEnd::Failed { root: None, reason: err.to_string() },
+                    return match self.failed_view().await {
+                        Some(v) => job_failed(&v),
+                        None => RoundEnd::Failed { root: None, reason: err.to_string() },
                     };
                 }
                 None => {

@@ -90,7 +90,7 @@ impl JobQuota {
     /// # Errors
     /// [`RdzvError::ResourceExhausted`] naming the quota and some of the jobs that hold it.
     pub fn admit(self, principal: &Principal, state: &State, job: &str) -> Result<(), RdzvError> {
-        let live = |j: &crate::state::Job| !(j.is_terminal() && j.nodes.is_empty());
+        let live = |j: &crate::state::Job| !j.starts_over_on_join();
         if state.jobs.get(job).is_some_and(live) {
             return Ok(());
         }

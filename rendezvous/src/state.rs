@@ -667,6 +667,12 @@ impl Job {
         matches!(self.phase, Phase::Completed { .. } | Phase::Failed { .. })
     }
 
+    /// Ended, and every node has left: a join under its id starts it over (a re-run with the same
+    /// --rdzv-id), like a job that does not exist.
+    pub fn starts_over_on_join(&self) -> bool {
+        self.is_terminal() && self.nodes.is_empty()
+    }
+
     /// The error a completed or failed job answers with (`None` while it runs).
     pub fn ended_error(&self) -> Option<RdzvError> {
         let state = match self.phase {
@@ -1398,7 +1404,7 @@ impl State {
         // Everything that can refuse the join is checked before the job is created or started
         // over: a refused command changes nothing (it is not journaled, so a change would not
         // survive a restart, and a job created by it would hold its spec against every later join).
-        let fresh = self.jobs.get(&j.job).is_none_or(|job| job.is_terminal() && job.nodes.is_empty());
+        let fresh = self.jobs.get(&j.job).is_none_or(Job::starts_over_on_join);
         if fresh && j.spec.fixed_ranks && j.rank_hint.is_none_or(|r| r >= j.spec.max_nodes) {
             return Err(fixed_rank_error(j, j.spec.max_nodes));
         }
@@ -1429,7 +1435,7 @@ impl State {
         // A job that ended and that every node has left starts over when its id is used again (a
         // re-run with the same --rdzv-id). Rounds keep counting up, so fencing stays monotonic
         // (past the job's removal too: `State::retired`).
-        if job.is_terminal() && job.nodes.is_empty() {
+        if job.starts_over_on_join() {
             let next_round = job.round + 1;
             *job = Job::new(j.job.clone(), j.spec.clone(), now);
             job.round = next_round;

@@ -185,13 +185,14 @@ fn set_sock_opts(s: &TcpStream) -> Result<()> {
     s.set_nodelay(true)
         .map_err(|e| CommError::io("setting TCP_NODELAY", e))?;
     let fd = s.as_raw_fd();
-    for (opt, cap) in [(libc::SO_SNDBUF, "wmem_max"), (libc::SO_RCVBUF, "rmem_max")] {
+    let [snd_allowed, rcv_allowed] = *sock_buf_allowed();
+    for (opt, allowed) in [(libc::SO_SNDBUF, snd_allowed), (libc::SO_RCVBUF, rcv_allowed)] {
         // A fixed size turns the kernel's autotuning off for the socket. Below SOCK_BUF the
         // kernel's cap (net.core.{w,r}mem_max, 208 KiB by default) would pin the buffer under
         // what autotuning reaches (tcp_{w,r}mem's maximum, MiBs): between hosts, a window of a
         // few hundred KiB caps a long or fast link. So the size is set only where the cap allows
         // all of it.
-        if !sock_buf_allowed(cap) {
+        if !allowed {
             continue;
         }
         let v: libc::c_int = SOCK_BUF;
@@ -216,19 +217,18 @@ fn set_sock_opts(s: &TcpStream) -> Result<()> {
     Ok(())
 }
 
-/// Whether `net.core.<cap>` lets a socket hold [`SOCK_BUF`] bytes (read once per process; an
-/// unreadable value is taken as no).
-fn sock_buf_allowed(cap: &'static str) -> bool {
+/// Whether `net.core.wmem_max` and `net.core.rmem_max` let a socket's send and receive buffers
+/// hold [`SOCK_BUF`] bytes (read once per process; an unreadable value is taken as no).
+fn sock_buf_allowed() -> &'static [bool; 2] {
     static CAPS: std::sync::OnceLock<[bool; 2]> = std::sync::OnceLock::new();
-    let caps = CAPS.get_or_init(|| {
+    CAPS.get_or_init(|| {
         ["wmem_max", "rmem_max"].map(|c| {
             std::fs::read_to_string(format!("/proc/sys/net/core/{c}"))
                 .ok()
                 .and_then(|t| t.trim().parse::<u64>().ok())
                 .is_some_and(|max| max >= SOCK_BUF as u64)
         })
-    });
-    caps[usize::from(cap == "rmem_max")]
+    })
 }
 
 /// The acceptor's answer to a hello it took.
@@ -1063,9 +1063,9 @@ mod handshake_tests {
             v
         };
         let cap = |name: &str| std::fs::read_to_string(format!("/proc/sys/net/core/{name}")).ok().and_then(|t| t.trim().parse::<u64>().ok());
-        for (opt, name) in [(libc::SO_SNDBUF, "wmem_max"), (libc::SO_RCVBUF, "rmem_max")] {
+        for (i, (opt, name)) in [(libc::SO_SNDBUF, "wmem_max"), (libc::SO_RCVBUF, "rmem_max")].into_iter().enumerate() {
             let fixed = cap(name).is_some_and(|m| m >= SOCK_BUF as u64);
-            assert_eq!(sock_buf_allowed(name), fixed);
+            assert_eq!(sock_buf_allowed()[i], fixed);
             // The kernel reports twice the size set (its bookkeeping overhead).
             assert_eq!(get(opt) == 2 * SOCK_BUF, fixed, "{name}: cap {:?}, buffer {}", cap(name), get(opt));
         }

@@ -486,7 +486,7 @@ impl ShmBackend {
             .collect();
         let unseen: Vec<usize> = (0..world).filter(|&j| j != rank && matches!(me.liveness[j], Liveness::Unknown)).map(|j| ctx.names[j]).collect();
         if !unseen.is_empty() {
-            tracing::debug!(ranks = ?unseen, "peers in another pid namespace: their exit is seen only at the op's deadline");
+            tracing::debug!(ranks = ?unseen, "peers whose exit cannot be watched (this process, or another pid namespace): seen only at the op's deadline");
         }
         let cores = std::thread::available_parallelism()
             .map(|n| n.get())
@@ -555,16 +555,17 @@ impl ShmBackend {
             }
             self.check_aborts()?;
             if self.liveness[from].exited() {
-                return Err(CommError::PeerFailed {
-                    peer: self.ctx.names[from],
-                    op: "shared buffer setup".into(),
-                    detail: format!("process {} exited", self.pids[from]),
-                });
+                return Err(self.exited_peer(from, "shared buffer setup"));
             }
             if Instant::now() >= deadline {
                 return Err(CommError::StoreTimeout { key: key.to_owned(), timeout_ms: self.ctx.opts.timeout.as_millis() as u64 });
             }
         }
+    }
+
+    /// The error of group rank `j`, whose process exited, during `op`.
+    fn exited_peer(&self, j: usize, op: &str) -> CommError {
+        CommError::PeerFailed { peer: self.ctx.names[j], op: op.to_string(), detail: format!("process {} exited", self.pids[j]) }
     }
 
     fn all_arrived(&self) -> bool {
@@ -603,11 +604,7 @@ impl ShmBackend {
                 continue;
             }
             if self.liveness[j].exited() {
-                return Err(CommError::PeerFailed {
-                    peer: self.ctx.names[j],
-                    op: op.to_string(),
-                    detail: format!("process {} exited", self.pids[j]),
-                });
+                return Err(self.exited_peer(j, op));
             }
         }
         Ok(())
