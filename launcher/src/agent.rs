@@ -148,15 +148,46 @@ where
             restart_count = assignment.restart_count,
             "round formed"
         );
+        let (first_tx, mut first_rx) = tokio::sync::mpsc::unbounded_channel();
         let ctx = GroupContext {
             plan,
             assignment: &assignment,
             console: &cx.console,
             console_modes: cx.console_modes,
             guardian: cx.guardian.as_deref(),
+            first_failure: Some(&first_tx),
         };
         let round_end = rdzv.round_end(&assignment);
-        let outcome = run_group(&ctx, &mut cx.signals, round_end, &cx.shutdown).await;
+        // The first failure is reported the moment it is seen, while the group is stopped: the
+        // node where the job's failure began must not lose the race to a peer whose workers fail
+        // in the cascade (a collective's broken connection) and that stops its group faster, or
+        // every node would name the peer's failure as the job's root cause. The full report
+        // below follows it (the service takes it as this node's refinement, or answers with the
+        // decision already made), never overtakes it: an early report still on its way when the
+        // group ends is waited for first (a stop signal cuts that wait short).
+        let mut early = Box::pin(async {
+            if let Some(first) = first_rx.recv().await {
+                rdzv.report_failure(&assignment, &first, false).await;
+            }
+        });
+        let mut early_done = false;
+        let outcome = {
+            let group = run_group(&ctx, &mut cx.signals, round_end, &cx.shutdown);
+            tokio::pin!(group);
+            loop {
+                tokio::select! {
+                    outcome = &mut group => break outcome,
+                    () = &mut early, if !early_done => early_done = true,
+                }
+            }
+        };
+        // No failure comes any more: a report that never started ends at once.
+        drop(first_tx);
+        if early_done {
+            drop(early);
+        } else if let Err(stop) = interruptible(&cx.shutdown, &mut cx.signals, early).await {
+            return Ok(leave_on(rdzv, stop).await);
+        }
         match outcome {
             // The exit barrier may last --exit-barrier-timeout: a stop signal or shutdown ends it.
             GroupOutcome::Succeeded => match interruptible(&cx.shutdown, &mut cx.signals, rdzv.finish(plan, &assignment, &cx.console)).await {

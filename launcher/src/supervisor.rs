@@ -95,6 +95,10 @@ pub struct GroupContext<'a> {
     pub console_modes: ConsoleModes,
     /// The guardian, told about every worker group.
     pub guardian: Option<&'a Guardian>,
+    /// Gets the first worker failure the moment it is seen, before the group is stopped (the
+    /// agent reports it at once: see [`crate::agent`]). Its error file and the last stderr lines
+    /// are not read yet; the outcome carries the full report.
+    pub first_failure: Option<&'a mpsc::UnboundedSender<WorkerFailure>>,
 }
 
 /// Number of stderr lines kept per worker for the failure report.
@@ -394,6 +398,9 @@ impl<'a> Group<'a> {
                     if let Some(kind) = kind {
                         info!(rank = self.slots[idx].rank, exit = ?kind, "worker failed: stopping the group");
                         self.state = WorkerGroupState::Failed;
+                        if let Some(tx) = self.ctx.first_failure {
+                            let _ = tx.send(self.build_failures(&[idx], &[idx], None, &[]).0);
+                        }
                         self.stop(Signal::SIGTERM, grace, signals).await;
                         return self.after_stop(Ended::Failed { causes: vec![idx], hang_idle: None });
                     }
@@ -853,7 +860,7 @@ mod tests {
 
     /// Runs one round of `sh -c script` with 3 workers; returns the outcome, whether any group is
     /// still armed, and what the guardian was told.
-    async fn round(script: &str) -> (GroupOutcome, bool, String) {
+    async fn round(script: &str) -> (GroupOutcome, bool, String, Option<WorkerFailure>) {
         let args = parse(&["--nproc-per-node", "3", "--log-dir", "/dev/null", "--shutdown-timeout", "1", "--no-python", "sh", "-c", script]);
         let plan = LaunchPlan::resolve(&args, &host()).unwrap();
         let a = assignment(3);
@@ -861,12 +868,14 @@ mod tests {
         tokio::spawn(async move { while rx.recv().await.is_some() {} });
         let record = tempfile::NamedTempFile::new().unwrap();
         let guardian = Guardian::recording(record.reopen().unwrap());
+        let (early_tx, mut early_rx) = mpsc::unbounded_channel();
         let ctx = GroupContext {
             plan: &plan,
             assignment: &a,
             console: &console,
             console_modes: ConsoleModes::PLAIN,
             guardian: Some(&guardian),
+            first_failure: Some(&early_tx),
         };
         let Ok(mut group) = Group::start(&ctx) else { panic!("workers did not start") };
         let mut signals = Signals::none();
@@ -879,7 +888,7 @@ mod tests {
         };
         let armed = group.slots.iter().any(|s| s.process.is_armed());
         drop(group);
-        (outcome, armed, std::fs::read_to_string(record.path()).unwrap())
+        (outcome, armed, std::fs::read_to_string(record.path()).unwrap(), early_rx.try_recv().ok())
     }
 
     fn balanced(told: &str) {
@@ -893,16 +902,20 @@ mod tests {
 
     #[tokio::test(flavor = "current_thread")]
     async fn success_releases_every_reaped_group() {
-        let (outcome, armed, told) = round("exit 0").await;
+        let (outcome, armed, told, early) = round("exit 0").await;
         assert!(matches!(outcome, GroupOutcome::Succeeded), "{outcome:?}");
+        assert!(early.is_none(), "{early:?}");
         assert!(!armed, "a reaped worker's group id would be SIGKILLed on drop");
         balanced(&told);
     }
 
     #[tokio::test(flavor = "current_thread")]
     async fn failure_releases_every_reaped_group() {
-        let (outcome, armed, told) = round("if [ $LOCAL_RANK = 1 ]; then exit 3; fi; sleep 30").await;
-        assert!(matches!(outcome, GroupOutcome::Failed { .. }), "{outcome:?}");
+        let (outcome, armed, told, early) = round("if [ $LOCAL_RANK = 1 ]; then exit 3; fi; sleep 30").await;
+        let GroupOutcome::Failed { root, .. } = &outcome else { panic!("{outcome:?}") };
+        // The first failure went out before the group was stopped, as the same failure.
+        let early = early.expect("the first failure, sent before the teardown");
+        assert_eq!((early.local_rank, &early.exit, early.time), (Some(1), &ExitKind::Code(3), root.time));
         assert!(!armed);
         balanced(&told);
     }
@@ -921,7 +934,7 @@ mod tests {
         let a = assignment(plan.nproc_per_node);
         let (console, mut rx) = tokio::sync::mpsc::channel(1024);
         tokio::spawn(async move { while rx.recv().await.is_some() {} });
-        let ctx = GroupContext { plan, assignment: &a, console: &console, console_modes: ConsoleModes::PLAIN, guardian: None };
+        let ctx = GroupContext { plan, assignment: &a, console: &console, console_modes: ConsoleModes::PLAIN, guardian: None, first_failure: None };
         run_group(&ctx, signals, stop, &CancellationToken::new()).await
     }
 
@@ -1059,7 +1072,7 @@ mod tests {
         tokio::spawn(async move { while rx.recv().await.is_some() {} });
         let record = tempfile::NamedTempFile::new().unwrap();
         let guardian = Guardian::recording(record.reopen().unwrap());
-        let ctx = GroupContext { plan: &plan, assignment: &a, console: &console, console_modes: ConsoleModes::PLAIN, guardian: Some(&guardian) };
+        let ctx = GroupContext { plan: &plan, assignment: &a, console: &console, console_modes: ConsoleModes::PLAIN, guardian: Some(&guardian), first_failure: None };
         let Ok(mut group) = Group::start(&ctx) else { panic!("workers did not start") };
         let (idx, status, at) = group.exits.recv().await.unwrap();
         assert_eq!(group.slots[idx].local_rank, 1);

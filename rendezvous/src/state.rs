@@ -683,6 +683,33 @@ impl Job {
         Some(RdzvError::JobEnded { job: self.id.clone(), state, reason: self.reason.clone() })
     }
 
+    /// The node whose report failed the job refines its root cause: a launcher reports its first
+    /// failure at once (so that it, not a peer whose workers fail in the cascade, is the job's root
+    /// cause) and again once its workers are stopped, with the error file, the stderr tail and the
+    /// local root cause by torchrun's error-file rule. `Some(changed)` when `failure` is that
+    /// refinement (the job failed in `round`, whose root cause is `node`'s); `None` otherwise.
+    fn refine_root_cause(&mut self, round: u64, node: &str, failure: &Failure) -> Option<bool> {
+        if !matches!(self.phase, Phase::Failed { .. }) || round != self.round {
+            return None;
+        }
+        let root = self.root_cause.as_mut().filter(|r| r.round == round && r.node_id == node)?;
+        let mut refined = failure.clone();
+        refined.round = round;
+        refined.node_id = node.to_owned();
+        if *root == refined {
+            return Some(false);
+        }
+        let (before, after) = (root.describe(), refined.describe());
+        if before != after {
+            self.reason = self.reason.replacen(&before, &after, 1);
+        }
+        if let Some(f) = self.failures.iter_mut().rev().find(|f| **f == *root) {
+            *f = refined.clone();
+        }
+        *root = refined;
+        Some(true)
+    }
+
     fn check_round(&self, round: u64) -> Result<(), RdzvError> {
         if round != self.round {
             return Err(RdzvError::StaleRound { job: self.id.clone(), given: round, current: self.round });
@@ -1097,6 +1124,9 @@ impl State {
             }
             Command::ReportFailure { job, round, node, failure, restartable } => {
                 let job = self.job_mut(job)?;
+                if let Some(changed) = job.refine_root_cause(*round, node, failure) {
+                    return Ok((Outcome::Decision(pb::FailureDecision::Failed), Effects { changed, topics: Vec::new() }));
+                }
                 if let Some(e) = job.ended_error() {
                     return Err(e);
                 }

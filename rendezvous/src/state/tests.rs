@@ -413,6 +413,36 @@ fn not_restartable_failure_fails_at_once() {
     assert_eq!(out, Outcome::Decision(pb::FailureDecision::Failed));
 }
 
+/// The node whose first report failed the job refines its root cause (the full report once its
+/// workers are stopped); the job's reason follows; a peer's report after the failure changes nothing.
+#[test]
+fn the_root_cause_node_refines_its_report_and_no_other_node_can() {
+    let mut w = World::new(2, 2, 0);
+    w.join("a").unwrap();
+    w.join("b").unwrap();
+    let early = Failure { node_id: "a".into(), round: 1, rank: 3, local_rank: 1, exit_code: 7, signal: 0, message: String::new(), time_unix_ms: 100, hostname: "host-a".into() };
+    let out = w.apply(Command::ReportFailure { job: "job".into(), round: 1, node: "a".into(), failure: early.clone(), restartable: true }).unwrap();
+    assert_eq!(out, Outcome::Decision(pb::FailureDecision::Failed));
+    // The peer's cascade failure comes second: refused with the job's end, the root stays a's.
+    let peer = Failure { node_id: "b".into(), rank: 0, local_rank: 0, exit_code: 9, time_unix_ms: 90, ..early.clone() };
+    let err = w.apply(Command::ReportFailure { job: "job".into(), round: 1, node: "b".into(), failure: peer, restartable: true }).unwrap_err();
+    assert!(matches!(err, RdzvError::JobEnded { .. }), "{err}");
+    assert_eq!(w.job().root_cause.as_ref().unwrap().rank, 3);
+    // a's full report: the error-file rule picked its other rank, with the traceback.
+    let full = Failure { rank: 2, local_rank: 0, exit_code: 3, message: "ValueError: bad shard".into(), time_unix_ms: 99, ..early.clone() };
+    let out = w.apply(Command::ReportFailure { job: "job".into(), round: 1, node: "a".into(), failure: full.clone(), restartable: true }).unwrap();
+    assert_eq!(out, Outcome::Decision(pb::FailureDecision::Failed));
+    let view = w.job().view();
+    let root = view.root_cause.unwrap();
+    assert_eq!((root.rank, root.exit_code, root.message.as_str()), (2, 3, "ValueError: bad shard"));
+    assert!(view.reason.contains("rank 2 on node a failed with exit code 3"), "{}", view.reason);
+    assert!(!view.reason.contains("rank 3"), "{}", view.reason);
+    assert_eq!(w.job().failures.iter().filter(|f| f.node_id == "a").count(), 1, "the early report was replaced, not kept beside");
+    // The same report again is answered alike and changes nothing.
+    let out = w.apply(Command::ReportFailure { job: "job".into(), round: 1, node: "a".into(), failure: full, restartable: true }).unwrap();
+    assert_eq!(out, Outcome::Decision(pb::FailureDecision::Failed));
+}
+
 #[test]
 fn fail_job_is_fail_fast_from_any_node() {
     let mut w = World::new(2, 2, 3);

@@ -84,6 +84,34 @@ fn budget_exhausted_fails_every_node_with_the_root_cause() {
     }
 }
 
+/// The node where the failure began is every node's root cause, even when it is the last to stop
+/// its workers: a peer whose workers fail in the cascade (a broken collective) and that stops
+/// faster must not become the job's root cause by reporting first.
+#[test]
+fn the_first_failure_is_the_root_cause_even_when_its_node_stops_last() {
+    let daemon = Daemon::start();
+    let dir = tempfile::tempdir().unwrap();
+    // Node rank 1 runs ranks 2 and 3: rank 3 fails first; rank 2 ignores SIGTERM, so that node's
+    // teardown lasts the whole --shutdown-timeout. Node rank 0's ranks fail 1.5 s after rank 3.
+    let script = "case $RANK in 3) sleep 1; echo 'rank 3 breaks' >&2; exit 7;; 2) trap '' TERM; sleep 30;; *) sleep 2.5; exit 9;; esac";
+    let start = || {
+        let mut cmd = rsrun(dir.path());
+        cmd.args(["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", &daemon.addr])
+            .args(["--rdzv-id", "cascade", "--rdzv-conf", CONF, "--shutdown-timeout", "6", "--no-python", "sh", "-c", script]);
+        KillOnDrop::spawn(&mut cmd)
+    };
+    let (oa, ob) = both(start(), start());
+    for o in [&oa, &ob] {
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(code(&o.status), 7, "{}", text(o));
+        assert!(stderr.contains("rank       : 3"), "{stderr}");
+    }
+    // The root cause's node sent its full report after the teardown: the other node shows its
+    // stderr too (it read the job's root cause after that report, or before: then without it).
+    let all = String::from_utf8_lossy(&oa.stderr).into_owned() + &String::from_utf8_lossy(&ob.stderr);
+    assert!(all.contains("rank 3 breaks"), "{all}");
+}
+
 #[test]
 fn a_dead_node_shrinks_the_job() {
     let daemon = Daemon::start();
