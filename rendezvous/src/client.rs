@@ -266,6 +266,12 @@ pub const BLOCKING_SLACK: Duration = Duration::from_secs(5);
 /// wait this long, so "forever" is not refused and no deadline overflows.
 pub const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
 
+/// With several daemons, the slack one attempt gets past its wait: a third of the call timeout,
+/// at least 2 s (10 s by default), so a hung daemon leaves two more tries within the call.
+fn attempt_slack(rpc_timeout: Duration) -> Duration {
+    (rpc_timeout / 3).max(Duration::from_secs(2))
+}
+
 /// Checks that a file's contents (a CA file, a daemon's `--tls-cert`) are one or more PEM
 /// certificates, or says why not (`holds no PEM certificate ...`, to follow the file's name).
 ///
@@ -420,13 +426,25 @@ impl RdzvClient {
         let mut probed = false;
         let mut backoff = Duration::from_millis(25);
         let mut attempts = 0u32;
+        let mut redirects = 0u32;
         let mut last_unreachable: Option<RdzvError> = None;
         loop {
             attempts += 1;
             let now = Instant::now();
             let server_wait = wait.saturating_sub(now - start);
             let (idx, conn) = self.conns.pick();
-            let result = tokio::time::timeout(deadline.saturating_duration_since(now), f(conn.client, server_wait)).await;
+            // With several daemons, one attempt gets its wait plus a part of the call timeout: a
+            // daemon that hangs (a frozen process holding its connections open) must leave time to
+            // ask the next one, which may have taken over meanwhile.
+            let several = self.conns.len() > 1;
+            let attempt_end = if several { deadline.min(now + server_wait + attempt_slack(rpc_timeout)) } else { deadline };
+            let result = tokio::time::timeout(attempt_end.saturating_duration_since(now), f(conn.client, server_wait)).await;
+            let result = match result {
+                Err(_) if attempt_end < deadline => {
+                    Ok(Err(Status::unavailable(format!("{} did not answer within {:?}", conn.name, attempt_end - now))))
+                }
+                other => other,
+            };
             let err = match result {
                 Ok(Ok(resp)) => match self.conns.check_epoch(resp.metadata()) {
                     Ok(()) => return Ok(resp.into_inner()),
@@ -497,20 +515,19 @@ impl RdzvClient {
             }
             // Where to try next: the leader a standby named (at once), else the next daemon (the list
             // may have grown by a leader a standby named).
-            let several = self.conns.len() > 1;
             let cap = if several { Duration::from_millis(500) } else { Duration::from_secs(2) };
-            let redirected = match &err {
-                RdzvError::NotLeader { leader, .. } if !leader.is_empty() => self.conns.go_to(leader, &self.cfg),
-                _ => {
-                    if several {
-                        self.conns.rotate(idx);
-                    }
-                    false
-                }
-            };
+            // A hint this client cannot use (it names this daemon, or cannot be parsed) moves on
+            // to the next daemon like any other refusal, instead of asking the same standby again.
+            let redirected = matches!(&err, RdzvError::NotLeader { leader, .. } if !leader.is_empty() && self.conns.go_to(leader, &self.cfg));
+            if !redirected && several {
+                self.conns.rotate(idx);
+            }
             tracing::debug!(what, attempts, endpoint = %conn.name, error = %err, "rendezvous unreachable, retrying");
             last_unreachable = Some(err);
-            if redirected {
+            // A redirect is followed at once, once: two daemons whose stale hints name each other
+            // are asked at the backoff's pace, not in a busy loop.
+            redirects = if redirected { redirects + 1 } else { 0 };
+            if redirects == 1 {
                 continue;
             }
             tokio::time::sleep(backoff.min(left)).await;
@@ -568,6 +585,7 @@ impl RdzvClient {
         let (job, node) = (job.to_string(), node.to_string());
         tokio::spawn(async move {
             let mut backoff = Duration::from_millis(25);
+            let mut redirected = false;
             loop {
                 let cap = if client.conns.len() > 1 { Duration::from_millis(500) } else { Duration::from_secs(2) };
                 let (idx, conn) = client.conns.pick();
@@ -578,12 +596,13 @@ impl RdzvClient {
                     _ = tx.closed() => return,
                 };
                 match opened {
+                    // A deposed leader's stream: the next daemon, at the backoff's growing pace.
+                    Ok(stream) if client.conns.check_epoch(stream.metadata()).is_err() => {
+                        redirected = false;
+                        client.conns.rotate(idx);
+                    }
                     Ok(stream) => {
-                        if client.conns.check_epoch(stream.metadata()).is_err() {
-                            client.conns.rotate(idx);
-                            tokio::time::sleep(backoff).await;
-                            continue;
-                        }
+                        redirected = false;
                         let mut stream = stream.into_inner();
                         loop {
                             let next = tokio::select! {
@@ -611,12 +630,19 @@ impl RdzvClient {
                             return;
                         }
                         match &e {
-                            RdzvError::NotLeader { leader, .. } if !leader.is_empty() => {
-                                if client.conns.go_to(leader, &client.cfg) {
+                            // Followed at once, once in a row (two stale hints naming each other
+                            // must not make a busy loop).
+                            RdzvError::NotLeader { leader, .. } if !leader.is_empty() && client.conns.go_to(leader, &client.cfg) => {
+                                let again = redirected;
+                                redirected = true;
+                                if !again {
                                     continue;
                                 }
                             }
-                            _ => client.conns.rotate(idx),
+                            _ => {
+                                redirected = false;
+                                client.conns.rotate(idx);
+                            }
                         }
                     }
                 }

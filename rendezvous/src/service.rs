@@ -38,8 +38,10 @@ use crate::state::{self, Command, Failure, JobSpec, JoinCmd, Ms, Outcome, Phase,
 use crate::tcpstore::TcpStoreLimits;
 use crate::validate::{self, Limits};
 
-/// Longest wait for a write to become durable before the call fails as unavailable.
-const DURABILITY_TIMEOUT: Duration = Duration::from_secs(30);
+/// Longest wait for a write to become durable before the call fails as unavailable (retryable):
+/// well within a client's attempt (10 s past its wait by default, with several daemons; 30 s
+/// with one), so the client hears it and tries again instead of timing out unanswered.
+const DURABILITY_TIMEOUT: Duration = Duration::from_secs(8);
 /// Response metadata key of the [`pb::LeaderStamp`] (HA).
 pub const LEADER_STAMP_KEY: &str = "rsrun-leader-bin";
 

@@ -37,7 +37,8 @@ pub type Ms = u64;
 
 /// How many failures a job remembers (oldest dropped first).
 const MAX_FAILURES: usize = 64;
-/// How many request ids a job remembers for de-duplicating retried calls.
+/// How many request ids a job remembers for de-duplicating retried calls, at least (see
+/// `Job::dedup_window`).
 const MAX_DEDUP: usize = 8192;
 /// Shortest and longest lease a job may ask for.
 const LEASE_RANGE_MS: (u64, u64) = (100, 3_600_000);
@@ -785,11 +786,28 @@ impl Job {
         if self.dedup.insert(request_id.to_string(), answer).is_none() {
             self.dedup_order.push_back(request_id.to_string());
         }
-        while self.dedup_order.len() > MAX_DEDUP {
-            if let Some(old) = self.dedup_order.pop_front() {
-                self.dedup.remove(&old);
+        if self.dedup_order.len() > MAX_DEDUP {
+            let window = self.dedup_window();
+            while self.dedup_order.len() > window {
+                if let Some(old) = self.dedup_order.pop_front() {
+                    self.dedup.remove(&old);
+                }
             }
         }
+    }
+
+    /// How many answers `dedup` keeps: [`MAX_DEDUP`], or twice the most callers one step of the
+    /// job can have in flight at once (its world, its largest barrier) when that is more. Every
+    /// rank of a 10,000-rank job arrives at a barrier with a request id of its own: a window of
+    /// 8,192 had forgotten the first arrivals' ids by the time they retried (a service restart
+    /// mid-barrier), and their retries arrived a second time, at the next generation.
+    fn dedup_window(&self) -> usize {
+        let world = match &self.phase {
+            Phase::Running { world_size, .. } => *world_size as usize,
+            _ => 0,
+        };
+        let barrier = self.barriers.values().map(|b| b.participants as usize).max().unwrap_or(0);
+        MAX_DEDUP.max(world.max(barrier).saturating_mul(2))
     }
 
     fn recall(&self, request_id: &str) -> Option<&Dedup> {

@@ -824,3 +824,28 @@ async fn refused_joins_leave_no_interface_behind() {
     service.join(join("kept".into(), Some(config))).await.unwrap();
     assert_eq!(core.noted_interfaces(), 1);
 }
+
+/// A daemon that accepts connections and never answers (a frozen process) costs a call of a client
+/// that lists several daemons one attempt's slack, not the whole call: the next daemon answers.
+#[tokio::test]
+async fn a_hung_daemon_in_the_list_leaves_time_to_ask_the_next() {
+    let srv = server::spawn_embedded("127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let hung = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let hung_addr = hung.local_addr().unwrap();
+    let holder = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((sock, _)) = hung.accept().await {
+            held.push(sock);
+        }
+    });
+    let mut cfg = ClientConfig::new(format!("{hung_addr},{}", srv.addr));
+    cfg.rpc_timeout = Duration::from_secs(6);
+    let client = RdzvClient::connect(cfg).unwrap();
+    // One attempt at the hung daemon (2 s: a third of the call timeout, at least 2 s), then the
+    // next; an attempt that took the whole call timeout failed the call.
+    let status = client.status(None).await;
+    assert!(status.is_ok(), "{status:?}");
+    assert_eq!(client.current_endpoint(), srv.addr.to_string());
+    holder.abort();
+    let _ = srv.shutdown().await;
+}

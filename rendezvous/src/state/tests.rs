@@ -603,6 +603,31 @@ fn barrier_releases_once_per_generation() {
     assert!(w.job().barriers.values().all(|b| b.arrived.is_empty()));
 }
 
+/// Every arrival of a barrier wider than the base dedup window is still remembered when the
+/// barrier releases: the first of 10,000 ranks retrying its arrival (a service restart mid-barrier)
+/// is answered from memory, not counted again at the next generation.
+#[test]
+fn a_wide_barriers_first_arrivals_are_remembered_past_the_base_window() {
+    let mut w = World::new(1, 1, 0);
+    w.join("a").unwrap();
+    let n = 10_000u32;
+    let arrive = |m: u32| Command::BarrierArrive {
+        scope: scope(1),
+        name: "wide".into(),
+        member: m.to_string(),
+        participants: n,
+        request_id: format!("r{m}"),
+    };
+    for m in 0..n {
+        assert_eq!(w.apply(arrive(m)).unwrap(), Outcome::Arrived(0));
+    }
+    assert_eq!(w.job().barrier_generation(&scope(1), "wide").unwrap(), 1);
+    for m in [0, 1, n / 2] {
+        assert_eq!(w.apply(arrive(m)).unwrap(), Outcome::Arrived(0), "member {m}'s retry");
+    }
+    assert!(w.job().barriers.values().all(|b| b.arrived.is_empty()), "a retry arrived at generation 1");
+}
+
 /// A job-wide barrier outlives a restart, but not the arrivals of the round that ended: the new
 /// round's ranks must all arrive again.
 #[test]
