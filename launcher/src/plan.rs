@@ -303,6 +303,29 @@ fn check_log_dir(dir: &Path, given: bool) -> Result<(), PlanError> {
     }
 }
 
+/// `.rsrun/logs` under the current directory; where that cannot be written (a read-only root
+/// file system in a container), `rsrun-UID/logs` in the temporary directory (`TMPDIR`, else
+/// `/tmp`), as torchrun falls back to a fresh temporary directory, said in a note. The error names
+/// the current directory's problem when neither can be written, or when `rsrun-UID` is not a
+/// directory of this user's own (another user's, or a symbolic link, in a shared `/tmp`).
+fn default_log_dir(host: &HostInfo, notes: &mut Vec<String>) -> Result<PathBuf, PlanError> {
+    let dir = host.cwd.join(".rsrun").join("logs");
+    let Err(e) = check_log_dir(&dir, false) else { return Ok(dir) };
+    // SAFETY: getuid(2) cannot fail and touches no memory.
+    let uid = unsafe { libc::getuid() };
+    let base = PathBuf::from(host.var("TMPDIR").filter(|t| t.starts_with('/')).unwrap_or("/tmp")).join(format!("rsrun-{uid}"));
+    let ours = match std::fs::symlink_metadata(&base) {
+        Ok(m) => m.is_dir() && std::os::unix::fs::MetadataExt::uid(&m) == uid,
+        Err(_) => true,
+    };
+    let tmp = base.join("logs");
+    if !ours || check_log_dir(&tmp, false).is_err() {
+        return Err(e);
+    }
+    notes.push(format!("{} cannot hold the logs ({e}): they go to {} (give --log-dir DIR to choose)", dir.display(), tmp.display()));
+    Ok(tmp)
+}
+
 /// A host name or address a resolver could take: not empty, no whitespace, no `/`.
 pub(crate) fn plausible_host(host: &str) -> bool {
     !host.is_empty() && !host.contains(char::is_whitespace) && !host.contains('/')
@@ -604,27 +627,67 @@ pub(crate) fn read_tls_ca(path: &Path, host: &HostInfo) -> Result<(PathBuf, Vec<
 /// The prefix macros accepted in `--log-prefix`.
 pub const PREFIX_MACROS: &[&str] = &["rank", "local_rank", "node_rank", "role_name", "hostname", "round"];
 
-/// Expands a prefix template.
+/// Expands a prefix template as torchrun's `string.Template.safe_substitute`: `${name}` and
+/// `$name` of `vars`, `$$` is `$`, anything else stays as written.
 pub fn expand_prefix(template: &str, vars: &[(&str, &str)]) -> String {
-    let mut out = template.to_owned();
-    for (k, v) in vars {
-        out = out.replace(&format!("${{{k}}}"), v);
+    let is_ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
+    let lookup = |name: &str| vars.iter().find(|(k, _)| *k == name).map(|(_, v)| *v);
+    let mut out = String::with_capacity(template.len());
+    let mut rest = template;
+    while let Some(i) = rest.find('$') {
+        out.push_str(&rest[..i]);
+        let after = &rest[i + 1..];
+        if let Some(r) = after.strip_prefix('$') {
+            out.push('$');
+            rest = r;
+            continue;
+        }
+        let braced = after.strip_prefix('{').and_then(|b| b.find('}').map(|end| (&b[..end], &b[end + 1..])));
+        let bare_len = if after.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_') { after.find(|c: char| !is_ident(c)).unwrap_or(after.len()) } else { 0 };
+        let (name, r) = match braced {
+            Some((name, r)) => (name, r),
+            None => (&after[..bare_len], &after[bare_len..]),
+        };
+        match lookup(name).filter(|_| !name.is_empty()) {
+            Some(v) => {
+                out.push_str(v);
+                rest = r;
+            }
+            None => {
+                out.push('$');
+                rest = after;
+            }
+        }
     }
+    out.push_str(rest);
     out
 }
 
 fn check_prefix(template: &str, flag: &'static str) -> Result<(), PlanError> {
     let mut rest = template;
-    while let Some(i) = rest.find("${") {
-        let after = &rest[i + 2..];
-        let Some(end) = after.find('}') else {
-            return Err(invalid(flag, template, "a template with ${...} macros closed by '}'"));
-        };
-        let name = &after[..end];
-        if !PREFIX_MACROS.contains(&name) {
-            return Err(invalid(flag, template, format!("macros among ${{{}}}", PREFIX_MACROS.join("}, ${"))));
+    while let Some(i) = rest.find('$') {
+        let after = &rest[i + 1..];
+        if let Some(r) = after.strip_prefix('$') {
+            rest = r;
+            continue;
         }
-        rest = &after[end + 1..];
+        let (name, r) = match after.strip_prefix('{') {
+            Some(b) => {
+                let Some(end) = b.find('}') else {
+                    return Err(invalid(flag, template, "a template with ${...} macros closed by '}'"));
+                };
+                (&b[..end], &b[end + 1..])
+            }
+            None => {
+                let len = after.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(after.len());
+                (&after[..len], &after[len..])
+            }
+        };
+        // A `$` before no name is text, as in torchrun; a name that is no macro is a mistake.
+        if !name.is_empty() && !PREFIX_MACROS.contains(&name) {
+            return Err(invalid(flag, template, format!("macros among ${{{}}} (or $name; $$ for a $)", PREFIX_MACROS.join("}, ${"))));
+        }
+        rest = r;
     }
     Ok(())
 }
@@ -1023,11 +1086,10 @@ fn parse_rdzv_conf(s: &str, notes: &mut Vec<String>) -> Result<RdzvConf, PlanErr
         };
         let (k, v) = (k.trim(), v.trim());
         // As torchrun: a later value wins (wrappers append overrides to a default list), said once.
-        let key = if k == "heartbeat_timeout" { "lease_timeout" } else { k };
-        if seen.contains(&key) {
+        if seen.contains(&k) {
             notes.push(format!("--rdzv-conf: {k} is given more than once; the last value, {v}, counts"));
         }
-        seen.push(key);
+        seen.push(k);
         if v.is_empty() {
             return Err(invalid(FLAG, entry, "KEY=VALUE with a non-empty value"));
         }
@@ -1047,7 +1109,16 @@ fn parse_rdzv_conf(s: &str, notes: &mut Vec<String>) -> Result<RdzvConf, PlanErr
             "keep_alive_max_attempt" => {
                 attempts = v.parse().ok().filter(|n| *n > 0).ok_or_else(|| invalid(FLAG, entry, "a count > 0"))?
             }
-            "lease_timeout" | "heartbeat_timeout" => {
+            // torchrun's deadline of one heartbeat write (5 s), not how long a silent node lives
+            // (keep_alive_interval x keep_alive_max_attempt, 15 s): taken as the lease, torchrun's
+            // own default written out cut the lease to 5 s and overrode the keep-alive pair.
+            "heartbeat_timeout" => {
+                duration(v)?;
+                notes.push(format!(
+                    "--rdzv-conf heartbeat_timeout={v}: torchrun's deadline of one heartbeat; rsrun bounds each keep-alive by read_timeout, and a node's lease is keep_alive_interval x keep_alive_max_attempt (or lease_timeout)"
+                ));
+            }
+            "lease_timeout" => {
                 conf.lease = duration(v)?;
                 if conf.lease.is_zero() {
                     return Err(invalid(FLAG, entry, format!("{k}=SECONDS > 0")));
@@ -1351,10 +1422,23 @@ impl LaunchPlan {
                     }
                 }
                 "c10d" | "rsrun" => {
-                    let Some(endpoint) = endpoint else {
-                        return Err(PlanError::Conflict(format!(
-                            "--rdzv-backend {backend} needs --rdzv-endpoint HOST[:PORT] (the rsrun-rendezvous daemon), or use --standalone"
-                        )));
+                    // torchrun reads a missing endpoint as localhost:29400 and hosts the store there
+                    // (localhost is this machine). One node needs no fixed port: it hosts its own
+                    // rendezvous on a free one, as with --standalone.
+                    let endpoint = match endpoint {
+                        Some(e) => e,
+                        None if nodes.max == 1 => {
+                            notes.push(format!(
+                                "--rdzv-backend {backend} without --rdzv-endpoint: one node, so it hosts its own rendezvous on a free port (as --standalone)"
+                            ));
+                            Endpoint { host: "127.0.0.1".into(), port: 0 }
+                        }
+                        None => {
+                            notes.push(format!(
+                                "--rdzv-backend {backend} without --rdzv-endpoint: localhost:{DEFAULT_RDZV_PORT}, as torchrun; launchers on other machines cannot reach it (give --rdzv-endpoint HOST:PORT)"
+                            ));
+                            Endpoint { host: "localhost".into(), port: DEFAULT_RDZV_PORT }
+                        }
                     };
                     if args.master_addr.is_some() || args.master_port.is_some() {
                         notes.push(format!(
@@ -1482,13 +1566,14 @@ impl LaunchPlan {
                 notes.push("--log-dir /dev/null: no per-rank log files or error files".into());
                 None
             }
-            Some(d) => Some(host.cwd.join(d)),
-            None => Some(host.cwd.join(".rsrun").join("logs")),
-        };
-        if let Some(d) = &dir {
             // Found now, not as every worker's start failure (which restarts the job for nothing).
-            check_log_dir(d, args.log_dir.is_some())?;
-        }
+            Some(d) => {
+                let d = host.cwd.join(d);
+                check_log_dir(&d, true)?;
+                Some(d)
+            }
+            None => Some(default_log_dir(host, &mut notes)?),
+        };
         // A typed flag wins over the other spelling's PET_ variable.
         let typed_template = args.origin("log_line_prefix_template") == crate::cli::Origin::CommandLine;
         let (prefix, prefix_flag) = match (&args.log_prefix, &args.log_line_prefix_template) {

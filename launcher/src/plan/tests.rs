@@ -222,7 +222,13 @@ fn daemon() {
         RdzvPlan::Daemon { endpoint: Endpoint { host: "h".into(), port: 1 }, host: HostMode::Auto }
     );
     assert_eq!(p.nodes, NodeRange { min: 1, max: 3 });
-    assert!(err(&["--rdzv-backend", "c10d", "true"]).contains("--rdzv-endpoint"));
+    // torchrun's missing endpoint is localhost:29400; one node hosts its own on a free port.
+    let p = resolve(&["--rdzv-backend", "c10d", "true"]).unwrap();
+    assert!(matches!(p.rdzv, RdzvPlan::Standalone), "{:?}", p.rdzv);
+    assert!(p.notes.iter().any(|n| n.contains("without --rdzv-endpoint: one node")), "{:?}", p.notes);
+    let p = resolve(&["--rdzv-backend", "c10d", "--nnodes", "2", "--rdzv-id", "j", "true"]).unwrap();
+    assert!(format!("{:?}", p.rdzv).contains("localhost") && format!("{:?}", p.rdzv).contains("29400"), "{:?}", p.rdzv);
+    assert!(p.notes.iter().any(|n| n.contains("localhost:29400, as torchrun")), "{:?}", p.notes);
     assert!(err(&["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:x", "true"]).contains("'h:x'"));
     assert!(err(&["--rdzv-backend", "etcd", "--rdzv-endpoint", "h", "true"]).contains("not supported"));
     assert!(err(&["--rdzv-backend", "zk", "true"]).contains("--rdzv-backend"));
@@ -272,6 +278,10 @@ fn logs_and_filters() {
     assert!(err(&["--log-prefix", "${nope}", "true"]).contains("--log-prefix"));
     let p = resolve(&["--log-prefix", "${hostname}:${rank}| ", "true"]).unwrap();
     assert_eq!(expand_prefix(&p.logs.prefix, &[("hostname", "h"), ("rank", "3")]), "h:3| ");
+    // torchrun's string.Template: $name too, $$ is $, a lone $ stays.
+    let p = resolve(&["--log-line-prefix-template", "[$rank/$local_rank] $$ $ ${role_name}x", "true"]).unwrap();
+    assert_eq!(expand_prefix(&p.logs.prefix, &[("rank", "3"), ("local_rank", "1"), ("role_name", "w")]), "[3/1] $ $ wx");
+    assert!(err(&["--log-prefix", "$nope ", "true"]).contains("$name; $$ for a $"));
     assert_eq!(split_escaped("a,,b,c"), vec!["a,b", "c"]);
 }
 
@@ -425,6 +435,11 @@ fn monitor_interval_rdzv_conf_and_ssh_port_bounds() {
         assert!(e.contains("--rdzv-conf") && e.contains(want), "{conf}: {e}");
     }
     assert!(d("lease_timeout=1h,last_call_timeout=24h,join_timeout=24h").is_ok());
+    // torchrun's heartbeat_timeout bounds one heartbeat: the lease stays interval x attempts.
+    let p = d("heartbeat_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=4").unwrap();
+    assert_eq!(p.timeouts.lease, Duration::from_secs(4));
+    assert!(p.notes.iter().any(|n| n.contains("heartbeat_timeout=5: torchrun's deadline of one heartbeat")), "{:?}", p.notes);
+    assert!(d("heartbeat_timeout=abc").unwrap_err().to_string().contains("heartbeat_timeout=DURATION"));
     // A bounded value is said; torchrun's short booleans are taken.
     let p = d("read_timeout=120").unwrap();
     assert!(p.notes.iter().any(|n| n.contains("read_timeout=120: each rendezvous call is bounded by 1 to 30 s")), "{:?}", p.notes);
@@ -477,6 +492,23 @@ fn a_log_dir_that_cannot_be_one_is_a_plan_error() {
     let fine = dir.path().join("new").join("logs");
     assert!(resolve(&["--log-dir", fine.to_str().unwrap(), "true"]).is_ok());
     assert!(resolve(&["--log-dir", "/dev/null", "true"]).is_ok());
+    // The default under a current directory that cannot hold it (a read-only root file system)
+    // goes to TMPDIR/rsrun-UID/logs, said in a note; a given --log-dir stays an error.
+    let mut h = host();
+    h.cwd = file.join("cwd");
+    let tmp = tempfile::tempdir().unwrap();
+    h.env.insert("TMPDIR".into(), tmp.path().to_str().unwrap().into());
+    let p = LaunchPlan::resolve(&parse(&["true"]), &h).unwrap();
+    let want = tmp.path().join(format!("rsrun-{}", unsafe { libc::getuid() })).join("logs");
+    assert_eq!(p.logs.dir.as_deref(), Some(want.as_path()));
+    assert!(p.notes.iter().any(|n| n.contains("cannot hold the logs") && n.contains("afile is not a directory")), "{:?}", p.notes);
+    let e = LaunchPlan::resolve(&parse(&["--log-dir", "logs", "true"]), &h).unwrap_err().to_string();
+    assert!(e.contains("for --log-dir") && e.contains("afile is not a directory"), "{e}");
+    // Not into an rsrun-UID that is a symbolic link (someone else's, in a shared /tmp).
+    let other = tempfile::tempdir().unwrap();
+    std::os::unix::fs::symlink(other.path(), want.parent().unwrap()).unwrap();
+    let e = LaunchPlan::resolve(&parse(&["true"]), &h).unwrap_err().to_string();
+    assert!(e.contains("(the default; give --log-dir DIR"), "{e}");
 }
 
 #[test]
