@@ -166,6 +166,16 @@ pub fn split_count(item: &str) -> (&str, Option<&str>) {
     }
 }
 
+/// DeepSpeed's and OpenMPI's files may hold a bare IPv6 address (`fe80::1 slots=4`), whose colons
+/// would read as a count: asked for in brackets, instead of "slots must be an integer".
+fn check_bare_ipv6(item: &str) -> Result<(), PlanError> {
+    let addr = item.rsplit_once('@').map_or(item, |(_, h)| h);
+    if addr.parse::<std::net::Ipv6Addr>().is_ok() {
+        return Err(hosts_err(format!("invalid host \"{addr}\": write an IPv6 address in brackets, [{addr}] ([{addr}]:N for a count)")));
+    }
+    Ok(())
+}
+
 /// Parses a host expression: `[user@](hostlist | [ipv6])`.
 ///
 /// # Errors
@@ -193,6 +203,9 @@ pub fn parse_hostexpr(expr: &str) -> Result<HostExpr, PlanError> {
         return Err(hosts_err(format!("invalid host \"{rest}\": host names may not start with '-'")));
     }
     let hosts = hostlist::expand(rest)?;
+    if hosts.is_empty() {
+        return Err(hosts_err(format!("invalid host \"{rest}\": no host name in it")));
+    }
     for h in &hosts {
         check_name("host", h)?;
     }
@@ -260,6 +273,7 @@ fn parse_line(text: &str) -> Result<LineEntry, PlanError> {
         }
     }
     let first = words[0];
+    check_bare_ipv6(first)?;
     let (host_part, count) = split_count(first);
     let expr = parse_hostexpr(host_part)?;
     let mut entry = LineEntry {
@@ -372,6 +386,8 @@ fn edit_distance(a: &str, b: &str) -> usize {
 pub fn parse_hostfile(name: &str, text: &str, default_slots: Option<u32>) -> Result<Vec<HostEntry>, PlanError> {
     let mut out: Vec<HostEntry> = Vec::new();
     let mut first_line: HashMap<String, usize> = HashMap::new();
+    // A byte-order mark (a Windows editor's) is no part of the first host's name.
+    let text = text.strip_prefix('\u{feff}').unwrap_or(text);
     for (idx, raw) in text.split('\n').enumerate() {
         let line_no = idx + 1;
         let place = || format!("hostfile {name}:{line_no}");
@@ -444,6 +460,7 @@ pub fn parse_hosts_arg(list: &str, default_slots: Option<u32>) -> Result<Vec<Hos
         if item.is_empty() {
             return Err(at(&place, hosts_err("empty host (two commas, or a comma at an end)")));
         }
+        check_bare_ipv6(item)?;
         let (host_part, count) = split_count(item);
         let expr = parse_hostexpr(host_part).map_err(|e| at(&place, e))?;
         let slots = match count {
@@ -486,8 +503,11 @@ pub fn parse_hosts_arg(list: &str, default_slots: Option<u32>) -> Result<Vec<Hos
 /// Every hostfile, `-H` and filter error; a missing or unreadable hostfile.
 pub fn resolve_table(args: &LaunchArgs, host: &HostInfo) -> Result<Option<HostTable>, PlanError> {
     let filter_given = args.include.is_some() || args.exclude.is_some();
+    // Typed options shape the table; a PET_NNODES or PET_NPROC_PER_NODE left in the environment
+    // (a pod's, a shell's) does not cut or resize it (see `multinode::resolve`'s note).
+    let typed = |id: &str| args.origin(id) == crate::cli::Origin::CommandLine;
     let nproc = || -> Result<Option<u32>, PlanError> {
-        if !args.given("nproc_per_node") {
+        if !typed("nproc_per_node") {
             return Ok(None);
         }
         let n = args.nproc_per_node.trim().parse::<u32>().ok().filter(|n| *n > 0).ok_or_else(|| {
@@ -550,7 +570,7 @@ pub fn resolve_table(args: &LaunchArgs, host: &HostInfo) -> Result<Option<HostTa
         }
         (None, None) => {}
     }
-    if args.given("nnodes") {
+    if typed("nnodes") {
         let range = NodeRange::parse(&args.nnodes)?;
         let want = range.max as usize;
         if filter_given {

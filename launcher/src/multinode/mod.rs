@@ -227,6 +227,11 @@ pub fn resolve(args: &LaunchArgs, host: &HostInfo) -> Result<Cluster, PlanError>
     if let Some(table) = table {
         let n = table.entries.len() as u32;
         let mut c = Cluster::plain(LaunchMode::Hosts);
+        for (id, var) in [("nnodes", "PET_NNODES"), ("nproc_per_node", "PET_NPROC_PER_NODE"), ("node_rank", "PET_NODE_RANK")] {
+            if args.given(id) && args.origin(id) != crate::cli::Origin::CommandLine {
+                notes.push(format!("{var} in the environment is not used: {} decides the nodes, their slots and ranks", table.origin));
+            }
+        }
         c.sources.push(Sourced::new(
             "nnodes",
             n,

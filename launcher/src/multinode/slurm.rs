@@ -320,7 +320,7 @@ pub fn detect(args: &LaunchArgs, host: &HostInfo, table_given: bool, notes: &mut
         // Mode B: srun started every rank.
         c.mode = LaunchMode::SlurmB;
         if args.given("nproc_per_node") && args.nproc_per_node.trim() != "1" {
-            let total = u64::from(ntasks) * args.nproc_per_node.trim().parse::<u64>().unwrap_or(u64::from(here));
+            let total = u64::from(ntasks).saturating_mul(args.nproc_per_node.trim().parse::<u64>().unwrap_or(u64::from(here)));
             return Err(err(format!(
                 "srun started {here} task{} on this node ({tpn_var}={tpn_list}), and each task is already one worker: --nproc-per-node {} would start {total} workers instead of {ntasks}; use `srun --ntasks-per-node=1 rsrun --nproc-per-node {}` or drop --nproc-per-node",
                 if here == 1 { "" } else { "s" },

@@ -279,7 +279,7 @@ impl RemotePlan {
         if args.standalone {
             return Err(conflict("--standalone runs a single node; it cannot be used with --hosts/--hostfile"));
         }
-        if args.node_rank.is_some() {
+        if args.node_rank.is_some() && args.origin("node_rank") == crate::cli::Origin::CommandLine {
             return Err(conflict("--node-rank cannot be used with --hosts/--hostfile: node ranks follow the host order"));
         }
         // --nnodes and --nproc-per-node were applied to the host table (multinode::hostfile).
@@ -386,7 +386,9 @@ impl RemotePlan {
                     h.host
                 ));
             }
-            let local = is_local_host(h.target(), &host.hostname) && !args.ssh_local;
+            // A port or user of its own means an ssh server of its own (a container's sshd behind
+            // this host's port 2222): connected to like any other host, not run here.
+            let local = is_local_host(h.target(), &host.hostname) && h.port.is_none() && h.user.is_none() && !args.ssh_local;
             let argv = if local { local_argv(exe) } else { ssh_argv(&ssh, &h, &remote_rsrun) };
             let slots = h.slots;
             nodes.push(RemoteNode { host: h, node_rank: i as u32, rank_offset: offset, local, argv });
@@ -421,7 +423,7 @@ impl RemotePlan {
             }
             ("static" | "", ep) => {
                 let (bind, advertise) = if ep.is_empty() {
-                    let all_local = nodes.iter().all(|n| is_local_host(n.host.target(), &host.hostname));
+                    let all_local = nodes.iter().all(|n| n.local);
                     if all_local {
                         (SocketAddr::from(([127, 0, 0, 1], 0)), "127.0.0.1".to_owned())
                     } else {

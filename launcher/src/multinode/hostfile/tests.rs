@@ -217,6 +217,35 @@ fn grammar_rejects() {
     }
     assert!(table("w addr=fe80::1 slots=1\nv addr=gw-2.example slots=1\n", &["--hostfile", "./hosts"]).is_ok());
     assert!(table("", &["-H", "a:1,,b:1"]).unwrap_err().contains("empty host"));
+    // A bare IPv6 address is asked for in brackets (its colons are no count).
+    for (text, addr) in [("fe80::1 slots=4", "fe80::1"), ("::1 slots=2", "::1"), ("bob@2001:db8::7", "2001:db8::7")] {
+        let e = file_err(text);
+        assert!(e.contains(&format!("write an IPv6 address in brackets, [{addr}]")), "{text}: {e}");
+    }
+    assert!(table("", &["-H", "fe80::1"]).unwrap_err().contains("in brackets, [fe80::1]"));
+    assert_eq!(file("[fe80::1] slots=4").unwrap(), vec!["fe80::1:4"]);
+    // An expression of separators alone names no host.
+    assert!(file_err(", slots=4").contains("no host name in it"), "{}", file_err(", slots=4"));
+}
+
+/// A Windows editor's byte-order mark is no part of the first host's name.
+#[test]
+fn a_byte_order_mark_is_not_a_host_name() {
+    assert_eq!(file("\u{feff}w0 slots=2\nw1 slots=2\n").unwrap(), vec!["w0:2", "w1:2"]);
+}
+
+/// PET_NNODES and PET_NPROC_PER_NODE left in the environment (a pod's) do not cut or resize a
+/// host table, as the typed options do.
+#[test]
+fn pet_variables_do_not_shape_a_host_table() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("hosts"), W3).unwrap();
+    let (a, mut h) = crate::plan::tests::parse_env(&["--hostfile", "./hosts", "true"], &[("PET_NNODES", "2"), ("PET_NPROC_PER_NODE", "auto")]);
+    h.cwd = dir.path().to_owned();
+    let t = resolve_table(&a, &h).unwrap().unwrap();
+    assert_eq!(summary(&t), vec!["w0:4", "w1:4", "w2:4"]);
+    let c = crate::multinode::resolve(&a, &h).unwrap();
+    assert!(c.notes.iter().any(|n| n.contains("PET_NNODES in the environment is not used")), "{:?}", c.notes);
 }
 
 #[test]

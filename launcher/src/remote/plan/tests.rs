@@ -148,6 +148,13 @@ fn hostfile_user_port_and_addr_reach_the_ssh_argv() {
     std::fs::write(&hosts, "w1 slots=1 addr=127.0.0.1\n").unwrap();
     let p = RemotePlan::resolve(&parse(&["--hostfile", hosts.to_str().unwrap(), "true"]), &host(), Path::new(EXE)).unwrap();
     assert!(p.nodes[0].local);
+    // ... unless a port or user of its own names an ssh server of its own (a container's sshd
+    // behind this host's port 2222): reached over ssh, with them.
+    std::fs::write(&hosts, "localhost slots=1 port=2222\nbob@127.0.0.1 slots=1\n").unwrap();
+    let p = RemotePlan::resolve(&parse(&["--hostfile", hosts.to_str().unwrap(), "--allow-same-host", "true"]), &host(), Path::new(EXE)).unwrap();
+    assert!(!p.nodes[0].local && !p.nodes[1].local);
+    assert!(argv(&p.nodes[0]).windows(2).any(|w| w == ["-p", "2222"]), "{:?}", argv(&p.nodes[0]));
+    assert!(argv(&p.nodes[1]).windows(2).any(|w| w == ["-l", "bob"]), "{:?}", argv(&p.nodes[1]));
 }
 
 #[test]
