@@ -51,10 +51,8 @@ fn main() -> ExitCode {
         }
     };
     if plan.dry_run {
+        // The plan's notes are part of it (`note :` lines).
         let mut out = std::io::stdout().lock();
-        for note in &plan.notes {
-            let _ = writeln!(out, "rsrun: {note}");
-        }
         let _ = out.write_all(rsrun_launcher::dry_run::render(&plan).as_bytes());
         return ExitCode::SUCCESS;
     }

@@ -548,6 +548,11 @@ impl RankSet {
         Ok(RankSet(ranges))
     }
 
+    /// The lowest rank in the set.
+    pub fn min(&self) -> u32 {
+        self.0.iter().map(|&(a, _)| a).min().unwrap_or(0)
+    }
+
     /// The highest rank in the set.
     pub fn max(&self) -> u32 {
         self.0.iter().map(|&(_, b)| b).max().unwrap_or(0)
@@ -1413,7 +1418,10 @@ impl LaunchPlan {
                             ),
                         };
                         if master_port == 0 {
-                            return Err(invalid("--master-port", "0", "a port in 1..65535"));
+                            return Err(match &endpoint {
+                                Some(_) => invalid("--rdzv-endpoint", &args.rdzv_endpoint, "HOST:PORT with a port in 1..65535 (the static backend's master port)"),
+                                None => invalid("--master-port", "0", "a port in 1..65535"),
+                            });
                         }
                         (
                             RdzvPlan::Static { node_rank, master_addr, master_port },
@@ -1613,22 +1621,28 @@ impl LaunchPlan {
             (Role::Launcher, Some(table)) => table.max_slots().zip(table.world_size()),
             (Role::Launcher, None) => Some((nproc_per_node, nodes.max.saturating_mul(nproc_per_node))),
         };
-        let beyond = |flag: &'static str, value: &Option<String>, rank: u32, limit: u32, what: &str| {
-            if rank >= limit {
-                return Err(invalid(flag, value.as_deref().unwrap_or(""), format!("{what} below {limit} (rank {rank} does not exist)")));
+        // As torchrun, ranks past the job's are ignored (a script written for 8 GPUs runs on 4),
+        // said in a note; a value none of whose ranks exists is an error.
+        let mut beyond = |flag: &'static str, value: &Option<String>, (lowest, highest): (u32, u32), limit: u32, what: &str| {
+            let value = value.as_deref().unwrap_or("");
+            if lowest >= limit {
+                return Err(invalid(flag, value, format!("{what} below {limit} (rank {lowest} does not exist)")));
+            }
+            if highest >= limit {
+                notes.push(format!("{flag} {value}: {what} {limit} and above do not exist here; they are ignored"));
             }
             Ok(())
         };
         if let Some((local_max, world_max)) = limits {
             if let Some(set) = &logs.local_ranks {
-                beyond("--local-ranks-filter", &args.local_ranks_filter, set.max(), local_max, "local ranks")?;
+                beyond("--local-ranks-filter", &args.local_ranks_filter, (set.min(), set.max()), local_max, "local ranks")?;
             }
             if let Some(set) = &logs.ranks {
-                beyond("--ranks-filter", &args.ranks_filter, set.max(), world_max, "ranks")?;
+                beyond("--ranks-filter", &args.ranks_filter, (set.min(), set.max()), world_max, "ranks")?;
             }
             for (flag, spec, value) in [("--redirects", &logs.redirects, &args.redirects), ("--tee", &logs.tee, &args.tee)] {
-                if let Some(&lr) = spec.per_rank.keys().next_back() {
-                    beyond(flag, value, lr, local_max, "local ranks")?;
+                if let (Some(&lo), Some(&hi)) = (spec.per_rank.keys().next(), spec.per_rank.keys().next_back()) {
+                    beyond(flag, value, (lo, hi), local_max, "local ranks")?;
                 }
             }
         }
@@ -1790,7 +1804,7 @@ impl LaunchPlan {
             gpu_bind,
             virtual_local_rank: args.virtual_local_rank,
             cpu_sets,
-            local_addr: args.local_addr.clone(),
+            local_addr: args.local_addr.as_deref().map(|a| a.trim().to_owned()),
             hostname: host.hostname.clone(),
             token_file: args.rdzv_token_file.as_ref().map(|p| host.cwd.join(p)),
             token,

@@ -166,7 +166,7 @@ fn read_snapshot(path: &Path) -> Result<Option<(State, u64)>, RdzvError> {
     let seq = word(8);
     let len = word(16) as usize;
     let crc = u32::from_le_bytes(bytes[24..28].try_into().unwrap_or([0; 4]));
-    let payload = bytes.get(28..28 + len).ok_or_else(|| storage(path, "snapshot is truncated", format!("{len} payload bytes announced")))?;
+    let payload = bytes.get(28..28usize.saturating_add(len)).ok_or_else(|| storage(path, "snapshot is truncated", format!("{len} payload bytes announced")))?;
     if crc32fast::hash(payload) != crc {
         return Err(storage(path, "snapshot checksum mismatch", "the file is damaged"));
     }

@@ -464,12 +464,21 @@ fn a_value_clap_refuses_is_traced_to_its_variable() {
 fn ranks_that_do_not_exist_and_keys_given_twice_are_refused() {
     for (args, want) in [
         (&["--nproc-per-node", "2", "--local-ranks-filter", "5", "true"][..], "--local-ranks-filter"),
-        (&["--nproc-per-node", "2", "--ranks-filter", "0,7", "true"], "--ranks-filter"),
+        (&["--nproc-per-node", "2", "--ranks-filter", "2-7", "true"], "--ranks-filter"),
         (&["--nproc-per-node", "2", "--redirects", "5:1", "true"], "--redirects"),
-        (&["--nproc-per-node", "2", "--tee", "0:1,2:3", "true"], "--tee"),
+        (&["--nproc-per-node", "2", "--tee", "2:1,3:3", "true"], "--tee"),
     ] {
         let e = err(args);
         assert!(e.contains(want) && e.contains("does not exist"), "{args:?}: {e}");
+    }
+    // Some of the ranks exist: the others are ignored, as torchrun does, and said.
+    for (args, want) in [
+        (&["--nproc-per-node", "2", "--ranks-filter", "0,7", "true"][..], "--ranks-filter 0,7: ranks 2 and above do not exist here"),
+        (&["--nproc-per-node", "2", "--tee", "0:1,2:3", "true"], "--tee 0:1,2:3: local ranks 2 and above do not exist here"),
+        (&["--nproc-per-node", "2", "--local-ranks-filter", "0,4", "true"], "--local-ranks-filter 0,4: local ranks 2 and above"),
+    ] {
+        let p = resolve(args).unwrap();
+        assert!(p.notes.iter().any(|n| n.contains(want)), "{args:?}: {:?}", p.notes);
     }
     assert!(resolve(&["--nnodes", "2", "--node-rank", "0", "--master-addr", "h", "--nproc-per-node", "2", "--ranks-filter", "3", "true"]).is_ok());
     assert!(err(&["--signal-policy", "INT=stop,INT=ignore", "true"]).contains("given twice"));
