@@ -759,12 +759,18 @@ impl EventLoop {
                 Close::Violation(e) => tracing::warn!(peer = %c.peer, error = %e, "tcpstore: closing the connection"),
                 Close::Peer => tracing::trace!(peer = %c.peer, "tcpstore: connection closed"),
             }
-            state.disconnect(c.id);
+            let handed_on = state.disconnect(c.id);
+            self.woken.extend(handed_on);
             self.buffered = self.buffered.saturating_sub(c.accounted);
             let _ = self.poll.registry().deregister(&mut c.stream);
             drop(c);
             self.free.push(slot);
             self.shared.n_connections.fetch_sub(1, Ordering::Relaxed);
+        }
+        // Queue items a closed connection was woken for and never popped went to other waiters.
+        if !self.woken.is_empty() {
+            self.deliver_wakes();
+            self.flush_dirty();
         }
     }
 }

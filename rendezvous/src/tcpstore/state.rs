@@ -110,8 +110,16 @@ pub struct StoreState {
     /// The sum of `conn_wait_bytes`, held under the store's own cap (`max_total_bytes`): many
     /// connections each under their own cap could otherwise hold any amount together.
     total_wait_bytes: usize,
+    /// Queues whose push woke a wait of the connection that has not popped from them since:
+    /// a connection that goes away before its pop hands its item's wake-up to another waiter
+    /// (one item is one wake-up, so no one else was woken for it). At most
+    /// [`MAX_QUEUE_WAKES_PER_CONN`] each, the oldest dropped.
+    queue_woken: HashMap<ConnId, VecDeque<Key>>,
     next_seq: u64,
 }
+
+/// Most queue wake-ups one connection is remembered for (see `StoreState::queue_woken`).
+const MAX_QUEUE_WAKES_PER_CONN: usize = 1024;
 
 /// Most memory the keys of one connection's pending WAITs may take: a WAIT names up to 128 Ki
 /// keys in a 64 MiB request, and each missing key is kept twice over (the wait's list and the
@@ -146,6 +154,7 @@ impl StoreState {
             conn_waits: HashMap::new(),
             conn_wait_bytes: HashMap::new(),
             total_wait_bytes: 0,
+            queue_woken: HashMap::new(),
             next_seq: 0,
         }
     }
@@ -268,6 +277,14 @@ impl StoreState {
                 Reply::None
             }
             Request::QueuePop { key } => {
+                if let Some(wakes) = self.queue_woken.get_mut(&conn) {
+                    if let Some(i) = wakes.iter().position(|k| *k == key) {
+                        wakes.remove(i);
+                    }
+                    if wakes.is_empty() {
+                        self.queue_woken.remove(&conn);
+                    }
+                }
                 let mut out = Vec::new();
                 match self.queues.get_mut(&key) {
                     None => proto::put_i64(&mut out, 0),
@@ -335,9 +352,18 @@ impl StoreState {
         Ok(Applied { reply, woken, cancelled: Vec::new() })
     }
 
-    /// Forgets a connection that went away: its pending waits are dropped without reply.
-    pub fn disconnect(&mut self, conn: ConnId) {
+    /// Forgets a connection that went away: its pending waits are dropped without reply. An item
+    /// whose push woke this connection, which never popped it, wakes another waiter of its queue
+    /// (returned), instead of waiting in the queue for the next push.
+    pub fn disconnect(&mut self, conn: ConnId) -> Vec<WaitId> {
         self.drop_waits(conn);
+        let mut woken = Vec::new();
+        for key in self.queue_woken.remove(&conn).unwrap_or_default() {
+            if self.queues.contains_key(&key) {
+                self.wake_one(&key, &mut woken);
+            }
+        }
+        woken
     }
 
     /// A key counts as present for CHECK and WAIT if it is in the key-value namespace or names a
@@ -472,22 +498,34 @@ impl StoreState {
         let new_total = self.n_bytes + value.len() + if new_queue { key.len() } else { 0 };
         self.check_total(new_total)?;
         self.n_bytes = new_total;
-        if let Some(set) = self.key_waiters.get_mut(&key) {
-            let waits = &self.waits;
-            let completes = set.iter().copied().find(|id| matches!(waits.get(id), Some(PendingWait::Keys { remaining: 1, .. })));
-            let chosen = completes.or_else(|| set.first().copied());
-            if let Some(id) = chosen {
-                set.remove(&id);
-            }
-            if set.is_empty() {
-                self.key_waiters.remove(&key);
-            }
-            if let Some(id) = chosen {
-                self.key_written(id, woken);
-            }
-        }
+        self.wake_one(&key, woken);
         self.queues.entry(key).or_default().push_back(value);
         Ok(())
+    }
+
+    /// Completes that part of one wait on queue `key`: the oldest that it completes, else the
+    /// oldest. A wait it completes is remembered for its connection until that one pops.
+    fn wake_one(&mut self, key: &Key, woken: &mut Vec<WaitId>) {
+        let Some(set) = self.key_waiters.get_mut(key) else { return };
+        let waits = &self.waits;
+        let completes = set.iter().copied().find(|id| matches!(waits.get(id), Some(PendingWait::Keys { remaining: 1, .. })));
+        let chosen = completes.or_else(|| set.first().copied());
+        if let Some(id) = chosen {
+            set.remove(&id);
+        }
+        if set.is_empty() {
+            self.key_waiters.remove(key);
+        }
+        if let Some(id) = chosen {
+            self.key_written(id, woken);
+            if woken.last() == Some(&id) {
+                let wakes = self.queue_woken.entry(id.conn()).or_default();
+                if wakes.len() == MAX_QUEUE_WAKES_PER_CONN {
+                    wakes.pop_front();
+                }
+                wakes.push_back(key.clone());
+            }
+        }
     }
 
     /// One of `id`'s keys was written (and `id` already left that key's waiter set).

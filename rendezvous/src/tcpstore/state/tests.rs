@@ -248,6 +248,27 @@ fn a_queue_push_wakes_one_waiter_the_oldest() {
     assert_eq!(bytes(&mut s, A, Request::QueuePop { key: k("q") }), [&2i64.to_le_bytes()[..], &blob(b"1")].concat());
 }
 
+/// A connection woken for a queue item that goes away before popping it hands the item's wake-up
+/// to the next waiter (it would otherwise wait for the next push); one that popped hands nothing.
+#[test]
+fn a_connection_that_leaves_before_its_pop_hands_the_wake_up_on() {
+    let mut s = store();
+    let first = pending(&mut s, A, wait(&["q"]));
+    let second = pending(&mut s, B, wait(&["q"]));
+    assert_eq!(ok(&mut s, ConnId(3), Request::QueuePush { key: k("q"), value: k("1") }).woken, vec![first]);
+    assert_eq!(s.disconnect(A), vec![second]);
+    // B pops, then goes: nothing left to hand on.
+    assert_eq!(bytes(&mut s, B, Request::QueuePop { key: k("q") }), [&1i64.to_le_bytes()[..], &blob(b"1")].concat());
+    let third = pending(&mut s, ConnId(4), wait(&["q"]));
+    assert!(s.disconnect(B).is_empty());
+    // An item already popped by someone else is not handed on either.
+    let fourth = pending(&mut s, ConnId(5), wait(&["q"]));
+    assert_eq!(ok(&mut s, ConnId(3), Request::QueuePush { key: k("q"), value: k("2") }).woken, vec![third]);
+    ok(&mut s, ConnId(3), Request::QueuePop { key: k("q") });
+    assert!(s.disconnect(ConnId(4)).is_empty());
+    assert_eq!(s.stats().n_waits, 1, "{fourth:?} still waits");
+}
+
 #[test]
 fn cancel_wait_drops_the_connections_waits_and_always_answers() {
     let mut s = store();
