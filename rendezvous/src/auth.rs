@@ -202,11 +202,29 @@ impl TokenTable {
     }
 }
 
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    if a.len() != b.len() {
-        return false;
+/// Whether `token` (a secret) equals `presented`, in a time that depends on the presented length
+/// only: neither where they differ nor the secret's length shows in the timing.
+fn constant_time_eq(token: &[u8], presented: &[u8]) -> bool {
+    if token.is_empty() {
+        return presented.is_empty();
     }
-    a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    let diff = presented.iter().enumerate().fold(0u8, |acc, (i, p)| acc | (p ^ token[i % token.len()]));
+    diff == 0 && token.len() == presented.len()
+}
+
+/// Warns about a refused call at most once a second, with the count of those refused meanwhile
+/// (anyone who can reach the port can send them).
+fn warn_refused(peer: &str, what: &'static str) {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static LAST_SECOND: AtomicU64 = AtomicU64::new(0);
+    static QUIET: AtomicU64 = AtomicU64::new(0);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    if LAST_SECOND.swap(now, Ordering::Relaxed) == now {
+        QUIET.fetch_add(1, Ordering::Relaxed);
+        return;
+    }
+    let also = QUIET.swap(0, Ordering::Relaxed);
+    tracing::warn!(%peer, also_refused_since = also, "rejected a call {what}");
 }
 
 /// Reads the first token of a client-side token file (the same file format; the job part is ignored).
@@ -259,7 +277,7 @@ impl tonic::service::Interceptor for AuthInterceptor {
                     .and_then(|v| v.to_str().ok())
                     .and_then(|v| v.strip_prefix("Bearer "));
                 let Some(presented) = presented else {
-                    tracing::warn!(%peer, "rejected a call without a token");
+                    warn_refused(&peer, "without a token");
                     return Err(RdzvError::Unauthenticated("missing token: send `authorization: Bearer <token>` (rsrun --rdzv-token-file)".into()).into());
                 };
                 match table.entry(presented.as_bytes()) {
@@ -268,7 +286,7 @@ impl tonic::service::Interceptor for AuthInterceptor {
                         e.principal.clone()
                     }
                     None => {
-                        tracing::warn!(%peer, "rejected a call with a wrong token");
+                        warn_refused(&peer, "with a wrong token");
                         return Err(RdzvError::Unauthenticated("invalid token".into()).into());
                     }
                 }
@@ -315,6 +333,10 @@ mod tests {
         let p = t.lookup(b"aaaaaaaaaaaaaaaa").unwrap();
         assert!(p.allows("job7") && !p.allows("job70"));
         assert!(t.lookup(b"nope").is_none());
+        // A prefix, an extension or a repetition of a token is no match.
+        for wrong in [&b"0123456789abcde"[..], b"0123456789abcdef0", b"0123456789abcdef0123456789abcdef", b""] {
+            assert!(t.lookup(wrong).is_none(), "{:?}", String::from_utf8_lossy(wrong));
+        }
         let e = p.check("other").unwrap_err();
         assert_eq!(e.code(), tonic::Code::PermissionDenied);
     }

@@ -85,6 +85,10 @@ pub struct Recovered {
     pub replayed: u64,
     /// Bytes cut off a torn tail.
     pub truncated_bytes: u64,
+    /// The newest time the state has seen: the last replayed record's, else the latest activity
+    /// of a job in the snapshot. The service's clock never goes below it (a host clock set back
+    /// across a restart must not stamp new records before old ones).
+    pub last_at: crate::state::Ms,
 }
 
 fn log_name(first_seq: u64) -> String {
@@ -360,6 +364,7 @@ impl Journal {
         let mut diverged = false;
         let mut replayed = 0;
         let mut truncated_bytes = 0;
+        let mut last_at = 0;
         for (i, (first, path)) in logs.iter().enumerate() {
             let is_last = i + 1 == logs.len();
             let (entries, valid, torn) = read_log(path, is_last)?;
@@ -386,6 +391,7 @@ impl Journal {
                     diverged = true;
                 }
                 seq = entry.seq;
+                last_at = last_at.max(entry.at);
                 replayed += 1;
             }
         }
@@ -412,7 +418,8 @@ impl Journal {
         }
         fsync_dir(dir)?;
         let journal = Journal { dir: dir.to_path_buf(), log, log_path, log_bytes: 0, poisoned: None, _lock: lock };
-        Ok((journal, Recovered { state, seq, replayed, truncated_bytes }))
+        let last_at = last_at.max(state.jobs.values().map(|j| j.last_activity).max().unwrap_or(0));
+        Ok((journal, Recovered { state, seq, replayed, truncated_bytes, last_at }))
     }
 
     fn create_log(dir: &Path, path: &Path) -> Result<File, RdzvError> {
@@ -518,12 +525,17 @@ mod tests {
             let rec = encode(&Entry { seq: 5, at: 10, cmd: set("k3") }).unwrap();
             j.log.write_all(&rec[..rec.len() / 2]).unwrap();
         }
-        let (_j, rec) = Journal::open(dir.path()).unwrap();
+        let (j, rec) = Journal::open(dir.path()).unwrap();
         assert_eq!(rec.seq, 4);
         assert_eq!(rec.replayed, 1);
         assert!(rec.truncated_bytes > 0);
+        assert_eq!(rec.last_at, 10, "the newest record's time");
         let job = rec.state.job("j").unwrap();
         assert!(job.store.contains_key("k1") && job.store.contains_key("k2") && !job.store.contains_key("k3"));
+        drop(j);
+        // Everything in the snapshot now: the time comes from the jobs' latest activity.
+        let (_j, rec) = Journal::open(dir.path()).unwrap();
+        assert_eq!((rec.replayed, rec.last_at), (0, 10));
     }
 
     #[test]

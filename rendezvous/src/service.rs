@@ -117,6 +117,9 @@ enum Work {
     Compact { state: Box<State>, seq: u64 },
 }
 
+/// Most bytes of records that may wait for the log (see `Core::apply_locked`).
+const MAX_UNWRITTEN_LOG_BYTES: u64 = 256 << 20;
+
 #[derive(Default)]
 struct Queue {
     items: Vec<Work>,
@@ -137,6 +140,13 @@ struct Durability {
     /// The log thread, joined at the service's end: it owns the log store (a journal holds its
     /// directory's lock until it is dropped).
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl Queue {
+    /// Bytes of records queued and not written yet.
+    fn unwritten_bytes(&self) -> u64 {
+        self.items.iter().map(|w| if let Work::Records { bytes, .. } = w { bytes.len() as u64 } else { 0 }).sum()
+    }
 }
 
 impl Durability {
@@ -277,7 +287,7 @@ impl Core {
         let metrics = Arc::new(Metrics::default());
         let (flushed_tx, flushed) = watch::channel(Flushed::default());
         let flushed_tx = Arc::new(flushed_tx);
-        let (state, seq, log, role) = match (&config.data_dir, &config.ha) {
+        let (state, seq, log, role, last_at) = match (&config.data_dir, &config.ha) {
             (Some(dir), _) => {
                 let (journal, recovered) = Journal::open(dir)?;
                 tracing::info!(
@@ -289,18 +299,18 @@ impl Core {
                 );
                 let mut state = recovered.state;
                 // Leases could not be renewed while the service was down: give every node a full one.
-                state.renew_all_leases(clock.now_ms());
+                state.renew_all_leases(clock.now_ms().max(recovered.last_at));
                 let log = spawn_flusher(Box::new(journal), 0, recovered.seq, flushed_tx.clone(), metrics.clone())?;
-                (state, recovered.seq, Some(log), Role::Single)
+                (state, recovered.seq, Some(log), Role::Single, recovered.last_at)
             }
-            (None, Some(_)) => (State::default(), 0, None, Role::Standby { leader: String::new(), epoch: 0 }),
-            (None, None) => (State::default(), 0, None, Role::Single),
+            (None, Some(_)) => (State::default(), 0, None, Role::Standby { leader: String::new(), epoch: 0 }, 0),
+            (None, None) => (State::default(), 0, None, Role::Single, 0),
         };
         let core = Arc::new(Core {
             inner: Mutex::new(Inner {
                 state,
                 seq,
-                last_at: 0,
+                last_at,
                 log_bytes: 0,
                 views: HashMap::new(),
                 topics: HashMap::new(),
@@ -377,13 +387,30 @@ impl Core {
                 g.state.totals.store_bytes
             )));
         }
+        // A log that stopped taking writes (a full disk, an unreachable etcd) holds every change
+        // made since in memory: past a bound, changes are refused until it catches up.
+        if cmd.is_durable()
+            && let Some(d) = &g.log
+        {
+            let unwritten = d.lock().unwritten_bytes();
+            if unwritten > MAX_UNWRITTEN_LOG_BYTES {
+                let why = self.flushed.borrow().error.clone().unwrap_or_else(|| "it is slow".into());
+                return Err(RdzvError::Unavailable(format!(
+                    "{unwritten} bytes of changes wait for the log ({why}): changes are refused until it catches up"
+                )));
+            }
+        }
+        // Encoded before the state changes: a record that cannot be encoded changes nothing.
+        let record = match &g.log {
+            Some(_) if cmd.is_durable() => Some(journal::encode(&Entry { seq: g.seq + 1, at: now, cmd: cmd.clone() })?),
+            _ => None,
+        };
         let was_running = g.state.jobs.get(&job_id).map(|j| (j.round, matches!(j.phase, Phase::Running { .. })));
         let (outcome, effects) = g.state.apply(cmd, now, &self.limits)?;
         if effects.changed && cmd.is_durable() {
             g.seq += 1;
             g.last_at = now;
-            if let Some(d) = g.log.clone() {
-                let bytes = journal::encode(&Entry { seq: g.seq, at: now, cmd: cmd.clone() })?;
+            if let (Some(d), Some(bytes)) = (g.log.clone(), record) {
                 g.log_bytes += bytes.len() as u64;
                 let mut q = d.lock();
                 match q.items.last_mut() {
@@ -397,6 +424,8 @@ impl Core {
                 // its stores), which must not cost many times the log it replaces.
                 if g.log_bytes >= d.compact_every.max(g.state.totals.store_bytes as u64) {
                     g.log_bytes = 0;
+                    // One snapshot waiting at a time: the newest covers what an older one would.
+                    q.items.retain(|w| !matches!(w, Work::Compact { .. }));
                     q.items.push(Work::Compact { state: Box::new(g.state.clone()), seq: g.seq });
                 }
                 drop(q);
@@ -1007,19 +1036,22 @@ fn flusher(mut store: Box<dyn LogStore>, term: u64, mut durable: u64, d: Arc<Dur
                 publish(Flushed { term, seq: durable, confirmed, error: None, fatal: Some(e) });
                 return;
             }
+            // A snapshot that failed is dropped: the log still holds everything it covered, the
+            // next one is taken later, and a snapshot retried in front would hold back records
+            // that can land. Nothing waits on it: no error to publish.
+            Err(e) if matches!(work, Some(Work::Compact { .. })) => {
+                tracing::warn!(error = %e, "snapshot failed; the log keeps every change, and the next snapshot is taken later");
+            }
             Err(e) => {
                 let first = flushed.borrow().error.is_none();
                 if first {
                     tracing::error!(error = %e, "log write failed; mutations are refused until it succeeds");
                 }
                 publish(Flushed { term, seq: durable, confirmed, error: Some(e.to_string()), fatal: None });
-                // Put the work back in front and retry after a pause.
+                // Put the records back in front and retry after a pause.
                 let mut q = d.lock();
-                if let Some(mut w) = work {
-                    if let Work::Records { tried, .. } = &mut w {
-                        *tried = true;
-                    }
-                    q.items.insert(0, w);
+                if let Some(Work::Records { bytes, last_seq, .. }) = work {
+                    q.items.insert(0, Work::Records { bytes, last_seq, tried: true });
                 }
                 let stop = q.closed;
                 drop(q);
@@ -1249,10 +1281,12 @@ impl pb::rendezvous_server::Rendezvous for Service {
             validate::id("job_id", &r.job_id)?;
             validate::id("node_id", &r.node_id)?;
             p.check(&r.job_id)?;
-            tracing::info!(job = %r.job_id, node = %r.node_id, reason = %r.reason, "node leaves");
+            let reason = validate::text(&r.reason);
             self.core
-                .execute(Command::Leave { job: r.job_id, node: r.node_id, reason: validate::text(&r.reason) })
+                .execute(Command::Leave { job: r.job_id.clone(), node: r.node_id.clone(), reason: reason.clone() })
                 .await?;
+            // Logged once it is a member's leave, with the reason as the service keeps it.
+            tracing::info!(job = %r.job_id, node = %r.node_id, %reason, "node left");
             Ok(pb::LeaveResponse {})
         })
         .await
@@ -1297,7 +1331,7 @@ impl pb::rendezvous_server::Rendezvous for Service {
             validate::id("node_id", &r.node_id)?;
             p.check(&r.job_id)?;
             let failure = Failure::from_pb(r.failure.as_ref().ok_or_else(|| RdzvError::invalid("failure", "missing"))?);
-            tracing::warn!(job = %r.job_id, round = r.round, node = %r.node_id, rank = failure.rank, exit_code = failure.exit_code, "worker failure reported");
+            let (rank, exit_code) = (failure.rank, failure.exit_code);
             let outcome = self
                 .core
                 .execute(Command::ReportFailure {
@@ -1311,6 +1345,7 @@ impl pb::rendezvous_server::Rendezvous for Service {
             let Outcome::Decision(decision) = outcome else {
                 return Err(RdzvError::FailedPrecondition("unexpected outcome of a failure report".into()));
             };
+            tracing::warn!(job = %r.job_id, round = r.round, node = %r.node_id, rank, exit_code, ?decision, "worker failure reported");
             let view = self.core.read(|s| Ok(s.job(&r.job_id)?.view())).await?;
             Ok(pb::ReportFailureResponse { decision: decision as i32, view: Some(view) })
         })

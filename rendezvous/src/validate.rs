@@ -151,7 +151,7 @@ pub fn addrs(values: &[String]) -> Result<(), RdzvError> {
         if a.is_empty() || a.len() > MAX_ADDR_LEN || a.chars().any(|c| c.is_control() || c.is_whitespace()) {
             return Err(RdzvError::invalid(
                 "addrs",
-                format!("{a:?} is not an address (1 to {MAX_ADDR_LEN} printable characters, no spaces)"),
+                format!("{} is not an address (1 to {MAX_ADDR_LEN} printable characters, no spaces)", shown(a)),
             ));
         }
     }
@@ -161,7 +161,7 @@ pub fn addrs(values: &[String]) -> Result<(), RdzvError> {
 /// A host name shown by `status` (may be empty).
 pub fn hostname(value: &str) -> Result<(), RdzvError> {
     if value.len() > MAX_ADDR_LEN || value.chars().any(|c| c.is_control()) {
-        return Err(RdzvError::invalid("hostname", format!("{value:?} is not a printable name of at most {MAX_ADDR_LEN} bytes")));
+        return Err(RdzvError::invalid("hostname", format!("{} is not a printable name of at most {MAX_ADDR_LEN} bytes", shown(value))));
     }
     Ok(())
 }
@@ -177,16 +177,32 @@ pub fn timeout(limits: &Limits, ms: u64) -> Result<u64, RdzvError> {
     Ok(ms)
 }
 
-/// Cuts free-form text to [`MAX_TEXT_LEN`] bytes at a character boundary.
+/// Cuts free-form text to [`MAX_TEXT_LEN`] bytes at a character boundary, with control characters
+/// other than newline and tab replaced by U+FFFD: the text reaches operators' terminals (`status`)
+/// and log lines, where an escape sequence from a caller must not act.
 pub fn text(value: &str) -> String {
+    let clean = |s: &str| s.chars().map(|c| if c.is_control() && c != '\n' && c != '\t' { '\u{fffd}' } else { c }).collect::<String>();
     if value.len() <= MAX_TEXT_LEN {
-        return value.to_string();
+        return clean(value);
     }
     let mut end = MAX_TEXT_LEN;
     while !value.is_char_boundary(end) {
         end -= 1;
     }
-    format!("{}…", &value[..end])
+    format!("{}…", clean(&value[..end]))
+}
+
+/// At most this many characters of a refused value go into its error (a refused value may be
+/// megabytes, past what a client takes in a status message).
+const SHOWN_CHARS: usize = 64;
+
+/// `value` for an error message: debug-quoted, cut to [`SHOWN_CHARS`] characters with its length.
+fn shown(value: &str) -> String {
+    if value.chars().count() <= SHOWN_CHARS {
+        return format!("{value:?}");
+    }
+    let head: String = value.chars().take(SHOWN_CHARS).collect();
+    format!("{head:?}... ({} bytes)", value.len())
 }
 
 #[cfg(test)]
@@ -220,6 +236,17 @@ mod tests {
         assert!(value(&limits, b"1234").is_ok());
         let e = value(&limits, b"12345").unwrap_err().to_string();
         assert_eq!(e, "value of 5 bytes exceeds the limit of 4 bytes");
+    }
+
+    /// Text reaches terminals and log lines: no escape sequence survives, lines and tabs do; a
+    /// refused value shows its head and length, not megabytes.
+    #[test]
+    fn text_loses_control_characters_and_refusals_show_a_head() {
+        assert_eq!(text("a\x1b[2Jb\nc\td\r"), "a\u{fffd}[2Jb\nc\td\u{fffd}");
+        let e = hostname(&format!("{}\u{7}", "h".repeat(100_000))).unwrap_err().to_string();
+        assert!(e.len() < 300 && e.contains("... (100001 bytes)"), "{e}");
+        let e = addrs(&["a b".repeat(50_000)]).unwrap_err().to_string();
+        assert!(e.len() < 300 && e.contains("(150000 bytes)"), "{e}");
     }
 
     #[test]

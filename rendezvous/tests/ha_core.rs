@@ -303,3 +303,36 @@ async fn a_retried_write_is_the_same_bytes_and_later_commands_follow_it() {
     assert_eq!(attempts[0], attempts[1], "the retry changed the write");
     assert_eq!((attempts[2].0, attempts[2].1), (2, 2));
 }
+
+/// A log whose snapshots always fail (a full snapshot directory, an etcd refusing large writes).
+struct NoSnapshots {
+    appended: Arc<Mutex<u64>>,
+}
+
+impl LogStore for NoSnapshots {
+    fn append(&mut self, _records: &[u8], _first_seq: u64, last_seq: u64) -> Result<(), RdzvError> {
+        *self.appended.lock().unwrap() = last_seq;
+        Ok(())
+    }
+    fn compact(&mut self, _state: &State, _seq: u64) -> Result<(), RdzvError> {
+        Err(RdzvError::Unavailable("no room for a snapshot".into()))
+    }
+    fn compact_every(&self) -> u64 {
+        1
+    }
+}
+
+/// A snapshot that fails is dropped, not retried in front of the records: every change after it
+/// is still written and answered (a retried snapshot held them back, and every call failed).
+#[tokio::test]
+async fn a_failing_snapshot_does_not_hold_back_the_records_after_it() {
+    let core = standby_core();
+    let appended = Arc::new(Mutex::new(0));
+    core.promote(3, Box::new(NoSnapshots { appended: appended.clone() })).unwrap();
+    let scope = Scope { job: "j".into(), round: 1, round_scoped: false };
+    core.execute(join("a")).await.unwrap();
+    for i in 0..5 {
+        core.execute(Command::StoreSet { scope: scope.clone(), key: format!("k{i}"), value: b"v".to_vec() }).await.unwrap();
+    }
+    assert_eq!(*appended.lock().unwrap(), 6);
+}

@@ -76,7 +76,7 @@ async fn log_lines_stay_bounded_with_a_thousand_agents() {
     let text = String::from_utf8(sink.0.lock().unwrap().clone()).unwrap();
     let lines: Vec<&str> = text.lines().collect();
     assert!(lines.iter().any(|l| l.contains("round formed")), "no round formed line in {} lines", lines.len());
-    assert!(lines.iter().filter(|l| l.contains("node leaves")).count() >= n as usize);
+    assert!(lines.iter().filter(|l| l.contains("node left")).count() >= n as usize);
     let longest = lines.iter().map(|l| l.len()).max().unwrap_or(0);
     let most_spans = lines.iter().map(|l| l.matches("join{").count()).max().unwrap_or(0);
     assert!(most_spans <= 1, "a line carries {most_spans} nested join spans");

@@ -109,7 +109,8 @@ struct ServeArgs {
     #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     max_jobs: u64,
     /// Keep completed or failed jobs (and jobs without nodes) this many seconds before forgetting them.
-    #[arg(long, default_value_t = 3600)]
+    /// At least 1: an ended job is kept while the calls that ended it still read it.
+    #[arg(long, default_value_t = 3600, value_parser = clap::value_parser!(u64).range(1..))]
     retention_secs: u64,
     /// Do not serve PyTorch's TCPStore for running rounds: rank 0 of each job hosts it, as under
     /// torchrun without the agent store. By default every round gets a store of its own, listening

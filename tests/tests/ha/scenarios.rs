@@ -137,7 +137,7 @@ fn a_leader_cut_off_from_etcd_fences_itself_while_clients_still_reach_it() {
     }
     let fenced = t.elapsed();
     if std::env::var_os("HA_DEBUG").is_some() {
-        eprintln!("{}", g.log_of(old).lines().filter(|l| !l.contains("node leaves") && !l.contains("tcpstore") && !l.contains("round formed") && !l.contains("PyTorch")).collect::<Vec<_>>().join("\n"));
+        eprintln!("{}", g.log_of(old).lines().filter(|l| !l.contains("node left") && !l.contains("tcpstore") && !l.contains("round formed") && !l.contains("PyTorch")).collect::<Vec<_>>().join("\n"));
     }
     let new = g.wait_new_leader(old, Duration::from_secs(20));
     eprintln!("leader d{old} cut off from etcd: fenced after {fenced:.2?}, d{new} leads after {:.2?}", t.elapsed());
