@@ -144,10 +144,19 @@ pub fn is_writer(state: &ShardState) -> bool {
 /// # Errors
 /// I/O errors naming the path.
 pub fn begin_save(root: &Path, step: u64) -> Result<PathBuf, CheckpointError> {
+    let fresh = !root.exists();
     std::fs::create_dir_all(root).map_err(io("create directory", root))?;
+    if fresh && let Some(parent) = root.parent() {
+        // A root made now is in its parent's entries only once the parent is synced: without
+        // it, a crash could lose the first checkpoint along with the directory.
+        sync_dir(parent)?;
+    }
     let dir = incomplete_dir(root, step);
     if dir.exists() {
-        std::fs::remove_dir_all(&dir).map_err(io("remove leftover", &dir))?;
+        // A leftover of an interrupted save (or the old copy an exchange left): out of the way
+        // under a name of its own, removed when it can be (a shard still open on NFS must
+        // not fail this save).
+        set_aside(root, &dir)?;
     }
     std::fs::create_dir(&dir).map_err(io("create directory", &dir))?;
     sync_dir(root)?;
@@ -444,15 +453,15 @@ pub fn commit(
         // Re-saving a step: the new copy and the old one swapped names in one step, so a
         // crash leaves `step-N` whole, old or new; the old copy is now the `.incomplete`
         // directory, which the next save of this step removes if we do not get to it.
-        sync_dir(root)?;
-        std::fs::remove_dir_all(&inc).map_err(io("remove", &inc))?;
+        // The old copy (now named `.incomplete`) goes with the leftovers swept once `latest`
+        // names the new one.
     } else {
         if fin.exists() {
             // A file system without RENAME_EXCHANGE: move the old copy aside first. A crash
             // before the next rename leaves `latest` naming `step-N`, and [`latest`] loads
             // `step-N.replaced`, the same checkpoint.
             if replaced.exists() {
-                std::fs::remove_dir_all(&replaced).map_err(io("remove", &replaced))?;
+                set_aside(root, &replaced)?;
             }
             std::fs::rename(&fin, &replaced).map_err(io("rename", &fin))?;
         }
@@ -516,7 +525,21 @@ fn discard(dir: &Path) {
     }
 }
 
-/// Removes what interrupted saves and prunes left in `root`: `step-N.deleting`, and
+/// Renames `dir`, which no checkpoint needs, to a name of its own ending in [`DELETING`]
+/// (durably), then removes it; a failure to remove is logged ([`sweep_leftovers`] tries again).
+fn set_aside(root: &Path, dir: &Path) -> Result<(), CheckpointError> {
+    let mut aside = dir.as_os_str().to_owned();
+    aside.push(format!(".{:016x}{DELETING}", crate::comm::random_token()));
+    let aside = PathBuf::from(aside);
+    std::fs::rename(dir, &aside).map_err(io("rename a leftover", dir))?;
+    sync_dir(root)?;
+    discard(&aside);
+    Ok(())
+}
+
+/// Removes what interrupted saves and prunes left in `root`: `step-N.deleting` (and the names
+/// [`set_aside`] gives), `step-N.incomplete` (an interrupted save's, or the old copy a re-save
+/// swapped out: only rank 0 commits, after its save is whole, so none is in progress), and
 /// `step-N.replaced` once `step-N` is committed (while it is not, [`latest`] may need it).
 fn sweep_leftovers(root: &Path) {
     let Ok(entries) = std::fs::read_dir(root) else {
@@ -529,7 +552,7 @@ fn sweep_leftovers(root: &Path) {
             continue;
         }
         let path = entry.path();
-        if name.ends_with(DELETING) {
+        if name.ends_with(DELETING) || name.ends_with(".incomplete") {
             discard(&path);
         } else if let Some(step) = name.strip_suffix(".replaced")
             && root.join(step).join(METADATA).is_file()

@@ -366,6 +366,9 @@ struct State {
     backend: Box<dyn Backend>,
     seq: u64,
     failed: Option<CommError>,
+    /// Bounds every operation instead of `opts.timeout` while set (see
+    /// [`ProcessGroup::with_op_timeout`]).
+    op_timeout: Option<Duration>,
 }
 
 impl State {
@@ -417,6 +420,29 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 #[derive(Clone)]
 pub struct ProcessGroup {
     inner: Arc<Inner>,
+}
+
+impl ProcessGroup {
+    /// The deadline of one operation (`CommOptions::timeout`).
+    pub fn op_timeout(&self) -> Duration {
+        self.inner.ctx.opts.timeout
+    }
+
+    /// Runs `f` with every operation of this group bounded by `timeout` (capped as the group's) instead of
+    /// the group's own: an agreement that waits while one rank writes a checkpoint of gigabytes
+    /// must not fail the group at the ordinary deadline. A peer that dies is still seen at once.
+    pub fn with_op_timeout<R>(&self, timeout: Duration, f: impl FnOnce() -> R) -> R {
+        struct Restore<'a>(&'a Inner, Option<Duration>);
+        impl Drop for Restore<'_> {
+            fn drop(&mut self) {
+                lock(&self.0.state).op_timeout = self.1;
+            }
+        }
+        let timeout = timeout.clamp(Duration::from_millis(1), MAX_TIMEOUT);
+        let previous = lock(&self.inner.state).op_timeout.replace(timeout);
+        let _restore = Restore(&self.inner, previous);
+        f()
+    }
 }
 
 impl std::fmt::Debug for ProcessGroup {
@@ -565,6 +591,7 @@ impl ProcessGroup {
                     backend,
                     seq: 0,
                     failed: None,
+                    op_timeout: None,
                 }),
                 stats: Mutex::new(CommStats::default()),
                 queue: Mutex::new(None),
@@ -943,7 +970,8 @@ impl Inner {
             h.seq = st.seq;
         }
         let mut t = Traffic::default();
-        st.backend.set_op_deadline(Some(Instant::now() + self.ctx.opts.timeout));
+        let timeout = st.op_timeout.unwrap_or(self.ctx.opts.timeout);
+        st.backend.set_op_deadline(Some(Instant::now() + timeout));
         // A panic inside a backend leaves it mid-protocol: the group is failed (and the peers
         // told) before the panic goes on, so no later op runs on the broken state.
         let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -965,6 +993,10 @@ impl Inner {
             Ok(()) => {
                 lock(&self.stats).record(h.kind, t);
                 Ok(())
+            }
+            // The backends say how long the group's timeout is; a longer one ran out here.
+            Err(CommError::Timeout { peer, op, .. }) if st.op_timeout.is_some() => {
+                Err(st.fail(CommError::Timeout { peer, op, waited_ms: timeout.as_millis() as u64 }))
             }
             Err(e) => Err(st.fail(e)),
         }

@@ -715,9 +715,10 @@ impl ShmBackend {
         self.check_aborts()
     }
 
+    /// The running op's deadline (it may be longer than the group's timeout: see
+    /// `ProcessGroup::with_op_timeout`), else the group's timeout from now.
     fn deadline(&self) -> Instant {
-        let own = Instant::now() + self.ctx.opts.timeout;
-        self.op_deadline.map_or(own, |d| d.min(own))
+        self.op_deadline.unwrap_or_else(|| Instant::now() + self.ctx.opts.timeout)
     }
 
     /// Allocates a registered window of `bytes` per rank (collective, in the same order on every

@@ -337,9 +337,10 @@ impl TcpBackend {
         (self.segment / dt.size()).max(1) * dt.size()
     }
 
+    /// The running op's deadline (it may be longer than the group's timeout: see
+    /// `ProcessGroup::with_op_timeout`), else the group's timeout from now.
     fn deadline(&self) -> Instant {
-        let own = Instant::now() + self.ctx().opts.timeout;
-        self.op_deadline.map_or(own, |d| d.min(own))
+        self.op_deadline.unwrap_or_else(|| Instant::now() + self.ctx().opts.timeout)
     }
 
     /// Compares every rank's header with ours; the same verdict is reached on every rank.

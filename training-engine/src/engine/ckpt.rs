@@ -21,6 +21,9 @@ use crate::error::{EngineError, EngineResult};
 use crate::layout::ShardState;
 use crate::model::UnitModel;
 
+/// The least time a checkpoint's agreement waits for the other ranks (see `Engine::agree`).
+const CHECKPOINT_AGREE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(3600);
+
 impl<M: UnitModel> Engine<M> {
     /// This rank's checkpoint view: fp32 master shard and optimizer state over its owned range
     /// in the sharding group's layout, the step, the optimizer name and the f16 loss scale.
@@ -168,7 +171,11 @@ impl<M: UnitModel> Engine<M> {
 
     /// Agrees on the outcome of a local action across all ranks (a collective).
     fn agree(&self, local: EngineResult<()>, what: &str) -> EngineResult<()> {
-        if self.on_any_rank(local.is_err())? {
+        // The other ranks wait here while a writer reads its state back from a tier and writes
+        // it (gigabytes, maybe to NFS), and rank 0 prunes: past the ordinary op deadline, which
+        // failed the group at every save of a big model. A rank that dies is still seen at once.
+        let timeout = self.pg.op_timeout().max(CHECKPOINT_AGREE_TIMEOUT);
+        if self.pg.with_op_timeout(timeout, || self.on_any_rank(local.is_err()))? {
             local?;
             return Err(EngineError::Checkpoint(format!("{what} failed on another rank")));
         }

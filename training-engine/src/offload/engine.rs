@@ -555,7 +555,7 @@ fn uring_loop(mut ring: io_uring::IoUring, rx: Receiver<Op>, queue_depth: usize)
                 finish(&ctx, &mut queue);
             } else if (res as usize) < req.len {
                 // Short transfer: resubmit the rest first.
-                let n = res as usize;
+                let n = block_aligned(res as usize);
                 let rest = IoReq {
                     ptr: req.ptr.wrapping_add(n),
                     offset: req.offset + n as u64,
@@ -664,14 +664,33 @@ fn positioned(req: &IoReq) -> io::Result<()> {
         if n == 0 {
             return Err(zero_transfer(req.dir));
         }
-        done += n as usize;
+        done += block_aligned(n as usize);
     }
     Ok(())
+}
+
+/// How much of a short transfer of `n` bytes counts as done: whole blocks of [`ALIGN`] when there
+/// is at least one. The swap file is opened with O_DIRECT, where the rest must start on a block
+/// boundary (a resubmission from the middle of a block fails with EINVAL, which would hide the
+/// cause); the part of a block done twice is the same bytes again.
+///
+/// [`ALIGN`]: super::aligned::ALIGN
+fn block_aligned(n: usize) -> usize {
+    let align = super::aligned::ALIGN;
+    if n >= align { n - n % align } else { n }
 }
 
 #[cfg(test)]
 mod enter_tests {
     use super::*;
+
+    /// A short O_DIRECT transfer goes on from a block boundary; less than a block counts as is.
+    #[test]
+    fn short_transfers_resume_on_a_block_boundary() {
+        assert_eq!(block_aligned(4096 * 3 + 512), 4096 * 3);
+        assert_eq!(block_aligned(8192), 8192);
+        assert_eq!(block_aligned(1000), 1000);
+    }
 
     #[test]
     fn enter_errors_retry_fail_the_queue_or_stop_the_ring() {

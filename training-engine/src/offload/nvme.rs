@@ -163,6 +163,8 @@ impl NvmeStore {
         // Unlinked at once: the space lives as long as the descriptor, so a rank that is killed
         // (SIGKILL, an abort, a restart by the launcher) cannot leave gigabytes behind.
         if let Err(e) = std::fs::remove_file(&path) {
+            // One more try, so that the name does not stay behind in --nvme-path.
+            let _ = std::fs::remove_file(&path);
             return Err(OffloadError::Io {
                 op: "unlink",
                 path: path.to_path_buf(),
@@ -578,7 +580,11 @@ fn open_swap(path: &Path) -> Result<(File, bool, PathBuf), OffloadError> {
             .open(&candidate);
         match r {
             Ok(f) => {
-                let direct = set_direct(&f).map_err(|e| open_error(&candidate, e))?;
+                // The file is ours from here on: a failure removes it, not only reports it.
+                let direct = set_direct(&f).map_err(|e| {
+                    let _ = std::fs::remove_file(&candidate);
+                    open_error(&candidate, e)
+                })?;
                 return Ok((f, direct, candidate));
             }
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {

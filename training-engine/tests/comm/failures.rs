@@ -366,3 +366,40 @@ fn a_timeout_names_the_rank_that_stopped_not_the_blocked_neighbour() {
         }
     }
 }
+
+/// `with_op_timeout` lengthens the deadline of the operations inside it only (a checkpoint's
+/// agreement waits while one rank writes): a late peer is waited for there, and the group's own
+/// deadline is back for the next operation.
+#[test]
+fn a_longer_op_timeout_holds_inside_its_scope_only() {
+    for kind in [BackendKind::Tcp, BackendKind::Shm] {
+        let res = run_threads(
+            2,
+            |r| {
+                let mut o = opts_for(kind, r);
+                o.timeout = Duration::from_millis(1000);
+                o
+            },
+            |pg| {
+                let mut v = vec![1.0f32; 1024];
+                pg.barrier()?;
+                if pg.rank() == 1 {
+                    std::thread::sleep(Duration::from_millis(2500));
+                }
+                pg.with_op_timeout(Duration::from_secs(60), || pg.all_reduce(&mut v, ReduceOp::Sum))?;
+                assert_eq!(pg.op_timeout(), Duration::from_millis(1000));
+                if pg.rank() == 1 {
+                    std::thread::sleep(Duration::from_millis(4000));
+                }
+                Ok((pg.rank(), v[0], pg.all_reduce(&mut v, ReduceOp::Sum).is_err()))
+            },
+        );
+        for r in res {
+            let (rank, sum, late_failed) = r.unwrap();
+            assert_eq!(sum, 2.0, "{kind:?} rank {rank}");
+            if rank == 0 {
+                assert!(late_failed, "{kind:?}: the group's own deadline is back after the scope");
+            }
+        }
+    }
+}
