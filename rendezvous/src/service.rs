@@ -1081,6 +1081,23 @@ impl Service {
         Service { core }
     }
 
+    /// The keys of `keys` missing in `scope` now (each once), in one read.
+    async fn missing_keys(&self, scope: &Scope, keys: &[String]) -> Result<Vec<String>, RdzvError> {
+        self.core
+            .read(|s| {
+                let j = s.job(&scope.job)?;
+                let mut seen = std::collections::HashSet::new();
+                let mut missing: Vec<String> = Vec::new();
+                for k in keys {
+                    if j.get(scope, k)?.is_none() && seen.insert(k.as_str()) {
+                        missing.push(k.clone());
+                    }
+                }
+                Ok(missing)
+            })
+            .await
+    }
+
     fn deadline(&self, timeout_ms: u64) -> Result<Instant, RdzvError> {
         let ms = validate::timeout(self.core.limits(), timeout_ms)?;
         Ok(Instant::now() + Duration::from_millis(ms))
@@ -1485,8 +1502,12 @@ impl pb::rendezvous_server::Rendezvous for Service {
             let scope = scope_of(&p, r.scope.as_ref())?;
             validate::keys(&r.keys)?;
             let deadline = self.deadline(r.timeout_ms)?;
-            // Wait for the keys one by one: each wait wakes only on its own key.
-            for key in &r.keys {
+            // One read finds the keys missing now; only those are waited for, one by one (each
+            // wait wakes on its own key): a wait per key, present or not, settled each on its own
+            // (an etcd round trip on an HA leader), and 10,000 keys outlived any deadline.
+            let missing = self.missing_keys(&scope, &r.keys).await?;
+            for key in missing {
+                let key = &key;
                 let job = scope.job.clone();
                 self.core
                     .wait_for(&job, Some(scope.key_topic(key)), deadline, |s| Ok(s.job(&job)?.get(&scope, key)?.map(|_| ())), |s| {
@@ -1527,32 +1548,40 @@ impl pb::rendezvous_server::Rendezvous for Service {
             validate::keys(&r.keys)?;
             let deadline = self.deadline(r.timeout_ms)?;
             let job = scope.job.clone();
-            let mut values = Vec::with_capacity(r.keys.len());
-            let mut total = 0usize;
-            for key in &r.keys {
-                let v = if r.timeout_ms == 0 {
+            // The keys missing now are waited for one by one (each wait wakes on its own key);
+            // then one read answers them all, from one state.
+            if r.timeout_ms > 0 {
+                for key in self.missing_keys(&scope, &r.keys).await? {
                     self.core
-                        .read(|s| s.job(&job)?.get(&scope, key)?.cloned().ok_or(RdzvError::KeyNotFound { job: job.clone(), key: key.clone() }))
-                        .await?
-                } else {
-                    self.core
-                        .wait_for(&job, Some(scope.key_topic(key)), deadline, |s| Ok(s.job(&job)?.get(&scope, key)?.cloned()), |_| {
+                        .wait_for(&job, Some(scope.key_topic(&key)), deadline, |s| Ok(s.job(&job)?.get(&scope, &key)?.map(|_| ())), |_| {
                             format!("key {key:?} did not appear in job {job:?} within {} ms", r.timeout_ms)
                         })
-                        .await?
-                };
-                // A key may be asked for more than once, but the answer holds no more than the
-                // job's store may: 10,000 copies of a 1 MiB value would be a 10 GiB reply.
-                total = total.saturating_add(v.len());
-                let max = self.core.limits().max_store_bytes_per_job;
-                if total > max {
-                    return Err(RdzvError::ResourceExhausted(format!(
-                        "the values of {} keys take more than {max} bytes, the job's store limit: ask for fewer keys at a time",
-                        r.keys.len()
-                    )));
+                        .await?;
                 }
-                values.push(v);
             }
+            let max = self.core.limits().max_store_bytes_per_job;
+            let values = self
+                .core
+                .read(|s| {
+                    let j = s.job(&job)?;
+                    let mut values = Vec::with_capacity(r.keys.len());
+                    let mut total = 0usize;
+                    for key in &r.keys {
+                        let v = j.get(&scope, key)?.ok_or_else(|| RdzvError::KeyNotFound { job: job.clone(), key: key.clone() })?;
+                        // A key may be asked for more than once, but the answer holds no more than
+                        // the job's store may: 10,000 copies of a 1 MiB value would be 10 GiB.
+                        total = total.saturating_add(v.len());
+                        if total > max {
+                            return Err(RdzvError::ResourceExhausted(format!(
+                                "the values of {} keys take more than {max} bytes, the job's store limit: ask for fewer keys at a time",
+                                r.keys.len()
+                            )));
+                        }
+                        values.push(v.clone());
+                    }
+                    Ok(values)
+                })
+                .await?;
             Ok(pb::StoreMultiGetResponse { values })
         })
         .await
