@@ -42,6 +42,9 @@ use crate::validate::{self, Limits};
 /// well within a client's attempt (10 s past its wait by default, with several daemons; 30 s
 /// with one), so the client hears it and tries again instead of timing out unanswered.
 const DURABILITY_TIMEOUT: Duration = Duration::from_secs(8);
+/// A blocking call's answer waits for durability at most this long past its deadline (the
+/// client gives it `BLOCKING_SLACK`, 5 s).
+const ANSWER_SLACK: Duration = Duration::from_secs(3);
 /// Response metadata key of the [`pb::LeaderStamp`] (HA).
 pub const LEADER_STAMP_KEY: &str = "rsrun-leader-bin";
 
@@ -534,11 +537,16 @@ impl Core {
     /// caller looked). A term that ended meanwhile (step-down) fails the wait: nothing derived from
     /// a dropped state is ever answered.
     async fn settle(&self, settle: Settle) -> Result<(), RdzvError> {
+        self.settle_by(settle, Instant::now() + DURABILITY_TIMEOUT).await
+    }
+
+    /// [`Core::settle`] that gives up at `deadline` (a blocking call's answer is due within the
+    /// client's slack past its wait: see [`ANSWER_SLACK`]).
+    async fn settle_by(&self, settle: Settle, deadline: Instant) -> Result<(), RdzvError> {
         if !settle.logged {
             return Ok(());
         }
         let mut rx = self.flushed.clone();
-        let deadline = Instant::now() + DURABILITY_TIMEOUT;
         loop {
             // A copy, not the borrow: the borrow is a read lock that `demote` waits for while it
             // holds the executor's lock, which `not_leader` takes (lock order: the executor's, then
@@ -559,7 +567,7 @@ impl Core {
             tokio::select! {
                 r = rx.changed() => if r.is_err() { return Err(RdzvError::ShuttingDown) },
                 _ = tokio::time::sleep_until(deadline) => {
-                    return Err(RdzvError::Unavailable(format!("the log did not become durable within {DURABILITY_TIMEOUT:?}")));
+                    return Err(RdzvError::Unavailable("the log did not become durable in time".into()));
                 }
                 _ = self.cancel.cancelled() => return Err(RdzvError::ShuttingDown),
             }
@@ -609,22 +617,26 @@ impl Core {
                     Ok(None) => None,
                     _ => Some(Self::settle_point(&g, seq, true)),
                 };
-                let view = g.state.jobs.get(job).map(|j| j.view());
+                // Channels only for a call that goes on waiting (an answer now needs none, and
+                // would leave entries for the sweep).
+                let waits = matches!(found, Ok(None));
+                let view = g.state.jobs.get(job).filter(|_| waits).map(|j| j.view());
                 let view_rx = view.map(|v| g.views.entry(job.to_string()).or_insert_with(|| watch::channel((v, seq)).0).subscribe());
-                let topic_rx = topic.as_ref().map(|t| {
+                let topic_rx = topic.as_ref().filter(|_| waits).map(|t| {
                     g.topics.entry((job.to_string(), t.clone())).or_insert_with(|| watch::channel(0).0).subscribe()
                 });
                 (found, settle, view_rx, topic_rx)
             };
+            let answer_by = (Instant::now() + DURABILITY_TIMEOUT).min(deadline.max(Instant::now()) + ANSWER_SLACK);
             // An answer derived from the state (a value or an error) must not show what a crash
             // could undo.
             match found {
                 Ok(Some(v)) => {
-                    self.settle(settle.unwrap_or(Settle { term: 0, seq: 0, ticket: 0, logged: false })).await?;
+                    self.settle_by(settle.unwrap_or(Settle { term: 0, seq: 0, ticket: 0, logged: false }), answer_by).await?;
                     return Ok(v);
                 }
                 Err(e) => {
-                    self.settle(settle.unwrap_or(Settle { term: 0, seq: 0, ticket: 0, logged: false })).await?;
+                    self.settle_by(settle.unwrap_or(Settle { term: 0, seq: 0, ticket: 0, logged: false }), answer_by).await?;
                     return Err(e);
                 }
                 Ok(None) => {}
@@ -656,7 +668,7 @@ impl Core {
                         Self::serving(&g)?;
                         (on_timeout(&g.state), Self::settle_point(&g, g.seq, true))
                     };
-                    self.settle(settle).await?;
+                    self.settle_by(settle, Instant::now() + ANSWER_SLACK).await?;
                     return Err(RdzvError::Timeout(why));
                 }
                 _ = self.cancel.cancelled() => return Err(RdzvError::ShuttingDown),
@@ -1376,11 +1388,16 @@ impl pb::rendezvous_server::Rendezvous for Service {
             validate::id("job_id", &r.job_id)?;
             validate::id("node_id", &r.node_id)?;
             p.check(&r.job_id)?;
-            let (job, node) = (r.job_id.as_str(), r.node_id.as_str());
-            self.core.read(|s| s.job(job)?.check_may_fail(node)).await?;
             let reason = validate::text(&r.reason);
+            // Checked under the lock that applies it: a check in a read of its own could be
+            // stale by the time the command applies.
+            let (job, node) = (r.job_id.clone(), r.node_id.clone());
+            self.core
+                .execute_admitted(Command::FailJob { job: r.job_id.clone(), node: r.node_id.clone(), reason: reason.clone() }, |s| {
+                    s.job(&job)?.check_may_fail(&node)
+                })
+                .await?;
             tracing::warn!(job = %r.job_id, node = %r.node_id, %reason, "job failed by a node");
-            self.core.execute(Command::FailJob { job: r.job_id, node: r.node_id, reason }).await?;
             Ok(pb::FailJobResponse {})
         })
         .await
@@ -1674,10 +1691,10 @@ impl pb::rendezvous_server::Rendezvous for Service {
             // Only the node that runs global rank 0 publishes (T9): the running round's members
             // say which one that is. (Members do not change within a round, and the command
             // checks the round again.)
-            let (job, round, node) = (r.job_id.as_str(), r.round, r.node_id.as_str());
-            self.core.read(|s| s.job(job)?.check_rank0_node(round, node)).await?;
+            // Checked under the lock that applies it (a read of its own could be stale).
+            let (job, round, node) = (r.job_id.clone(), r.round, r.node_id.clone());
             let cmd = Command::PublishUniqueId { job: r.job_id, round: r.round, rank: r.rank, name: r.name, id: r.unique_id };
-            self.core.execute(cmd).await?;
+            self.core.execute_admitted(cmd, |s| s.job(&job)?.check_rank0_node(round, &node)).await?;
             Ok(pb::PublishUniqueIdResponse {})
         })
         .await
