@@ -289,6 +289,15 @@ fn norm_bound(v: &str) -> Result<f64, String> {
 }
 
 fn main() -> ExitCode {
+    // Each rank's share of the cores for candle's rayon pool (read lazily, at its first use):
+    // rsrun's OMP_NUM_THREADS=1 does not reach it, and every rank of a node would otherwise run
+    // a thread per core (8 ranks on 64 cores: 512 threads). RAYON_NUM_THREADS, when set, wins.
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        let cpus = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+        let local = std::env::var("LOCAL_WORLD_SIZE").ok().and_then(|v| v.parse::<usize>().ok()).filter(|n| *n > 0).unwrap_or(1);
+        // SAFETY: set before any other thread of this process exists.
+        unsafe { std::env::set_var("RAYON_NUM_THREADS", (cpus / local).max(1).to_string()) };
+    }
     match run() {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -391,16 +400,6 @@ fn run() -> anyhow::Result<()> {
         data: rsrun_examples::data::fingerprint(corpus.bytes()),
     };
 
-    let opts = CommOptions {
-        backend: BackendKind::Auto,
-        deterministic: args.deterministic,
-        timeout: Duration::from_secs(300),
-        ..CommOptions::default()
-    };
-    let pg = ProcessGroup::new(rank, world, place.store.clone(), &format!("train/{}", place.job), opts.clone()).context("creating the process group")?;
-    // A second, tiny group for the loop's own bookkeeping (mean loss, memory per rank), so it never
-    // interleaves with the engine's collectives.
-    let stats_pg = ProcessGroup::new(rank, world, place.store.clone(), &format!("train/{}/stats", place.job), opts).context("creating the stats group")?;
     let gpt = GptConfig {
         vocab: args.vocab as usize,
         d_model: args.d_model as usize,
@@ -409,7 +408,9 @@ fn run() -> anyhow::Result<()> {
         seq,
     };
     // Refuse a model this host cannot hold before allocating any of it (it would abort on a
-    // failed allocation, or be killed by the kernel partway through a step).
+    // failed allocation, or be killed by the kernel partway through a step). Before the process
+    // groups: no rank of this host can get past their rendezvous and allocate while another one
+    // still measures what is available (it would count that rank's memory twice).
     let plan = rsrun_examples::memory::Plan {
         gpt,
         strategy,
@@ -423,6 +424,16 @@ fn run() -> anyhow::Result<()> {
     if let Some(why) = rsrun_examples::memory::available().and_then(|a| rsrun_examples::memory::refusal(&need, place.local_world as u64, a)) {
         return Err(BadInput(why).into());
     }
+    let opts = CommOptions {
+        backend: BackendKind::Auto,
+        deterministic: args.deterministic,
+        timeout: Duration::from_secs(300),
+        ..CommOptions::default()
+    };
+    let pg = ProcessGroup::new(rank, world, place.store.clone(), &format!("train/{}", place.job), opts.clone()).context("creating the process group")?;
+    // A second, tiny group for the loop's own bookkeeping (mean loss, memory per rank), so it never
+    // interleaves with the engine's collectives.
+    let stats_pg = ProcessGroup::new(rank, world, place.store.clone(), &format!("train/{}/stats", place.job), opts).context("creating the stats group")?;
     let mut cfg = EngineConfig::new(strategy, OptimizerConfig::AdamW(AdamW { lr: args.lr, ..AdamW::default() }));
     cfg.seed = args.seed;
     cfg.clip_grad_norm = (args.clip > 0.0).then_some(args.clip);
@@ -441,14 +452,23 @@ fn run() -> anyhow::Result<()> {
         (Resume::Auto, Some(d)) => match rsrun_training_engine::checkpoint::latest(d) {
             Ok(_) => Some(d.clone()),
             Err(rsrun_training_engine::checkpoint::CheckpointError::NotFound(_)) => None,
-            Err(e) => return Err(e).with_context(|| format!("--resume auto in {}", d.display())),
+            Err(e) => {
+                // Said to the other ranks first (they would only see this rank go), then here.
+                let mut failed = [0f32, 0.0, 1.0];
+                let _ = stats_pg.all_reduce(&mut failed, rsrun_training_engine::comm::ReduceOp::Sum);
+                return Err(e).with_context(|| format!("--resume auto in {}", d.display()));
+            }
         },
         _ => None,
     };
     // Every rank must take the same decision: a checkpoint directory on node-local disks lets
     // rank 0 resume while the others start afresh, and their collectives no longer pair.
-    let mut found = [f32::from(u8::from(resume_from.is_some())), f32::from(u8::from(resume_from.is_none()))];
+    let mut found = [f32::from(u8::from(resume_from.is_some())), f32::from(u8::from(resume_from.is_none())), 0.0];
     stats_pg.all_reduce(&mut found, rsrun_training_engine::comm::ReduceOp::Sum)?;
+    if found[2] > 0.0 {
+        let dir = args.checkpoint_dir.as_deref().map_or_else(|| args.resume.clone(), |d| d.display().to_string());
+        return Err(BadInput(format!("{dir}: {} of {world} ranks cannot read its latest checkpoint (--resume auto): see their errors", found[2])).into());
+    }
     if found[0] > 0.0 && found[1] > 0.0 {
         let dir = args.checkpoint_dir.as_deref().map_or_else(|| args.resume.clone(), |d| d.display().to_string());
         return Err(BadInput(format!(
@@ -593,8 +613,8 @@ fn run() -> anyhow::Result<()> {
             let elapsed = started.elapsed();
             let eta = elapsed.mul_f64((args.steps - step - 1) as f64 / (step + 1 - start) as f64);
             let mem = rss_all.iter().map(|m| format!("{m:.0}")).collect::<Vec<_>>().join("/");
-            if let Some(m) = metrics.as_mut() {
-                writeln!(
+            if let Some(m) = metrics.as_mut()
+                && let Err(e) = writeln!(
                     m,
                     "{{\"step\":{},\"loss\":{loss_json},\"lr\":{},\"step_ms\":{:.3},\"tok_per_s\":{tok_s:.1},\"grad_norm\":{},\"rss_mib\":[{mem_json}]}}",
                     step + 1,
@@ -603,7 +623,12 @@ fn run() -> anyhow::Result<()> {
                     // JSON has no NaN or infinity: an overflowing norm is null.
                     out.grad_norm.filter(|g| g.is_finite()).map_or("null".to_string(), |g| format!("{g}")),
                     mem_json = rss_all.iter().map(|m| format!("{m:.1}")).collect::<Vec<_>>().join(",")
-                )?;
+                )
+            {
+                // Metrics are a record, not the run: a full disk there must not stop training
+                // (nor the checkpoint a preemption asked for).
+                eprintln!("train: warning: metrics.jsonl is not written any more: {e}");
+                metrics = None;
             }
             if json {
                 println!(
@@ -625,13 +650,33 @@ fn run() -> anyhow::Result<()> {
                 eprintln!("train: checkpoint of step {done} on SIGUSR1/SIGUSR2");
             }
             if every || done == args.steps || save_requested {
-                if let Some(m) = metrics.as_mut() {
-                    m.flush()?;
+                if let Some(m) = metrics.as_mut()
+                    && let Err(e) = m.flush()
+                {
+                    eprintln!("train: warning: metrics.jsonl is not written any more: {e}");
+                    metrics = None;
                 }
                 let progress = Progress { data_position: done, epoch: sampler.epoch_of(done), rng_state: identity.encode() };
-                let dir = engine
-                    .save_checkpoint(root, &progress, args.keep_checkpoints)
-                    .with_context(|| format!("saving the checkpoint of step {done} under {}", root.display()))?;
+                // A save of gigabytes (and the other ranks' wait for it) is no hang: the
+                // heartbeat of --hang-timeout goes on meanwhile.
+                let saving = std::sync::atomic::AtomicBool::new(true);
+                let saved = std::thread::scope(|s| {
+                    let beat = place.ctx.as_ref().map(|ctx| {
+                        s.spawn(|| {
+                            while saving.load(std::sync::atomic::Ordering::Relaxed) {
+                                ctx.progress(done);
+                                std::thread::park_timeout(Duration::from_secs(1));
+                            }
+                        })
+                    });
+                    let saved = engine.save_checkpoint(root, &progress, args.keep_checkpoints);
+                    saving.store(false, std::sync::atomic::Ordering::Relaxed);
+                    if let Some(beat) = &beat {
+                        beat.thread().unpark();
+                    }
+                    saved
+                });
+                let dir = saved.with_context(|| format!("saving the checkpoint of step {done} under {}", root.display()))?;
                 if view.as_ref().is_some_and(|v| !matches!(v, ProgressView::Bar(_))) {
                     println!("checkpoint: {}", dir.display());
                 }
@@ -659,7 +704,11 @@ fn run() -> anyhow::Result<()> {
         }
         let svg = plot::loss_svg(&format!("train: {} world {world}, {} steps", strategy.name(), args.steps), &losses);
         let svg_path = run_dir.join("loss.svg");
-        std::fs::write(&svg_path, svg).with_context(|| format!("cannot write {}", svg_path.display()))?;
+        // Replaced whole: a kill while it is written leaves the previous plot, not half of one.
+        let tmp = run_dir.join(format!(".loss.svg.{}", std::process::id()));
+        std::fs::write(&tmp, svg)
+            .and_then(|()| std::fs::rename(&tmp, &svg_path))
+            .with_context(|| format!("cannot write {}", svg_path.display()))?;
         let mut sorted = step_ms.clone();
         sorted.sort_by(f64::total_cmp);
         let median = sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN);
@@ -733,7 +782,11 @@ fn restart_count() -> u64 {
 /// Creates `dir` if needed and checks that a file can be written in it (a bad flag otherwise).
 fn check_writable_dir(dir: &std::path::Path, flag: &str) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir).map_err(|e| BadInput(format!("{flag} {}: cannot create directory: {e}", dir.display())))?;
-    let probe = dir.join(format!(".rsrun-write-test-{}", std::process::id()));
+    // Unique among the ranks of every host sharing the directory (pods in pid namespaces of
+    // their own share pids): the rank and the time too.
+    let rank = std::env::var("RANK").unwrap_or_default();
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+    let probe = dir.join(format!(".rsrun-write-test-{rank}-{}-{nanos:x}", std::process::id()));
     std::fs::write(&probe, b"ok").map_err(|e| BadInput(format!("{flag} {}: directory is not writable: {e}", dir.display())))?;
     let _ = std::fs::remove_file(&probe);
     Ok(())
