@@ -108,6 +108,21 @@ pub fn select_port(env: &HashMap<String, String>) -> Result<(u16, Source), PlanE
     Ok((port, Source::Derived("61000 + (SLURM_JOB_ID*32 + SLURM_STEP_ID) mod 4536".into())))
 }
 
+/// How many ports past the first a taken port may be probed within `SLURM_STEP_RESV_PORTS`: the
+/// rest of its range (at most [`PORT_PROBE`]), none for a list or a single port. `None` without a
+/// reservation. The ports past a reservation are another step's.
+fn reserved_probe(env: &HashMap<String, String>) -> Option<u16> {
+    let ports = env.get("SLURM_STEP_RESV_PORTS").map(|s| s.trim()).filter(|s| !s.is_empty())?;
+    let span = match ports.split_once('-') {
+        Some((a, b)) if !ports.contains(',') => match (a.trim().parse::<u16>(), b.trim().parse::<u16>()) {
+            (Ok(a), Ok(b)) => b.saturating_sub(a),
+            _ => 0,
+        },
+        _ => 0,
+    };
+    Some(span.min(PORT_PROBE))
+}
+
 /// The run id: `slurm-<JOB_ID>.<STEP_ID>.r<SLURM_RESTART_COUNT>` (`<ARRAY_JOB_ID>_<ARRAY_TASK_ID>`
 /// for array jobs).
 pub fn run_id(env: &HashMap<String, String>) -> String {
@@ -293,7 +308,7 @@ pub fn detect(args: &LaunchArgs, host: &HostInfo, table_given: bool, notes: &mut
     } else {
         let (port, port_source) = select_port(&host.env)?;
         c.sources.push(Sourced::new("rendezvous port", port, port_source));
-        c.port_probe = PORT_PROBE;
+        c.port_probe = reserved_probe(&host.env).unwrap_or(PORT_PROBE);
         match &master_addr {
             Some(a) => (Endpoint { host: a.clone(), port }, Source::Flag("--master-addr".into()), false),
             None => (

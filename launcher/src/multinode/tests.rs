@@ -270,8 +270,13 @@ fn slurm_mode_b_gpu_bind_follows_slurm_localid() {
 fn slurm_ports_are_probed_unless_typed() {
     assert_eq!(plan(&["true"], &env_ref(&slurm_a("1", "gpu02"))).unwrap().port_probe, slurm::PORT_PROBE);
     assert_eq!(plan(&["true"], &env_ref(&slurm_b(2))).unwrap().port_probe, slurm::PORT_PROBE);
+    // A reservation is probed within itself only: the ports past it are another step's.
     let env = with(slurm_a("1", "gpu02"), "SLURM_STEP_RESV_PORTS", "12000-12003");
+    assert_eq!(plan(&["true"], &env_ref(&env)).unwrap().port_probe, 3);
+    let env = with(slurm_a("1", "gpu02"), "SLURM_STEP_RESV_PORTS", "12000-12099");
     assert_eq!(plan(&["true"], &env_ref(&env)).unwrap().port_probe, slurm::PORT_PROBE);
+    let env = with(slurm_a("1", "gpu02"), "SLURM_STEP_RESV_PORTS", "12000,12007");
+    assert_eq!(plan(&["true"], &env_ref(&env)).unwrap().port_probe, 0);
     let typed = plan(&["--rdzv-endpoint", "gpu01:29400", "true"], &env_ref(&slurm_a("1", "gpu02"))).unwrap();
     assert_eq!(typed.port_probe, 0);
     let typed = plan(&["--master-port", "29500", "true"], &env_ref(&slurm_b(2))).unwrap();
