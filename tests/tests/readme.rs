@@ -684,6 +684,17 @@ fn performance_against_pytorch() {
         r.sort_by(f64::total_cmp);
         assert!((number(l, "frac") - r[2]).abs() < 0.006, "frac is the median round: {l}");
     }
+    // `--isa avx2`, as the README shows it inline: both sides at AVX2+FMA (on an AVX2-only CPU
+    // the same as without it), one round of 4 steps.
+    let cmd = readme(BENCH).replace(" 30", " --isa avx2 4");
+    assert!(cmd.starts_with("scripts/bench-vs-torch.sh --isa avx2 4"), "{cmd}");
+    let mut c = shell(&workspace(), &cmd);
+    c.env("RSRUN_BENCH_PYTHON", &py).env("RSRUN_BENCH_ROUNDS", "1");
+    let out = run_all(vec![c], Duration::from_secs(1800)).remove(0);
+    let all = text(&out);
+    assert_eq!(code(&out.status), 0, "{all}");
+    let engine = all.lines().find(|l| l.starts_with("summary: single_tok_ratio_vs_torch=")).unwrap_or_else(|| panic!("{all}"));
+    assert!(engine.ends_with(" isa=avx2") && number(engine, "single_tok_ratio_vs_torch") > 0.0, "{engine}");
 }
 
 #[test]
@@ -806,6 +817,17 @@ fn engine_and_collective_benchmarks_alone() {
     for op in ["all_reduce", "reduce_scatter", "all_gather"] {
         let seen = all.lines().any(|l| l.contains(&format!("op={op} backend=shm ")) && l.contains(" world=2 bytes=67108864 "));
         assert!(seen, "{op}: {all}");
+    }
+    // The TCP backend's all_reduce, as the README shows it inline (`--backends tcp`, and with
+    // `--ops all_reduce` and RSRUN_HUGE_PAGES=0 where the huge-page allocator is compared).
+    for env in ["", "RSRUN_HUGE_PAGES=0 "] {
+        let cmd = format!("{env}{}", readme(COLLECTIVES).replace("--backends shm", "--backends tcp --ops all_reduce"));
+        let tcp = run_all(vec![shell(&workspace(), &cmd)], RUN_DEADLINE * 3).remove(0);
+        let all = text(&tcp);
+        assert_eq!(code(&tcp.status), 0, "{cmd}\n{all}");
+        assert!(all.lines().any(|l| l.contains("op=all_reduce backend=tcp ") && l.contains(" world=2 bytes=67108864 ")), "{cmd}\n{all}");
+        let line = summaries(&tcp).pop().unwrap();
+        assert!(number(&line, "tcp_frac_of_loopback") > 0.0, "{line}");
     }
 }
 
