@@ -161,15 +161,25 @@ where
         // The first failure is reported the moment it is seen, while the group is stopped: the
         // node where the job's failure began must not lose the race to a peer whose workers fail
         // in the cascade (a collective's broken connection) and that stops its group faster, or
-        // every node would name the peer's failure as the job's root cause. The full report
-        // below follows it (the service takes it as this node's refinement, or answers with the
-        // decision already made), never overtakes it: an early report still on its way when the
-        // group ends is waited for first (a stop signal cuts that wait short).
+        // every node would name the peer's failure as the job's root cause. It carries the
+        // worker's error file (written before it exited) and the stderr read so far. Its decision
+        // stands; when this node's failure failed the job, the full report below refines the
+        // root cause (the service takes it as this node's refinement). An early report still on
+        // its way when the group ends is waited for (a stop signal cuts that wait short): the
+        // full report never overtakes it.
         let mut early = Box::pin(async {
-            if let Some(first) = first_rx.recv().await {
-                rdzv.report_failure(&assignment, &first, false).await;
+            let mut first = first_rx.recv().await?;
+            if first.error.is_none()
+                && let Some(path) = first.error_file.clone()
+            {
+                // The worker controls the file and it may be on a network file system: read on
+                // a blocking thread, for a second at most.
+                let read = tokio::task::spawn_blocking(move || crate::report::read_error_file(&path));
+                first.error = tokio::time::timeout(EARLY_ERROR_FILE_WAIT, read).await.ok().and_then(Result::ok).flatten();
             }
+            Some(rdzv.report_failure(&assignment, &first, false).await)
         });
+        let mut early_decision: Option<Decision> = None;
         let mut early_done = false;
         let outcome = {
             let group = run_group(&ctx, &mut cx.signals, round_end, &cx.shutdown);
@@ -177,16 +187,23 @@ where
             loop {
                 tokio::select! {
                     outcome = &mut group => break outcome,
-                    () = &mut early, if !early_done => early_done = true,
+                    decision = &mut early, if !early_done => {
+                        early_done = true;
+                        early_decision = decision;
+                    }
                 }
             }
         };
         // No failure comes any more: a report that never started ends at once.
         drop(first_tx);
-        if early_done {
+        if early_done || matches!(outcome, GroupOutcome::Signalled(_)) {
+            // A stop signal ended the round: rsrun leaves at once, not after the report.
             drop(early);
-        } else if let Err(stop) = interruptible(&cx.shutdown, &mut cx.signals, early).await {
-            return Ok(leave_on(rdzv, stop).await);
+        } else {
+            match interruptible(&cx.shutdown, &mut cx.signals, early).await {
+                Err(stop) => return Ok(leave_on(rdzv, stop).await),
+                Ok(decision) => early_decision = decision,
+            }
         }
         match outcome {
             // The exit barrier may last --exit-barrier-timeout: a stop signal or shutdown ends it.
@@ -201,7 +218,20 @@ where
             },
             GroupOutcome::Failed { root, others, hang } => {
                 // Retries while the service is unreachable (up to the RPC deadline): interruptible too.
-                let decision = interruptible(&cx.shutdown, &mut cx.signals, rdzv.report_failure(&assignment, &root, hang)).await;
+                let decision = match early_decision {
+                    // Decided by the early report: a restart (the round is over: a full report
+                    // would only hear "stale round"), or another node's failure failed the job.
+                    Some(d @ (Decision::Restart | Decision::Failed { remote_root: Some(_), .. })) => Ok(d),
+                    // This node's failure failed the job (or the early report could not be
+                    // sent): the full report refines its root cause (or decides); what the early
+                    // report got stands if the service cannot be told.
+                    Some(early @ Decision::Failed { remote_root: None, .. }) => {
+                        interruptible(&cx.shutdown, &mut cx.signals, rdzv.refine_failure(&assignment, &root, hang))
+                            .await
+                            .map(|answered| answered.unwrap_or(early))
+                    }
+                    None => interruptible(&cx.shutdown, &mut cx.signals, rdzv.report_failure(&assignment, &root, hang)).await,
+                };
                 match decision {
                     Err(stop) => return Ok(leave_on(rdzv, stop).await),
                     Ok(Decision::Restart) => {
@@ -273,6 +303,9 @@ where
         }
     }
 }
+
+/// How long the early failure report waits for the worker's error file.
+const EARLY_ERROR_FILE_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Why a wait was cut short.
 enum Stop {

@@ -479,8 +479,17 @@ impl DaemonRdzv {
         })
     }
 
-    /// Reports a local failure; RESTART or FAILED comes back.
+    /// Reports a local failure; RESTART or FAILED comes back (FAILED, saying so, when the service
+    /// cannot be told).
     pub(crate) async fn report_failure(&mut self, a: &RoundAssignment, root: &WorkerFailure, hang: bool) -> Decision {
+        match self.try_report_failure(a, root, hang).await {
+            Ok(d) => d,
+            Err(err) => Decision::Failed { remote_root: None, reason: format!("cannot report the failure to the rendezvous: {err}") },
+        }
+    }
+
+    /// [`DaemonRdzv::report_failure`], with the error when the service did not answer.
+    pub(crate) async fn try_report_failure(&mut self, a: &RoundAssignment, root: &WorkerFailure, hang: bool) -> Result<Decision, RdzvError> {
         let (exit_code, signal) = match &root.exit {
             ExitKind::Code(c) => (*c, 0),
             ExitKind::Signal(s) => (128 + s, *s),
@@ -509,7 +518,7 @@ impl DaemonRdzv {
             hostname: root.hostname.clone(),
         };
         match self.client.report_failure(&self.job, a.round, &self.node, info, true).await {
-            Ok(resp) => match resp.decision() {
+            Ok(resp) => Ok(match resp.decision() {
                 proto::FailureDecision::Restart => Decision::Restart,
                 _ => {
                     let view = resp.view.unwrap_or_default();
@@ -520,22 +529,19 @@ impl DaemonRdzv {
                         .map(|rc| Box::new(failure_from_proto(rc)));
                     Decision::Failed { remote_root, reason: nonempty(view.reason, "the job failed") }
                 }
-            },
+            }),
             // The round ended before our report (a peer's failure or a membership change): re-join.
-            Err(RdzvError::FailedPrecondition(msg)) if msg.contains("stale round") => Decision::Restart,
+            Err(RdzvError::FailedPrecondition(msg)) if msg.contains("stale round") => Ok(Decision::Restart),
             // Another node's failure failed the job first (the usual cascade: its peers' collectives
             // fail too): the job's recorded root cause is every node's, as `finish` reports it.
-            Err(err) if job_ended(&err, &self.job) == Some(Ended::Failed) => match self.failed_view().await {
+            Err(err) if job_ended(&err, &self.job) == Some(Ended::Failed) => Ok(match self.failed_view().await {
                 Some(v) => Decision::Failed {
                     remote_root: v.root_cause.as_ref().map(|rc| Box::new(failure_from_proto(rc))),
                     reason: nonempty(v.reason, "the job failed"),
                 },
                 None => Decision::Failed { remote_root: None, reason: err.to_string() },
-            },
-            Err(err) => Decision::Failed {
-                remote_root: None,
-                reason: format!("cannot report the failure to the rendezvous: {err}"),
-            },
+            }),
+            Err(err) => Err(err),
         }
     }
 

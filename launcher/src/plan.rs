@@ -314,10 +314,16 @@ fn default_log_dir(host: &HostInfo, notes: &mut Vec<String>) -> Result<PathBuf, 
     // SAFETY: getuid(2) cannot fail and touches no memory.
     let uid = unsafe { libc::getuid() };
     let base = PathBuf::from(host.var("TMPDIR").filter(|t| t.starts_with('/')).unwrap_or("/tmp")).join(format!("rsrun-{uid}"));
-    let ours = match std::fs::symlink_metadata(&base) {
-        Ok(m) => m.is_dir() && std::os::unix::fs::MetadataExt::uid(&m) == uid,
-        Err(_) => true,
-    };
+    // Made now, this user's only (0700), and checked after: in a shared /tmp another user could
+    // otherwise plant it (or a link by its name) before the first worker's logs go there.
+    {
+        use std::os::unix::fs::DirBuilderExt;
+        let _ = std::fs::DirBuilder::new().mode(0o700).create(&base);
+    }
+    let ours = std::fs::symlink_metadata(&base).is_ok_and(|m| {
+        use std::os::unix::fs::{MetadataExt, PermissionsExt};
+        m.is_dir() && m.uid() == uid && m.permissions().mode() & 0o077 == 0
+    });
     let tmp = base.join("logs");
     if !ours || check_log_dir(&tmp, false).is_err() {
         return Err(e);
@@ -676,23 +682,20 @@ fn check_prefix(template: &str, flag: &'static str) -> Result<(), PlanError> {
             rest = r;
             continue;
         }
-        let (name, r) = match after.strip_prefix('{') {
-            Some(b) => {
-                let Some(end) = b.find('}') else {
-                    return Err(invalid(flag, template, "a template with ${...} macros closed by '}'"));
-                };
-                (&b[..end], &b[end + 1..])
-            }
-            None => {
-                let len = after.find(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).unwrap_or(after.len());
-                (&after[..len], &after[len..])
-            }
+        // `${name}` must name a macro; a bare `$name` that names none stays as written (torchrun's
+        // safe_substitute: `$HOME`, `$5`).
+        let Some(b) = after.strip_prefix('{') else {
+            rest = after;
+            continue;
         };
-        // A `$` before no name is text, as in torchrun; a name that is no macro is a mistake.
-        if !name.is_empty() && !PREFIX_MACROS.contains(&name) {
+        let Some(end) = b.find('}') else {
+            return Err(invalid(flag, template, "a template with ${...} macros closed by '}'"));
+        };
+        let name = &b[..end];
+        if !PREFIX_MACROS.contains(&name) {
             return Err(invalid(flag, template, format!("macros among ${{{}}} (or $name; $$ for a $)", PREFIX_MACROS.join("}, ${"))));
         }
-        rest = r;
+        rest = &b[end + 1..];
     }
     Ok(())
 }

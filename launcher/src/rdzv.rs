@@ -98,6 +98,13 @@ impl Rendezvous {
         self.0.report_failure(a, root, hang).await
     }
 
+    /// Reports a local worker failure again, in full, after an early report of it failed the job
+    /// (the service takes it as a refinement of the job's root cause). `None` when the service
+    /// did not answer.
+    pub async fn refine_failure(&mut self, a: &RoundAssignment, root: &WorkerFailure, hang: bool) -> Option<Decision> {
+        self.0.try_report_failure(a, root, hang).await.ok()
+    }
+
     /// This node's workers succeeded: tell the rendezvous and wait at the exit barrier for the job to
     /// complete (or fail, or start a new round that this node must join again).
     pub async fn finish(&mut self, plan: &LaunchPlan, a: &RoundAssignment, console: &ConsoleTx) -> RoundEnd {

@@ -267,7 +267,8 @@ pub const BLOCKING_SLACK: Duration = Duration::from_secs(5);
 pub const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
 
 /// With several daemons, the slack one attempt gets past its wait: a third of the call timeout,
-/// at least 2 s (10 s by default), so a hung daemon leaves two more tries within the call.
+/// at least 2 s (10 s by default), so a hung daemon leaves two more tries within the call. (A
+/// blocking call's own slack is shorter: there HTTP/2 keep-alive ends a dead connection.)
 fn attempt_slack(rpc_timeout: Duration) -> Duration {
     (rpc_timeout / 3).max(Duration::from_secs(2))
 }

@@ -693,7 +693,8 @@ impl Job {
         if !matches!(self.phase, Phase::Failed { .. }) || round != self.round {
             return None;
         }
-        let root = self.root_cause.as_mut().filter(|r| r.round == round && r.node_id == node)?;
+        // A worker's failure only: a job failed by FailJob keeps that node's reason.
+        let root = self.root_cause.as_mut().filter(|r| r.round == round && r.node_id == node && r.rank >= 0)?;
         let mut refined = failure.clone();
         refined.round = round;
         refined.node_id = node.to_owned();
@@ -796,18 +797,18 @@ impl Job {
         }
     }
 
-    /// How many answers `dedup` keeps: [`MAX_DEDUP`], or twice the most callers one step of the
-    /// job can have in flight at once (its world, its largest barrier) when that is more. Every
-    /// rank of a 10,000-rank job arrives at a barrier with a request id of its own: a window of
-    /// 8,192 had forgotten the first arrivals' ids by the time they retried (a service restart
-    /// mid-barrier), and their retries arrived a second time, at the next generation.
+    /// How many answers `dedup` keeps: [`MAX_DEDUP`], or twice the running round's world when
+    /// that is more (every rank may have a call in flight at once). Every rank of a 10,000-rank
+    /// job arrives at a barrier with a request id of its own: a window of 8,192 had forgotten
+    /// the first arrivals' ids by the time they retried (a service restart mid-barrier), and
+    /// their retries arrived a second time, at the next generation. Bounded by the world the
+    /// nodes declared (not by a barrier's participant count, which any caller names).
     fn dedup_window(&self) -> usize {
         let world = match &self.phase {
             Phase::Running { world_size, .. } => *world_size as usize,
             _ => 0,
         };
-        let barrier = self.barriers.values().map(|b| b.participants as usize).max().unwrap_or(0);
-        MAX_DEDUP.max(world.max(barrier).saturating_mul(2))
+        MAX_DEDUP.max(world.saturating_mul(2))
     }
 
     fn recall(&self, request_id: &str) -> Option<&Dedup> {

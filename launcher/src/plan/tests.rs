@@ -281,7 +281,10 @@ fn logs_and_filters() {
     // torchrun's string.Template: $name too, $$ is $, a lone $ stays.
     let p = resolve(&["--log-line-prefix-template", "[$rank/$local_rank] $$ $ ${role_name}x", "true"]).unwrap();
     assert_eq!(expand_prefix(&p.logs.prefix, &[("rank", "3"), ("local_rank", "1"), ("role_name", "w")]), "[3/1] $ $ wx");
-    assert!(err(&["--log-prefix", "$nope ", "true"]).contains("$name; $$ for a $"));
+    assert!(err(&["--log-prefix", "${nope} ", "true"]).contains("$name; $$ for a $"));
+    // A bare name that is no macro stays, as torchrun's safe_substitute leaves it.
+    let p = resolve(&["--log-prefix", "$HOME $5 $rank| ", "true"]).unwrap();
+    assert_eq!(expand_prefix(&p.logs.prefix, &[("rank", "3")]), "$HOME $5 3| ");
     assert_eq!(split_escaped("a,,b,c"), vec!["a,b", "c"]);
 }
 
@@ -513,9 +516,17 @@ fn a_log_dir_that_cannot_be_one_is_a_plan_error() {
     assert!(p.notes.iter().any(|n| n.contains("cannot hold the logs") && n.contains("afile is not a directory")), "{:?}", p.notes);
     let e = LaunchPlan::resolve(&parse(&["--log-dir", "logs", "true"]), &h).unwrap_err().to_string();
     assert!(e.contains("for --log-dir") && e.contains("afile is not a directory"), "{e}");
-    // Not into an rsrun-UID that is a symbolic link (someone else's, in a shared /tmp).
+    // Made now, this user's only.
+    let base = want.parent().unwrap();
+    assert_eq!(std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(base).unwrap().permissions()) & 0o777, 0o700);
+    // Not into an rsrun-UID that others may write, or that is a symbolic link (someone else's,
+    // in a shared /tmp).
+    std::fs::set_permissions(base, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    let e = LaunchPlan::resolve(&parse(&["true"]), &h).unwrap_err().to_string();
+    assert!(e.contains("(the default; give --log-dir DIR"), "{e}");
+    std::fs::remove_dir_all(base).unwrap();
     let other = tempfile::tempdir().unwrap();
-    std::os::unix::fs::symlink(other.path(), want.parent().unwrap()).unwrap();
+    std::os::unix::fs::symlink(other.path(), base).unwrap();
     let e = LaunchPlan::resolve(&parse(&["true"]), &h).unwrap_err().to_string();
     assert!(e.contains("(the default; give --log-dir DIR"), "{e}");
 }

@@ -456,6 +456,12 @@ fn fail_job_is_fail_fast_from_any_node() {
     w.apply(Command::FailJob { job: "job".into(), node: "b".into(), reason: "out of memory".into() }).unwrap();
     assert_eq!(w.state_name(), pb::JobState::Failed);
     assert!(w.job().reason.contains("out of memory"));
+    // A worker failure that node reports afterwards does not replace the reason it failed the
+    // job with: only a worker's failure is refined.
+    let f = Failure { node_id: "b".into(), round: 1, rank: 1, local_rank: 0, exit_code: 1, signal: 0, message: String::new(), time_unix_ms: 0, hostname: String::new() };
+    let e = w.apply(Command::ReportFailure { job: "job".into(), round: 1, node: "b".into(), failure: f, restartable: true }).unwrap_err();
+    assert!(matches!(e, RdzvError::JobEnded { .. }), "{e}");
+    assert!(w.job().reason.contains("out of memory"));
 }
 
 #[test]
@@ -608,8 +614,13 @@ fn barrier_releases_once_per_generation() {
 /// is answered from memory, not counted again at the next generation.
 #[test]
 fn a_wide_barriers_first_arrivals_are_remembered_past_the_base_window() {
-    let mut w = World::new(1, 1, 0);
-    w.join("a").unwrap();
+    // A 10,000-rank round: three nodes of 4,000, 4,000 and 2,000 workers.
+    let mut w = World::new(3, 3, 0);
+    w.join_with("a", 4000, None).unwrap();
+    w.join_with("b", 4000, None).unwrap();
+    w.join_with("c", 2000, None).unwrap();
+    w.advance(LAST_CALL + 1);
+    assert_eq!(w.state_name(), pb::JobState::Running);
     let n = 10_000u32;
     let arrive = |m: u32| Command::BarrierArrive {
         scope: scope(1),

@@ -359,7 +359,11 @@ impl StoreState {
         self.drop_waits(conn);
         let mut woken = Vec::new();
         for key in self.queue_woken.remove(&conn).unwrap_or_default() {
-            if self.queues.contains_key(&key) {
+            // Only for an item no other woken connection is on its way to: a client that was not
+            // waiting may have popped this one's item meanwhile.
+            let items = self.queues.get(&key).map_or(0, VecDeque::len);
+            let on_their_way: usize = self.queue_woken.values().map(|ks| ks.iter().filter(|k| **k == key).count()).sum();
+            if items > on_their_way {
                 self.wake_one(&key, &mut woken);
             }
         }

@@ -431,6 +431,7 @@ impl ProcessGroup {
     /// Runs `f` with every operation of this group bounded by `timeout` (capped as the group's) instead of
     /// the group's own: an agreement that waits while one rank writes a checkpoint of gigabytes
     /// must not fail the group at the ordinary deadline. A peer that dies is still seen at once.
+    /// One scope at a time per group (the previous bound comes back when `f` returns).
     pub fn with_op_timeout<R>(&self, timeout: Duration, f: impl FnOnce() -> R) -> R {
         struct Restore<'a>(&'a Inner, Option<Duration>);
         impl Drop for Restore<'_> {

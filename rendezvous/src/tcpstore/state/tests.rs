@@ -267,6 +267,16 @@ fn a_connection_that_leaves_before_its_pop_hands_the_wake_up_on() {
     ok(&mut s, ConnId(3), Request::QueuePop { key: k("q") });
     assert!(s.disconnect(ConnId(4)).is_empty());
     assert_eq!(s.stats().n_waits, 1, "{fourth:?} still waits");
+    // One item, two woken for it in turn (the first went away): when the first's item was taken
+    // by a client that did not wait, the second's own wake-up is not handed on again.
+    let mut s = store();
+    let a = pending(&mut s, A, wait(&["q"]));
+    let b = pending(&mut s, B, wait(&["q"]));
+    let _c = pending(&mut s, ConnId(6), wait(&["q"]));
+    assert_eq!(ok(&mut s, ConnId(3), Request::QueuePush { key: k("q"), value: k("1") }).woken, vec![a]);
+    assert_eq!(ok(&mut s, ConnId(3), Request::QueuePush { key: k("q"), value: k("2") }).woken, vec![b]);
+    ok(&mut s, ConnId(7), Request::QueuePop { key: k("q") });
+    assert!(s.disconnect(A).is_empty(), "one item left, and B is on its way to it");
 }
 
 #[test]
