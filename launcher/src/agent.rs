@@ -220,12 +220,13 @@ where
                 // Retries while the service is unreachable (up to the RPC deadline): interruptible too.
                 let decision = match early_decision {
                     // Decided by the early report: a restart (the round is over: a full report
-                    // would only hear "stale round"), or another node's failure failed the job.
-                    Some(d @ (Decision::Restart | Decision::Failed { remote_root: Some(_), .. })) => Ok(d),
-                    // This node's failure failed the job (or the early report could not be
-                    // sent): the full report refines its root cause (or decides); what the early
+                    // would only hear "stale round").
+                    Some(Decision::Restart) => Ok(Decision::Restart),
+                    // The job failed (or the early report could not be sent): the full report
+                    // refines this node's root cause, or reads the job's as it is now (the root
+                    // node's refinement may have come meanwhile), or decides; what the early
                     // report got stands if the service cannot be told.
-                    Some(early @ Decision::Failed { remote_root: None, .. }) => {
+                    Some(early @ Decision::Failed { .. }) => {
                         interruptible(&cx.shutdown, &mut cx.signals, rdzv.refine_failure(&assignment, &root, hang))
                             .await
                             .map(|answered| answered.unwrap_or(early))

@@ -320,10 +320,16 @@ fn default_log_dir(host: &HostInfo, notes: &mut Vec<String>) -> Result<PathBuf, 
         use std::os::unix::fs::DirBuilderExt;
         let _ = std::fs::DirBuilder::new().mode(0o700).create(&base);
     }
-    let ours = std::fs::symlink_metadata(&base).is_ok_and(|m| {
-        use std::os::unix::fs::{MetadataExt, PermissionsExt};
-        m.is_dir() && m.uid() == uid && m.permissions().mode() & 0o077 == 0
-    });
+    let own_dir = |m: &std::fs::Metadata| m.is_dir() && std::os::unix::fs::MetadataExt::uid(m) == uid;
+    // An own directory an earlier rsrun made with the umask's mode (0755) is closed up first.
+    if let Ok(m) = std::fs::symlink_metadata(&base)
+        && own_dir(&m)
+        && std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o077 != 0
+    {
+        let _ = std::fs::set_permissions(&base, std::os::unix::fs::PermissionsExt::from_mode(0o700));
+    }
+    let ours = std::fs::symlink_metadata(&base)
+        .is_ok_and(|m| own_dir(&m) && std::os::unix::fs::PermissionsExt::mode(&m.permissions()) & 0o077 == 0);
     let tmp = base.join("logs");
     if !ours || check_log_dir(&tmp, false).is_err() {
         return Err(e);

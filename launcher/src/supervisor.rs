@@ -424,6 +424,11 @@ impl<'a> Group<'a> {
                         self.state = WorkerGroupState::Unhealthy;
                         let ranks: Vec<u32> = stalled.iter().map(|&i| self.slots[i].rank).collect();
                         info!(?ranks, "no progress: worker group UNHEALTHY");
+                        // A hang too is reported at once: the peers' collectives break as soon as
+                        // these workers are stopped, and their failures must not come first.
+                        if let (Some(tx), Some(&first)) = (self.ctx.first_failure, stalled.first()) {
+                            let _ = tx.send(self.build_failures(&[first], &stalled, Some(idle), &[]).0);
+                        }
                         self.stop(Signal::SIGTERM, grace, signals).await;
                         return self.after_stop(Ended::Failed { causes: stalled, hang_idle: Some(idle) });
                     }

@@ -694,7 +694,12 @@ fn performance_against_pytorch() {
     let all = text(&out);
     assert_eq!(code(&out.status), 0, "{all}");
     let engine = all.lines().find(|l| l.starts_with("summary: single_tok_ratio_vs_torch=")).unwrap_or_else(|| panic!("{all}"));
-    assert!(engine.ends_with(" isa=avx2") && number(engine, "single_tok_ratio_vs_torch") > 0.0, "{engine}");
+    assert!(number(engine, "single_tok_ratio_vs_torch") > 0.0, "{engine}");
+    // A CPU without AVX2+FMA runs the baseline kernels whatever is asked.
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    if cpuinfo.contains(" avx2") && cpuinfo.contains(" fma") {
+        assert!(engine.ends_with(" isa=avx2"), "{engine}");
+    }
 }
 
 #[test]

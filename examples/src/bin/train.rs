@@ -292,11 +292,15 @@ fn main() -> ExitCode {
     // Each rank's share of the cores for candle's rayon pool (read lazily, at its first use):
     // rsrun's OMP_NUM_THREADS=1 does not reach it, and every rank of a node would otherwise run
     // a thread per core (8 ranks on 64 cores: 512 threads). RAYON_NUM_THREADS, when set, wins.
+    // A rank bound to its own CPUs (--cpu-bind) has its share already.
     if std::env::var_os("RAYON_NUM_THREADS").is_none() {
         let cpus = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+        // SAFETY: sysconf reads a system value; it touches no memory of ours.
+        let online = usize::try_from(unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }).unwrap_or(cpus);
         let local = std::env::var("LOCAL_WORLD_SIZE").ok().and_then(|v| v.parse::<usize>().ok()).filter(|n| *n > 0).unwrap_or(1);
+        let share = if cpus < online { cpus } else { (cpus / local).max(1) };
         // SAFETY: set before any other thread of this process exists.
-        unsafe { std::env::set_var("RAYON_NUM_THREADS", (cpus / local).max(1).to_string()) };
+        unsafe { std::env::set_var("RAYON_NUM_THREADS", share.to_string()) };
     }
     match run() {
         Ok(()) => ExitCode::SUCCESS,
@@ -310,6 +314,18 @@ fn main() -> ExitCode {
             // Bad flags and inputs exit 2, like the launcher; failures while training exit 1.
             let bad_input = e.chain().any(|c| c.downcast_ref::<BadInput>().is_some());
             ExitCode::from(if bad_input { 2 } else { 1 })
+        }
+    }
+}
+
+/// Clears the flag and wakes the thread when dropped.
+struct StopOnDrop<'a>(&'a std::sync::atomic::AtomicBool, Option<std::thread::Thread>);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, std::sync::atomic::Ordering::Relaxed);
+        if let Some(t) = &self.1 {
+            t.unpark();
         }
     }
 }
@@ -518,6 +534,8 @@ fn run() -> anyhow::Result<()> {
     let n_params: usize = engine.layout().units.iter().map(|u| u.numel).sum();
 
     let mut metrics = None;
+    // Set once a write to metrics.jsonl failed (it is best effort from then on).
+    let mut metrics_lost = false;
     let mut losses = Vec::with_capacity(args.steps as usize);
     if rank == 0 {
         std::fs::create_dir_all(&run_dir).with_context(|| format!("cannot create run directory {}", run_dir.display()))?;
@@ -629,6 +647,7 @@ fn run() -> anyhow::Result<()> {
                 // (nor the checkpoint a preemption asked for).
                 eprintln!("train: warning: metrics.jsonl is not written any more: {e}");
                 metrics = None;
+                metrics_lost = true;
             }
             if json {
                 println!(
@@ -655,26 +674,28 @@ fn run() -> anyhow::Result<()> {
                 {
                     eprintln!("train: warning: metrics.jsonl is not written any more: {e}");
                     metrics = None;
+                    metrics_lost = true;
                 }
                 let progress = Progress { data_position: done, epoch: sampler.epoch_of(done), rng_state: identity.encode() };
                 // A save of gigabytes (and the other ranks' wait for it) is no hang: the
                 // heartbeat of --hang-timeout goes on meanwhile.
+                // For as long as the other ranks wait for the save at most (an hour): a save
+                // that never returns is still a hang.
                 let saving = std::sync::atomic::AtomicBool::new(true);
                 let saved = std::thread::scope(|s| {
                     let beat = place.ctx.as_ref().map(|ctx| {
                         s.spawn(|| {
-                            while saving.load(std::sync::atomic::Ordering::Relaxed) {
+                            let until = Instant::now() + Duration::from_secs(3600);
+                            while saving.load(std::sync::atomic::Ordering::Relaxed) && Instant::now() < until {
                                 ctx.progress(done);
                                 std::thread::park_timeout(Duration::from_secs(1));
                             }
                         })
                     });
-                    let saved = engine.save_checkpoint(root, &progress, args.keep_checkpoints);
-                    saving.store(false, std::sync::atomic::Ordering::Relaxed);
-                    if let Some(beat) = &beat {
-                        beat.thread().unpark();
-                    }
-                    saved
+                    // Stops the heartbeat however the save ends (a panic too: the scope waits for
+                    // the thread before the panic goes on).
+                    let _stop = StopOnDrop(&saving, beat.as_ref().map(|b| b.thread().clone()));
+                    engine.save_checkpoint(root, &progress, args.keep_checkpoints)
                 });
                 let dir = saved.with_context(|| format!("saving the checkpoint of step {done} under {}", root.display()))?;
                 if view.as_ref().is_some_and(|v| !matches!(v, ProgressView::Bar(_))) {
@@ -699,16 +720,21 @@ fn run() -> anyhow::Result<()> {
     let mut peak_all = vec![0f32; world];
     stats_pg.all_gather(&[peak as f32], &mut peak_all)?;
     if rank == 0 {
-        if let Some(mut m) = metrics.take() {
-            m.flush()?;
+        // The record of a finished run: a failure to write it is said, and the run still ends well.
+        if let Some(mut m) = metrics.take()
+            && let Err(e) = m.flush()
+        {
+            eprintln!("train: warning: metrics.jsonl is not written any more: {e}");
+            metrics_lost = true;
         }
         let svg = plot::loss_svg(&format!("train: {} world {world}, {} steps", strategy.name(), args.steps), &losses);
         let svg_path = run_dir.join("loss.svg");
         // Replaced whole: a kill while it is written leaves the previous plot, not half of one.
         let tmp = run_dir.join(format!(".loss.svg.{}", std::process::id()));
-        std::fs::write(&tmp, svg)
-            .and_then(|()| std::fs::rename(&tmp, &svg_path))
-            .with_context(|| format!("cannot write {}", svg_path.display()))?;
+        if let Err(e) = std::fs::write(&tmp, svg).and_then(|()| std::fs::rename(&tmp, &svg_path)) {
+            let _ = std::fs::remove_file(&tmp);
+            eprintln!("train: warning: cannot write {}: {e}", svg_path.display());
+        }
         let mut sorted = step_ms.clone();
         sorted.sort_by(f64::total_cmp);
         let median = sorted.get(sorted.len() / 2).copied().unwrap_or(f64::NAN);
@@ -723,7 +749,8 @@ fn run() -> anyhow::Result<()> {
             });
             println!("{done}");
         } else {
-            println!("metrics: {}", run_dir.join("metrics.jsonl").display());
+            let incomplete = if metrics_lost { " (incomplete: see the warning above)" } else { "" };
+            println!("metrics: {}{incomplete}", run_dir.join("metrics.jsonl").display());
             println!("loss curve: {}", svg_path.display());
         }
         // A run resumed at its last step trains nothing: no loss or rate to report.

@@ -519,11 +519,11 @@ fn a_log_dir_that_cannot_be_one_is_a_plan_error() {
     // Made now, this user's only.
     let base = want.parent().unwrap();
     assert_eq!(std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(base).unwrap().permissions()) & 0o777, 0o700);
-    // Not into an rsrun-UID that others may write, or that is a symbolic link (someone else's,
-    // in a shared /tmp).
-    std::fs::set_permissions(base, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
-    let e = LaunchPlan::resolve(&parse(&["true"]), &h).unwrap_err().to_string();
-    assert!(e.contains("(the default; give --log-dir DIR"), "{e}");
+    // One an earlier rsrun made with the umask's mode is closed up.
+    std::fs::set_permissions(base, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    LaunchPlan::resolve(&parse(&["true"]), &h).unwrap();
+    assert_eq!(std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(base).unwrap().permissions()) & 0o777, 0o700);
+    // Not into an rsrun-UID that is a symbolic link (someone else's, in a shared /tmp).
     std::fs::remove_dir_all(base).unwrap();
     let other = tempfile::tempdir().unwrap();
     std::os::unix::fs::symlink(other.path(), base).unwrap();

@@ -388,8 +388,7 @@ impl RemotePlan {
             }
             // A port or user of its own means an ssh server of its own (a container's sshd behind
             // this host's port 2222): connected to like any other host, not run here.
-            let own_user = h.user.as_deref().is_none_or(|u| host.env.get("USER").is_some_and(|me| me == u));
-            let local = is_local_host(h.target(), &host.hostname) && h.port.is_none() && own_user && !args.ssh_local;
+            let local = is_local_host(h.target(), &host.hostname) && h.port.is_none() && h.user.is_none() && !args.ssh_local;
             let argv = if local { local_argv(exe) } else { ssh_argv(&ssh, &h, &remote_rsrun) };
             let slots = h.slots;
             nodes.push(RemoteNode { host: h, node_rank: i as u32, rank_offset: offset, local, argv });

@@ -173,6 +173,13 @@ impl StoreState {
     /// SETs would).
     pub fn apply(&mut self, conn: ConnId, req: Request) -> Result<Applied, RdzvError> {
         let mut woken = Vec::new();
+        // A woken connection's next request is its pop (torch's queue_pop waits, then pops): any
+        // other request means it is not on its way to the item, whose wake-up goes on.
+        if !matches!(req, Request::QueuePop { .. })
+            && let Some(keys) = self.queue_woken.remove(&conn)
+        {
+            self.hand_on(keys, &mut woken);
+        }
         let reply = match req {
             Request::Validate { .. } => Reply::None,
             Request::Ping { nonce } => Reply::Bytes(nonce.to_le_bytes().to_vec()),
@@ -358,16 +365,23 @@ impl StoreState {
     pub fn disconnect(&mut self, conn: ConnId) -> Vec<WaitId> {
         self.drop_waits(conn);
         let mut woken = Vec::new();
-        for key in self.queue_woken.remove(&conn).unwrap_or_default() {
-            // Only for an item no other woken connection is on its way to: a client that was not
-            // waiting may have popped this one's item meanwhile.
+        if let Some(keys) = self.queue_woken.remove(&conn) {
+            self.hand_on(keys, &mut woken);
+        }
+        woken
+    }
+
+    /// Wakes another waiter for each queue in `keys` whose wake-up a connection will not use, if
+    /// an item is left that no woken connection is on its way to (a client that was not waiting
+    /// may have popped it meanwhile).
+    fn hand_on(&mut self, keys: VecDeque<Key>, woken: &mut Vec<WaitId>) {
+        for key in keys {
             let items = self.queues.get(&key).map_or(0, VecDeque::len);
             let on_their_way: usize = self.queue_woken.values().map(|ks| ks.iter().filter(|k| **k == key).count()).sum();
             if items > on_their_way {
-                self.wake_one(&key, &mut woken);
+                self.wake_one(&key, woken);
             }
         }
-        woken
     }
 
     /// A key counts as present for CHECK and WAIT if it is in the key-value namespace or names a

@@ -277,6 +277,14 @@ fn a_connection_that_leaves_before_its_pop_hands_the_wake_up_on() {
     assert_eq!(ok(&mut s, ConnId(3), Request::QueuePush { key: k("q"), value: k("2") }).woken, vec![b]);
     ok(&mut s, ConnId(7), Request::QueuePop { key: k("q") });
     assert!(s.disconnect(A).is_empty(), "one item left, and B is on its way to it");
+    // A woken connection whose next request is no pop is not on its way: the wake-up goes on at
+    // once (and its entry does not hold back anyone's later).
+    let mut s = store();
+    let a = pending(&mut s, A, wait(&["q"]));
+    let b = pending(&mut s, B, wait(&["q"]));
+    assert_eq!(ok(&mut s, ConnId(3), Request::QueuePush { key: k("q"), value: k("1") }).woken, vec![a]);
+    assert_eq!(ok(&mut s, A, Request::Check { keys: vec![k("q")] }).woken, vec![b]);
+    assert!(s.disconnect(A).is_empty());
 }
 
 #[test]
