@@ -289,6 +289,9 @@ fn norm_bound(v: &str) -> Result<f64, String> {
 }
 
 fn main() -> ExitCode {
+    // First of all: a SIGUSR1/SIGUSR2 that rsrun passes on while this worker starts (Slurm's
+    // warning right after a restart) asks for a checkpoint instead of killing it (the default).
+    signals::install();
     // Each rank's share of the cores for candle's rayon pool (read lazily, at its first use):
     // rsrun's OMP_NUM_THREADS=1 does not reach it, and every rank of a node would otherwise run
     // a thread per core (8 ranks on 64 cores: 512 threads). RAYON_NUM_THREADS, when set, wins.
@@ -399,7 +402,6 @@ fn run() -> anyhow::Result<()> {
     };
     let place = place()?;
     let (rank, world) = (place.rank, place.world);
-    signals::install();
     let run_dir = args.run_dir.clone().unwrap_or_else(|| PathBuf::from(".rsrun/runs").join(&place.job));
     if rank == 0 {
         // Before the engine is built: a bad --run-dir is a bad flag (exit 2), found at once.
