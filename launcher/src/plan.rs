@@ -447,31 +447,7 @@ impl ProgramPlan {
 /// difference, on purpose: `$$` stays `$$` (Template makes it `$`), so that a shell one-liner's
 /// `$$` (`sh -c 'echo $$ > pid'`) keeps meaning the shell's pid.
 pub fn substitute_local_rank(arg: &str, lr: &str) -> String {
-    const NAME: &str = "local_rank";
-    let is_ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
-    let mut out = String::with_capacity(arg.len());
-    let mut rest = arg;
-    while let Some(i) = rest.find('$') {
-        out.push_str(&rest[..i]);
-        let after = &rest[i + 1..];
-        if let Some(r) = after.strip_prefix('$') {
-            out.push_str("$$");
-            rest = r;
-        } else if let Some(r) = after.strip_prefix("{local_rank}") {
-            out.push_str(lr);
-            rest = r;
-        } else if let Some(r) = after.strip_prefix(NAME)
-            && !r.starts_with(is_ident)
-        {
-            out.push_str(lr);
-            rest = r;
-        } else {
-            out.push('$');
-            rest = after;
-        }
-    }
-    out.push_str(rest);
-    out
+    safe_substitute(arg, &[("local_rank", lr)], "$$")
 }
 
 /// Which standard streams a setting applies to (torchrun's `Std`: 0 none, 1 out, 2 err, 3 both).
@@ -647,6 +623,13 @@ pub const PREFIX_MACROS: &[&str] = &["rank", "local_rank", "node_rank", "role_na
 /// Expands a prefix template as torchrun's `string.Template.safe_substitute`: `${name}` and
 /// `$name` of `vars`, `$$` is `$`, anything else stays as written.
 pub fn expand_prefix(template: &str, vars: &[(&str, &str)]) -> String {
+    safe_substitute(template, vars, "$")
+}
+
+/// Python's `string.Template(template).safe_substitute(vars)`: `${name}` and `$name` (the longest
+/// identifier after the `$`) of `vars` become their values, `$$` becomes `dollar_dollar`, and
+/// anything else stays as written (`$HOME`, `${x}`, `$5`, a `$` at the end).
+fn safe_substitute(template: &str, vars: &[(&str, &str)], dollar_dollar: &str) -> String {
     let is_ident = |c: char| c.is_ascii_alphanumeric() || c == '_';
     let lookup = |name: &str| vars.iter().find(|(k, _)| *k == name).map(|(_, v)| *v);
     let mut out = String::with_capacity(template.len());
@@ -655,7 +638,7 @@ pub fn expand_prefix(template: &str, vars: &[(&str, &str)]) -> String {
         out.push_str(&rest[..i]);
         let after = &rest[i + 1..];
         if let Some(r) = after.strip_prefix('$') {
-            out.push('$');
+            out.push_str(dollar_dollar);
             rest = r;
             continue;
         }

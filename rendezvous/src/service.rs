@@ -1093,11 +1093,16 @@ impl Service {
         Service { core }
     }
 
-    /// The keys of `keys` missing in `scope` now (each once), in one read.
-    async fn missing_keys(&self, scope: &Scope, keys: &[String]) -> Result<Vec<String>, RdzvError> {
-        self.core
+    /// Waits until every key of `keys` exists in `scope`, up to `deadline` (`timeout_ms` from the
+    /// call, for the message). One read finds the keys missing now; only those are waited for, one
+    /// by one (each wait wakes on its own key): a wait per key, present or not, settled each on its
+    /// own (an etcd round trip on an HA leader), and 10,000 keys outlived any deadline.
+    async fn wait_for_keys(&self, scope: &Scope, keys: &[String], deadline: Instant, timeout_ms: u64) -> Result<(), RdzvError> {
+        let job = &scope.job;
+        let missing = self
+            .core
             .read(|s| {
-                let j = s.job(&scope.job)?;
+                let j = s.job(job)?;
                 let mut seen = std::collections::HashSet::new();
                 let mut missing: Vec<String> = Vec::new();
                 for k in keys {
@@ -1107,7 +1112,20 @@ impl Service {
                 }
                 Ok(missing)
             })
-            .await
+            .await?;
+        for key in &missing {
+            self.core
+                .wait_for(job, Some(scope.key_topic(key)), deadline, |s| Ok(s.job(job)?.get(scope, key)?.map(|_| ())), |s| {
+                    let missing: Vec<&String> = keys
+                        .iter()
+                        .filter(|k| s.job(job).ok().and_then(|j| j.get(scope, k).ok().flatten()).is_none())
+                        .take(16)
+                        .collect();
+                    format!("keys {missing:?} did not appear in job {job:?} within {timeout_ms} ms")
+                })
+                .await?;
+        }
+        Ok(())
     }
 
     fn deadline(&self, timeout_ms: u64) -> Result<Instant, RdzvError> {
@@ -1519,25 +1537,7 @@ impl pb::rendezvous_server::Rendezvous for Service {
             let scope = scope_of(&p, r.scope.as_ref())?;
             validate::keys(&r.keys)?;
             let deadline = self.deadline(r.timeout_ms)?;
-            // One read finds the keys missing now; only those are waited for, one by one (each
-            // wait wakes on its own key): a wait per key, present or not, settled each on its own
-            // (an etcd round trip on an HA leader), and 10,000 keys outlived any deadline.
-            let missing = self.missing_keys(&scope, &r.keys).await?;
-            for key in missing {
-                let key = &key;
-                let job = scope.job.clone();
-                self.core
-                    .wait_for(&job, Some(scope.key_topic(key)), deadline, |s| Ok(s.job(&job)?.get(&scope, key)?.map(|_| ())), |s| {
-                        let missing: Vec<&String> = r
-                            .keys
-                            .iter()
-                            .filter(|k| s.job(&job).ok().and_then(|j| j.get(&scope, k).ok().flatten()).is_none())
-                            .take(16)
-                            .collect();
-                        format!("keys {missing:?} did not appear in job {job:?} within {} ms", r.timeout_ms)
-                    })
-                    .await?;
-            }
+            self.wait_for_keys(&scope, &r.keys, deadline, r.timeout_ms).await?;
             Ok(pb::StoreWaitResponse {})
         })
         .await
@@ -1565,16 +1565,9 @@ impl pb::rendezvous_server::Rendezvous for Service {
             validate::keys(&r.keys)?;
             let deadline = self.deadline(r.timeout_ms)?;
             let job = scope.job.clone();
-            // The keys missing now are waited for one by one (each wait wakes on its own key);
-            // then one read answers them all, from one state.
+            // The keys are waited for, then one read answers them all, from one state.
             if r.timeout_ms > 0 {
-                for key in self.missing_keys(&scope, &r.keys).await? {
-                    self.core
-                        .wait_for(&job, Some(scope.key_topic(&key)), deadline, |s| Ok(s.job(&job)?.get(&scope, &key)?.map(|_| ())), |_| {
-                            format!("key {key:?} did not appear in job {job:?} within {} ms", r.timeout_ms)
-                        })
-                        .await?;
-                }
+                self.wait_for_keys(&scope, &r.keys, deadline, r.timeout_ms).await?;
             }
             let max = self.core.limits().max_store_bytes_per_job;
             let values = self
