@@ -28,7 +28,10 @@
 //! 1. rank 0: [`begin_save`] removes a leftover `step-N.incomplete/` and creates it fresh;
 //!    barrier.
 //! 2. every rank: [`save_shard`] writes `shard-R.bin.tmp`, fsyncs it, renames it to
-//!    `shard-R.bin` and fsyncs the directory (non-writers do nothing); barrier.
+//!    `shard-R.bin` and fsyncs the directory (non-writers do nothing); barrier. The engine
+//!    writes through [`write_shard_with`], which takes the tensors one unit at a time (the
+//!    header's space reserved first, its CRCs filled in last): a rank never holds a second
+//!    copy of its whole state.
 //! 3. rank 0: [`commit`] checks every shard file (size, header, step), writes
 //!    `metadata.json` (temp, fsync, rename, directory fsync), renames the directory to
 //!    `step-N/` and fsyncs the root, then replaces `latest` the same way, and only then removes
@@ -43,7 +46,8 @@
 //! requested rank's shard of each unit under the *target* layout (any sharding group size, any
 //! strategy) and reads the overlapping ranges from the saved shards, checking the CRC-32 of
 //! every section it reads. Padding is dropped and re-added as the new layout requires (padding
-//! is zero). [`verify`] checks every byte; [`export_safetensors`] writes the full fp32
+//! is zero). [`ShardLoad`] does the same a batch of units at a time ([`LOAD_BATCH_BYTES`]),
+//! which is how the engine loads. [`verify`] checks every byte; [`export_safetensors`] writes the full fp32
 //! parameters by name and shape.
 //!
 //! Errors name the file and what is wrong: bad magic, header or section checksum mismatch,
@@ -52,6 +56,7 @@
 mod format;
 mod fsutil;
 
+use std::borrow::Cow;
 use std::fs::File;
 use std::io::{BufWriter, Read, Write};
 use std::os::unix::fs::FileExt;
@@ -214,82 +219,196 @@ pub fn save_shard(root: &Path, state: &ShardState) -> Result<Option<PathBuf>, Ch
 /// # Errors
 /// As [`save_shard`].
 pub fn write_shard(root: &Path, state: &ShardState) -> Result<PathBuf, CheckpointError> {
-    let slots = check_state(state)?;
-    let dir = incomplete_dir(root, state.step);
-    let path = dir.join(shard_file_name(state.shard_rank));
-    // Sections in order with their CRCs, then the header, then the data.
-    let tensors: Vec<(usize, usize, &[f32])> = state
-        .master
+    check_state(state)?;
+    write_shard_with(root, &state.info(), |u| {
+        Ok::<_, CheckpointError>((
+            Cow::Borrowed(&state.master[u][..]),
+            state.state[u].iter().map(|v| Cow::Borrowed(&v[..])).collect(),
+        ))
+    })
+}
+
+/// What a checkpoint records of a rank's shard besides its tensors: what [`write_shard_with`]
+/// and [`commit_info`] need, while the tensors come one unit at a time.
+#[derive(Debug, Clone, Copy)]
+pub struct ShardInfo<'a> {
+    /// The strategy that produced the state.
+    pub strategy: Strategy,
+    /// Total ranks in the job.
+    pub world: usize,
+    /// Index of this rank in its sharding group.
+    pub shard_rank: usize,
+    /// Layout with `world` = sharding group size.
+    pub layout: &'a FlatLayout,
+    /// Completed optimizer steps.
+    pub step: u64,
+    /// Optimizer name.
+    pub optimizer: &'a str,
+    /// Optimizer state tensors per weight (AdamW 2, SGD 1).
+    pub state_slots: usize,
+    /// Dynamic loss scale (f16 mixed precision), if any.
+    pub loss_scale: Option<f32>,
+    /// Steps without overflow since the loss scale last changed.
+    pub loss_scale_good_steps: u32,
+}
+
+impl ShardState {
+    /// Everything but the tensors, for [`write_shard_with`] and [`commit_info`].
+    pub fn info(&self) -> ShardInfo<'_> {
+        ShardInfo {
+            strategy: self.strategy,
+            world: self.world,
+            shard_rank: self.shard_rank,
+            layout: &self.layout,
+            step: self.step,
+            optimizer: &self.optimizer,
+            state_slots: self.state.first().map_or(0, Vec::len),
+            loss_scale: self.loss_scale,
+            loss_scale_good_steps: self.loss_scale_good_steps,
+        }
+    }
+}
+
+/// One unit's tensors as [`write_shard_with`] takes them: the fp32 master shard, then each
+/// optimizer state slot, every one `shard_len` elements long.
+pub type UnitTensors<'a> = (Cow<'a, [f32]>, Vec<Cow<'a, [f32]>>);
+
+fn check_info(info: &ShardInfo<'_>) -> Result<(), CheckpointError> {
+    if info.shard_rank >= info.layout.world {
+        return Err(CheckpointError::InvalidArgument(format!(
+            "shard rank {} out of range for {} shards",
+            info.shard_rank, info.layout.world
+        )));
+    }
+    if info.state_slots > MAX_STATE_SLOTS {
+        return Err(CheckpointError::InvalidArgument(format!(
+            "{} optimizer state slots: expected at most {MAX_STATE_SLOTS}",
+            info.state_slots
+        )));
+    }
+    Ok(())
+}
+
+/// Writes this rank's shard file into the reserved directory, taking the tensors from `unit`
+/// one unit at a time, in order: only one unit's tensors are held at once, so a rank whose
+/// master and optimizer state fill most of its memory (or live in an offload tier) saves
+/// without a second copy of them all. The header's space is reserved first (sized for the
+/// widest checksums); each section's CRC-32 is computed as it is written, and the header goes
+/// in last, before the fsync and the rename.
+///
+/// # Errors
+/// `unit`'s own error; a unit whose tensors do not have the layout's `shard_len` elements and
+/// `state_slots` slots; I/O errors naming the file (`ENOSPC`, `EIO`). The temp file is
+/// removed on error.
+pub fn write_shard_with<'s, E: From<CheckpointError>>(
+    root: &Path,
+    info: &ShardInfo<'_>,
+    mut unit: impl FnMut(usize) -> Result<UnitTensors<'s>, E>,
+) -> Result<PathBuf, E> {
+    check_info(info)?;
+    let slots = info.state_slots;
+    let dir = incomplete_dir(root, info.step);
+    let path = dir.join(shard_file_name(info.shard_rank));
+    // Sections in file order; the CRCs are filled in as the data is written.
+    let mut sections: Vec<Section> = info
+        .layout
+        .units
         .iter()
         .enumerate()
-        .flat_map(|(u, m)| {
-            std::iter::once((u, 0, &m[..])).chain(
-                state.state[u]
-                    .iter()
-                    .enumerate()
-                    .map(move |(s, v)| (u, 1 + s, &v[..])),
-            )
+        .flat_map(|(unit, ul)| {
+            (0..=slots).map(move |tensor| Section {
+                unit,
+                tensor,
+                offset: 0,
+                len: ul.shard_len,
+                crc32: u32::MAX,
+            })
         })
         .collect();
-    let mut sections: Vec<Section> = tensors
-        .iter()
-        .map(|&(unit, tensor, v)| Section {
-            unit,
-            tensor,
-            offset: 0,
-            len: v.len(),
-            crc32: crc32fast::hash(&format::f32_bytes(v)),
-        })
-        .collect();
-    // The header length depends on the offsets' digits; iterate to a fixed point.
+    let header = |sections: &[Section], data_start: u64| -> Result<(Vec<u8>, u64), CheckpointError> {
+        let file_size = data_start + sections.iter().map(|s| 4 * s.len as u64).sum::<u64>();
+        let header = ShardHeader {
+            format_version: FORMAT_VERSION,
+            step: info.step,
+            shard_rank: info.shard_rank,
+            shard_world: info.layout.world,
+            state_slots: slots,
+            data_start,
+            file_size,
+            sections: sections.to_vec(),
+        };
+        let json = serde_json::to_vec(&header)
+            .map_err(|e| CheckpointError::InvalidArgument(format!("cannot encode shard header: {e}")))?;
+        Ok((json, file_size))
+    };
+    // The header's length depends on the offsets' digits: iterate to a fixed point, with every
+    // CRC at its widest (u32::MAX), so the real header always fits the space reserved.
     let mut data_start = 4096u64;
-    let json = loop {
+    loop {
         let mut off = data_start;
         for s in &mut sections {
             s.offset = off;
             off += 4 * s.len as u64;
         }
-        let header = ShardHeader {
-            format_version: FORMAT_VERSION,
-            step: state.step,
-            shard_rank: state.shard_rank,
-            shard_world: state.layout.world,
-            state_slots: slots,
-            data_start,
-            file_size: off,
-            sections: sections.clone(),
-        };
-        let json = serde_json::to_vec(&header).map_err(|e| {
-            CheckpointError::InvalidArgument(format!("cannot encode shard header: {e}"))
-        })?;
+        let (json, _) = header(&sections, data_start)?;
         let need = (PREFIX + json.len()).div_ceil(4096) as u64 * 4096;
         if need <= data_start {
-            break json;
+            break;
         }
         data_start = need;
-    };
+    }
     let (file, tmp) = create_tmp(&path)?;
-    let write = || -> std::io::Result<File> {
-        let mut w = BufWriter::with_capacity(1 << 20, file);
-        w.write_all(&MAGIC)?;
-        w.write_all(&(json.len() as u32).to_le_bytes())?;
-        w.write_all(&crc32fast::hash(&json).to_le_bytes())?;
-        w.write_all(&json)?;
-        w.write_all(&vec![0u8; data_start as usize - PREFIX - json.len()])?;
-        for &(_, _, v) in &tensors {
-            w.write_all(&format::f32_bytes(v))?;
-        }
-        w.into_inner().map_err(|e| e.into_error())
+    let failed = |op: &'static str, source: std::io::Error| CheckpointError::Io {
+        op,
+        path: tmp.clone(),
+        source,
     };
-    let file = match write() {
+    let written = (|| -> Result<File, E> {
+        let mut w = BufWriter::with_capacity(1 << 20, file);
+        w.write_all(&vec![0u8; data_start as usize]).map_err(|e| failed("write", e))?;
+        let mut k = 0;
+        for (u, ul) in info.layout.units.iter().enumerate() {
+            let (master, state) = unit(u)?;
+            if master.len() != ul.shard_len || state.len() != slots || state.iter().any(|s| s.len() != ul.shard_len) {
+                return Err(CheckpointError::InvalidArgument(format!(
+                    "unit {:?}: buffers do not have shard_len {} elements and {slots} slots",
+                    ul.name, ul.shard_len
+                ))
+                .into());
+            }
+            for v in std::iter::once(&master).chain(&state) {
+                let bytes = format::f32_bytes(v);
+                sections[k].crc32 = crc32fast::hash(&bytes);
+                w.write_all(&bytes).map_err(|e| failed("write", e))?;
+                k += 1;
+            }
+        }
+        let file = w.into_inner().map_err(|e| failed("write", e.into_error()))?;
+        let (json, file_size) = header(&sections, data_start)?;
+        if (PREFIX + json.len()) as u64 > data_start {
+            return Err(CheckpointError::InvalidArgument(format!(
+                "shard header of {} bytes outgrew the {data_start} reserved for it",
+                json.len()
+            ))
+            .into());
+        }
+        let len = file.metadata().map_err(|e| failed("stat", e))?.len();
+        if len != file_size {
+            return Err(failed("write", std::io::Error::other(format!("{len} bytes written, expected {file_size}"))).into());
+        }
+        let mut head = Vec::with_capacity(PREFIX + json.len());
+        head.extend_from_slice(&MAGIC);
+        head.extend_from_slice(&(json.len() as u32).to_le_bytes());
+        head.extend_from_slice(&crc32fast::hash(&json).to_le_bytes());
+        head.extend_from_slice(&json);
+        file.write_all_at(&head, 0).map_err(|e| failed("write", e))?;
+        Ok(file)
+    })();
+    let file = match written {
         Ok(f) => f,
         Err(e) => {
             let _ = std::fs::remove_file(&tmp);
-            return Err(CheckpointError::Io {
-                op: "write",
-                path: tmp,
-                source: e,
-            });
+            return Err(e);
         }
     };
     commit_tmp(file, &tmp, &path)?;
@@ -403,7 +522,23 @@ pub fn commit(
     progress: &Progress,
     keep_last: usize,
 ) -> Result<PathBuf, CheckpointError> {
-    let slots = check_state(state)?;
+    check_state(state)?;
+    commit_info(root, &state.info(), progress, keep_last)
+}
+
+/// [`commit`] from a shard's [`ShardInfo`] (rank 0's, with the layout and step the checkpoint
+/// records), without its tensors.
+///
+/// # Errors
+/// As [`commit`].
+pub fn commit_info(
+    root: &Path,
+    state: &ShardInfo<'_>,
+    progress: &Progress,
+    keep_last: usize,
+) -> Result<PathBuf, CheckpointError> {
+    check_info(state)?;
+    let slots = state.state_slots;
     let inc = incomplete_dir(root, state.step);
     let name = step_dir_name(state.step);
     let mut files = Vec::with_capacity(state.layout.world);
@@ -432,14 +567,14 @@ pub fn commit(
         strategy: state.strategy.name().to_string(),
         world: state.world,
         shard_world: state.layout.world,
-        optimizer: state.optimizer.clone(),
+        optimizer: state.optimizer.to_string(),
         state_slots: slots,
         loss_scale: state.loss_scale,
         loss_scale_good_steps: state.loss_scale_good_steps,
         data_position: progress.data_position,
         epoch: progress.epoch,
         rng_state: format::to_hex(&progress.rng_state),
-        units: format::units_meta(&state.layout),
+        units: format::units_meta(state.layout),
         files,
         checksum: None,
     };
@@ -902,7 +1037,8 @@ pub struct LoadTarget<'a> {
     pub optimizer: &'a str,
 }
 
-/// Loads checkpoint directory `dir` for `target`, resharding as needed.
+/// Loads checkpoint directory `dir` for `target`, resharding as needed: the whole shard at
+/// once (see [`ShardLoad`] to take it a batch of units at a time).
 ///
 /// # Errors
 /// Damaged files ([`CheckpointError::Corrupt`] naming the file), a different model or
@@ -911,54 +1047,8 @@ pub fn load(
     dir: &Path,
     target: &LoadTarget<'_>,
 ) -> Result<(ShardState, Progress), CheckpointError> {
-    let r = Reader::open(dir)?;
-    let mismatch = |reason: String| CheckpointError::Mismatch {
-        path: dir.to_path_buf(),
-        reason,
-    };
-    r.layout
-        .check_same_model(target.layout)
-        .map_err(|e| mismatch(e.to_string()))?;
-    if r.meta.optimizer != target.optimizer {
-        return Err(mismatch(format!(
-            "saved with optimizer {:?}, loading into {:?}",
-            r.meta.optimizer, target.optimizer
-        )));
-    }
-    if target.shard_rank >= target.layout.world {
-        return Err(CheckpointError::InvalidArgument(format!(
-            "shard rank {} out of range for {} shards",
-            target.shard_rank, target.layout.world
-        )));
-    }
-    let slots = r.meta.state_slots;
-    // Every tensor of every unit of this shard, padding left at zero.
-    let mut tensors: Vec<Vec<Vec<f32>>> =
-        target.layout.units.iter().map(|unit| (0..=slots).map(|_| vec![0.0f32; unit.shard_len]).collect()).collect();
-    {
-        let mut requests = Vec::with_capacity(tensors.len() * (1 + slots));
-        for (ui, (unit, outs)) in target.layout.units.iter().zip(tensors.iter_mut()).enumerate() {
-            let range = unit.shard_range(target.shard_rank);
-            let valid = range.start.min(unit.numel)..range.end.min(unit.numel);
-            for (tensor, out) in outs.iter_mut().enumerate() {
-                let n = valid.len();
-                requests.push((ui, tensor, valid.clone(), &mut out[..n]));
-            }
-        }
-        r.gather_all(&mut requests)?;
-    }
-    let mut master = Vec::with_capacity(tensors.len());
-    let mut state = Vec::with_capacity(tensors.len());
-    for unit in tensors {
-        let mut it = unit.into_iter();
-        master.push(it.next().unwrap_or_default());
-        state.push(it.collect());
-    }
-    let rng_state =
-        format::from_hex(&r.meta.rng_state).ok_or_else(|| CheckpointError::Corrupt {
-            path: r.dir.join(METADATA),
-            reason: "bad rng_state hex".into(),
-        })?;
+    let l = ShardLoad::open(dir, target)?;
+    let (master, state) = l.read_units(0..target.layout.units.len())?.into_iter().unzip();
     Ok((
         ShardState {
             strategy: target.strategy,
@@ -966,19 +1056,181 @@ pub fn load(
             rank: target.rank,
             shard_rank: target.shard_rank,
             layout: target.layout.clone(),
-            step: r.meta.step,
-            optimizer: r.meta.optimizer.clone(),
+            step: l.step(),
+            optimizer: l.reader.meta.optimizer.clone(),
             master,
             state,
-            loss_scale: r.meta.loss_scale,
-            loss_scale_good_steps: r.meta.loss_scale_good_steps,
+            loss_scale: l.loss_scale(),
+            loss_scale_good_steps: l.loss_scale_good_steps(),
         },
-        Progress {
+        l.progress,
+    ))
+}
+
+/// One unit of a rank's shard as [`ShardLoad::read_units`] returns it: the fp32 master shard
+/// and each optimizer state slot.
+pub type UnitState = (Vec<f32>, Vec<Vec<f32>>);
+
+/// Most bytes of a rank's shard [`ShardLoad::batches`] puts in one batch (a unit bigger than
+/// this is a batch of its own).
+pub const LOAD_BATCH_BYTES: usize = 256 << 20;
+
+/// Tests' override of [`LOAD_BATCH_BYTES`] (0: none), so that a small model's load runs the
+/// several-batch path too. Batching changes only when units are read, never what is loaded.
+#[cfg(test)]
+pub(crate) static TEST_LOAD_BATCH_BYTES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+fn load_batch_bytes() -> usize {
+    #[cfg(test)]
+    {
+        let v = TEST_LOAD_BATCH_BYTES.load(std::sync::atomic::Ordering::Relaxed);
+        if v > 0 {
+            return v;
+        }
+    }
+    LOAD_BATCH_BYTES
+}
+
+/// A checkpoint opened to load one rank's shard under a target layout (resharding as needed), a
+/// batch of units at a time ([`ShardLoad::read_units`]), so a rank whose state fills most of its
+/// memory (or goes to an offload tier) never holds a second copy of all of it. The metadata,
+/// model and optimizer were checked at [`ShardLoad::open`]; each shard file's header and every
+/// section's CRC-32 are checked as they are read.
+pub struct ShardLoad<'a> {
+    reader: Reader,
+    target: LoadTarget<'a>,
+    progress: Progress,
+}
+
+impl<'a> ShardLoad<'a> {
+    /// Opens `dir` (a checkpoint directory) for `target`.
+    ///
+    /// # Errors
+    /// Damaged metadata ([`CheckpointError::Corrupt`]), a different model or optimizer
+    /// ([`CheckpointError::Mismatch`]), a shard rank outside the target layout, I/O errors.
+    pub fn open(dir: &Path, target: &LoadTarget<'a>) -> Result<Self, CheckpointError> {
+        let r = Reader::open(dir)?;
+        let mismatch = |reason: String| CheckpointError::Mismatch {
+            path: dir.to_path_buf(),
+            reason,
+        };
+        r.layout
+            .check_same_model(target.layout)
+            .map_err(|e| mismatch(e.to_string()))?;
+        if r.meta.optimizer != target.optimizer {
+            return Err(mismatch(format!(
+                "saved with optimizer {:?}, loading into {:?}",
+                r.meta.optimizer, target.optimizer
+            )));
+        }
+        if target.shard_rank >= target.layout.world {
+            return Err(CheckpointError::InvalidArgument(format!(
+                "shard rank {} out of range for {} shards",
+                target.shard_rank, target.layout.world
+            )));
+        }
+        let rng_state = format::from_hex(&r.meta.rng_state).ok_or_else(|| CheckpointError::Corrupt {
+            path: r.dir.join(METADATA),
+            reason: "bad rng_state hex".into(),
+        })?;
+        let progress = Progress {
             data_position: r.meta.data_position,
             epoch: r.meta.epoch,
             rng_state,
-        },
-    ))
+        };
+        Ok(ShardLoad {
+            reader: r,
+            target: *target,
+            progress,
+        })
+    }
+
+    /// The saved step.
+    pub fn step(&self) -> u64 {
+        self.reader.meta.step
+    }
+
+    /// The saved training progress (data position, epoch, RNG state).
+    pub fn progress(&self) -> &Progress {
+        &self.progress
+    }
+
+    /// Optimizer state tensors per weight in the checkpoint.
+    pub fn state_slots(&self) -> usize {
+        self.reader.meta.state_slots
+    }
+
+    /// The saved dynamic loss scale, if any (checked finite and above 0).
+    pub fn loss_scale(&self) -> Option<f32> {
+        self.reader.meta.loss_scale
+    }
+
+    /// Steps without overflow since the loss scale last changed.
+    pub fn loss_scale_good_steps(&self) -> u32 {
+        self.reader.meta.loss_scale_good_steps
+    }
+
+    /// The target's units in consecutive batches of at most [`LOAD_BATCH_BYTES`] of this
+    /// rank's master and optimizer state (at least one unit each), covering every unit in order.
+    pub fn batches(&self) -> Vec<std::ops::Range<usize>> {
+        let per = |u: &UnitLayout| u.shard_len.saturating_mul(4).saturating_mul(1 + self.state_slots());
+        let units = &self.target.layout.units;
+        let budget = load_batch_bytes();
+        let mut out = Vec::new();
+        let mut first = 0;
+        while first < units.len() {
+            let (mut end, mut bytes) = (first + 1, per(&units[first]));
+            while end < units.len() && bytes.saturating_add(per(&units[end])) <= budget {
+                bytes += per(&units[end]);
+                end += 1;
+            }
+            out.push(first..end);
+            first = end;
+        }
+        out
+    }
+
+    /// This rank's master shard and optimizer state slots of each target unit in `units`, in
+    /// the target layout (padding zero), read from the saved shards that overlap them (each
+    /// opened once, and its sections' CRC-32s checked).
+    ///
+    /// # Errors
+    /// Damaged shard files (naming the file), I/O errors, units outside the target layout.
+    pub fn read_units(&self, units: std::ops::Range<usize>) -> Result<Vec<UnitState>, CheckpointError> {
+        let layout = self.target.layout;
+        if units.end > layout.units.len() || units.start > units.end {
+            return Err(CheckpointError::InvalidArgument(format!(
+                "units {units:?}: the layout has {}",
+                layout.units.len()
+            )));
+        }
+        let slots = self.state_slots();
+        // Every tensor of every unit asked for, padding left at zero.
+        let mut tensors: Vec<Vec<Vec<f32>>> = layout.units[units.clone()]
+            .iter()
+            .map(|unit| (0..=slots).map(|_| vec![0.0f32; unit.shard_len]).collect())
+            .collect();
+        {
+            let mut requests = Vec::with_capacity(tensors.len() * (1 + slots));
+            for (ui, outs) in units.clone().zip(tensors.iter_mut()) {
+                let unit = &layout.units[ui];
+                let range = unit.shard_range(self.target.shard_rank);
+                let valid = range.start.min(unit.numel)..range.end.min(unit.numel);
+                for (tensor, out) in outs.iter_mut().enumerate() {
+                    let n = valid.len();
+                    requests.push((ui, tensor, valid.clone(), &mut out[..n]));
+                }
+            }
+            self.reader.gather_all(&mut requests)?;
+        }
+        Ok(tensors
+            .into_iter()
+            .map(|unit| {
+                let mut it = unit.into_iter();
+                (it.next().unwrap_or_default(), it.collect())
+            })
+            .collect())
+    }
 }
 
 /// Checks every file and every section checksum of checkpoint `dir`.

@@ -562,3 +562,69 @@ fn a_load_reads_only_the_shards_it_overlaps() {
     // Checks and exports that need every file still find it missing.
     assert!(verify(&dir).unwrap_err().to_string().contains(&shard_file_name(3)));
 }
+
+/// A shard is written from its units one at a time, in order, each taken when it is written:
+/// the bytes match a write from the whole state, and an error from a unit removes the temp file.
+#[test]
+fn shard_is_written_a_unit_at_a_time() {
+    let tmp = tempfile::tempdir().unwrap();
+    let st = states(Strategy::Zero3, 2, 4);
+    let whole = save_local(tmp.path(), &st, &progress(), 0).unwrap();
+    let streamed = tempfile::tempdir().unwrap();
+    begin_save(streamed.path(), 4).unwrap();
+    for s in &st {
+        let mut asked = Vec::new();
+        let path = write_shard_with(streamed.path(), &s.info(), |u| {
+            asked.push(u);
+            Ok::<_, CheckpointError>((Cow::Owned(s.master[u].clone()), s.state[u].iter().map(|v| Cow::Owned(v.clone())).collect()))
+        })
+        .unwrap();
+        assert_eq!(asked, vec![0, 1, 2]);
+        let name = path.file_name().unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), std::fs::read(whole.join(name)).unwrap(), "{name:?}");
+    }
+    commit_info(streamed.path(), &st[0].info(), &progress(), 0).unwrap();
+    verify(&streamed.path().join(step_dir_name(4))).unwrap();
+    assert!(load_as(&streamed.path().join(step_dir_name(4)), Strategy::Zero3, 2, 1) == st[1]);
+
+    // The unit source fails at unit 1: its error comes back, and no temp file stays.
+    begin_save(streamed.path(), 5).unwrap();
+    let err = write_shard_with(streamed.path(), &states(Strategy::Zero3, 2, 5)[0].info(), |u| {
+        if u == 1 {
+            return Err(CheckpointError::InvalidArgument("tier read failed".into()));
+        }
+        Ok((Cow::Owned(st[0].master[u].clone()), st[0].state[u].iter().map(|v| Cow::Owned(v.clone())).collect()))
+    })
+    .unwrap_err();
+    assert!(err.to_string().contains("tier read failed"), "{err}");
+    // A unit of the wrong length is refused, naming it.
+    let err = write_shard_with(streamed.path(), &states(Strategy::Zero3, 2, 5)[0].info(), |u| {
+        Ok::<_, CheckpointError>((Cow::Owned(vec![0.0; 1]), st[0].state[u].iter().map(|v| Cow::Owned(v.clone())).collect()))
+    })
+    .unwrap_err();
+    assert!(err.to_string().contains("unit \"embed\""), "{err}");
+    let inc = streamed.path().join(format!("{}.incomplete", step_dir_name(5)));
+    assert_eq!(std::fs::read_dir(&inc).unwrap().count(), 0, "temp files left in {}", inc.display());
+}
+
+/// Loading a batch of units at a time reads what loading the whole shard does, in any batching.
+#[test]
+fn shard_loads_in_batches_of_units() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = save_local(tmp.path(), &states(Strategy::Zero1, 2, 5), &progress(), 0).unwrap();
+    for (world, rank) in [(1, 0), (3, 2), (4, 1)] {
+        let layout = FlatLayout::new(world, &specs()).unwrap();
+        let target = LoadTarget { layout: &layout, strategy: Strategy::Zero3, world, rank, shard_rank: rank, optimizer: "adamw" };
+        let l = ShardLoad::open(&dir, &target).unwrap();
+        assert_eq!(l.batches(), vec![0..3], "a small shard is one batch");
+        let (whole, _) = load(&dir, &target).unwrap();
+        for b in [0..1, 1..3, 2..3, 3..3] {
+            let got = l.read_units(b.clone()).unwrap();
+            for (ui, (m, st)) in b.zip(got) {
+                assert!(m == whole.master[ui] && st == whole.state[ui], "unit {ui} at {rank}/{world}");
+            }
+        }
+        assert!(l.read_units(2..4).unwrap_err().to_string().contains("units 2..4: the layout has 3"));
+        assert_eq!((l.step(), l.progress(), l.state_slots(), l.loss_scale()), (5, &progress(), 2, Some(1024.0)));
+    }
+}

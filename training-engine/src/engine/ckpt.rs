@@ -12,10 +12,11 @@
 //! error on one rank (a corrupt shard only it reads, a full disk) fails the call on every rank
 //! instead of leaving the others waiting in a collective.
 
+use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 
 use super::Engine;
-use crate::checkpoint::{self, LoadTarget, METADATA, Progress};
+use crate::checkpoint::{self, LoadTarget, METADATA, Progress, ShardInfo, ShardLoad};
 use crate::comm::ReduceOp;
 use crate::error::{EngineError, EngineResult};
 use crate::layout::ShardState;
@@ -149,13 +150,18 @@ impl<M: UnitModel> Engine<M> {
         for (ui, (m, st)) in master.into_iter().zip(state).enumerate() {
             self.set_master_and_state(ui, m, st)?;
         }
+        self.restore_counters(step, loss_scale, loss_scale_good_steps);
+        Ok(())
+    }
+
+    /// Sets the step and the f16 loss scaler's state from a checkpoint.
+    fn restore_counters(&mut self, step: u64, loss_scale: Option<f32>, good_steps: u32) {
         self.step = step;
         if let (Some(sc), Some(ls)) = (self.scaler.as_mut(), loss_scale) {
             // A scale saved below the floor (by a version without one) starts at the floor.
             sc.scale = ls.max(sc.min_scale);
-            sc.good_steps = loss_scale_good_steps;
+            sc.good_steps = good_steps;
         }
-        Ok(())
     }
 
     /// The collective part of [`Engine::load_shard_state`]: under ZeRO-1/2 every rank's updated
@@ -198,32 +204,48 @@ impl<M: UnitModel> Engine<M> {
         let _span = tracing::info_span!("save_checkpoint", rank = self.rank, step = self.step).entered();
         self.check_usable()?;
         // Only the ranks that write (the first replica of the sharding group, rank 0 among them)
-        // copy their state out of the tiers: under DDP every other rank would copy the whole
-        // master and optimizer state (12 bytes a parameter, read back from an offload tier) for
-        // nothing.
+        // read their state out of the tiers, and one unit at a time, straight into the file:
+        // under DDP every other rank would copy the whole master and optimizer state (12 bytes
+        // a parameter) for nothing, and a writer holding a second copy of it all would need
+        // twice the memory its training does (or, offloaded, all it had offloaded).
         let writer = match &self.rep_pg {
             // Hybrid: the ranks of the first host (replica 0 of every shard rank), wherever
             // the job placed them (round-robin placement puts ranks 0, 2, 4, ... on host 0).
             Some(rep) => rep.rank() == 0,
             None => self.rank == self.shard_rank,
         };
-        // Rank 0 commits, with its own view of the layout and step.
-        let state = (writer || self.rank == 0).then(|| self.shard_state());
-        let begun = match (&state, self.rank) {
-            (Some(Err(e)), _) => Err(e.clone()),
-            (_, 0) => checkpoint::begin_save(root, self.step).map(drop).map_err(Into::into),
-            _ => Ok(()),
+        let optimizer = self.cfg.optimizer.as_tile();
+        let info = ShardInfo {
+            strategy: self.cfg.strategy,
+            world: self.world,
+            shard_rank: self.shard_rank,
+            layout: &self.layout,
+            step: self.step,
+            optimizer: optimizer.name(),
+            state_slots: optimizer.state_slots(),
+            loss_scale: self.loss_scale(),
+            loss_scale_good_steps: self.scaler.as_ref().map_or(0, |sc| sc.good_steps),
+        };
+        let begun = if self.rank == 0 {
+            checkpoint::begin_save(root, self.step).map(drop).map_err(Into::into)
+        } else {
+            Ok(())
         };
         self.agree(begun, "checkpoint begin")?;
-        let state = state.transpose()?;
-        let written = match &state {
-            Some(state) if writer => checkpoint::write_shard(root, state).map(drop).map_err(Into::into),
-            _ => Ok(()),
+        let written = if writer {
+            checkpoint::write_shard_with(root, &info, |ui| {
+                let (master, state) = self.master_and_state(ui)?;
+                Ok::<_, EngineError>((Cow::Owned(master), state.into_iter().map(Cow::Owned).collect()))
+            })
+            .map(drop)
+        } else {
+            Ok(())
         };
         self.agree(written, "checkpoint shard write")?;
-        let committed = match (&state, self.rank) {
-            (Some(state), 0) => checkpoint::commit(root, state, progress, keep_last).map(drop).map_err(Into::into),
-            _ => Ok(()),
+        let committed = if self.rank == 0 {
+            checkpoint::commit_info(root, &info, progress, keep_last).map(drop).map_err(Into::into)
+        } else {
+            Ok(())
         };
         self.agree(committed, "checkpoint commit")?;
         Ok(root.join(checkpoint::step_dir_name(self.step)))
@@ -245,30 +267,70 @@ impl<M: UnitModel> Engine<M> {
         } else {
             checkpoint::latest(path).map_err(EngineError::from)
         };
-        let loaded = dir.and_then(|dir| {
-            let optimizer = self.cfg.optimizer.as_tile().name();
-            let target = LoadTarget {
-                layout: &self.layout,
-                strategy: self.cfg.strategy,
-                world: self.world,
-                rank: self.rank,
-                shard_rank: self.shard_rank,
-                optimizer,
+        let optimizer = self.cfg.optimizer.as_tile();
+        // (A copy of the layout's table: the install below changes the engine meanwhile.)
+        let layout = self.layout.clone();
+        let target = LoadTarget {
+            layout: &layout,
+            strategy: self.cfg.strategy,
+            world: self.world,
+            rank: self.rank,
+            shard_rank: self.shard_rank,
+            optimizer: optimizer.name(),
+        };
+        // The shard is read a batch of units at a time (`LOAD_BATCH_BYTES`), never all of it at
+        // once: a rank's master and optimizer state can fill most of its memory. Everything that
+        // can refuse the checkpoint is still agreed on before anything changes: a load refused
+        // on any rank (none there, damaged, another model, ranks that read different steps)
+        // leaves every rank's engine as it was, so a script may start fresh. A shard of one
+        // batch is read once and kept for the install; a bigger one is read through first to
+        // check every section's CRC (keeping nothing), and again to install.
+        let opened = dir.and_then(|dir| {
+            let l = ShardLoad::open(&dir, &target)?;
+            if l.state_slots() != optimizer.state_slots() {
+                return Err(EngineError::Checkpoint(format!(
+                    "{}: {} optimizer state slots, {} needs {}",
+                    dir.display(),
+                    l.state_slots(),
+                    optimizer.name(),
+                    optimizer.state_slots()
+                )));
+            }
+            let batches = l.batches();
+            let first = match &batches[..] {
+                [] => None,
+                [only] => Some(l.read_units(only.clone())?),
+                all => {
+                    for b in all {
+                        l.read_units(b.clone())?;
+                    }
+                    None
+                }
             };
-            checkpoint::load(&dir, &target)
-                .map(|(s, p)| (dir, s, p))
-                .map_err(EngineError::from)
+            Ok((dir, l, batches, first))
         });
-        // Everything that can refuse the checkpoint is agreed on before anything changes: a
-        // load refused on any rank (none there, damaged, another model, ranks that read
-        // different steps) leaves every rank's engine as it was, so a script may start fresh.
-        let checked = loaded.and_then(|(dir, state, progress)| self.check_shard_state(&state).map(|()| (dir, state, progress)));
-        self.agree(checked.as_ref().map(drop).map_err(Clone::clone), "checkpoint load")?;
-        let (dir, state, progress) = checked?;
-        self.agree_on_resume_point(&dir, state.step, &progress)?;
+        self.agree(opened.as_ref().map(drop).map_err(Clone::clone), "checkpoint load")?;
+        let (dir, l, batches, mut first) = opened?;
+        let progress = l.progress().clone();
+        self.agree_on_resume_point(&dir, l.step(), &progress)?;
         // Installing the shard writes the offload tiers (ENOSPC, EIO): a rank that failed there
         // must not leave the others in the gather, and after it no rank's model is whole.
-        let installed = self.install_shard_state(state);
+        let installed = (|| -> EngineResult<()> {
+            for ui in 0..self.units.len() {
+                self.free_unit(ui)?;
+            }
+            for b in batches {
+                let units = match first.take() {
+                    Some(units) => units,
+                    None => l.read_units(b.clone())?,
+                };
+                for (ui, (master, state)) in b.zip(units) {
+                    self.set_master_and_state(ui, master, state)?;
+                }
+            }
+            self.restore_counters(l.step(), l.loss_scale(), l.loss_scale_good_steps());
+            Ok(())
+        })();
         let r = self.agree(installed, "checkpoint install").and_then(|()| self.gather_installed_params());
         self.broken_by(r, &format!("loading {}", dir.display()))?;
         Ok((dir, progress))

@@ -342,3 +342,39 @@ fn hybrid_checkpoint_with_round_robin_ranks_commits_and_loads() {
     let res = run(Run { world: 1, cfg: cfg(Strategy::Ddp), steps: 1..1, micro: 1, load: Some(root.path()), save: None });
     assert!(res[0].params == saved[0], "the loaded model is not the saved one");
 }
+
+/// A shard bigger than one load batch (here every unit is a batch of its own) is read through
+/// first, so a damaged section is refused before anything changes, then installed batch by
+/// batch: the resumed run still continues bitwise, and a refused load leaves the engine usable.
+#[test]
+fn checkpoint_loads_a_batch_of_units_at_a_time() {
+    use std::sync::atomic::Ordering;
+    struct Reset;
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            crate::checkpoint::TEST_LOAD_BATCH_BYTES.store(0, Ordering::Relaxed);
+        }
+    }
+    let _reset = Reset;
+    crate::checkpoint::TEST_LOAD_BATCH_BYTES.store(1, Ordering::Relaxed);
+    let (split, end) = (2u64, 4u64);
+    let want = reference_no_ckpt(2, split, 4, end);
+    let dir = tempfile::tempdir().unwrap();
+    run(Run { world: 2, cfg: cfg(Strategy::Zero3), steps: 0..split, micro: 1, load: None, save: Some(dir.path()) });
+    let res = run(Run { world: 4, cfg: cfg(Strategy::Zero2), steps: split..end, micro: 1, load: Some(dir.path()), save: None });
+    assert!(params_of(&res) == want, "zero3@2 -> zero2@4 in batches differs from the uninterrupted run");
+
+    // Damage the last section of shard 0: the read-through finds it before any unit changes.
+    let shard = dir.path().join("step-000000002").join("shard-00000.bin");
+    let mut bytes = std::fs::read(&shard).unwrap();
+    let n = bytes.len();
+    bytes[n - 5] ^= 0x40;
+    std::fs::write(&shard, bytes).unwrap();
+    let res = run(Run { world: 2, cfg: cfg(Strategy::Zero3), steps: 0..1, micro: 1, load: Some(dir.path()), save: None });
+    let e0 = res[0].loaded.clone().unwrap().unwrap_err().to_string();
+    assert!(e0.contains("shard-00000.bin") && e0.contains("checksum mismatch"), "{e0}");
+    // The refused engines are unchanged and usable (`run` took their shard state).
+    for r in &res {
+        assert_eq!(r.state.step, 0);
+    }
+}
