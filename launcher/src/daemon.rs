@@ -338,8 +338,11 @@ impl DaemonRdzv {
             // PyTorch's store: the one the service hosts for this round when it hosts one (alive for
             // the whole round whichever rank exits first, fresh every round), else rank 0's own.
             master_addr: if round.store_port != 0 { round.store_addr.clone() } else { round.master_addr.clone() },
-            master_port: u16::try_from(if round.store_port != 0 { round.store_port } else { round.master_port })
-                .context("master port out of range")?,
+            master_port: {
+                let (what, port) =
+                    if round.store_port != 0 { ("store_port", round.store_port) } else { ("master_port", round.master_port) };
+                u16::try_from(port).with_context(|| format!("the round's {what} {port}: expected a TCP port, 1 to 65535"))?
+            },
             agent_store: round.store_port != 0,
             restart_count: round.restart_count,
             max_restarts: round.max_restarts,
@@ -830,8 +833,6 @@ pub fn failure_from_proto(f: &proto::FailureInfo) -> WorkerFailure {
         message = rest;
         let (idle, last_step) = parse_hang(first).unwrap_or((Duration::ZERO, 0));
         ExitKind::Hang { idle, last_step }
-    } else if f.exit_code == 124 && f.message.contains("hang") {
-        ExitKind::Hang { idle: Duration::ZERO, last_step: 0 }
     } else if f.exit_code == 127 && first.starts_with("could not start: ") {
         message = rest;
         ExitKind::SpawnError(first["could not start: ".len()..].to_owned())

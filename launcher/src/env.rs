@@ -133,15 +133,13 @@ pub fn worker_env(
     env.push(("RSRUN_JOB_ID".into(), (&plan.job_id).into()));
     env.push(("RSRUN_ROUND".into(), a.round.to_string().into()));
     env.push(("RSRUN_NODE_ID".into(), (&a.node_id).into()));
-    if a.rdzv_endpoint.is_some()
-        && let Some(tf) = &plan.token_file
-    {
-        env.push((TOKEN_FILE_VAR.into(), tf.as_os_str().to_owned()));
-    }
-    if a.rdzv_endpoint.is_some()
-        && let Some(ca) = &plan.tls_ca
-    {
-        env.push((TLS_CA_VAR.into(), ca.as_os_str().to_owned()));
+    // Always set, empty when this job has none (the worker runtime reads empty as unset): a
+    // worker inherits rsrun's whole environment, and a token file or CA exported there (or
+    // set for an outer rsrun's job) would otherwise be used against this job's service.
+    let endpoint = a.rdzv_endpoint.is_some();
+    for (var, path) in [(TOKEN_FILE_VAR, &plan.token_file), (TLS_CA_VAR, &plan.tls_ca)] {
+        let value = path.as_ref().filter(|_| endpoint).map(|p| p.as_os_str().to_owned()).unwrap_or_default();
+        env.push((var.into(), value));
     }
     env
 }
@@ -204,7 +202,9 @@ mod tests {
         assert_eq!(get("RSRUN_ROUND"), Some("3"));
         assert_eq!(get("RSRUN_NODE_ID"), Some("n1"));
         assert_eq!(get("CUDA_VISIBLE_DEVICES"), None);
-        assert_eq!(get("RSRUN_TLS_CA"), None);
+        // Set empty (unset for the worker runtime): an inherited value must not reach workers.
+        assert_eq!(get("RSRUN_TLS_CA"), Some(""));
+        assert_eq!(get("RSRUN_TOKEN_FILE"), Some(""));
     }
 
     #[test]

@@ -73,8 +73,16 @@ impl EngineStore {
         }
     }
 
-    /// Wraps an existing store client (its channel must belong to a live runtime).
+    /// Wraps an existing store client (its channel must belong to a live multi-thread runtime:
+    /// the engine's calls block their thread until the client's task answers).
+    ///
+    /// # Errors
+    /// Called inside a current-thread runtime ([`WorkerError::CurrentThreadRuntime`]: its client
+    /// could only answer on the thread the engine blocks); the store's runtime cannot start.
     pub fn from_client(store: StoreClient) -> Result<Self, WorkerError> {
+        if tokio::runtime::Handle::try_current().is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread) {
+            return Err(WorkerError::CurrentThreadRuntime);
+        }
         let rt = store_runtime()?;
         Ok(EngineStore { store, rt: Some(rt) })
     }
@@ -156,6 +164,11 @@ mod tests {
         for h in handles {
             assert!(h.join().unwrap().iter().all(|x| *x == 3.0));
         }
+        // A client of a current-thread runtime is refused: the engine's blocking calls would
+        // stall the thread its connection runs on (every call then timed out).
+        let single = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let refused = single.block_on(async { EngineStore::from_client(store.clone()).err() });
+        assert!(matches!(refused, Some(WorkerError::CurrentThreadRuntime)), "{refused:?}");
         drop(srv);
     }
 }

@@ -86,6 +86,14 @@ pub enum WorkerError {
     /// A store client was asked for outside a tokio runtime.
     #[error("the store client needs a tokio runtime: call it from async code (or inside Runtime::block_on / enter)")]
     NoRuntime,
+    /// A client of a current-thread tokio runtime was wrapped for the engine, whose blocking
+    /// calls would stall the one thread that runs the client's connection.
+    #[error(
+        "EngineStore::from_client inside a current-thread tokio runtime: the engine's blocking store calls would stall \
+         the thread that runs the client's connection; use EngineStore::new (it runs its own client) or a \
+         multi-thread runtime"
+    )]
+    CurrentThreadRuntime,
 }
 
 /// The variables [`WorkerContext::from_vars`] reads as text.
@@ -289,6 +297,18 @@ impl WorkerContext {
                 expected: format!("at most WORLD_SIZE={world_size} nodes (every node runs a rank)"),
             });
         }
+        if get("GROUP_WORLD_SIZE").is_some() && local_world_size.saturating_add(num_nodes - 1) > world_size {
+            // This node runs LOCAL_WORLD_SIZE ranks and every other node at least one.
+            return Err(WorkerError::BadVar {
+                name: "WORLD_SIZE",
+                value: world_size.to_string(),
+                expected: format!(
+                    "at least LOCAL_WORLD_SIZE={local_world_size} + {} (this node's ranks and one on each other of \
+                     GROUP_WORLD_SIZE={num_nodes} nodes)",
+                    num_nodes - 1
+                ),
+            });
+        }
         // Invariant: number() returns at most u16::MAX here.
         let master_port = number(get, "MASTER_PORT", "a TCP port", 1, u16::MAX.into()).map(|p| u16::try_from(p).unwrap_or(u16::MAX))?;
         let master_addr = required(get, "MASTER_ADDR")?;
@@ -369,7 +389,9 @@ impl WorkerContext {
         }
         cfg.tls_ca = self.tls_ca.clone();
         let client = RdzvClient::connect(cfg)?;
-        Ok(client.store(&self.job_id, self.round.unwrap_or(0)))
+        // (Fields are public: an endpoint set by hand without a round must not mean round 0.)
+        let round = self.round.ok_or(WorkerError::MissingVar { name: "RSRUN_ROUND" })?;
+        Ok(client.store(&self.job_id, round))
     }
 
     /// Waits until every rank of the job reached barrier `name`.
@@ -433,12 +455,19 @@ impl WorkerContext {
             // communicator needs a new name. Retried while the service is unreachable (a restart,
             // a failover), up to `timeout` like the other ranks' wait (one call retries for the
             // RPC timeout only): publishing the same bytes again is answered as the first.
+            // (`Duration::MAX` means "as long as it takes": the client's longest wait, a day.)
+            let timeout = timeout.min(rsrun_rendezvous::client::MAX_WAIT);
             let publish = async move {
                 let deadline = tokio::time::Instant::now() + timeout;
                 tokio::time::timeout_at(deadline, async {
                     loop {
                         match store.publish_unique_id(&key, &node, rank, &id).await {
-                            Err(e) if e.is_retryable() && tokio::time::Instant::now() < deadline => {
+                            // A daemon that accepts but does not answer (busy, failing over)
+                            // times one call out: tried again too, while time is left.
+                            Err(e)
+                                if (e.is_retryable() || matches!(e, RdzvError::Timeout(_)))
+                                    && tokio::time::Instant::now() < deadline =>
+                            {
                                 tokio::time::sleep(Duration::from_millis(200)).await;
                             }
                             other => return other,
@@ -505,6 +534,9 @@ impl WorkerContext {
         let previous = std::panic::take_hook();
         // The first panic of another thread than main: (its message, its backtrace).
         let first: OnceLock<(String, String)> = OnceLock::new();
+        // Whether the main thread's panic was written: what panics after it elsewhere (a thread
+        // whose channel the unwinding main thread dropped) is a consequence, and keeps off.
+        let main_reported = std::sync::atomic::AtomicBool::new(false);
         std::panic::set_hook(Box::new(move |info| {
             let thread = std::thread::current();
             let main = thread.name() == Some("main");
@@ -520,8 +552,9 @@ impl WorkerContext {
                     ),
                     None => (message, backtrace),
                 };
+                main_reported.store(true, std::sync::atomic::Ordering::SeqCst);
                 let _ = write_error_file(&path, &message, Some(&backtrace));
-            } else if first.get().is_none() {
+            } else if first.get().is_none() && !main_reported.load(std::sync::atomic::Ordering::SeqCst) {
                 let name = thread.name().map_or_else(|| format!("{:?}", thread.id()), |n| format!("'{n}'"));
                 let backtrace = std::backtrace::Backtrace::force_capture().to_string();
                 let entry = (format!("{message} (thread {name})"), backtrace);
@@ -550,13 +583,17 @@ pub fn write_error_file(path: &Path, message: &str, traceback: Option<&str>) -> 
     let traceback = traceback.as_deref();
     let message = message.as_ref();
     let timestamp = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    // torchrun's failure summary shows `py_callstack` alone whenever the key is there, and the
+    // message only when it is not: so the key is left out without a traceback, and a traceback
+    // ends with the message, as Python's (`Traceback ... ValueError: bad`) does.
+    let mut extra = serde_json::json!({ "timestamp": timestamp.to_string() });
+    if let Some(tb) = traceback {
+        extra["py_callstack"] = serde_json::Value::String(format!("{}\n{message}", tb.trim_end()));
+    }
     let body = serde_json::json!({
         "message": {
             "message": message,
-            "extraInfo": {
-                "py_callstack": traceback.unwrap_or(""),
-                "timestamp": timestamp.to_string(),
-            }
+            "extraInfo": extra,
         }
     });
     let io = |source| WorkerError::Io { path: path.to_owned(), source };
@@ -868,6 +905,8 @@ mod tests {
             (&[("RSRUN_ROUND", Some("x"))], "RSRUN_ROUND=\"x\" is malformed: expected the rendezvous round"),
             (&[("RANK", Some("0"))], "LOCAL_RANK=\"1\" is malformed: expected at most RANK=0"),
             (&[("GROUP_WORLD_SIZE", Some("5"))], "GROUP_WORLD_SIZE=\"5\" is malformed: expected at most WORLD_SIZE=4 nodes"),
+            // Four ranks here and one more node: at least five ranks.
+            (&[("LOCAL_WORLD_SIZE", Some("4"))], "WORLD_SIZE=\"4\" is malformed: expected at least LOCAL_WORLD_SIZE=4 + 1 (this node's ranks"),
             // Unset LOCAL_WORLD_SIZE is not blamed for LOCAL_RANK.
             (&[("LOCAL_WORLD_SIZE", None), ("LOCAL_RANK", Some("4"))], "LOCAL_RANK=\"4\" is malformed: expected a value below WORLD_SIZE=4"),
             // Without GROUP_WORLD_SIZE, an impossible GROUP_RANK is blamed, not a made-up node count.
@@ -972,6 +1011,9 @@ mod tests {
         // The main thread's panic ends the process: it replaces a panic another thread had (one
         // the program may have caught and handled).
         let _ = std::thread::Builder::new().name("main".into()).spawn(|| panic!("the end")).unwrap().join();
+        // A thread that panics after it (its channel dropped by main's unwinding) is a
+        // consequence: main's report stays.
+        let _ = std::thread::spawn(|| panic!("after the end")).join();
         std::panic::set_hook(before);
         assert!(message().starts_with("panic: the end at "), "{}", message());
         // ... and keeps the earlier panic as the one before it (the cause, when main unwrapped a
@@ -994,10 +1036,16 @@ mod tests {
     fn error_file_schema() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("a/error.json");
-        write_error_file(&path, "panic: boom", Some("frame 0")).unwrap();
+        write_error_file(&path, "panic: boom", Some("frame 0\n")).unwrap();
         let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
         assert_eq!(v["message"]["message"], "panic: boom");
-        assert_eq!(v["message"]["extraInfo"]["py_callstack"], "frame 0");
+        // torchrun shows the callstack alone when there is one: it ends with the message.
+        assert_eq!(v["message"]["extraInfo"]["py_callstack"], "frame 0\npanic: boom");
         assert!(v["message"]["extraInfo"]["timestamp"].as_str().unwrap().parse::<u64>().is_ok());
+        // Without a traceback the key is absent, so torchrun shows the message (not a blank).
+        write_error_file(&path, "loss is NaN", None).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+        assert_eq!(v["message"]["message"], "loss is NaN");
+        assert!(v["message"]["extraInfo"].get("py_callstack").is_none(), "{v}");
     }
 }
