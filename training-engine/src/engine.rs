@@ -325,6 +325,59 @@ fn with_ref<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> EngineResult<R> {
     Ok(f(&v))
 }
 
+/// What every rank's engine must be built with alike: everything in `cfg` that shapes the
+/// numerics or the sequence of collectives (not the seed, whose rank 0 value is broadcast, nor
+/// the offload tier, a rank's own memory matter), and the model's units.
+fn config_fingerprint(cfg: &EngineConfig, specs: &[crate::layout::UnitSpec]) -> String {
+    let units: Vec<String> = specs.iter().map(|u| format!("{}{:?}", u.name, u.params)).collect();
+    format!(
+        "strategy={} optimizer={:?} schedule={:?} clip_grad_norm={:?} buckets={}/{} max_live_units={} precision={:?} \
+         reduce_dtype={:?} model=[{}]",
+        cfg.strategy,
+        cfg.optimizer,
+        cfg.schedule,
+        cfg.clip_grad_norm,
+        cfg.bucket_cap_bytes,
+        cfg.first_bucket_bytes,
+        cfg.max_live_units,
+        cfg.precision,
+        cfg.reduce_dtype,
+        units.join(", ")
+    )
+}
+
+/// The first collective of [`Engine::new`]: every rank learns whether any rank refused its
+/// configuration (else the others waited out the op timeout in the first broadcast, told
+/// nothing), and whether the ranks' configurations differ (a different learning rate on one
+/// DDP rank trained replicas that drift apart without an error).
+fn agree_on_config(
+    pg: &ProcessGroup,
+    cfg: &EngineConfig,
+    specs: &[crate::layout::UnitSpec],
+    checked: EngineResult<()>,
+) -> EngineResult<()> {
+    if pg.world_size() == 1 {
+        return checked;
+    }
+    let desc = config_fingerprint(cfg, specs);
+    let h = i64::from(crc32fast::hash(desc.as_bytes()));
+    // One all-reduce: any refusal, and both extremes of the fingerprint (max of h and of -h).
+    let mut v = [i64::from(checked.is_err()), h, -h];
+    pg.all_reduce(&mut v, ReduceOp::Max)?;
+    checked?;
+    if v[0] != 0 {
+        return Err(EngineError::Config("the engine's configuration was refused on another rank (its error names the cause)".into()));
+    }
+    if v[1] != -v[2] {
+        return Err(EngineError::Config(format!(
+            "the ranks' engine configurations differ: every rank must build its engine with the same configuration and \
+             model; rank {}'s is {desc}",
+            pg.rank()
+        )));
+    }
+    Ok(())
+}
+
 impl<M: UnitModel> Engine<M> {
     /// Builds the engine: lays the model out, initialises every unit from the seed, broadcasts
     /// it from rank 0 (so replicas agree whatever their seed), keeps this rank's part, and
@@ -337,14 +390,17 @@ impl<M: UnitModel> Engine<M> {
         let world = pg.world_size();
         let _span = info_span!("engine_new", rank, strategy = %cfg.strategy).entered();
         crate::kernels::tune_allocator();
-        if let Some(e) = crate::native::isa::Isa::env_error() {
-            return Err(EngineError::Config(e));
-        }
-        if cfg.max_live_units == 0 {
-            return Err(EngineError::Config("max_live_units must be at least 1".into()));
-        }
-        model.check().map_err(|e| EngineError::Config(format!("model: {e}")))?;
-        check_training_config(&cfg).map_err(EngineError::Config)?;
+        let checked = (|| {
+            if let Some(e) = crate::native::isa::Isa::env_error() {
+                return Err(EngineError::Config(e));
+            }
+            if cfg.max_live_units == 0 {
+                return Err(EngineError::Config("max_live_units must be at least 1".into()));
+            }
+            model.check().map_err(|e| EngineError::Config(format!("model: {e}")))?;
+            check_training_config(&cfg).map_err(EngineError::Config)
+        })();
+        agree_on_config(&pg, &cfg, &model.specs(), checked)?;
         let strategy = cfg.strategy;
         if strategy.is_hybrid() {
             // Shards live within a host and replicas across hosts: every host needs the same
@@ -541,7 +597,8 @@ impl<M: UnitModel> Engine<M> {
     /// Payload bytes this rank sent over all its groups since the engine was built (or the
     /// last [`Engine::reset_traffic`]): the init broadcast is excluded.
     pub fn bytes_sent(&self) -> u64 {
-        self.bytes_sent_total() - self.traffic_base
+        // (Saturating: a clone of the process group may have reset the shared counters.)
+        self.bytes_sent_total().saturating_sub(self.traffic_base)
     }
 
     /// Restarts [`Engine::bytes_sent`] at zero.

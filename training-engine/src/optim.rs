@@ -48,7 +48,8 @@ impl TileOptimizer for AdamW {
     }
 
     fn step_tile(&self, p: &StepParams, param: &mut [f32], grad: &[f32], state: &mut [&mut [f32]]) {
-        let t = p.step as i32;
+        // Past i32::MAX steps beta^t is 0 already: saturating is exact (a cast would wrap).
+        let t = i32::try_from(p.step).unwrap_or(i32::MAX);
         let decay = (1.0 - p.lr * self.weight_decay) as f32;
         let w1 = (1.0 - self.beta1) as f32;
         let b2 = self.beta2 as f32;

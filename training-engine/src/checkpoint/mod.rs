@@ -69,6 +69,10 @@ use crate::layout::{FlatLayout, ShardState, Strategy, UnitLayout};
 use format::{MAGIC, PREFIX};
 use fsutil::{commit_tmp, create_tmp, exchange, io, sync_dir, write_atomic};
 
+/// The largest step a checkpoint may record: an optimizer's bias correction takes the step as
+/// an `i32`, and a run of two billion steps is a damaged file, not a run.
+pub const MAX_STEP: u64 = i32::MAX as u64;
+
 /// Name of the pointer file in the checkpoint root.
 pub const LATEST: &str = "latest";
 /// Name of the metadata file in a checkpoint directory.
@@ -828,6 +832,12 @@ pub fn read_metadata(dir: &Path) -> Result<Metadata, CheckpointError> {
         return Err(CheckpointError::Corrupt {
             path,
             reason: format!("checksum mismatch (metadata says {want:#010x}, its fields give {:#010x}): changed after it was written", meta.crc()),
+        });
+    }
+    if meta.step > MAX_STEP {
+        return Err(CheckpointError::Corrupt {
+            path,
+            reason: format!("step {}: expected at most {MAX_STEP}", meta.step),
         });
     }
     if let Some(scale) = meta.loss_scale

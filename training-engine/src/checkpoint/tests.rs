@@ -405,7 +405,7 @@ fn inconsistent_parameter_table_is_named_not_a_panic() {
     let good = std::fs::read(dir.join(METADATA)).unwrap();
     let out = tmp.path().join("model.safetensors");
     type Edit = fn(&mut Metadata);
-    let cases: [(&str, Edit); 7] = [
+    let cases: [(&str, Edit); 8] = [
         ("offset 8, expected 15", |m| m.units[0].params[1].offset = 8),
         ("numel 16 for shape [4, 5]", |m| m.units[1].params[0].shape = vec![4, 5]),
         ("numel 23, its parameters hold 22", |m| m.units[0].numel = 23),
@@ -423,6 +423,8 @@ fn inconsistent_parameter_table_is_named_not_a_panic() {
             m.units[2].params[0].numel = usize::MAX;
         }),
         ("state_slots 18446744073709551615: expected at most 8", |m| m.state_slots = usize::MAX),
+        // AdamW's bias correction takes the step as an i32: a wrapped one made the weights NaN.
+        ("step 2147483648: expected at most 2147483647", |m| m.step = 1 << 31),
     ];
     for (want, edit) in cases {
         edit_metadata(&dir, edit);

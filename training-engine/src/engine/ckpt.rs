@@ -69,6 +69,9 @@ impl<M: UnitModel> Engine<M> {
         // in the gather.
         let checked = self.check_shard_state(&s);
         self.agree(checked, "shard state check")?;
+        // Shards of different steps would install without complaint: DDP replicas from
+        // different weights, ZeRO shards with different bias corrections.
+        self.agree_on_resume_point(None, s.step, 0)?;
         let installed = self.install_shard_state(s);
         let r = self.agree(installed, "shard state install").and_then(|()| self.gather_installed_params());
         self.broken_by(r, "loading a shard state")
@@ -312,7 +315,7 @@ impl<M: UnitModel> Engine<M> {
         self.agree(opened.as_ref().map(drop).map_err(Clone::clone), "checkpoint load")?;
         let (dir, l, batches, mut first) = opened?;
         let progress = l.progress().clone();
-        self.agree_on_resume_point(&dir, l.step(), &progress)?;
+        self.agree_on_resume_point(Some(&dir), l.step(), progress.data_position)?;
         // Installing the shard writes the offload tiers (ENOSPC, EIO): a rank that failed there
         // must not leave the others in the gather, and after it no rank's model is whole.
         let installed = (|| -> EngineResult<()> {
@@ -341,17 +344,31 @@ impl<M: UnitModel> Engine<M> {
     /// DDP's replicas train from different weights, ZeRO mixes shards of two steps, and the loops
     /// start at different steps so the collectives no longer pair. Collective; the error is the
     /// same on every rank.
-    fn agree_on_resume_point(&self, dir: &Path, step: u64, progress: &Progress) -> EngineResult<()> {
+    ///
+    /// `dir` is the checkpoint loaded, `None` for a shard state handed to
+    /// [`Engine::load_shard_state`] (no data position: only the steps must match).
+    fn agree_on_resume_point(&self, dir: Option<&Path>, step: u64, data_position: u64) -> EngineResult<()> {
         if self.world == 1 {
             return Ok(());
         }
-        // Both fit an i64 (and so does their negation): a step or position past 2^63 is refused.
+        // Saturated to fit an i64 (and so does their negation); a checkpoint's step is at most
+        // `checkpoint::MAX_STEP` anyway.
         let as_i64 = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
-        let (step, position) = (as_i64(step), as_i64(progress.data_position));
+        let (step, position) = (as_i64(step), as_i64(data_position));
         // One all-reduce gives both extremes: the maximum of v and of −v.
         let mut v = [step, position, -step, -position];
         self.pg.all_reduce(&mut v, ReduceOp::Max)?;
         let (steps, positions) = ((-v[2], v[0]), (-v[3], v[1]));
+        let Some(dir) = dir else {
+            if steps.0 != steps.1 {
+                return Err(EngineError::Checkpoint(format!(
+                    "the ranks' shard states are of different steps: this rank's is of step {step}, and the ranks' \
+                     range over {}..={}; every rank must load its shard of the same state",
+                    steps.0, steps.1
+                )));
+            }
+            return Ok(());
+        };
         if steps.0 != steps.1 || positions.0 != positions.1 {
             return Err(EngineError::Checkpoint(format!(
                 "the ranks loaded different checkpoints: this rank loaded {} (step {step}, data position {position}), and \

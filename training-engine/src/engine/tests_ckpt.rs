@@ -378,3 +378,82 @@ fn checkpoint_loads_a_batch_of_units_at_a_time() {
         assert_eq!(r.state.step, 0);
     }
 }
+
+/// Shard states of different steps fail `load_shard_state` on every rank instead of installing
+/// (DDP replicas from different weights, ZeRO shards with different bias corrections).
+#[test]
+fn shard_states_of_different_steps_fail_on_every_rank() {
+    let saved = run(Run { world: 2, cfg: cfg(Strategy::Zero2), steps: 0..1, micro: 1, load: None, save: None });
+    let store = Arc::new(LocalStore::new());
+    let errors: Vec<String> = std::thread::scope(|s| {
+        let handles: Vec<_> = saved
+            .iter()
+            .enumerate()
+            .map(|(rank, r)| {
+                let (store, mut state) = (store.clone(), r.state.clone());
+                s.spawn(move || {
+                    if rank == 1 {
+                        state.step = 7;
+                    }
+                    let pg = ProcessGroup::new(rank, 2, store, "steps", CommOptions::default()).unwrap();
+                    let mut e = Engine::new(Gpt::new(tiny()), cfg(Strategy::Zero2), pg).unwrap();
+                    let err = e.load_shard_state(state).unwrap_err().to_string();
+                    // Refused before anything changed: the engine still trains.
+                    let b = Batch::from_rows(&rank_rows(&global_batch(3, 0, GLOBAL_B, tiny().seq, 256), rank, 2)).unwrap();
+                    e.train_step(&[b]).unwrap();
+                    err
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for e in errors {
+        assert!(e.contains("shard states are of different steps") && e.contains("range over 1..=7"), "{e}");
+    }
+}
+
+/// Ranks built with different configurations fail `Engine::new` on every rank (a different
+/// learning rate on one DDP rank trained replicas that drifted apart without an error), and a
+/// configuration one rank refuses fails the others at once, instead of leaving them in the
+/// first broadcast until the op timeout.
+#[test]
+fn ranks_with_different_configurations_fail_together() {
+    let build = |edit: fn(usize, &mut EngineConfig)| -> Vec<String> {
+        let store = Arc::new(LocalStore::new());
+        std::thread::scope(|s| {
+            let handles: Vec<_> = (0..2)
+                .map(|rank| {
+                    let store = store.clone();
+                    s.spawn(move || {
+                        let mut c = cfg(Strategy::Ddp);
+                        edit(rank, &mut c);
+                        let pg = ProcessGroup::new(rank, 2, store, "cfg", CommOptions::default()).unwrap();
+                        Engine::new(Gpt::new(tiny()), c, pg).err().map(|e| e.to_string()).unwrap_or_default()
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    };
+    let errs = build(|rank, c| {
+        if rank == 1
+            && let OptimizerConfig::AdamW(a) = &mut c.optimizer
+        {
+            a.lr = 1e-3;
+        }
+    });
+    for (rank, e) in errs.iter().enumerate() {
+        assert!(e.contains("the ranks' engine configurations differ") && e.contains(&format!("rank {rank}'s is strategy=ddp")), "{e}");
+    }
+    assert!(errs[1].contains("lr: 0.001") && errs[0].contains("lr: 0.01"), "{errs:?}");
+    let errs = build(|rank, c| {
+        if rank == 1 {
+            c.max_live_units = 0;
+        }
+    });
+    assert!(errs[1].contains("max_live_units must be at least 1"), "{errs:?}");
+    assert!(errs[0].contains("refused on another rank"), "{errs:?}");
+    // The seed may differ (rank 0's initialisation is broadcast).
+    let errs = build(|rank, c| c.seed = rank as u64);
+    assert!(errs.iter().all(String::is_empty), "{errs:?}");
+}

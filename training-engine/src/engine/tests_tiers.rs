@@ -278,3 +278,16 @@ fn f16_loss_scaling_skips_overflowing_steps() {
     r.load_checkpoint(dir.path()).unwrap();
     assert_eq!(r.scaler, e.scaler);
 }
+
+/// The scale never grows to infinity (every step would then overflow, and halving inf never
+/// gets it back), and a good-step count loaded at its maximum does not overflow.
+#[test]
+fn loss_scale_growth_stops_short_of_infinity() {
+    let mut sc = LossScaler { scale: f32::MAX / 1.5, growth_interval: 1, good_steps: 0, min_scale: 1.0 };
+    sc.update(true);
+    assert_eq!(sc.scale, f32::MAX / 1.5, "a doubling past f32::MAX is skipped");
+    assert_eq!(sc.good_steps, 0);
+    let mut sc = LossScaler { good_steps: u32::MAX, ..LossScaler::default() };
+    sc.update(true);
+    assert_eq!((sc.scale, sc.good_steps), (131072.0, 0));
+}

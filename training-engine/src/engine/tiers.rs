@@ -272,9 +272,13 @@ impl LossScaler {
     /// `growth_interval` good steps.
     pub fn update(&mut self, finite: bool) {
         if finite {
-            self.good_steps += 1;
+            self.good_steps = self.good_steps.saturating_add(1);
             if self.good_steps >= self.growth_interval {
-                self.scale *= 2.0;
+                // As PyTorch's GradScaler: a scale that would overflow stays (an infinite one
+                // would make every step overflow, and halving inf never gets it back).
+                if (self.scale * 2.0).is_finite() {
+                    self.scale *= 2.0;
+                }
                 self.good_steps = 0;
             }
         } else {
