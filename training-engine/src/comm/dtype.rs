@@ -366,6 +366,20 @@ pub(crate) unsafe fn fold_bytes_raw(
 
 /// `acc = acc op x` elementwise.
 pub(crate) fn fold_into(dt: DType, op: ReduceOp, acc: &mut [u8], x: &[u8]) -> Result<()> {
+    fold_pair(dt, op, acc, x, None)
+}
+
+/// `acc = (acc + x) / n` for [`ReduceOp::Avg`] (the sum taken in f32 for 16-bit floats and
+/// rounded once, so two f16 values whose sum passes 65504 still average right), `acc = acc ⊕ x`
+/// for the other ops.
+pub(crate) fn fold_into_avg(dt: DType, op: ReduceOp, acc: &mut [u8], x: &[u8], n: usize) -> Result<()> {
+    match op {
+        ReduceOp::Avg => fold_pair(dt, ReduceOp::Sum, acc, x, Some(n)),
+        _ => fold_pair(dt, op, acc, x, None),
+    }
+}
+
+fn fold_pair(dt: DType, op: ReduceOp, acc: &mut [u8], x: &[u8], avg_n: Option<usize>) -> Result<()> {
     if acc.len() != x.len() {
         return Err(CommError::InvalidArgument(format!(
             "reduce operands differ in length: {} vs {} bytes",
@@ -375,7 +389,14 @@ pub(crate) fn fold_into(dt: DType, op: ReduceOp, acc: &mut [u8], x: &[u8]) -> Re
     }
     let p = acc.as_mut_ptr();
     // SAFETY: both slices are valid for their length; `out` aliases exactly source 0.
-    unsafe { fold_bytes_raw(dt, op, p, &[p as *const u8, x.as_ptr()], acc.len(), None) }
+    unsafe { fold_bytes_raw(dt, op, p, &[p as *const u8, x.as_ptr()], acc.len(), avg_n) }
+}
+
+/// Whether a staged average over `dt` (a ring, or the hierarchical stages, which fold partial
+/// sums in the element type) scales every input by `1/n` first and then sums, as NCCL's
+/// PreMulSum does: for f16, whose partial sums overflow (past 65504) where the mean does not.
+pub(crate) fn premultiplies_avg(dt: DType) -> bool {
+    dt == DType::F16
 }
 
 /// `out = fold(srcs in order)`, with the average applied once at the end when `avg_n` is given.

@@ -7,7 +7,7 @@
 
 use std::time::Instant;
 
-use super::dtype::{ReduceOp, divide};
+use super::dtype::{ReduceOp, divide, premultiplies_avg};
 use super::error::{CommError, Result};
 use super::op::{OpHeader, OpKind, Traffic};
 use super::shm::ShmBackend;
@@ -92,7 +92,12 @@ impl Backend for HierBackend {
         if self.ctx.opts.deterministic {
             return self.flat.all_reduce(h, buf, op, t);
         }
-        // Avg must divide by the whole group: sum in the stages, divide once at the end.
+        // Avg must divide by the whole group: sum in the stages, divide once at the end; for
+        // f16, whose partial sums overflow where the mean does not, divide each input first.
+        let pre = op == ReduceOp::Avg && premultiplies_avg(h.dtype);
+        if pre {
+            divide(h.dtype, buf, self.ctx.world)?;
+        }
         let stage_op = if op == ReduceOp::Avg {
             ReduceOp::Sum
         } else {
@@ -118,7 +123,7 @@ impl Backend for HierBackend {
         if let Some(l) = &mut self.local {
             l.broadcast(&sub_header(h, OpKind::Broadcast), buf, 0, t)?;
         }
-        if op == ReduceOp::Avg {
+        if op == ReduceOp::Avg && !pre {
             divide(h.dtype, buf, self.ctx.world)?;
         }
         Ok(())

@@ -125,6 +125,12 @@ impl<'a> RecvOp<'a> {
     }
 }
 
+/// The store key under which rank `rank` of the group `prefix` publishes why it aborted
+/// (`"<origin>\n<error>"`), read by its peers on either backend.
+pub(crate) fn abort_key(prefix: &str, rank: usize) -> String {
+    format!("{prefix}/abort/{rank}")
+}
+
 /// Frames `body` with its length.
 pub(crate) fn frame(body: &[u8]) -> Vec<u8> {
     let mut v = Vec::with_capacity(body.len() + 8);
@@ -527,7 +533,7 @@ impl Mesh {
         detail: String,
         grace: Duration,
     ) -> CommError {
-        let key = format!("{}/abort/{peer}", self.ctx.prefix);
+        let key = abort_key(&self.ctx.prefix, peer);
         let wait = grace.min(self.ctx.opts.timeout);
         if let Ok(Some(v)) = try_get(&*self.ctx.store, &key, wait) {
             let s = String::from_utf8_lossy(&v).to_string();
@@ -554,7 +560,7 @@ impl Mesh {
         }
         self.aborted = true;
         let origin = err.peer().unwrap_or(self.ctx.names[self.ctx.rank]);
-        let key = format!("{}/abort/{}", self.ctx.prefix, self.ctx.rank);
+        let key = abort_key(&self.ctx.prefix, self.ctx.rank);
         // Best effort: the store may itself be gone.
         let _ = self
             .ctx

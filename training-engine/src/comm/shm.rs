@@ -166,10 +166,15 @@ fn create_segment_file(tag: &str, len: usize, reserve: bool) -> Result<(std::fs:
         .open(&path)
         .map_err(|e| CommError::io(format!("creating {}", path.display()), e))?;
     let sized = if reserve {
-        // SAFETY: a valid descriptor we own; the call only allocates file space.
-        match unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) } {
-            0 => Ok(()),
-            e => Err(std::io::Error::from_raw_os_error(e)),
+        // tmpfs's fallocate stops with EINTR when a signal arrives (a forwarded SIGUSR1 while a
+        // worker starts), and is not restarted: try again, rather than take it for a full disk.
+        loop {
+            // SAFETY: a valid descriptor we own; the call only allocates file space.
+            match unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) } {
+                0 => break Ok(()),
+                libc::EINTR => continue,
+                e => break Err(std::io::Error::from_raw_os_error(e)),
+            }
         }
     } else {
         file.set_len(len as u64)
@@ -358,6 +363,7 @@ impl ShmBackend {
     /// Creates or attaches the group's segment by `deadline` (the bootstrap's). `with_p2p` also
     /// connects a TCP mesh for send/recv, by the same deadline.
     pub(crate) fn new(ctx: &Ctx, with_p2p: bool, deadline: Instant) -> Result<Self> {
+        const SEGMENT_FAILED: &str = "error";
         let (rank, world) = (ctx.rank, ctx.world);
         let boot_err = |reason: String| CommError::Bootstrap {
             prefix: ctx.prefix.clone(),
@@ -370,7 +376,15 @@ impl ShmBackend {
         let (map, path) = if rank == 0 {
             // Reserved, not sparse: a full /dev/shm (Docker's 64 MiB) is an error here, not a
             // SIGBUS at the first touch of a page.
-            let (file, path) = create_segment_file("comm", len, true)?;
+            let (file, path) = match create_segment_file("comm", len, true) {
+                Ok(made) => made,
+                Err(e) => {
+                    // Told to the other ranks at once (best effort), who otherwise waited out
+                    // the bootstrap for a name, and then blamed the store key.
+                    let _ = ctx.store.set(&name_key, format!("{SEGMENT_FAILED}\n{e}").as_bytes());
+                    return Err(e);
+                }
+            };
             let made = map_file(&file, len).and_then(|map| {
                 // SAFETY: offset 0..24 is inside the mapping, 8-aligned; nobody else has it yet.
                 unsafe {
@@ -398,6 +412,9 @@ impl ShmBackend {
             let (p, l) = v
                 .split_once('\n')
                 .ok_or_else(|| boot_err(format!("bad segment record {v:?}")))?;
+            if p == SEGMENT_FAILED {
+                return Err(boot_err(format!("rank {} could not create the shared-memory segment: {l}", ctx.names[0])));
+            }
             let l: usize = l
                 .parse()
                 .map_err(|_| boot_err(format!("bad segment length {l:?}")))?;
@@ -581,16 +598,25 @@ impl ShmBackend {
             let c = self.ctrl(j);
             if self.u32_at(c + ABORT_OFF).load(Ordering::Acquire) != 0 {
                 let origin = self.u32_at(c + ORIGIN_OFF).load(Ordering::Relaxed) as usize;
-                let detail = match self.u32_at(c + KIND_OFF).load(Ordering::Relaxed) {
-                    ABORT_DIED => "process died",
-                    ABORT_TIMEOUT => "timed out",
-                    ABORT_MISMATCH => "mismatched collective",
-                    _ => "error",
-                };
+                // The whole error, as the aborting rank published it before raising its flag
+                // (best effort: else the kind the flag carries).
+                let published = super::store::try_get(&*self.ctx.store, &super::mesh::abort_key(&self.ctx.prefix, j), Duration::ZERO)
+                    .ok()
+                    .flatten()
+                    .and_then(|v| String::from_utf8_lossy(&v).split_once('\n').map(|(_, why)| why.to_string()));
+                let detail = published.unwrap_or_else(|| {
+                    match self.u32_at(c + KIND_OFF).load(Ordering::Relaxed) {
+                        ABORT_DIED => "process died",
+                        ABORT_TIMEOUT => "timed out",
+                        ABORT_MISMATCH => "mismatched collective",
+                        _ => "error",
+                    }
+                    .to_string()
+                });
                 return Err(CommError::Aborted {
                     by: self.ctx.names[j],
                     origin,
-                    detail: detail.to_string(),
+                    detail,
                 });
             }
         }
@@ -650,17 +676,23 @@ impl ShmBackend {
             self.check_dead(op)?;
             let now = Instant::now();
             if now >= deadline {
-                // Grace period: if the late peer gave up first (blaming someone else), report that.
+                // Grace period: if the late peer gave up first (blaming someone else), report
+                // that. A peer that arrives meanwhile completes the op. (Short: a TCP mesh
+                // waiting on this rank follows who waited on whom for a second, and must see
+                // this rank's verdict within it.)
                 let grace = now + Duration::from_millis(50).min(self.ctx.opts.timeout);
                 while Instant::now() < grace {
                     self.check_aborts()?;
+                    if self.all_arrived() {
+                        return Ok(());
+                    }
                     std::thread::sleep(Duration::from_millis(5));
                 }
-                let peer = (0..self.ctx.world)
-                    .find(|j| {
-                        self.u64_at(self.ctrl(*j) + SEQ_OFF).load(Ordering::Acquire) < self.epoch
-                    })
-                    .unwrap_or(self.ctx.rank);
+                let Some(peer) = (0..self.ctx.world).find(|j| {
+                    self.u64_at(self.ctrl(*j) + SEQ_OFF).load(Ordering::Acquire) < self.epoch
+                }) else {
+                    return Ok(());
+                };
                 return Err(CommError::Timeout {
                     peer: self.ctx.names[peer],
                     op: op.to_string(),
@@ -1397,6 +1429,9 @@ impl Backend for ShmBackend {
             _ => ABORT_OTHER,
         };
         let origin = err.peer().unwrap_or(self.ctx.names[self.ctx.rank]);
+        // The whole error for the peers, before the flag they wake on (best effort: the store
+        // may itself be gone; the TCP mesh publishes the same record under the same key).
+        let _ = self.ctx.store.set(&super::mesh::abort_key(&self.ctx.prefix, self.ctx.rank), format!("{origin}\n{err}").as_bytes());
         self.u32_at(c + ORIGIN_OFF)
             .store(origin as u32, Ordering::Relaxed);
         self.u32_at(c + KIND_OFF).store(kind, Ordering::Relaxed);

@@ -136,8 +136,13 @@ impl FileStore {
     /// # Errors
     /// The directory cannot be created.
     pub fn new(dir: impl AsRef<Path>) -> Result<Self> {
+        use std::os::unix::fs::DirBuilderExt;
         let dir = dir.as_ref().to_path_buf();
-        std::fs::create_dir_all(&dir)
+        // Owner only: values include the mesh's listener tokens, which keep strangers out.
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&dir)
             .map_err(|e| CommError::io(format!("creating store directory {}", dir.display()), e))?;
         Ok(FileStore { dir })
     }
@@ -171,8 +176,20 @@ impl Store for FileStore {
             key: key.to_string(),
             reason: format!("{e}"),
         };
-        std::fs::write(&tmp, value).map_err(err)?;
-        std::fs::rename(&tmp, &path).map_err(err)?;
+        let written = {
+            use std::io::Write;
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&tmp)
+                .and_then(|mut f| f.write_all(value))
+        };
+        if let Err(e) = written.and_then(|()| std::fs::rename(&tmp, &path)) {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(err(e));
+        }
         Ok(())
     }
 
@@ -229,5 +246,13 @@ mod tests {
             b"127.0.0.1:1"
         );
         assert!(try_get(&s, "missing", Duration::ZERO).unwrap().is_none());
+        // Owner only: the values include the mesh's listener tokens.
+        use std::os::unix::fs::PermissionsExt;
+        let made = FileStore::new(d.path().join("a/b")).unwrap();
+        made.set("k", b"v").unwrap();
+        let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(made.dir()), 0o700);
+        assert_eq!(mode(&made.dir().join("k")), 0o600);
+        assert_eq!(std::fs::read_dir(made.dir()).unwrap().count(), 1, "a temporary file was left");
     }
 }

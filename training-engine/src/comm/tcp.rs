@@ -5,7 +5,7 @@
 use std::ops::Range;
 use std::time::Instant;
 
-use super::dtype::{AlignedBuf, DType, ReduceOp, divide, fold_bytes_raw, fold_into, fold_many};
+use super::dtype::{AlignedBuf, DType, ReduceOp, divide, fold_bytes_raw, fold_into, fold_into_avg, fold_many, premultiplies_avg};
 use super::error::{CommError, Result};
 use super::mesh::{Duplex, Mesh, RecvOp, SendOp};
 use super::op::{HEADER_BYTES, OpHeader, OpKind, Traffic, block_range};
@@ -155,10 +155,7 @@ impl Duplex for PairAllReduce<'_> {
         }
         if let Piece::Rs(_) = p {
             let acc = &mut self.buf[r.clone()];
-            fold_into(self.dt, self.op, acc, &self.slot[..r.len()])?;
-            if self.op == ReduceOp::Avg {
-                divide(self.dt, acc, 2)?;
-            }
+            fold_into_avg(self.dt, self.op, acc, &self.slot[..r.len()], 2)?;
             self.folded += 1;
         }
         self.inn.advance();
@@ -618,6 +615,9 @@ impl Backend for TcpBackend {
             let own_buf = own.get(mine.len());
             self.direct_reduce_scatter(h, buf, own_buf, &blocks, op, deadline, t)?;
             buf[mine].copy_from_slice(own.as_slice());
+        } else if op == ReduceOp::Avg && premultiplies_avg(h.dtype) {
+            divide(h.dtype, buf, n)?;
+            self.ring_reduce_scatter(h, buf, &blocks, ReduceOp::Sum, deadline, t)?;
         } else {
             self.ring_reduce_scatter(h, buf, &blocks, op, deadline, t)?;
             if op == ReduceOp::Avg {
@@ -646,13 +646,18 @@ impl Backend for TcpBackend {
         let mut work = std::mem::replace(&mut self.work, AlignedBuf::new());
         let w = work.get(input.len());
         w.copy_from_slice(input);
-        let res = self.ring_reduce_scatter(h, w, &blocks, op, deadline, t);
+        let pre = op == ReduceOp::Avg && premultiplies_avg(h.dtype);
+        let res = if pre {
+            divide(h.dtype, w, n).and_then(|()| self.ring_reduce_scatter(h, w, &blocks, ReduceOp::Sum, deadline, t))
+        } else {
+            self.ring_reduce_scatter(h, w, &blocks, op, deadline, t)
+        };
         if res.is_ok() {
             out.copy_from_slice(&w[blocks(r)]);
         }
         self.work = work;
         res?;
-        if op == ReduceOp::Avg {
+        if op == ReduceOp::Avg && !pre {
             divide(h.dtype, out, n)?;
         }
         Ok(())

@@ -70,8 +70,11 @@ fn mismatched_calls_are_reported_on_every_rank() {
             );
             for (rank, r) in res.into_iter().enumerate() {
                 match r.unwrap() {
-                    Err(CommError::Mismatch { .. }) | Err(CommError::Aborted { .. })
-                        if kind == BackendKind::Hierarchical => {}
+                    Err(CommError::Mismatch { .. }) if kind == BackendKind::Hierarchical => {}
+                    // A stage's peer that aborted passes on its whole error, not only its kind.
+                    Err(CommError::Aborted { detail, .. }) if kind == BackendKind::Hierarchical => {
+                        assert!(detail.contains("count="), "{kind:?} rank {rank}: {detail}")
+                    }
                     Err(CommError::Mismatch { ours, theirs, .. }) => assert_ne!(ours, theirs),
                     other => panic!(
                         "{kind:?} rank {rank} sizes {small}/{large}: expected mismatch, got {other:?}"
@@ -401,4 +404,26 @@ fn a_longer_op_timeout_holds_inside_its_scope_only() {
             }
         }
     }
+}
+
+/// Rank 0 that cannot create the shared-memory segment (a full /dev/shm) tells the others at
+/// once, naming itself and the reason, instead of leaving them to wait out the bootstrap for
+/// the segment's name.
+#[test]
+fn a_segment_rank_0_cannot_create_fails_the_others_at_once() {
+    let t0 = Instant::now();
+    let res = run_threads(
+        2,
+        |r| {
+            let mut o = opts_for(BackendKind::Shm, r);
+            // Far past any /dev/shm: the reservation fails (ENOSPC or EFBIG).
+            o.shm_chunk_bytes = 1 << 44;
+            o
+        },
+        |_pg| Ok(()),
+    );
+    let errs: Vec<String> = res.into_iter().map(|r| r.unwrap_err().to_string()).collect();
+    assert!(errs[0].contains("sizing"), "{errs:?}");
+    assert!(errs[1].contains("rank 0 could not create the shared-memory segment") && errs[1].contains("sizing"), "{errs:?}");
+    assert!(t0.elapsed() < Duration::from_secs(30), "took {:?}", t0.elapsed());
 }

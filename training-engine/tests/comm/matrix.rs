@@ -185,3 +185,41 @@ fn large_unaligned_streaming_outputs() {
         r.unwrap();
     }
 }
+
+/// An f16 average whose sum passes f16's largest value (65504) is still the mean on every
+/// backend: the TCP pair folds `(a + b) / 2` in f32, and the staged ones (the TCP ring, the
+/// hierarchical stages) scale each input by 1/n first, as NCCL's PreMulSum does. Summing
+/// first gave `inf` where the shared-memory backend gave the mean.
+#[test]
+fn f16_average_past_the_largest_sum_is_the_mean() {
+    use half::f16;
+    for kind in [BackendKind::Shm, BackendKind::Tcp, BackendKind::Hierarchical] {
+        for world in 2..=4 {
+            for len in [5, 20_003] {
+                for (r, got) in run_threads(
+                    world,
+                    |r| opts_for(kind, r),
+                    move |pg| {
+                        let mut buf = vec![f16::from_f32(30000.0 + 1000.0 * pg.rank() as f32); len];
+                        pg.all_reduce(&mut buf, ReduceOp::Avg)?;
+                        let mut out = vec![f16::ZERO; len];
+                        pg.reduce_scatter(&vec![f16::from_f32(40000.0); len * pg.world_size()], &mut out, ReduceOp::Avg)?;
+                        Ok((buf, out))
+                    },
+                )
+                .into_iter()
+                .enumerate()
+                {
+                    let (buf, out) = got.unwrap_or_else(|e| panic!("{kind:?} world {world}: {e}"));
+                    let mean = 30000.0 + 1000.0 * (world - 1) as f32 / 2.0;
+                    for x in &buf {
+                        assert!((x.to_f32() - mean).abs() <= 32.0 * world as f32, "{kind:?} world {world} len {len} rank {r}: all_reduce {x} for {mean}");
+                    }
+                    for x in &out {
+                        assert!((x.to_f32() - 40000.0).abs() <= 32.0 * world as f32, "{kind:?} world {world} len {len} rank {r}: reduce_scatter {x}");
+                    }
+                }
+            }
+        }
+    }
+}
