@@ -105,6 +105,9 @@ pub struct GroupContext<'a> {
 const TAIL_LINES: usize = 20;
 /// After SIGKILL, how long to wait for the kernel to reap before giving up on a worker.
 const KILL_WAIT: Duration = Duration::from_secs(5);
+
+/// How often a stop's grace checks whether what exited workers started is still running.
+const GROUP_POLL: Duration = Duration::from_millis(50);
 /// After the group ended, how long the log pumps get to drain the pipes.
 const DRAIN_WAIT: Duration = Duration::from_secs(2);
 /// How long the failure report waits for the workers' error files to be read.
@@ -407,6 +410,14 @@ impl<'a> Group<'a> {
                     if self.alive == 0 {
                         self.state = WorkerGroupState::Succeeded;
                         info!("worker group SUCCEEDED");
+                        if self.groups_running() {
+                            // What they left running gets SIGTERM and the grace, not SIGKILL.
+                            info!("the workers left processes running: SIGTERM, SIGKILL after the grace");
+                            for s in &self.slots {
+                                s.process.signal_group(Signal::SIGTERM);
+                            }
+                            self.wait_out(Signal::SIGTERM, grace, signals).await;
+                        }
                         self.kill_leftovers();
                         // Every leader is reaped: its group id may be reused from now on.
                         self.release_exited();
@@ -516,14 +527,48 @@ impl<'a> Group<'a> {
         for s in &self.slots {
             s.process.signal_group(sig);
         }
-        let deadline = tokio::time::Instant::now() + grace;
+        self.wait_out(sig, grace, signals).await;
+        self.kill_leftovers();
+        let deadline = tokio::time::Instant::now() + KILL_WAIT;
         while self.alive > 0 {
             tokio::select! {
                 Some((idx, status, at)) = self.exits.recv() => {
                     self.record_exit(idx, status, at);
                 }
                 _ = tokio::time::sleep_until(deadline) => {
-                    warn!(remaining = self.alive, grace = ?grace, "workers did not exit in time: SIGKILL");
+                    tracing::error!(remaining = self.alive, "workers survive SIGKILL (uninterruptible sleep?): abandoning them");
+                    break;
+                }
+            }
+        }
+        self.release_exited();
+    }
+
+    /// Whether a reaped worker's group still runs a process (what the worker started: a shell
+    /// script's `python` without `exec`, an uploader it left behind).
+    fn groups_running(&self) -> bool {
+        self.slots.iter().any(|s| s.exited.is_some() && s.process.is_armed() && s.process.group_has_running_member())
+    }
+
+    /// The grace after `sig` went to the groups: until every worker and every process its group
+    /// still runs exited (torchrun's grace is the leader's; here a worker's children get it too,
+    /// instead of a SIGKILL the moment their shell exits), or `grace` ran out.
+    async fn wait_out(&mut self, sig: Signal, grace: Duration, signals: &mut Signals) {
+        let deadline = tokio::time::Instant::now() + grace;
+        let mut poll = tokio::time::interval(GROUP_POLL);
+        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            if self.alive == 0 && !self.groups_running() {
+                break;
+            }
+            tokio::select! {
+                Some((idx, status, at)) = self.exits.recv() => {
+                    self.record_exit(idx, status, at);
+                }
+                // Only what the workers started is left: its exit is seen by polling.
+                _ = poll.tick(), if self.alive == 0 => {}
+                _ = tokio::time::sleep_until(deadline) => {
+                    warn!(remaining = self.alive, grace = ?grace, "workers (or what they started) did not exit in time: SIGKILL");
                     break;
                 }
                 (s, action) = signals.recv() => match action {
@@ -546,20 +591,6 @@ impl<'a> Group<'a> {
                 },
             }
         }
-        self.kill_leftovers();
-        let deadline = tokio::time::Instant::now() + KILL_WAIT;
-        while self.alive > 0 {
-            tokio::select! {
-                Some((idx, status, at)) = self.exits.recv() => {
-                    self.record_exit(idx, status, at);
-                }
-                _ = tokio::time::sleep_until(deadline) => {
-                    tracing::error!(remaining = self.alive, "workers survive SIGKILL (uninterruptible sleep?): abandoning them");
-                    break;
-                }
-            }
-        }
-        self.release_exited();
     }
 
     /// Releases the group of reaped worker `idx` when no process is left in it: from then on its id
@@ -976,6 +1007,34 @@ mod tests {
         sigterm_once(&signals, vec![dir.path().join("failing")], Duration::from_millis(400));
         let outcome = run_round(&plan, &mut signals, std::future::pending::<RoundEndCause>()).await;
         assert!(matches!(outcome, GroupOutcome::Signalled(Signal::SIGTERM)), "{outcome:?}");
+    }
+
+    /// What a worker started gets the stop's grace too, not a SIGKILL the moment the worker
+    /// itself exits: a shell script that runs `python train.py` without `exec` dies at once on
+    /// SIGTERM, while its python checkpoints. On success, what workers left running gets
+    /// SIGTERM and the grace as well.
+    #[tokio::test(flavor = "current_thread")]
+    async fn what_a_worker_started_gets_the_grace_too() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().display();
+        let script = format!(
+            "if [ $LOCAL_RANK = 1 ]; then while [ ! -f {d}/ready ]; do sleep 0.02; done; exit 3; fi; \
+             sh -c 'trap \"sleep 0.3; touch {d}/child_done; exit 0\" TERM; touch {d}/ready; while true; do sleep 0.05; done' & wait"
+        );
+        let plan = plan_of(2, &["--log-dir", "/dev/null", "--shutdown-timeout", "10"], &script);
+        let t0 = std::time::Instant::now();
+        let outcome = run_round(&plan, &mut Signals::none(), std::future::pending::<RoundEndCause>()).await;
+        assert!(matches!(outcome, GroupOutcome::Failed { .. }), "{outcome:?}");
+        assert!(dir.path().join("child_done").exists(), "the worker's child was killed before its SIGTERM handler ran");
+        assert!(t0.elapsed() < Duration::from_secs(8), "the grace ran out instead of ending with the child: {:?}", t0.elapsed());
+
+        let script = format!("sh -c 'trap \"touch {d}/bg_done_$LOCAL_RANK; exit 0\" TERM; while true; do sleep 0.05; done' & sleep 0.2; exit 0");
+        let plan = plan_of(2, &["--log-dir", "/dev/null", "--shutdown-timeout", "10"], &script);
+        let outcome = run_round(&plan, &mut Signals::none(), std::future::pending::<RoundEndCause>()).await;
+        assert!(matches!(outcome, GroupOutcome::Succeeded), "{outcome:?}");
+        for r in 0..2 {
+            assert!(dir.path().join(format!("bg_done_{r}")).exists(), "rank {r}'s leftover got SIGKILL without a SIGTERM");
+        }
     }
 
     /// The same while the group is stopped because the round ended elsewhere.

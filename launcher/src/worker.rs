@@ -104,6 +104,44 @@ impl WorkerProcess {
     pub fn group_exists(&self) -> bool {
         !matches!(killpg(Pid::from_raw(self.pid), None), Err(nix::errno::Errno::ESRCH))
     }
+
+    /// Whether the group has a process that is not a zombie (a zombie has exited: where rsrun
+    /// runs as PID 1 nobody may reap the orphans, and waiting for them would always take the
+    /// whole grace). Without a readable `/proc`, [`WorkerProcess::group_exists`].
+    pub fn group_has_running_member(&self) -> bool {
+        if !self.group_exists() {
+            return false;
+        }
+        let Ok(dir) = std::fs::read_dir("/proc") else { return true };
+        let mut read_any = false;
+        for e in dir.flatten() {
+            let name = e.file_name();
+            if !name.to_str().is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit())) {
+                continue;
+            }
+            // A process may exit between the listing and the read.
+            let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else { continue };
+            read_any = true;
+            if let Some((state, pgrp)) = stat_state_and_group(&stat)
+                && pgrp == self.pid
+                && !matches!(state, 'Z' | 'X')
+            {
+                return true;
+            }
+        }
+        // Nothing readable: say it runs (the grace's deadline still ends the wait).
+        !read_any
+    }
+}
+
+/// The state and process group of a `/proc/<pid>/stat` line (`pid (comm) state ppid pgrp ...`;
+/// `comm` may hold spaces and parentheses, so the fields start after the last `)`).
+fn stat_state_and_group(stat: &str) -> Option<(char, i32)> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let mut f = rest.split_ascii_whitespace();
+    let state = f.next()?.chars().next()?;
+    let _ppid = f.next()?;
+    Some((state, f.next()?.parse().ok()?))
 }
 
 impl Drop for WorkerProcess {
@@ -310,4 +348,18 @@ fn guardian_main(read_end: OwnedFd) -> ! {
     }
     // SAFETY: exit without running the parent's atexit handlers or destructors.
     unsafe { libc::_exit(0) }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::stat_state_and_group;
+
+    #[test]
+    fn stat_lines_are_read_after_the_command_name() {
+        assert_eq!(stat_state_and_group("42 (python) S 1 42 42 0 -1"), Some(('S', 42)));
+        // A command name with spaces and parentheses of its own.
+        assert_eq!(stat_state_and_group("7 (a) Z 9 (b)) Z 3 11 11 0"), Some(('Z', 11)));
+        assert_eq!(stat_state_and_group("garbage"), None);
+        assert_eq!(stat_state_and_group("1 (x) R 1 notanumber"), None);
+    }
 }
