@@ -373,12 +373,19 @@ fn job_failed(plan: &LaunchPlan, a: &RoundAssignment, root: Option<Box<WorkerFai
     Outcome { exit_code: report.exit_code(), report: Some(report) }
 }
 
-/// Waits for a signal whose action is `stop`; forwards nothing (no workers run) and drops others.
+/// Waits for a signal whose action is `stop`; forwards nothing (no workers run) and drops others,
+/// saying so for one that would have been forwarded (a preemption warning between rounds reaches
+/// no worker: a new round's workers could not have a handler for it yet, and most programs die of
+/// a SIGUSR1 they do not handle).
 async fn next_stop_signal(signals: &mut Signals) -> Signal {
     loop {
         let (sig, action) = signals.recv().await;
-        if action == SignalAction::Stop {
-            return sig;
+        match action {
+            SignalAction::Stop => return sig,
+            SignalAction::Forward => {
+                tracing::warn!(signal = %sig, "{sig} arrived while no workers run (between rounds): not passed on");
+            }
+            SignalAction::Ignore => tracing::info!(signal = %sig, "signal ignored (--signal-policy)"),
         }
     }
 }

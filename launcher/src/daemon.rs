@@ -25,7 +25,7 @@
 //! completed while this node waited (a spare) ends it with exit 0; a job that failed before this
 //! node's `Finish` ends it with the job's root cause.
 
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::SocketAddr;
 use std::time::{Duration, Instant, UNIX_EPOCH};
 
 use anyhow::{Context, bail};
@@ -103,7 +103,7 @@ impl DaemonRdzv {
                     reach::resolve(&endpoint.host, endpoint.port, plan.timeouts.join, console).await?
                 } else {
                     // A typed endpoint: a name that does not resolve is an error at once.
-                    resolve(&endpoint.host, endpoint.port).with_context(|| format!("cannot resolve the rendezvous endpoint {endpoint}"))?
+                    resolve(&endpoint.host, endpoint.port).await.with_context(|| format!("cannot resolve the rendezvous endpoint {endpoint}"))?
                 };
                 let addrs = advertised_addrs(plan, target);
                 // A launcher hosts a plain service: never when the daemon is expected to speak TLS.
@@ -152,7 +152,7 @@ impl DaemonRdzv {
                 // for the interface that reaches the first daemon that resolves.
                 let mut found = None;
                 for ep in endpoints {
-                    if let Ok(t) = resolve(&ep.host, ep.port) {
+                    if let Ok(t) = resolve(&ep.host, ep.port).await {
                         found = Some(t);
                         break;
                     }
@@ -982,12 +982,22 @@ fn static_timeout_text(st: &proto::StatusResponse, num_nodes: u32) -> String {
     )
 }
 
-fn resolve(host: &str, port: u16) -> std::io::Result<SocketAddr> {
-    (host, port)
-        .to_socket_addrs()?
-        .next()
-        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, format!("no address for {host}")))
+async fn resolve(host: &str, port: u16) -> std::io::Result<SocketAddr> {
+    // On the blocking pool and with a deadline: a resolver that does not answer (getaddrinfo
+    // retries for up to ~30 s) must not hold the runtime's thread, where signals are handled.
+    match tokio::time::timeout(RESOLVE_TIMEOUT, tokio::net::lookup_host((host, port))).await {
+        Ok(found) => found?
+            .next()
+            .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, format!("no address for {host}"))),
+        Err(_) => Err(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("resolving {host} took longer than {} s", RESOLVE_TIMEOUT.as_secs()),
+        )),
+    }
 }
+
+/// The longest a typed endpoint's name may take to resolve.
+const RESOLVE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// Whether something accepts connections at `addr` (short deadline).
 async fn listening(addr: SocketAddr) -> bool {

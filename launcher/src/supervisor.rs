@@ -522,6 +522,11 @@ impl<'a> Group<'a> {
         if !matches!(was, WorkerGroupState::Failed | WorkerGroupState::Unhealthy) {
             self.state = WorkerGroupState::Stopped;
         }
+        // Exits already reaped but not yet recorded first: their groups may be empty, and an
+        // empty group's id free for an unrelated group to take.
+        while let Ok((idx, status, at)) = self.exits.try_recv() {
+            self.record_exit(idx, status, at);
+        }
         // Exited workers' groups are signalled too (what they started), unless already empty.
         self.release_gone();
         for s in &self.slots {
