@@ -193,26 +193,34 @@ impl DataIdentity {
 
     /// Why a run with `self` cannot resume from `saved` (each difference named), or `None`.
     pub fn mismatch(&self, saved: &SavedIdentity) -> Option<String> {
-        let mut why = Vec::new();
-        let (seed, rest) = match saved {
-            SavedIdentity::SeedOnly(seed) => (*seed, None),
-            SavedIdentity::Full(d) => (d.seed, Some(d)),
-        };
-        if seed != self.seed {
-            why.push(format!("--seed {} (the checkpoint's is {seed}: another data order)", self.seed));
+        const WHOSE: &str = "the checkpoint's";
+        match saved {
+            SavedIdentity::SeedOnly(seed) => (*seed != self.seed).then(|| self.seed_differs(*seed, WHOSE)),
+            SavedIdentity::Full(d) => self.differences(d, WHOSE, "resuming would skip or repeat data"),
         }
-        if let Some(d) = rest {
-            if d.global_batch != self.global_batch {
-                why.push(format!(
-                    "a global batch of {} samples (the checkpoint's is {}: resuming would skip or repeat data; keep batch × grad-accum × ranks the same)",
-                    self.global_batch, d.global_batch
-                ));
-            }
-            if d.data != self.data {
-                why.push(format!("other data (fingerprint {:016x}, the checkpoint's is {:016x}: another --data)", self.data, d.data));
-            }
+    }
+
+    /// Each way `other` (`whose`: "the checkpoint's", "rank 3's") differs from `self`, or `None`;
+    /// `batch_harm` says what a different global batch would do.
+    pub fn differences(&self, other: &DataIdentity, whose: &str, batch_harm: &str) -> Option<String> {
+        let mut why = Vec::new();
+        if other.seed != self.seed {
+            why.push(self.seed_differs(other.seed, whose));
+        }
+        if other.global_batch != self.global_batch {
+            why.push(format!(
+                "a global batch of {} samples ({whose} is {}: {batch_harm}; keep batch × grad-accum × ranks the same)",
+                self.global_batch, other.global_batch
+            ));
+        }
+        if other.data != self.data {
+            why.push(format!("other data (fingerprint {:016x}, {whose} is {:016x}: another --data)", self.data, other.data));
         }
         (!why.is_empty()).then(|| why.join("; "))
+    }
+
+    fn seed_differs(&self, other: u64, whose: &str) -> String {
+        format!("--seed {} ({whose} is {other}: another data order)", self.seed)
     }
 }
 
@@ -329,6 +337,10 @@ mod tests {
         assert_eq!(DataIdentity::decode(&1u64.to_le_bytes()), Some(SavedIdentity::SeedOnly(1)));
         assert_eq!(other.mismatch(&SavedIdentity::SeedOnly(2)), None);
         assert_eq!(DataIdentity::decode(b"junk"), None);
+        // Between ranks: named by whose it is.
+        let why = id.differences(&other, "rank 3's", "overlap").unwrap();
+        assert!(why.contains("--seed 1 (rank 3's is 2") && why.contains("rank 3's is 32: overlap") && why.contains("rank 3's is "), "{why}");
+        assert_eq!(id.differences(&id, "rank 1's", "x"), None);
         // The fingerprint sees the length and both ends.
         let big = vec![7u8; 3 << 20];
         let mut end = big.clone();

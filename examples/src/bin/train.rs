@@ -452,6 +452,23 @@ fn run() -> anyhow::Result<()> {
     // A second, tiny group for the loop's own bookkeeping (mean loss, memory per rank), so it never
     // interleaves with the engine's collectives.
     let stats_pg = ProcessGroup::new(rank, world, place.store.clone(), &format!("train/{}/stats", place.job), opts).context("creating the stats group")?;
+    // Every rank must read the same data in the same order (each takes its own samples of every
+    // global step): a node whose copy of --data differs, or a rank with another --seed or
+    // --batch, would train on samples the others do not see, or on some twice, without an error.
+    let mine = identity.encode();
+    let mut all = vec![0u8; mine.len() * world];
+    stats_pg.all_gather(&mine[..], &mut all[..]).context("comparing the ranks' data")?;
+    for (r, theirs) in all.chunks(mine.len()).enumerate() {
+        if let Some(rsrun_examples::data::SavedIdentity::Full(other)) = rsrun_examples::data::DataIdentity::decode(theirs)
+            && let Some(why) = identity.differences(&other, &format!("rank {r}'s"), "the ranks would take overlapping or missing samples")
+        {
+            return Err(BadInput(format!(
+                "rank {rank} reads the data otherwise than rank {r}: it has {why}; every rank must pass the same --data (the same \
+                 file on a shared file system, or identical copies), --seed, --batch and --grad-accum"
+            ))
+            .into());
+        }
+    }
     let mut cfg = EngineConfig::new(strategy, OptimizerConfig::AdamW(AdamW { lr: args.lr, ..AdamW::default() }));
     cfg.seed = args.seed;
     cfg.clip_grad_norm = (args.clip > 0.0).then_some(args.clip);

@@ -218,6 +218,27 @@ fn a_resume_with_another_data_order_is_refused() {
     assert_eq!(summary_field(&String::from_utf8_lossy(&out.stdout), "resumed_from_step"), "8");
 }
 
+/// Ranks that read different data (a node's copy of --data differs; here each local rank its
+/// own file) fail at once, naming both ranks and the fingerprints, instead of training on
+/// samples the others never see.
+#[test]
+fn ranks_reading_different_data_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("data_0.txt"), vec![b'a'; 20_000]).unwrap();
+    std::fs::write(dir.path().join("data_1.txt"), vec![b'b'; 20_000]).unwrap();
+    let mut cmd = rsrun(dir.path());
+    cmd.args(["--standalone", "--nproc-per-node", "2"]).arg(bin("train")).args(MODEL).args(["--data", "data_${local_rank}.txt"]);
+    let out = KillOnDrop::spawn(&mut cmd).output_within(RUN_DEADLINE);
+    assert_ne!(code(&out.status), 0, "{}", text(&out));
+    let t = text(&out);
+    assert!(t.contains("reads the data otherwise than rank") && t.contains("other data (fingerprint"), "{t}");
+    // The same file on every rank trains.
+    let mut cmd = rsrun(dir.path());
+    cmd.args(["--standalone", "--nproc-per-node", "2"]).arg(bin("train")).args(MODEL).args(["--data", "data_0.txt"]);
+    let out = KillOnDrop::spawn(&mut cmd).output_within(RUN_DEADLINE);
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+}
+
 /// A checkpoint's data position is where the sampler resumes: one behind the checkpoint's own
 /// optimizer step is damage, and one beyond `--steps` is named as the position it is, next to
 /// the step, instead of being reported as the step.
