@@ -106,6 +106,9 @@ const TAIL_LINES: usize = 20;
 /// After SIGKILL, how long to wait for the kernel to reap before giving up on a worker.
 const KILL_WAIT: Duration = Duration::from_secs(5);
 
+/// How often the thread following an abandoned worker's group checks whether it is gone.
+const ABANDONED_POLL: Duration = Duration::from_secs(1);
+
 /// How often a stop's grace checks whether what exited workers started is still running.
 const GROUP_POLL: Duration = Duration::from_millis(50);
 /// After the group ended, how long the log pumps get to drain the pipes.
@@ -547,6 +550,31 @@ impl<'a> Group<'a> {
             }
         }
         self.release_exited();
+        self.watch_abandoned();
+    }
+
+    /// Workers that survived SIGKILL (uninterruptible sleep: a GPU driver, NFS) stay armed and
+    /// watched by the guardian; once such a group is gone at last (its leader reaped by the
+    /// runtime's orphan reaper), a thread of its own tells the guardian to forget it: its id may
+    /// then go to an unrelated group, which the guardian would SIGKILL when rsrun exits.
+    fn watch_abandoned(&self) {
+        let Some(guardian) = self.ctx.guardian else { return };
+        for s in self.slots.iter().filter(|s| s.exited.is_none() && s.process.is_armed()) {
+            let pgid = s.process.pid();
+            let Ok(g) = guardian.try_clone() else {
+                warn!(pgid, "cannot follow an abandoned worker's group: the guardian keeps it until rsrun exits");
+                continue;
+            };
+            let spawned = std::thread::Builder::new().name("rsrun-abandoned".into()).spawn(move || {
+                while crate::worker::group_exists(pgid) {
+                    std::thread::sleep(ABANDONED_POLL);
+                }
+                g.unwatch(pgid);
+            });
+            if let Err(err) = spawned {
+                warn!(pgid, %err, "cannot follow an abandoned worker's group: the guardian keeps it until rsrun exits");
+            }
+        }
     }
 
     /// Whether a reaped worker's group still runs a process (what the worker started: a shell

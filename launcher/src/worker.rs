@@ -102,7 +102,7 @@ impl WorkerProcess {
     /// Whether the group still has a process (`killpg(pgid, 0)`; `EPERM` means it has one). Once the
     /// leader is reaped and this is false, the id may be reused by an unrelated group.
     pub fn group_exists(&self) -> bool {
-        !matches!(killpg(Pid::from_raw(self.pid), None), Err(nix::errno::Errno::ESRCH))
+        group_exists(self.pid)
     }
 
     /// Whether the group has a process that is not a zombie (a zombie has exited: where rsrun
@@ -132,6 +132,11 @@ impl WorkerProcess {
         // Nothing readable: say it runs (the grace's deadline still ends the wait).
         !read_any
     }
+}
+
+/// Whether process group `pgid` still has a process (`killpg(pgid, 0)`; `EPERM` means it has one).
+pub fn group_exists(pgid: i32) -> bool {
+    !matches!(killpg(Pid::from_raw(pgid), None), Err(nix::errno::Errno::ESRCH))
 }
 
 /// The state and process group of a `/proc/<pid>/stat` line (`pid (comm) state ppid pgrp ...`;
@@ -283,6 +288,16 @@ impl Guardian {
     #[cfg(test)]
     pub(crate) fn recording(file: std::fs::File) -> Guardian {
         Guardian { pipe: Mutex::new(file) }
+    }
+
+    /// Another handle on the same guardian (its own descriptor of the pipe), for a thread that
+    /// outlives the borrow it was handed.
+    ///
+    /// # Errors
+    /// The descriptor could not be duplicated.
+    pub fn try_clone(&self) -> io::Result<Guardian> {
+        let pipe = self.pipe.lock().unwrap_or_else(|e| e.into_inner());
+        Ok(Guardian { pipe: Mutex::new(pipe.try_clone()?) })
     }
 
     /// Adds a process group to kill if rsrun dies.
