@@ -110,7 +110,7 @@ const KILL_WAIT: Duration = Duration::from_secs(5);
 const ABANDONED_POLL: Duration = Duration::from_secs(1);
 
 /// How often a stop's grace checks whether what exited workers started is still running.
-const GROUP_POLL: Duration = Duration::from_millis(50);
+const GROUP_POLL: Duration = Duration::from_millis(100);
 /// After the group ended, how long the log pumps get to drain the pipes.
 const DRAIN_WAIT: Duration = Duration::from_secs(2);
 /// How long the failure report waits for the workers' error files to be read.
@@ -580,7 +580,14 @@ impl<'a> Group<'a> {
     /// Whether a reaped worker's group still runs a process (what the worker started: a shell
     /// script's `python` without `exec`, an uploader it left behind).
     fn groups_running(&self) -> bool {
-        self.slots.iter().any(|s| s.exited.is_some() && s.process.is_armed() && s.process.group_has_running_member())
+        let left: Vec<i32> = self
+            .slots
+            .iter()
+            .filter(|s| s.exited.is_some() && s.process.is_armed() && s.process.group_exists())
+            .map(|s| s.process.pid())
+            .collect();
+        // One scan of /proc for all of them (only once a group with a member is left).
+        !left.is_empty() && crate::worker::any_group_running(&left)
     }
 
     /// The grace after `sig` went to the groups: until every worker and every process its group
@@ -608,6 +615,11 @@ impl<'a> Group<'a> {
                     // A stop signal is shutdown even while a failed (or ended) round is torn down: it
                     // is remembered (the round ends as `Signalled`, see `after_stop`) and reaches the
                     // workers, within the grace already running.
+                    // After success only leftovers are waited for: a stop signal ends that at once.
+                    SignalAction::Stop if self.state == WorkerGroupState::Succeeded => {
+                        warn!(signal = %s, "stop signal while the workers' leftovers exit: SIGKILL now");
+                        break;
+                    }
                     SignalAction::Stop if self.signalled.is_none() => {
                         info!(signal = %s, "stop signal while stopping the workers: rsrun exits once they are stopped");
                         self.signalled = Some(s);

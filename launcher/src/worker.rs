@@ -104,39 +104,38 @@ impl WorkerProcess {
     pub fn group_exists(&self) -> bool {
         group_exists(self.pid)
     }
-
-    /// Whether the group has a process that is not a zombie (a zombie has exited: where rsrun
-    /// runs as PID 1 nobody may reap the orphans, and waiting for them would always take the
-    /// whole grace). Without a readable `/proc`, [`WorkerProcess::group_exists`].
-    pub fn group_has_running_member(&self) -> bool {
-        if !self.group_exists() {
-            return false;
-        }
-        let Ok(dir) = std::fs::read_dir("/proc") else { return true };
-        let mut read_any = false;
-        for e in dir.flatten() {
-            let name = e.file_name();
-            if !name.to_str().is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit())) {
-                continue;
-            }
-            // A process may exit between the listing and the read.
-            let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else { continue };
-            read_any = true;
-            if let Some((state, pgrp)) = stat_state_and_group(&stat)
-                && pgrp == self.pid
-                && !matches!(state, 'Z' | 'X')
-            {
-                return true;
-            }
-        }
-        // Nothing readable: say it runs (the grace's deadline still ends the wait).
-        !read_any
-    }
 }
 
 /// Whether process group `pgid` still has a process (`killpg(pgid, 0)`; `EPERM` means it has one).
 pub fn group_exists(pgid: i32) -> bool {
     !matches!(killpg(Pid::from_raw(pgid), None), Err(nix::errno::Errno::ESRCH))
+}
+
+/// Whether one of process groups `pgids` has a process that is not a zombie (a zombie has
+/// exited: where rsrun runs as PID 1 nobody may reap the orphans, and waiting for them would
+/// always take the whole grace), in one scan of `/proc`. Without a readable `/proc`, whether one
+/// of them has any process.
+pub fn any_group_running(pgids: &[i32]) -> bool {
+    let fallback = || pgids.iter().any(|g| group_exists(*g));
+    let Ok(dir) = std::fs::read_dir("/proc") else { return fallback() };
+    let mut read_any = false;
+    for e in dir.flatten() {
+        let name = e.file_name();
+        if !name.to_str().is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit())) {
+            continue;
+        }
+        // A process may exit between the listing and the read.
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else { continue };
+        read_any = true;
+        if let Some((state, pgrp)) = stat_state_and_group(&stat)
+            && pgids.contains(&pgrp)
+            && !matches!(state, 'Z' | 'X')
+        {
+            return true;
+        }
+    }
+    // Nothing readable: ask the groups themselves.
+    if read_any { false } else { fallback() }
 }
 
 /// The state and process group of a `/proc/<pid>/stat` line (`pid (comm) state ppid pgrp ...`;

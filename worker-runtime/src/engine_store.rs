@@ -73,16 +73,15 @@ impl EngineStore {
         }
     }
 
-    /// Wraps an existing store client (its channel must belong to a live multi-thread runtime:
-    /// the engine's calls block their thread until the client's task answers).
+    /// Wraps an existing store client. Its connection is a task of the runtime it was created
+    /// on, which must keep running on threads of its own while the engine calls: the engine's
+    /// calls block their thread until that task answers, so a client of a current-thread
+    /// runtime whose one thread makes the engine's calls never answers (every call then times
+    /// out). [`EngineStore::new`] runs a client of its own and has no such limit.
     ///
     /// # Errors
-    /// Called inside a current-thread runtime ([`WorkerError::CurrentThreadRuntime`]: its client
-    /// could only answer on the thread the engine blocks); the store's runtime cannot start.
+    /// The store's runtime cannot start.
     pub fn from_client(store: StoreClient) -> Result<Self, WorkerError> {
-        if tokio::runtime::Handle::try_current().is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread) {
-            return Err(WorkerError::CurrentThreadRuntime);
-        }
         let rt = store_runtime()?;
         Ok(EngineStore { store, rt: Some(rt) })
     }
@@ -164,11 +163,6 @@ mod tests {
         for h in handles {
             assert!(h.join().unwrap().iter().all(|x| *x == 3.0));
         }
-        // A client of a current-thread runtime is refused: the engine's blocking calls would
-        // stall the thread its connection runs on (every call then timed out).
-        let single = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-        let refused = single.block_on(async { EngineStore::from_client(store.clone()).err() });
-        assert!(matches!(refused, Some(WorkerError::CurrentThreadRuntime)), "{refused:?}");
         drop(srv);
     }
 }

@@ -86,14 +86,6 @@ pub enum WorkerError {
     /// A store client was asked for outside a tokio runtime.
     #[error("the store client needs a tokio runtime: call it from async code (or inside Runtime::block_on / enter)")]
     NoRuntime,
-    /// A client of a current-thread tokio runtime was wrapped for the engine, whose blocking
-    /// calls would stall the one thread that runs the client's connection.
-    #[error(
-        "EngineStore::from_client inside a current-thread tokio runtime: the engine's blocking store calls would stall \
-         the thread that runs the client's connection; use EngineStore::new (it runs its own client) or a \
-         multi-thread runtime"
-    )]
-    CurrentThreadRuntime,
 }
 
 /// The variables [`WorkerContext::from_vars`] reads as text.

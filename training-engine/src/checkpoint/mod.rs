@@ -1183,9 +1183,13 @@ impl<'a> ShardLoad<'a> {
     /// The target's units in consecutive batches of at most [`LOAD_BATCH_BYTES`] of this
     /// rank's master and optimizer state (at least one unit each), covering every unit in order.
     pub fn batches(&self) -> Vec<std::ops::Range<usize>> {
+        self.batches_within(load_batch_bytes())
+    }
+
+    /// [`ShardLoad::batches`] of at most `budget` bytes each.
+    fn batches_within(&self, budget: usize) -> Vec<std::ops::Range<usize>> {
         let per = |u: &UnitLayout| u.shard_len.saturating_mul(4).saturating_mul(1 + self.state_slots());
         let units = &self.target.layout.units;
-        let budget = load_batch_bytes();
         let mut out = Vec::new();
         let mut first = 0;
         while first < units.len() {

@@ -47,6 +47,8 @@ const HDR_OFF: usize = 64;
 const ABORT_OFF: usize = 128;
 const ORIGIN_OFF: usize = 132;
 const KIND_OFF: usize = 136;
+/// How long a rank that saw a peer's abort flag waits for the peer's error text in the store.
+const ABORT_TEXT_WAIT: Duration = Duration::from_millis(200);
 const PID_OFF: usize = 140;
 /// Two parity slots of `(window id, offset)`: where this rank's buffer of the current op lies
 /// (id 0: not in a window).
@@ -168,11 +170,13 @@ fn create_segment_file(tag: &str, len: usize, reserve: bool) -> Result<(std::fs:
     let sized = if reserve {
         // tmpfs's fallocate stops with EINTR when a signal arrives (a forwarded SIGUSR1 while a
         // worker starts), and is not restarted: try again, rather than take it for a full disk.
+        let mut tries = 0;
         loop {
             // SAFETY: a valid descriptor we own; the call only allocates file space.
             match unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, len as libc::off_t) } {
                 0 => break Ok(()),
-                libc::EINTR => continue,
+                // (tmpfs starts over each time: a few signals, not a stream of them.)
+                libc::EINTR if tries < 100 => tries += 1,
                 e => break Err(std::io::Error::from_raw_os_error(e)),
             }
         }
@@ -598,9 +602,9 @@ impl ShmBackend {
             let c = self.ctrl(j);
             if self.u32_at(c + ABORT_OFF).load(Ordering::Acquire) != 0 {
                 let origin = self.u32_at(c + ORIGIN_OFF).load(Ordering::Relaxed) as usize;
-                // The whole error, as the aborting rank published it before raising its flag
-                // (best effort: else the kind the flag carries).
-                let published = super::store::try_get(&*self.ctx.store, &super::mesh::abort_key(&self.ctx.prefix, j), Duration::ZERO)
+                // The whole error, as the aborting rank publishes it right after raising its
+                // flag (best effort: else the kind the flag carries).
+                let published = super::store::try_get(&*self.ctx.store, &super::mesh::abort_key(&self.ctx.prefix, j), ABORT_TEXT_WAIT)
                     .ok()
                     .flatten()
                     .and_then(|v| String::from_utf8_lossy(&v).split_once('\n').map(|(_, why)| why.to_string()));
@@ -1429,15 +1433,16 @@ impl Backend for ShmBackend {
             _ => ABORT_OTHER,
         };
         let origin = err.peer().unwrap_or(self.ctx.names[self.ctx.rank]);
-        // The whole error for the peers, before the flag they wake on (best effort: the store
-        // may itself be gone; the TCP mesh publishes the same record under the same key).
-        let _ = self.ctx.store.set(&super::mesh::abort_key(&self.ctx.prefix, self.ctx.rank), format!("{origin}\n{err}").as_bytes());
         self.u32_at(c + ORIGIN_OFF)
             .store(origin as u32, Ordering::Relaxed);
         self.u32_at(c + KIND_OFF).store(kind, Ordering::Relaxed);
         self.u32_at(c + ABORT_OFF).store(1, Ordering::Release);
         self.u32_at(FUTEX_OFF).fetch_add(1, Ordering::SeqCst);
         futex_wake(self.u32_at(FUTEX_OFF));
+        // Then the whole error for the peers (after the flag: a store that does not answer must
+        // not keep them waiting; best effort; the TCP mesh publishes the same record under the
+        // same key).
+        let _ = self.ctx.store.set(&super::mesh::abort_key(&self.ctx.prefix, self.ctx.rank), format!("{origin}\n{err}").as_bytes());
         if let Some(p) = &mut self.p2p {
             p.abort(err);
         }

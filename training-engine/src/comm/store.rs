@@ -171,20 +171,21 @@ impl Store for FileStore {
         let path = self.path(key);
         static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let tmp = self.dir.join(format!(".tmp-{}-{n}", std::process::id()));
+        // A random part too: hosts sharing the directory (NFS) may run the same pids.
+        let tmp = self.dir.join(format!(".tmp-{}-{n}-{:016x}", std::process::id(), super::mesh::random_token()));
         let err = |e| CommError::Store {
             key: key.to_string(),
             reason: format!("{e}"),
         };
+        let file = {
+            use std::os::unix::fs::OpenOptionsExt;
+            std::fs::OpenOptions::new().write(true).create_new(true).mode(0o600).open(&tmp).map_err(err)?
+        };
+        // Only a temp file this call created is removed on error.
         let written = {
             use std::io::Write;
-            use std::os::unix::fs::OpenOptionsExt;
-            std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .open(&tmp)
-                .and_then(|mut f| f.write_all(value))
+            let mut file = file;
+            file.write_all(value)
         };
         if let Err(e) = written.and_then(|()| std::fs::rename(&tmp, &path)) {
             let _ = std::fs::remove_file(&tmp);

@@ -429,7 +429,16 @@ impl TcpBackend {
                 &mut sends,
                 &mut recvs,
                 seg,
-                &mut |_, range, data| fold_into(dt, op, &mut acc[range], data),
+                // Between two ranks this one fold is the whole reduction: an average is taken
+                // in it (summed in f32 for 16-bit floats, rounded once), as the pair all_reduce
+                // and the shared-memory backend take it.
+                &mut |_, range, data| {
+                    if n == 2 {
+                        fold_into_avg(dt, op, &mut acc[range], data, 2)
+                    } else {
+                        fold_into(dt, op, &mut acc[range], data)
+                    }
+                },
                 deadline,
                 h.kind.name(),
                 t,
@@ -646,7 +655,8 @@ impl Backend for TcpBackend {
         let mut work = std::mem::replace(&mut self.work, AlignedBuf::new());
         let w = work.get(input.len());
         w.copy_from_slice(input);
-        let pre = op == ReduceOp::Avg && premultiplies_avg(h.dtype);
+        // (Two ranks average in their one fold: see `ring_reduce_scatter`.)
+        let pre = op == ReduceOp::Avg && premultiplies_avg(h.dtype) && n > 2;
         let res = if pre {
             divide(h.dtype, w, n).and_then(|()| self.ring_reduce_scatter(h, w, &blocks, ReduceOp::Sum, deadline, t))
         } else {
@@ -657,7 +667,7 @@ impl Backend for TcpBackend {
         }
         self.work = work;
         res?;
-        if op == ReduceOp::Avg && !pre {
+        if op == ReduceOp::Avg && !pre && n > 2 {
             divide(h.dtype, out, n)?;
         }
         Ok(())

@@ -223,3 +223,37 @@ fn f16_average_past_the_largest_sum_is_the_mean() {
         }
     }
 }
+
+/// Two ranks average in one fold, rounded once, in every mode: f16's smallest subnormal
+/// averaged with itself is itself (halving each input first would round both to 0), on the
+/// TCP reduce-scatter and all_reduce, deterministic or not, as on shared memory.
+#[test]
+fn two_rank_f16_average_rounds_once() {
+    use half::f16;
+    let tiny = f16::from_bits(1);
+    for kind in [BackendKind::Shm, BackendKind::Tcp] {
+        for deterministic in [false, true] {
+            for (r, got) in run_threads(
+                2,
+                |r| {
+                    let mut o = opts_for(kind, r);
+                    o.deterministic = deterministic;
+                    o
+                },
+                move |pg| {
+                    let mut buf = vec![tiny; 20_003];
+                    pg.all_reduce(&mut buf, ReduceOp::Avg)?;
+                    let mut out = vec![f16::ZERO; 20_003];
+                    pg.reduce_scatter(&vec![tiny; 2 * 20_003], &mut out, ReduceOp::Avg)?;
+                    Ok((buf, out))
+                },
+            )
+            .into_iter()
+            .enumerate()
+            {
+                let (buf, out) = got.unwrap();
+                assert!(buf.iter().chain(&out).all(|x| *x == tiny), "{kind:?} deterministic={deterministic} rank {r}");
+            }
+        }
+    }
+}
