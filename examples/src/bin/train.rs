@@ -476,6 +476,12 @@ fn run() -> anyhow::Result<()> {
         LrSchedule::Cosine => Some(Schedule { warmup_steps: args.warmup, total_steps: args.steps, min_lr_ratio: 0.1 }),
         LrSchedule::Constant => None,
     };
+    if rank == 0 && args.schedule == LrSchedule::Cosine && args.warmup >= args.steps && args.steps > 0 {
+        eprintln!(
+            "train: note: --warmup {} is not below --steps {}: the learning rate stays in its linear warmup and never reaches --lr {} (no cosine decay)",
+            args.warmup, args.steps, args.lr
+        );
+    }
     cfg.precision = precision;
     cfg.reduce_dtype = reduce_dtype;
     cfg.offload = offload.clone();

@@ -413,6 +413,22 @@ fn model_with_steps(steps: &str) -> Vec<&str> {
     args
 }
 
+/// A warmup as long as the run never reaches the learning rate asked for: `train` says so (a
+/// note, not an error: the run is still valid), and says nothing for an ordinary warmup.
+#[test]
+fn a_warmup_as_long_as_the_run_is_noted() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut args = model_with_steps("3");
+    let at = args.iter().position(|a| *a == "--warmup").unwrap();
+    args[at + 1] = "5";
+    let out = Command::new(bin("train")).current_dir(dir.path()).args(&args).output().unwrap();
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    assert!(text(&out).contains("train: note: --warmup 5 is not below --steps 3"), "{}", text(&out));
+    let out = Command::new(bin("train")).current_dir(dir.path()).args(model_with_steps("3")).output().unwrap();
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    assert!(!text(&out).contains("--warmup"), "{}", text(&out));
+}
+
 /// Rank 0 of `train` under rsrun draws its bar as carriage-return updates on stderr: rsrun prints
 /// them on a pipe as plain lines with the rank prefix (at most one a second, the final state
 /// always), no `\r` reaches rsrun's output, and the rank's log file keeps every raw update. Alone
