@@ -140,7 +140,7 @@ pub fn any_group_running(pgids: &[i32]) -> bool {
 
 /// The state and process group of a `/proc/<pid>/stat` line (`pid (comm) state ppid pgrp ...`;
 /// `comm` may hold spaces and parentheses, so the fields start after the last `)`).
-fn stat_state_and_group(stat: &str) -> Option<(char, i32)> {
+pub(crate) fn stat_state_and_group(stat: &str) -> Option<(char, i32)> {
     let rest = &stat[stat.rfind(')')? + 1..];
     let mut f = rest.split_ascii_whitespace();
     let state = f.next()?.chars().next()?;

@@ -1056,7 +1056,7 @@ mod tests {
     /// A process is gone (or a zombie nobody reaped yet: it runs no more).
     fn gone(pid: i32) -> bool {
         match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-            Ok(stat) => stat.rsplit(')').next().is_some_and(|rest| rest.trim_start().starts_with('Z')),
+            Ok(stat) => crate::worker::stat_state_and_group(&stat).is_some_and(|(state, _)| state == 'Z'),
             Err(_) => true,
         }
     }

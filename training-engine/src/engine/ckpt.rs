@@ -16,7 +16,7 @@ use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 
 use super::Engine;
-use crate::checkpoint::{self, LoadTarget, METADATA, Progress, ShardInfo, ShardLoad};
+use crate::checkpoint::{self, LoadTarget, METADATA, Progress, ShardInfo, ShardLoad, UnitState};
 use crate::comm::ReduceOp;
 use crate::error::{EngineError, EngineResult};
 use crate::layout::ShardState;
@@ -41,19 +41,36 @@ impl<M: UnitModel> Engine<M> {
             master.push(m);
             state.push(s);
         }
+        let info = self.shard_info();
         Ok(ShardState {
-            strategy: self.cfg.strategy,
-            world: self.world,
+            strategy: info.strategy,
+            world: info.world,
             rank: self.rank,
-            shard_rank: self.shard_rank,
-            layout: self.layout.clone(),
-            step: self.step,
-            optimizer: self.cfg.optimizer.as_tile().name().to_string(),
+            shard_rank: info.shard_rank,
+            layout: info.layout.clone(),
+            step: info.step,
+            optimizer: info.optimizer.to_string(),
             master,
             state,
+            loss_scale: info.loss_scale,
+            loss_scale_good_steps: info.loss_scale_good_steps,
+        })
+    }
+
+    /// Everything this rank's checkpoint view records but its tensors (see [`ShardInfo`]).
+    fn shard_info(&self) -> ShardInfo<'_> {
+        let optimizer = self.cfg.optimizer.as_tile();
+        ShardInfo {
+            strategy: self.cfg.strategy,
+            world: self.world,
+            shard_rank: self.shard_rank,
+            layout: &self.layout,
+            step: self.step,
+            optimizer: optimizer.name(),
+            state_slots: optimizer.state_slots(),
             loss_scale: self.loss_scale(),
             loss_scale_good_steps: self.scaler.as_ref().map_or(0, |sc| sc.good_steps),
-        })
+        }
     }
 
     /// Sets the master, optimizer state and step from `s` (this rank's shard in this engine's
@@ -72,7 +89,9 @@ impl<M: UnitModel> Engine<M> {
         // Shards of different steps would install without complaint: DDP replicas from
         // different weights, ZeRO shards with different bias corrections.
         self.agree_on_resume_point(None, s.step, 0)?;
-        let installed = self.install_shard_state(s);
+        let ShardState { master, state, step, loss_scale, loss_scale_good_steps, .. } = s;
+        let installed =
+            self.install_units(master.into_iter().zip(state).enumerate().map(Ok), step, loss_scale, loss_scale_good_steps);
         let r = self.agree(installed, "shard state install").and_then(|()| self.gather_installed_params());
         self.broken_by(r, "loading a shard state")
     }
@@ -140,31 +159,31 @@ impl<M: UnitModel> Engine<M> {
         Ok(())
     }
 
-    /// Installs a state [`Engine::check_shard_state`] accepted in this rank's tiers, without a
-    /// collective. A failure here (an offload tier's ENOSPC or EIO) leaves the units before the
-    /// failing one loaded.
-    fn install_shard_state(&mut self, s: ShardState) -> EngineResult<()> {
+    /// Installs a checked state in this rank's tiers, unit by unit as `units` yields them (a
+    /// whole [`ShardState`], or a checkpoint read a batch at a time), then its step and loss
+    /// scale; without a collective. A failure here (an offload tier's ENOSPC or EIO, a read)
+    /// leaves the units before the failing one loaded.
+    fn install_units(
+        &mut self,
+        units: impl Iterator<Item = EngineResult<(usize, UnitState)>>,
+        step: u64,
+        loss_scale: Option<f32>,
+        good_steps: u32,
+    ) -> EngineResult<()> {
         for ui in 0..self.units.len() {
             self.free_unit(ui)?;
         }
-        let ShardState {
-            master, state, step, loss_scale, loss_scale_good_steps, ..
-        } = s;
-        for (ui, (m, st)) in master.into_iter().zip(state).enumerate() {
-            self.set_master_and_state(ui, m, st)?;
+        for unit in units {
+            let (ui, (master, state)) = unit?;
+            self.set_master_and_state(ui, master, state)?;
         }
-        self.restore_counters(step, loss_scale, loss_scale_good_steps);
-        Ok(())
-    }
-
-    /// Sets the step and the f16 loss scaler's state from a checkpoint.
-    fn restore_counters(&mut self, step: u64, loss_scale: Option<f32>, good_steps: u32) {
         self.step = step;
         if let (Some(sc), Some(ls)) = (self.scaler.as_mut(), loss_scale) {
             // A scale saved below the floor (by a version without one) starts at the floor.
             sc.scale = ls.max(sc.min_scale);
             sc.good_steps = good_steps;
         }
+        Ok(())
     }
 
     /// The collective part of [`Engine::load_shard_state`]: under ZeRO-1/2 every rank's updated
@@ -217,18 +236,7 @@ impl<M: UnitModel> Engine<M> {
             Some(rep) => rep.rank() == 0,
             None => self.rank == self.shard_rank,
         };
-        let optimizer = self.cfg.optimizer.as_tile();
-        let info = ShardInfo {
-            strategy: self.cfg.strategy,
-            world: self.world,
-            shard_rank: self.shard_rank,
-            layout: &self.layout,
-            step: self.step,
-            optimizer: optimizer.name(),
-            state_slots: optimizer.state_slots(),
-            loss_scale: self.loss_scale(),
-            loss_scale_good_steps: self.scaler.as_ref().map_or(0, |sc| sc.good_steps),
-        };
+        let info = self.shard_info();
         let begun = if self.rank == 0 {
             checkpoint::begin_save(root, self.step).map(drop).map_err(Into::into)
         } else {
@@ -318,22 +326,17 @@ impl<M: UnitModel> Engine<M> {
         self.agree_on_resume_point(Some(&dir), l.step(), progress.data_position)?;
         // Installing the shard writes the offload tiers (ENOSPC, EIO): a rank that failed there
         // must not leave the others in the gather, and after it no rank's model is whole.
-        let installed = (|| -> EngineResult<()> {
-            for ui in 0..self.units.len() {
-                self.free_unit(ui)?;
+        let units = batches.into_iter().flat_map(|b| {
+            let read = match first.take() {
+                Some(units) => Ok(units),
+                None => l.read_units(b.clone()),
+            };
+            match read {
+                Ok(units) => b.zip(units).map(Ok).collect::<Vec<_>>(),
+                Err(e) => vec![Err(e.into())],
             }
-            for b in batches {
-                let units = match first.take() {
-                    Some(units) => units,
-                    None => l.read_units(b.clone())?,
-                };
-                for (ui, (master, state)) in b.zip(units) {
-                    self.set_master_and_state(ui, master, state)?;
-                }
-            }
-            self.restore_counters(l.step(), l.loss_scale(), l.loss_scale_good_steps());
-            Ok(())
-        })();
+        });
+        let installed = self.install_units(units, l.step(), l.loss_scale(), l.loss_scale_good_steps());
         let r = self.agree(installed, "checkpoint install").and_then(|()| self.gather_installed_params());
         self.broken_by(r, &format!("loading {}", dir.display()))?;
         Ok((dir, progress))
