@@ -172,15 +172,29 @@ pub fn begin_save(root: &Path, step: u64) -> Result<PathBuf, CheckpointError> {
     Ok(dir)
 }
 
+/// `shard_rank` must name one of `shards` shards.
+fn check_shard_rank(shard_rank: usize, shards: usize) -> Result<(), CheckpointError> {
+    if shard_rank >= shards {
+        return Err(CheckpointError::InvalidArgument(format!("shard rank {shard_rank} out of range for {shards} shards")));
+    }
+    Ok(())
+}
+
+/// A unit's tensors must be `shard_len` elements each, and `slots` state slots.
+fn check_unit_lengths(unit: &UnitLayout, master: usize, state: &[usize], slots: usize) -> Result<(), CheckpointError> {
+    if master != unit.shard_len || state.len() != slots || state.iter().any(|l| *l != unit.shard_len) {
+        return Err(CheckpointError::InvalidArgument(format!(
+            "unit {:?}: buffers do not have shard_len {} elements and {slots} slots",
+            unit.name, unit.shard_len
+        )));
+    }
+    Ok(())
+}
+
 fn check_state(state: &ShardState) -> Result<usize, CheckpointError> {
     let slots = state.state.first().map_or(0, Vec::len);
     let units = state.layout.units.len();
-    if state.shard_rank >= state.layout.world {
-        return Err(CheckpointError::InvalidArgument(format!(
-            "shard rank {} out of range for {} shards",
-            state.shard_rank, state.layout.world
-        )));
-    }
+    check_shard_rank(state.shard_rank, state.layout.world)?;
     if state.master.len() != units || state.state.len() != units {
         return Err(CheckpointError::InvalidArgument(format!(
             "state has {} master and {} state units, layout has {units}",
@@ -189,15 +203,8 @@ fn check_state(state: &ShardState) -> Result<usize, CheckpointError> {
         )));
     }
     for (u, unit) in state.layout.units.iter().enumerate() {
-        let bad = state.master[u].len() != unit.shard_len
-            || state.state[u].len() != slots
-            || state.state[u].iter().any(|s| s.len() != unit.shard_len);
-        if bad {
-            return Err(CheckpointError::InvalidArgument(format!(
-                "unit {:?}: buffers do not have shard_len {} elements and {slots} slots",
-                unit.name, unit.shard_len
-            )));
-        }
+        let lens: Vec<usize> = state.state[u].iter().map(Vec::len).collect();
+        check_unit_lengths(unit, state.master[u].len(), &lens, slots)?;
     }
     Ok(slots)
 }
@@ -278,12 +285,7 @@ impl ShardState {
 pub type UnitTensors<'a> = (Cow<'a, [f32]>, Vec<Cow<'a, [f32]>>);
 
 fn check_info(info: &ShardInfo<'_>) -> Result<(), CheckpointError> {
-    if info.shard_rank >= info.layout.world {
-        return Err(CheckpointError::InvalidArgument(format!(
-            "shard rank {} out of range for {} shards",
-            info.shard_rank, info.layout.world
-        )));
-    }
+    check_shard_rank(info.shard_rank, info.layout.world)?;
     if info.state_slots > MAX_STATE_SLOTS {
         return Err(CheckpointError::InvalidArgument(format!(
             "{} optimizer state slots: expected at most {MAX_STATE_SLOTS}",
@@ -373,13 +375,8 @@ pub fn write_shard_with<'s, E: From<CheckpointError>>(
         let mut k = 0;
         for (u, ul) in info.layout.units.iter().enumerate() {
             let (master, state) = unit(u)?;
-            if master.len() != ul.shard_len || state.len() != slots || state.iter().any(|s| s.len() != ul.shard_len) {
-                return Err(CheckpointError::InvalidArgument(format!(
-                    "unit {:?}: buffers do not have shard_len {} elements and {slots} slots",
-                    ul.name, ul.shard_len
-                ))
-                .into());
-            }
+            let lens: Vec<usize> = state.iter().map(|s| s.len()).collect();
+            check_unit_lengths(ul, master.len(), &lens, slots)?;
             for v in std::iter::once(&master).chain(&state) {
                 let bytes = format::f32_bytes(v);
                 sections[k].crc32 = crc32fast::hash(&bytes);
@@ -1133,12 +1130,7 @@ impl<'a> ShardLoad<'a> {
                 r.meta.optimizer, target.optimizer
             )));
         }
-        if target.shard_rank >= target.layout.world {
-            return Err(CheckpointError::InvalidArgument(format!(
-                "shard rank {} out of range for {} shards",
-                target.shard_rank, target.layout.world
-            )));
-        }
+        check_shard_rank(target.shard_rank, target.layout.world)?;
         let rng_state = format::from_hex(&r.meta.rng_state).ok_or_else(|| CheckpointError::Corrupt {
             path: r.dir.join(METADATA),
             reason: "bad rng_state hex".into(),
