@@ -191,6 +191,7 @@ pub(crate) fn f32_bytes(v: &[f32]) -> std::borrow::Cow<'_, [u8]> {
 }
 
 /// Little-endian bytes to f32 values.
+#[cfg(test)]
 pub(crate) fn f32_from_bytes(b: &[u8]) -> Vec<f32> {
     b.chunks_exact(4)
         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))

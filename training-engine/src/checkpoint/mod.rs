@@ -153,12 +153,15 @@ pub fn is_writer(state: &ShardState) -> bool {
 /// # Errors
 /// I/O errors naming the path.
 pub fn begin_save(root: &Path, step: u64) -> Result<PathBuf, CheckpointError> {
-    let fresh = !root.exists();
+    // The directories made now (the root and any missing parents, deepest first): each is in
+    // its parent's entries only once that parent is synced; without it, a crash could lose the
+    // first checkpoint along with them.
+    let made: Vec<&Path> = root.ancestors().take_while(|p| !p.as_os_str().is_empty() && !p.exists()).collect();
     std::fs::create_dir_all(root).map_err(io("create directory", root))?;
-    if fresh && let Some(parent) = root.parent() {
-        // A root made now is in its parent's entries only once the parent is synced: without
-        // it, a crash could lose the first checkpoint along with the directory.
-        sync_dir(parent)?;
+    for dir in &made {
+        if let Some(parent) = dir.parent() {
+            sync_dir(parent)?;
+        }
     }
     let dir = incomplete_dir(root, step);
     if dir.exists() {
@@ -463,7 +466,9 @@ fn read_small(path: &Path) -> Result<Vec<u8>, std::io::Error> {
 }
 
 /// Reads and checks a shard file's header (magic, header CRC, declared size).
-fn read_header(path: &Path) -> Result<(ShardHeader, u32, u64), CheckpointError> {
+/// Returns the header, its CRC-32, the file's size and the file (open, so what is read next is
+/// the file whose header was checked).
+fn read_header(path: &Path) -> Result<(ShardHeader, u32, u64, File), CheckpointError> {
     let corrupt = |reason: String| CheckpointError::Corrupt {
         path: path.to_path_buf(),
         reason,
@@ -507,7 +512,30 @@ fn read_header(path: &Path) -> Result<(ShardHeader, u32, u64), CheckpointError> 
             header.file_size
         )));
     }
-    Ok((header, crc, size))
+    Ok((header, crc, size, f))
+}
+
+/// Whether shard header `h` (of a file of `size` bytes) holds exactly one section per unit
+/// and tensor (master and `slots` state slots), each of its unit's `shard_lens` elements and
+/// within the file.
+fn sections_fit(h: &ShardHeader, shard_lens: &[usize], slots: usize, size: u64) -> bool {
+    // Saturating: a hostile `state_slots` must fail the comparison, not overflow.
+    let expect = shard_lens.len().saturating_mul(slots.saturating_add(1));
+    if h.sections.len() != expect || h.state_slots != slots {
+        return false;
+    }
+    // (As many as the header holds sections.)
+    let mut seen = vec![false; expect];
+    h.sections.iter().all(|s| {
+            s.unit < shard_lens.len()
+                && s.tensor <= slots
+                && s.len == shard_lens[s.unit]
+                && !std::mem::replace(&mut seen[s.unit * (slots + 1) + s.tensor], true)
+                && (s.len as u64)
+                    .checked_mul(4)
+                    .and_then(|b| s.offset.checked_add(b))
+                    .is_some_and(|end| end <= size)
+    })
 }
 
 /// Step 3 (rank 0, after every rank's [`save_shard`]): checks the shard files, writes
@@ -543,15 +571,30 @@ pub fn commit_info(
     let inc = incomplete_dir(root, state.step);
     let name = step_dir_name(state.step);
     let mut files = Vec::with_capacity(state.layout.world);
+    let shard_lens: Vec<usize> = state.layout.units.iter().map(|u| u.shard_len).collect();
     for j in 0..state.layout.world {
         let path = inc.join(shard_file_name(j));
-        let (h, crc, size) = read_header(&path)?;
+        let (h, crc, size, _) = read_header(&path)?;
         if h.step != state.step || h.shard_rank != j || h.shard_world != state.layout.world {
             return Err(CheckpointError::Corrupt {
                 path,
                 reason: format!(
                     "holds step {} shard {}/{}, expected step {} shard {j}/{}",
                     h.step, h.shard_rank, h.shard_world, state.step, state.layout.world
+                ),
+            });
+        }
+        // What a load checks against `metadata.json`, checked before it is written: a shard
+        // saved with another layout or optimizer would make a checkpoint no load accepts, and
+        // moving `latest` to it would prune the good ones.
+        if !sections_fit(&h, &shard_lens, slots, size) {
+            return Err(CheckpointError::Corrupt {
+                path,
+                reason: format!(
+                    "its {} sections and {} state slots do not match the layout's {} units and {slots} slots",
+                    h.sections.len(),
+                    h.state_slots,
+                    shard_lens.len()
                 ),
             });
         }
@@ -608,7 +651,9 @@ pub fn commit_info(
     // `latest` names the new checkpoint: the save is done. What follows only frees space, and a
     // failure there (an old step someone made read-only, a shard still open on NFS) is logged,
     // never a failed save: that would stop a run whose checkpoint is whole, at every save.
-    // (This step's own `.replaced` copy goes with the leftovers swept last.)
+    // Leftovers first (this step's own `.replaced` copy among them), so that a checkpoint an
+    // interrupted re-save left aside counts among those kept.
+    sweep_leftovers(root);
     if keep_last > 0 {
         // Only this run's line counts: checkpoints of later steps left by another run (a
         // `--resume` from an older step into the same root) are not this run's to keep or to
@@ -625,7 +670,6 @@ pub fn commit_info(
             Err(e) => tracing::warn!(root = %root.display(), "old checkpoints not pruned: {e}"),
         }
     }
-    sweep_leftovers(root);
     Ok(fin)
 }
 
@@ -676,7 +720,8 @@ fn set_aside(root: &Path, dir: &Path) -> Result<(), CheckpointError> {
 /// Removes what interrupted saves and prunes left in `root`: `step-N.deleting` (and the names
 /// [`set_aside`] gives), `step-N.incomplete` (an interrupted save's, or the old copy a re-save
 /// swapped out: only rank 0 commits, after its save is whole, so none is in progress), and
-/// `step-N.replaced` once `step-N` is committed (while it is not, [`latest`] may need it).
+/// `step-N.replaced` once `step-N` is committed; a `step-N.replaced` without `step-N` (the
+/// only copy of that step) is renamed back to `step-N`.
 fn sweep_leftovers(root: &Path) {
     let Ok(entries) = std::fs::read_dir(root) else {
         return;
@@ -690,10 +735,18 @@ fn sweep_leftovers(root: &Path) {
         let path = entry.path();
         if name.ends_with(DELETING) || name.ends_with(".incomplete") {
             discard(&path);
-        } else if let Some(step) = name.strip_suffix(".replaced")
-            && root.join(step).join(METADATA).is_file()
-        {
-            discard(&path);
+        } else if let Some(step) = name.strip_suffix(".replaced") {
+            if root.join(step).join(METADATA).is_file() {
+                discard(&path);
+            } else if !root.join(step).exists() && path.join(METADATA).is_file() {
+                // A crash between a re-save's two renames, and the run went on (from this copy,
+                // which `latest` led to): it is the only copy of that step, so it gets its name
+                // back and is a committed checkpoint again, kept or pruned as any other.
+                match std::fs::rename(&path, root.join(step)).map_err(io("rename", &path)).and_then(|()| sync_dir(root)) {
+                    Ok(()) => tracing::info!(checkpoint = step, root = %root.display(), "a checkpoint left aside by an interrupted re-save has its name back"),
+                    Err(e) => tracing::warn!(root = %root.display(), "{e}"),
+                }
+            }
         }
     }
 }
@@ -853,7 +906,15 @@ struct Reader {
     dir: PathBuf,
     meta: Metadata,
     layout: FlatLayout,
+    /// Shard files opened and checked so far (at most [`MAX_OPEN_SHARDS`]), kept open: a load
+    /// that reads a shard in several batches (or checks it first, then installs it) reads the
+    /// files it checked, even if the directory is replaced or pruned meanwhile.
+    open: std::sync::Mutex<Vec<(usize, std::sync::Arc<Shard>)>>,
 }
+
+/// Most shard files a [`Reader`] keeps open (a load from many more saved shards reopens the
+/// rest as needed).
+const MAX_OPEN_SHARDS: usize = 64;
 
 /// Most optimizer state tensors per weight a checkpoint may declare (AdamW keeps 2, SGD 1).
 const MAX_STATE_SLOTS: usize = 8;
@@ -898,11 +959,47 @@ impl Reader {
                 return Err(bad(format!("file {j} is named {:?}, expected {:?}", fm.name, shard_file_name(j))));
             }
         }
+        // Every shard file holds each unit's sections: the sizes the parameter table implies
+        // must fit the sizes recorded for the files (which `Reader::shard` checks against each
+        // file it opens, and an export against every file before it sizes anything).
+        let per_shard = meta.units.iter().try_fold(0u64, |acc, u| {
+            (u.shard_len as u64)
+                .checked_mul(4)
+                .and_then(|b| b.checked_mul(meta.state_slots as u64 + 1))
+                .and_then(|b| acc.checked_add(b))
+        });
+        for fm in &meta.files {
+            if per_shard.is_none_or(|need| need > fm.size) {
+                return Err(bad(format!(
+                    "its units need {} bytes of sections in each shard file, {} holds {}",
+                    per_shard.map_or_else(|| "more than 2^64".to_owned(), |n| n.to_string()),
+                    fm.name,
+                    fm.size
+                )));
+            }
+        }
         Ok(Reader {
             dir: dir.to_path_buf(),
             meta,
             layout,
+            open: std::sync::Mutex::new(Vec::new()),
         })
+    }
+
+    /// Shard file `j`, opened and checked once ([`Reader::open`] keeps up to
+    /// [`MAX_OPEN_SHARDS`] of them).
+    fn shard_kept(&self, j: usize) -> Result<std::sync::Arc<Shard>, CheckpointError> {
+        // A poisoned lock only means another reader's thread panicked between push and return:
+        // the list itself is whole.
+        let mut open = self.open.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some((_, s)) = open.iter().find(|(k, _)| *k == j) {
+            return Ok(s.clone());
+        }
+        let shard = std::sync::Arc::new(self.shard(j)?);
+        if open.len() < MAX_OPEN_SHARDS {
+            open.push((j, shard.clone()));
+        }
+        Ok(shard)
     }
 
     /// Opens shard file `j` and checks its header against `metadata.json`.
@@ -910,7 +1007,7 @@ impl Reader {
         let meta = &self.meta;
         let fm = &meta.files[j];
         let path = self.dir.join(&fm.name);
-        let (h, crc, size) = read_header(&path)?;
+        let (h, crc, size, file) = read_header(&path)?;
         let corrupt = |reason: String| CheckpointError::Corrupt {
             path: path.clone(),
             reason,
@@ -923,27 +1020,25 @@ impl Reader {
                 "header does not match metadata.json (file from another checkpoint?)".into(),
             ));
         }
-        // Saturating: a hostile `state_slots` must fail the comparison, not overflow.
-        let expect = meta.units.len().saturating_mul(meta.state_slots.saturating_add(1));
-        let sections_ok = h.sections.len() == expect
-            && h.sections.iter().all(|s| {
-                s.unit < meta.units.len()
-                    && s.tensor <= meta.state_slots
-                    && s.len == meta.units[s.unit].shard_len
-                    && (s.len as u64)
-                        .checked_mul(4)
-                        .and_then(|b| s.offset.checked_add(b))
-                        .is_some_and(|end| end <= size)
-            });
-        if !sections_ok || h.step != meta.step || h.state_slots != meta.state_slots {
+        let shard_lens: Vec<usize> = meta.units.iter().map(|u| u.shard_len).collect();
+        if !sections_fit(&h, &shard_lens, meta.state_slots, size) || h.step != meta.step {
             return Err(corrupt("sections do not match metadata.json".into()));
         }
-        let file = open_regular(&path)?;
         Ok(Shard { path, file, header: h })
     }
 
-    /// Section (`unit`, `tensor`) of `shard`, checksum-verified.
-    fn section(&self, shard: &Shard, unit: usize, tensor: usize) -> Result<Vec<f32>, CheckpointError> {
+    /// Reads section (`unit`, `tensor`) of `shard` through its CRC-32, [`SECTION_CHUNK`] bytes at
+    /// a time, copying elements `want` (section coordinates) into `out` (`want.len()` long): a
+    /// rank that keeps a slice of a bigger saved shard (a DDP checkpoint loaded into ZeRO-3)
+    /// never holds the whole section, and the check still covers every byte of it.
+    fn section_into(
+        &self,
+        shard: &Shard,
+        unit: usize,
+        tensor: usize,
+        want: std::ops::Range<usize>,
+        out: &mut [f32],
+    ) -> Result<(), CheckpointError> {
         let Shard { path, file, header } = shard;
         let Some(s) = header
             .sections
@@ -955,10 +1050,35 @@ impl Reader {
                 reason: format!("no section for unit {unit} tensor {tensor}"),
             });
         };
-        let mut bytes = vec![0u8; 4 * s.len];
-        file.read_exact_at(&mut bytes, s.offset)
-            .map_err(io("read", path))?;
-        if crc32fast::hash(&bytes) != s.crc32 {
+        if want.end > s.len || want.start > want.end || out.len() != want.len() {
+            return Err(CheckpointError::InvalidArgument(format!(
+                "elements {want:?} of a section of {} into {}",
+                s.len,
+                out.len()
+            )));
+        }
+        // (`Reader::shard` checked `offset + 4 * len` within the file.)
+        let total = 4 * s.len;
+        let mut buf = vec![0u8; total.min(SECTION_CHUNK)];
+        let mut hasher = crc32fast::Hasher::new();
+        let mut pos = 0;
+        while pos < total {
+            let n = (total - pos).min(SECTION_CHUNK);
+            let chunk = &mut buf[..n];
+            file.read_exact_at(chunk, s.offset + pos as u64).map_err(io("read", path))?;
+            hasher.update(chunk);
+            // Elements of this chunk (SECTION_CHUNK is a multiple of 4) that were asked for.
+            let (first, last) = (pos / 4, (pos + n) / 4);
+            let (a, b) = (want.start.max(first), want.end.min(last));
+            if a < b {
+                let bytes = &chunk[4 * (a - first)..4 * (b - first)];
+                for (o, c) in out[a - want.start..b - want.start].iter_mut().zip(bytes.chunks_exact(4)) {
+                    *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                }
+            }
+            pos += n;
+        }
+        if hasher.finalize() != s.crc32 {
             return Err(CheckpointError::Corrupt {
                 path: path.clone(),
                 reason: format!(
@@ -969,12 +1089,12 @@ impl Reader {
                 ),
             });
         }
-        Ok(format::f32_from_bytes(&bytes))
+        Ok(())
     }
 
     /// Fills every request: `(unit, tensor, range, out)` receives elements `range` (unit
-    /// coordinates, within `numel`) of `tensor` of `unit`. Shard by shard, each opened once and
-    /// only when a request overlaps it, so at most one shard file is open at a time.
+    /// coordinates, within `numel`) of `tensor` of `unit`. Shard by shard, each opened only when
+    /// a request overlaps it (and kept open, up to [`MAX_OPEN_SHARDS`], for the next call).
     fn gather_all(&self, requests: &mut [(usize, usize, std::ops::Range<usize>, &mut [f32])]) -> Result<(), CheckpointError> {
         for j in 0..self.meta.shard_world {
             let overlaps = |unit: usize, range: &std::ops::Range<usize>| {
@@ -984,15 +1104,20 @@ impl Reader {
             if !requests.iter().any(|(u, _, range, _)| overlaps(*u, range)) {
                 continue;
             }
-            let shard = self.shard(j)?;
+            let shard = self.shard_kept(j)?;
             for (unit, tensor, range, out) in requests.iter_mut() {
                 let old = self.layout.units[*unit].shard_range(j);
                 let (start, end) = (old.start.max(range.start), old.end.min(range.end));
                 if start >= end {
                     continue;
                 }
-                let sec = self.section(&shard, *unit, *tensor)?;
-                out[start - range.start..end - range.start].copy_from_slice(&sec[start - old.start..end - old.start]);
+                self.section_into(
+                    &shard,
+                    *unit,
+                    *tensor,
+                    start - old.start..end - old.start,
+                    &mut out[start - range.start..end - range.start],
+                )?;
             }
         }
         Ok(())
@@ -1249,12 +1374,19 @@ pub fn verify(dir: &Path) -> Result<Metadata, CheckpointError> {
         let shard = r.shard(j)?;
         for u in 0..r.meta.units.len() {
             for t in 0..=r.meta.state_slots {
-                r.section(&shard, u, t)?;
+                r.section_into(&shard, u, t, 0..0, &mut [])?;
             }
         }
     }
     Ok(r.meta)
 }
+
+/// Bytes of a section read (and checksummed) at a time by [`Reader::section_into`]; a
+/// multiple of 4. (Tests' sections span many chunks, cut at odd places.)
+#[cfg(not(test))]
+const SECTION_CHUNK: usize = 8 << 20;
+#[cfg(test)]
+const SECTION_CHUNK: usize = 52;
 
 /// Parameters gathered at once by [`export_safetensors`].
 const EXPORT_BATCH_BYTES: usize = 1 << 30;
@@ -1268,6 +1400,18 @@ const EXPORT_BATCH_BYTES: usize = 1 << 30;
 /// Damaged checkpoint files, or I/O errors naming the path.
 pub fn export_safetensors(dir: &Path, out: &Path) -> Result<(), CheckpointError> {
     let r = Reader::open(dir)?;
+    // Every file is read, and the parameters are sized from `metadata.json`: its recorded file
+    // sizes (which bound the parameters, see `Reader::open`) must be the files' sizes first.
+    for fm in &r.meta.files {
+        let path = dir.join(&fm.name);
+        let size = std::fs::metadata(&path).map_err(io("stat", &path))?.len();
+        if size != fm.size {
+            return Err(CheckpointError::Corrupt {
+                path,
+                reason: format!("{size} bytes, metadata.json says {}", fm.size),
+            });
+        }
+    }
     // The header: every tensor's dtype, shape and byte range, back to back in unit order.
     let mut tensors = serde_json::Map::new();
     let mut meta = serde_json::Map::new();
@@ -1276,7 +1420,13 @@ pub fn export_safetensors(dir: &Path, out: &Path) -> Result<(), CheckpointError>
     tensors.insert("__metadata__".into(), meta.into());
     let mut offset: u64 = 0;
     for p in r.layout.units.iter().flat_map(|u| &u.params) {
-        let end = offset + 4 * p.numel as u64;
+        // (Bounded by the shard files' sizes, checked at `Reader::open`.)
+        let end = (p.numel as u64).checked_mul(4).and_then(|b| offset.checked_add(b)).ok_or_else(|| {
+            CheckpointError::Corrupt {
+                path: dir.join(METADATA),
+                reason: format!("parameter {:?}: {} elements", p.name, p.numel),
+            }
+        })?;
         let entry = serde_json::json!({ "dtype": "F32", "shape": p.shape, "data_offsets": [offset, end] });
         if tensors.insert(p.name.clone(), entry).is_some() || p.name == "__metadata__" {
             return Err(CheckpointError::InvalidArgument(format!("safetensors: parameter name {:?} is not unique", p.name)));

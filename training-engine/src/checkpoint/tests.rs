@@ -405,7 +405,7 @@ fn inconsistent_parameter_table_is_named_not_a_panic() {
     let good = std::fs::read(dir.join(METADATA)).unwrap();
     let out = tmp.path().join("model.safetensors");
     type Edit = fn(&mut Metadata);
-    let cases: [(&str, Edit); 8] = [
+    let cases: [(&str, Edit); 9] = [
         ("offset 8, expected 15", |m| m.units[0].params[1].offset = 8),
         ("numel 16 for shape [4, 5]", |m| m.units[1].params[0].shape = vec![4, 5]),
         ("numel 23, its parameters hold 22", |m| m.units[0].numel = 23),
@@ -425,6 +425,13 @@ fn inconsistent_parameter_table_is_named_not_a_panic() {
         ("state_slots 18446744073709551615: expected at most 8", |m| m.state_slots = usize::MAX),
         // AdamW's bias correction takes the step as an i32: a wrapped one made the weights NaN.
         ("step 2147483648: expected at most 2147483647", |m| m.step = 1 << 31),
+        // A whole table that agrees with itself but not with the files' sizes: an export would
+        // size a 4 TiB parameter from it.
+        ("its units need 6597069766908 bytes of sections in each shard file", |m| {
+            let u = &mut m.units[2];
+            (u.params[0].shape, u.params[0].numel) = (vec![1 << 40], 1 << 40);
+            (u.numel, u.padded_numel, u.shard_len) = (1 << 40, 1 << 40, 1 << 39);
+        }),
     ];
     for (want, edit) in cases {
         edit_metadata(&dir, edit);
@@ -525,6 +532,46 @@ fn leftovers_of_interrupted_saves_are_swept() {
     std::fs::create_dir_all(killed.join("junk")).unwrap();
     save_local(tmp.path(), &states(Strategy::Zero2, 2, 4), &progress(), 0).unwrap();
     assert!(!killed.exists(), "an interrupted save's directory stays");
+    // A crash between a re-save's two renames left step 4 only as `step-4.replaced`, and the run
+    // went on from it: the next commit gives it its name back, a checkpoint like any other
+    // (kept, loadable, and pruned in its turn), not a copy on disk forever.
+    let four = tmp.path().join(step_dir_name(4));
+    let aside = tmp.path().join(format!("{}.replaced", step_dir_name(4)));
+    std::fs::rename(&four, &aside).unwrap();
+    save_local(tmp.path(), &states(Strategy::Zero2, 2, 6), &progress(), 0).unwrap();
+    assert!(!aside.exists() && four.join(METADATA).is_file(), "step 4 is not back under its name");
+    assert_eq!(load_as(&four, Strategy::Zero2, 2, 1), states(Strategy::Zero2, 2, 4)[1]);
+    save_local(tmp.path(), &states(Strategy::Zero2, 2, 8), &progress(), 2).unwrap();
+    assert!(!four.exists(), "step 4 is past keep_last 2 (6 and 8 are kept)");
+}
+
+/// Rank 0 commits only shards that a load will accept: one saved with another number of
+/// optimizer state slots (or another layout) is refused before `latest` moves, so older
+/// checkpoints are not pruned in favour of one that can never load.
+#[test]
+fn a_commit_refuses_shards_that_no_load_accepts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let good = save_local(tmp.path(), &states(Strategy::Zero2, 2, 3), &progress(), 1).unwrap();
+    let mut mixed = states(Strategy::Zero2, 2, 5);
+    for s in &mut mixed[1].state {
+        s.truncate(1);
+    }
+    let e = save_local(tmp.path(), &mixed, &progress(), 1).unwrap_err().to_string();
+    assert!(
+        e.contains("shard-00001.bin") && e.contains("do not match the layout's 3 units and 2 slots"),
+        "{e}"
+    );
+    assert_eq!(latest(tmp.path()).unwrap(), good);
+    assert!(good.join(METADATA).is_file(), "the good checkpoint was pruned");
+}
+
+/// A nested checkpoint root is created with every level, and usable at once.
+#[test]
+fn a_nested_root_is_created_whole() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("run7").join("ckpts");
+    let dir = save_local(&root, &states(Strategy::Zero2, 2, 3), &progress(), 0).unwrap();
+    assert_eq!(latest(&root).unwrap(), dir);
 }
 
 /// Re-saving a step whose old copy cannot be removed (a shard still open on NFS) still commits:
