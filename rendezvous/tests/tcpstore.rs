@@ -358,7 +358,14 @@ async fn key_and_value_caps_at_8_kib_and_8_mib_close_over_the_limit_and_log_peer
 
 #[tokio::test]
 async fn request_and_store_size_caps_close_the_connection() {
-    let limits = TcpStoreLimits { max_request_bytes: 1000, max_total_bytes: 2000, ..TcpStoreLimits::default() };
+    // (Keys and values small enough that the largest SET fits a request: the limits are checked.)
+    let limits = TcpStoreLimits {
+        max_key_bytes: 16,
+        max_value_bytes: 950,
+        max_request_bytes: 1000,
+        max_total_bytes: 2000,
+        ..TcpStoreLimits::default()
+    };
     let server = start(limits).await;
     let mut c = TcpStoreClient::connect(server.local_addr()).await.unwrap();
     // A MULTI_SET of 2 × 600 bytes is one 1,2xx-byte request: over.
@@ -484,6 +491,14 @@ async fn limits_past_their_ceilings_are_refused() {
     let limits = TcpStoreLimits { max_value_bytes: 1 << 31, ..TcpStoreLimits::default() };
     let e = TcpStoreServer::start("127.0.0.1:0".parse().unwrap(), limits, CancellationToken::new()).map(|_| ()).unwrap_err();
     assert!(e.to_string().contains("max_value_bytes") && e.to_string().contains("must be at most 1073741824"), "{e}");
+    // A value cap that no request can carry is named with the request cap it passes.
+    let limits = TcpStoreLimits { max_value_bytes: 100 << 20, ..TcpStoreLimits::default() };
+    let e = TcpStoreServer::start("127.0.0.1:0".parse().unwrap(), limits, CancellationToken::new()).map(|_| ()).unwrap_err();
+    assert!(
+        e.to_string().contains("max_request_bytes")
+            && e.to_string().contains("67108864: a SET of the largest key (8192 bytes) and value (104857600 bytes) takes 104865809"),
+        "{e}"
+    );
 }
 
 #[tokio::test]

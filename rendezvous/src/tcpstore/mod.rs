@@ -119,6 +119,18 @@ impl TcpStoreLimits {
                 return Err(RdzvError::invalid(name, format!("{v}: must be at most {max}")));
             }
         }
+        // The largest key with the largest value must make a request the parser accepts (a SET
+        // of both is 1 + 8 + key + 8 + value bytes): else the value cap is one no SET can reach.
+        let largest_set = self.max_key_bytes + self.max_value_bytes + 17;
+        if largest_set > self.max_request_bytes {
+            return Err(RdzvError::invalid(
+                "max_request_bytes",
+                format!(
+                    "{}: a SET of the largest key ({} bytes) and value ({} bytes) takes {largest_set}; raise it or lower those",
+                    self.max_request_bytes, self.max_key_bytes, self.max_value_bytes
+                ),
+            ));
+        }
         if self.stall_timeout.is_zero() {
             return Err(RdzvError::invalid("stall_timeout", "0: must be longer than zero"));
         }

@@ -115,15 +115,28 @@ pub struct StoreState {
     /// (one item is one wake-up, so no one else was woken for it). At most
     /// [`MAX_QUEUE_WAKES_PER_CONN`] each, the oldest dropped.
     queue_woken: HashMap<ConnId, VecDeque<Key>>,
+    /// How many entries of `queue_woken` name each queue (connections on their way to an item).
+    woken_per_queue: HashMap<Key, usize>,
+    /// Bytes of keys in each connection's `queue_woken` entries, held under
+    /// [`MAX_QUEUE_WAKE_BYTES_PER_CONN`].
+    woken_bytes: HashMap<ConnId, usize>,
+    /// The most the keys of one connection's pending WAITs may take (see
+    /// [`StoreState::with_limits`]).
+    max_wait_bytes_per_conn: usize,
     next_seq: u64,
 }
 
 /// Most queue wake-ups one connection is remembered for (see `StoreState::queue_woken`).
 const MAX_QUEUE_WAKES_PER_CONN: usize = 1024;
 
-/// Most memory the keys of one connection's pending WAITs may take: a WAIT names up to 128 Ki
-/// keys in a 64 MiB request, and each missing key is kept twice over (the wait's list and the
-/// key's waiter set), so without it 1024 pending WAITs could hold tens of GiB.
+/// Most bytes of queue names one connection's remembered wake-ups hold (the oldest dropped
+/// past it): they are held after the waits themselves, whose charge is released.
+const MAX_QUEUE_WAKE_BYTES_PER_CONN: usize = 256 << 10;
+
+/// The least memory the keys of one connection's pending WAITs may take: a WAIT names up to
+/// 128 Ki keys in a 64 MiB request, and each missing key is kept twice over (the wait's list and
+/// the key's waiter set), so without a cap 1024 pending WAITs could hold tens of GiB. The cap is
+/// this or what one WAIT of the most keys and bytes the limits allow costs, whichever is more.
 pub const MAX_WAIT_BYTES_PER_CONN: usize = 16 << 20;
 
 /// What the bookkeeping of a WAIT on `keys` costs: each key twice and about a hundred bytes of
@@ -142,9 +155,18 @@ impl StoreState {
     /// An empty keyspace under `limits`: at most `max_total_bytes` held, and no reply (nor
     /// appended value) larger than `max_request_bytes`.
     pub fn with_limits(limits: &TcpStoreLimits) -> Self {
+        // One WAIT within the parser's limits always fits a connection's charge: its keys' bytes
+        // twice over, and the bookkeeping of as many keys as one request names.
+        let one_wait = limits
+            .max_request_bytes
+            .saturating_mul(2)
+            .saturating_add(limits.max_keys_per_request.saturating_mul(96));
         StoreState {
             max_total_bytes: limits.max_total_bytes,
             max_reply_bytes: limits.max_request_bytes,
+            max_wait_bytes_per_conn: one_wait.max(MAX_WAIT_BYTES_PER_CONN),
+            woken_per_queue: HashMap::new(),
+            woken_bytes: HashMap::new(),
             kv: HashMap::new(),
             queues: HashMap::new(),
             n_bytes: 0,
@@ -172,14 +194,71 @@ impl StoreState {
     /// unchanged by the failing request (a MULTI_SET keeps the pairs before the failing one, as n
     /// SETs would).
     pub fn apply(&mut self, conn: ConnId, req: Request) -> Result<Applied, RdzvError> {
-        let mut woken = Vec::new();
-        // A woken connection's next request is its pop (torch's queue_pop waits, then pops): any
-        // other request means it is not on its way to the item, whose wake-up goes on.
-        if !matches!(req, Request::QueuePop { .. })
-            && let Some(keys) = self.queue_woken.remove(&conn)
-        {
-            self.hand_on(keys, &mut woken);
+        // A woken connection's next request is its pop, or a look at that queue first (torch's
+        // blocking queue_pop WAITs on it, then pops; a client may CHECK or QUEUE_LEN first): any
+        // other request means it is not on its way to the item, whose wake-up goes on, once
+        // the request succeeded (one that fails closes the connection, which hands it on then).
+        let handed = self.not_on_their_way(conn, &req);
+        match self.apply_request(conn, req) {
+            Ok(mut applied) => {
+                self.hand_on(handed, &mut applied.woken);
+                Ok(applied)
+            }
+            Err(e) => {
+                for key in handed {
+                    self.note_woken(conn, key);
+                }
+                Err(e)
+            }
         }
+    }
+
+    /// Takes `conn`'s remembered queue wake-ups that request `req` shows it is not on its way
+    /// to (see [`StoreState::apply`]).
+    fn not_on_their_way(&mut self, conn: ConnId, req: &Request) -> Vec<Key> {
+        let looks_at = |key: &Key| match req {
+            Request::QueuePop { key: k } | Request::QueueLen { key: k } => k == key,
+            Request::Wait { keys } | Request::Check { keys } => keys.contains(key),
+            _ => false,
+        };
+        let Some(wakes) = self.queue_woken.get(&conn) else { return Vec::new() };
+        if wakes.iter().all(looks_at) {
+            return Vec::new();
+        }
+        let (kept, handed): (Vec<Key>, Vec<Key>) = self.take_woken(conn).into_iter().partition(looks_at);
+        for key in kept {
+            self.note_woken(conn, key);
+        }
+        handed
+    }
+
+    /// Remembers that a push woke `conn` for an item of queue `key`.
+    fn note_woken(&mut self, conn: ConnId, key: Key) {
+        let bytes = self.woken_bytes.entry(conn).or_default();
+        *bytes += key.len();
+        *self.woken_per_queue.entry(key.clone()).or_default() += 1;
+        let wakes = self.queue_woken.entry(conn).or_default();
+        wakes.push_back(key);
+        while wakes.len() > MAX_QUEUE_WAKES_PER_CONN || (*bytes > MAX_QUEUE_WAKE_BYTES_PER_CONN && wakes.len() > 1) {
+            let Some(old) = wakes.pop_front() else { break };
+            *bytes -= old.len();
+            uncount(&mut self.woken_per_queue, &old);
+        }
+    }
+
+    /// Forgets every wake-up remembered for `conn`, returning them.
+    fn take_woken(&mut self, conn: ConnId) -> VecDeque<Key> {
+        self.woken_bytes.remove(&conn);
+        let keys = self.queue_woken.remove(&conn).unwrap_or_default();
+        for key in &keys {
+            uncount(&mut self.woken_per_queue, key);
+        }
+        keys
+    }
+
+    /// [`StoreState::apply`] without the hand-on of wake-ups.
+    fn apply_request(&mut self, conn: ConnId, req: Request) -> Result<Applied, RdzvError> {
+        let mut woken = Vec::new();
         let reply = match req {
             Request::Validate { .. } => Reply::None,
             Request::Ping { nonce } => Reply::Bytes(nonce.to_le_bytes().to_vec()),
@@ -284,13 +363,20 @@ impl StoreState {
                 Reply::None
             }
             Request::QueuePop { key } => {
-                if let Some(wakes) = self.queue_woken.get_mut(&conn) {
-                    if let Some(i) = wakes.iter().position(|k| *k == key) {
-                        wakes.remove(i);
-                    }
+                if let Some(wakes) = self.queue_woken.get_mut(&conn)
+                    && let Some(i) = wakes.iter().position(|k| *k == key)
+                {
+                    wakes.remove(i);
                     if wakes.is_empty() {
                         self.queue_woken.remove(&conn);
                     }
+                    if let Some(bytes) = self.woken_bytes.get_mut(&conn) {
+                        *bytes -= key.len();
+                        if !self.queue_woken.contains_key(&conn) {
+                            self.woken_bytes.remove(&conn);
+                        }
+                    }
+                    uncount(&mut self.woken_per_queue, &key);
                 }
                 let mut out = Vec::new();
                 match self.queues.get_mut(&key) {
@@ -365,19 +451,18 @@ impl StoreState {
     pub fn disconnect(&mut self, conn: ConnId) -> Vec<WaitId> {
         self.drop_waits(conn);
         let mut woken = Vec::new();
-        if let Some(keys) = self.queue_woken.remove(&conn) {
-            self.hand_on(keys, &mut woken);
-        }
+        let keys = self.take_woken(conn);
+        self.hand_on(keys, &mut woken);
         woken
     }
 
     /// Wakes another waiter for each queue in `keys` whose wake-up a connection will not use, if
     /// an item is left that no woken connection is on its way to (a client that was not waiting
     /// may have popped it meanwhile).
-    fn hand_on(&mut self, keys: VecDeque<Key>, woken: &mut Vec<WaitId>) {
+    fn hand_on(&mut self, keys: impl IntoIterator<Item = Key>, woken: &mut Vec<WaitId>) {
         for key in keys {
             let items = self.queues.get(&key).map_or(0, VecDeque::len);
-            let on_their_way: usize = self.queue_woken.values().map(|ks| ks.iter().filter(|k| **k == key).count()).sum();
+            let on_their_way = self.woken_per_queue.get(&key).copied().unwrap_or(0);
             if items > on_their_way {
                 self.wake_one(&key, woken);
             }
@@ -411,11 +496,11 @@ impl StoreState {
     /// store's.
     fn charge_wait_bytes(&mut self, conn: ConnId, cost: usize) -> Result<(), RdzvError> {
         let held = self.conn_wait_bytes.get(&conn).copied().unwrap_or(0) + cost;
-        if held > MAX_WAIT_BYTES_PER_CONN {
+        if held > self.max_wait_bytes_per_conn {
             return Err(RdzvError::TcpStoreLimit {
                 limit: "pending WAIT keys size",
                 value: held as u64,
-                max: MAX_WAIT_BYTES_PER_CONN as u64,
+                max: self.max_wait_bytes_per_conn as u64,
             });
         }
         let total = self.total_wait_bytes + cost;
@@ -537,11 +622,7 @@ impl StoreState {
         if let Some(id) = chosen {
             self.key_written(id, woken);
             if woken.last() == Some(&id) {
-                let wakes = self.queue_woken.entry(id.conn()).or_default();
-                if wakes.len() == MAX_QUEUE_WAKES_PER_CONN {
-                    wakes.pop_front();
-                }
-                wakes.push_back(key.clone());
+                self.note_woken(id.conn(), key.clone());
             }
         }
     }
@@ -572,6 +653,16 @@ fn reply_exceeded(limit: &'static str, size: usize, max: usize) -> RdzvError {
 
 fn total_exceeded(new_total: usize, max: usize) -> RdzvError {
     RdzvError::TcpStoreLimit { limit: "store size", value: new_total as u64, max: max as u64 }
+}
+
+/// One count less for `key` (the entry removed at zero).
+fn uncount(map: &mut HashMap<Key, usize>, key: &[u8]) {
+    if let Some(n) = map.get_mut(key) {
+        *n -= 1;
+        if *n == 0 {
+            map.remove(key);
+        }
+    }
 }
 
 fn remove_waiter(map: &mut HashMap<Key, BTreeSet<WaitId>>, key: &[u8], id: &WaitId) {

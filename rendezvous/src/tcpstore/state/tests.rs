@@ -83,6 +83,17 @@ fn check_invariants(s: &StoreState) {
         };
     }
     assert_eq!(charged, s.conn_wait_bytes, "wait bytes per connection");
+    // Remembered queue wake-ups: counted per queue and per connection's bytes.
+    let mut per_queue: HashMap<Key, usize> = HashMap::new();
+    for keys in s.queue_woken.values() {
+        assert!(!keys.is_empty(), "an empty wake-up list was kept");
+        for key in keys {
+            *per_queue.entry(key.clone()).or_default() += 1;
+        }
+    }
+    assert_eq!(per_queue, s.woken_per_queue, "wake-ups per queue");
+    let bytes: HashMap<ConnId, usize> = s.queue_woken.iter().map(|(c, ks)| (*c, ks.iter().map(Vec::len).sum())).collect();
+    assert_eq!(bytes, s.woken_bytes, "wake-up bytes per connection");
     assert_eq!(s.total_wait_bytes, s.conn_wait_bytes.values().sum::<usize>(), "wait bytes in all");
 }
 
@@ -277,14 +288,63 @@ fn a_connection_that_leaves_before_its_pop_hands_the_wake_up_on() {
     assert_eq!(ok(&mut s, ConnId(3), Request::QueuePush { key: k("q"), value: k("2") }).woken, vec![b]);
     ok(&mut s, ConnId(7), Request::QueuePop { key: k("q") });
     assert!(s.disconnect(A).is_empty(), "one item left, and B is on its way to it");
-    // A woken connection whose next request is no pop is not on its way: the wake-up goes on at
-    // once (and its entry does not hold back anyone's later).
+    // A woken connection whose next request is neither its pop nor a look at that queue is not
+    // on its way: the wake-up goes on at once (and its entry does not hold back anyone's later).
     let mut s = store();
     let a = pending(&mut s, A, wait(&["q"]));
     let b = pending(&mut s, B, wait(&["q"]));
     assert_eq!(ok(&mut s, ConnId(3), Request::QueuePush { key: k("q"), value: k("1") }).woken, vec![a]);
-    assert_eq!(ok(&mut s, A, Request::Check { keys: vec![k("q")] }).woken, vec![b]);
+    assert_eq!(ok(&mut s, A, Request::Check { keys: vec![k("other")] }).woken, vec![b]);
     assert!(s.disconnect(A).is_empty());
+}
+
+/// torch's blocking queue_pop WAITs on the queue before it pops: a connection woken for an item
+/// (by a plain wait) that then calls queue_pop, or looks at the queue first, keeps its wake-up,
+/// and nobody else is woken to find the queue empty (QueueEmptyError in torch).
+#[test]
+fn a_woken_connection_that_waits_on_its_queue_before_popping_keeps_its_wake_up() {
+    let mut s = store();
+    let a = pending(&mut s, A, wait(&["q"]));
+    let b = pending(&mut s, B, wait(&["q"]));
+    assert_eq!(ok(&mut s, ConnId(3), Request::QueuePush { key: k("q"), value: k("1") }).woken, vec![a]);
+    for look in [wait(&["q"]), Request::Check { keys: vec![k("q")] }, Request::QueueLen { key: k("q") }] {
+        assert!(ok(&mut s, A, look).woken.is_empty(), "B was woken for A's item");
+    }
+    assert_eq!(bytes(&mut s, A, Request::QueuePop { key: k("q") }), [&1i64.to_le_bytes()[..], &blob(b"1")].concat());
+    assert!(s.disconnect(A).is_empty());
+    assert_eq!(s.stats().n_waits, 1, "{b:?} waits for the next push");
+}
+
+/// A request that fails (and closes its connection) does not spend the wake-up it would have
+/// handed on: the connection's going away hands it on, and the next waiter is woken.
+#[test]
+fn a_failing_request_keeps_the_wake_up_for_the_disconnect_to_hand_on() {
+    let mut s = store();
+    ok(&mut s, ConnId(3), set("/k", "potato"));
+    let a = pending(&mut s, A, wait(&["q"]));
+    let b = pending(&mut s, B, wait(&["q"]));
+    assert_eq!(ok(&mut s, ConnId(3), Request::QueuePush { key: k("q"), value: k("1") }).woken, vec![a]);
+    assert!(s.apply(A, Request::Add { key: k("/k"), delta: 1 }).is_err());
+    check_invariants(&s);
+    assert_eq!(s.stats().n_waits, 1, "B's wait was completed and its wake-up dropped");
+    assert_eq!(s.disconnect(A), vec![b]);
+    check_invariants(&s);
+}
+
+/// The wake-ups a connection is remembered for hold at most their byte cap of queue names (the
+/// oldest dropped), and a hand-on counts those on their way per queue, not by scanning.
+#[test]
+fn remembered_wake_ups_are_bounded_in_bytes() {
+    let mut s = StoreState::new(1 << 30);
+    let name = |i: usize| format!("{i:04}{}", "q".repeat(4096));
+    for i in 0..64 {
+        pending(&mut s, A, wait(&[&name(i)]));
+        ok(&mut s, ConnId(3), Request::QueuePush { key: k(&name(i)), value: k("x") });
+    }
+    let held = s.woken_bytes[&A];
+    assert!(held <= MAX_QUEUE_WAKE_BYTES_PER_CONN, "{held} bytes of remembered wake-ups");
+    assert!(s.queue_woken[&A].len() < 64 && s.queue_woken[&A].back() == Some(&k(&name(63))));
+    check_invariants(&s);
 }
 
 #[test]
@@ -447,7 +507,11 @@ fn replies_and_appended_values_stay_under_the_reply_cap() {
 /// given back.
 #[test]
 fn pending_wait_keys_are_held_under_a_cap_per_connection() {
-    let mut s = StoreState::new(1 << 30);
+    // Requests of at most 4 MiB and 1,024 keys: one WAIT costs at most 8 MiB + 96 KiB, so the
+    // cap is its floor, 16 MiB.
+    let limits = TcpStoreLimits { max_request_bytes: 4 << 20, max_keys_per_request: 1024, max_total_bytes: 1 << 30, ..TcpStoreLimits::default() };
+    let mut s = StoreState::with_limits(&limits);
+    assert_eq!(s.max_wait_bytes_per_conn, MAX_WAIT_BYTES_PER_CONN);
     // One key of 1 MiB costs 2 MiB + 96 bytes: seven fit under 16 MiB, the eighth does not.
     let big = |i: u8| vec![i; 1 << 20];
     for i in 0..7 {
@@ -468,6 +532,17 @@ fn pending_wait_keys_are_held_under_a_cap_per_connection() {
     for i in 20..27 {
         assert!(matches!(ok(&mut s, A, Request::Wait { keys: vec![big(i)] }).reply, Reply::Pending(_)));
     }
+}
+
+/// Under torch's own limits (128 Ki keys in a 64 MiB request), one WAIT of any request the
+/// parser accepts fits a connection's cap: 90,000 missing 50-byte keys (about 17.6 MB of
+/// bookkeeping, past a fixed 16 MiB) wait instead of closing the connection.
+#[test]
+fn one_wait_within_the_request_limits_always_fits_the_cap() {
+    let mut s = StoreState::with_limits(&TcpStoreLimits::default());
+    let keys: Vec<Key> = (0..90_000).map(|i| format!("{i:050}").into_bytes()).collect();
+    assert!(wait_cost(&keys) > MAX_WAIT_BYTES_PER_CONN);
+    assert!(matches!(ok(&mut s, A, Request::Wait { keys }).reply, Reply::Pending(_)));
 }
 
 #[test]
