@@ -325,12 +325,19 @@ impl Journal {
         }
         {
             use std::os::unix::fs::DirBuilderExt;
+            // The directories made now, deepest first: each is durable in its parent only once
+            // that parent is synced (else a power cut could lose them, and the records in them).
+            let made: Vec<&Path> = dir.ancestors().take_while(|p| !p.as_os_str().is_empty() && !p.exists()).collect();
             // A new directory is the daemon's user's only (an existing one keeps its mode).
             fs::DirBuilder::new()
                 .recursive(true)
                 .mode(0o700)
                 .create(dir)
                 .map_err(|e| storage(dir, "cannot create data directory", e))?;
+            for d in &made {
+                let parent = d.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+                fsync_dir(parent)?;
+            }
         }
         let lock_path = dir.join("lock");
         let lock_file = OpenOptions::new()
@@ -418,7 +425,7 @@ impl Journal {
         }
         fsync_dir(dir)?;
         let journal = Journal { dir: dir.to_path_buf(), log, log_path, log_bytes: 0, poisoned: None, _lock: lock };
-        let last_at = last_at.max(state.jobs.values().map(|j| j.last_activity).max().unwrap_or(0));
+        let last_at = last_at.max(state.latest_activity());
         Ok((journal, Recovered { state, seq, replayed, truncated_bytes, last_at }))
     }
 

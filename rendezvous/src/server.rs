@@ -198,7 +198,17 @@ pub async fn serve(config: ServerConfig, shutdown: CancellationToken, on_bound: 
     }
     let metrics_addr = match config.metrics_listen {
         None => None,
-        Some(m) => Some(spawn_metrics(m, core.metrics.clone(), shutdown.clone(), &tracker).await?),
+        Some(m) => match spawn_metrics(m, core.metrics.clone(), shutdown.clone(), &tracker).await {
+            Ok(a) => Some(a),
+            Err(e) => {
+                // The core's tasks stop first (they hold the data directory's lock): an embedded
+                // caller may try again.
+                shutdown.cancel();
+                tracker.close();
+                tracker.wait().await;
+                return Err(e);
+            }
+        },
     };
     on_bound(Bound { addr, metrics_addr });
     tracing::info!(%addr, durable = config.data_dir.is_some(), ha = config.ha.is_some(), auth = tokens.is_some(), tls = config.tls.is_some(), "rendezvous service listening");

@@ -48,11 +48,15 @@ const ANSWER_SLACK: Duration = Duration::from_secs(3);
 /// Response metadata key of the [`pb::LeaderStamp`] (HA).
 pub const LEADER_STAMP_KEY: &str = "rsrun-leader-bin";
 
-/// Wall-clock milliseconds that advance with tokio's clock (so paused-time tests control them).
-#[derive(Debug, Clone)]
+/// Wall-clock milliseconds that advance with tokio's clock (so paused-time tests control them),
+/// and never run behind the state's time once told it ([`Clock::catch_up`]).
+#[derive(Debug)]
 pub struct Clock {
     base_wall: Ms,
     base: Instant,
+    /// Milliseconds added since the start: the state's time was ahead of the wall clock (a clock
+    /// stepped back before a restart, a new leader whose clock lags).
+    ahead: std::sync::atomic::AtomicU64,
 }
 
 impl Clock {
@@ -62,17 +66,28 @@ impl Clock {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_millis() as Ms)
             .unwrap_or(0);
-        Clock { base_wall: wall, base: Instant::now() }
+        Clock { base_wall: wall, base: Instant::now(), ahead: std::sync::atomic::AtomicU64::new(0) }
     }
 
     /// Milliseconds since the Unix epoch.
     pub fn now_ms(&self) -> Ms {
-        self.base_wall + self.base.elapsed().as_millis() as Ms
+        self.base_wall + self.ahead.load(std::sync::atomic::Ordering::Relaxed) + self.base.elapsed().as_millis() as Ms
+    }
+
+    /// Moves the clock forward to `at` if it is behind it, to run at the real rate from there:
+    /// time stamped no earlier than the last applied entry must still pass (leases expire, last
+    /// calls end), instead of standing still at `at` until the wall clock gets there.
+    pub fn catch_up(&self, at: Ms) {
+        let now = self.now_ms();
+        if now < at {
+            self.ahead.fetch_add(at - now, std::sync::atomic::Ordering::Relaxed);
+        }
     }
 
     /// The tokio instant of a wall-clock time.
     pub fn instant_at(&self, at: Ms) -> Instant {
-        self.base + Duration::from_millis(at.saturating_sub(self.base_wall))
+        let start = self.base_wall + self.ahead.load(std::sync::atomic::Ordering::Relaxed);
+        self.base + Duration::from_millis(at.saturating_sub(start))
     }
 }
 
@@ -301,6 +316,7 @@ impl Core {
                     "recovered durable state"
                 );
                 let mut state = recovered.state;
+                clock.catch_up(recovered.last_at);
                 // Leases could not be renewed while the service was down: give every node a full one.
                 state.renew_all_leases(clock.now_ms().max(recovered.last_at));
                 let log = spawn_flusher(Box::new(journal), 0, recovered.seq, flushed_tx.clone(), metrics.clone())?;
@@ -480,23 +496,6 @@ impl Core {
         Ok((outcome, g.seq))
     }
 
-    /// Records the local address a node of `job` reached the service on: its round stores listen
-    /// there.
-    pub fn note_interface(&self, job: &str, ip: IpAddr) {
-        if let Some(stores) = self.lock().stores.as_mut() {
-            stores.note_interface(job, ip);
-        }
-    }
-
-    /// Undoes [`Core::note_interface`] for a job that does not exist (its Join was refused).
-    pub fn forget_interface_if_unknown(&self, job: &str) {
-        let mut g = self.lock();
-        let Inner { stores, state, .. } = &mut *g;
-        if let Some(stores) = stores.as_mut() {
-            stores.forget_if_unknown(job, state);
-        }
-    }
-
     /// How many jobs have an interface noted (tests: it must not grow with refused joins).
     pub fn noted_interfaces(&self) -> usize {
         self.lock().stores.as_ref().map_or(0, |s| s.n_interfaces())
@@ -516,11 +515,35 @@ impl Core {
     /// same lock (no other command comes between): an admission rule of the caller's, such as a
     /// token's job quota, that is not the state machine's (replay does not check it again).
     pub async fn execute_admitted(&self, cmd: Command, admit: impl FnOnce(&State) -> Result<(), RdzvError>) -> Result<Outcome, RdzvError> {
+        self.execute_noting(cmd, admit, None).await
+    }
+
+    /// [`Core::execute_admitted`] of a Join that reached the service on local address
+    /// `interface`: noted for the job's round stores (they listen there) in the same locked step
+    /// as the Join, and forgotten there if the Join was refused before the job existed. Noted and
+    /// forgotten apart, a refused first Join could forget the address another Join of the same
+    /// new job had just relied on, or (its call cancelled in between) never forget it.
+    pub async fn execute_noting(
+        &self,
+        cmd: Command,
+        admit: impl FnOnce(&State) -> Result<(), RdzvError>,
+        interface: Option<IpAddr>,
+    ) -> Result<Outcome, RdzvError> {
         let (outcome, settle) = {
             let mut g = self.lock();
             Self::serving(&g)?;
             let before = g.seq;
-            match admit(&g.state).and_then(|()| self.apply_locked(&mut g, &cmd)) {
+            if let (Some(ip), Some(stores)) = (interface, g.stores.as_mut()) {
+                stores.note_interface(cmd.job(), ip);
+            }
+            let applied = admit(&g.state).and_then(|()| self.apply_locked(&mut g, &cmd));
+            if applied.is_err() && interface.is_some() {
+                let Inner { stores, state, .. } = &mut *g;
+                if let Some(stores) = stores.as_mut() {
+                    stores.forget_if_unknown(cmd.job(), state);
+                }
+            }
+            match applied {
                 // A logged command is proven by its own guarded append, which begins after it
                 // was applied; one that logged nothing needs a confirmation.
                 Ok((outcome, seq)) => (Ok(outcome), Self::settle_point(&g, seq, seq == before)),
@@ -840,6 +863,7 @@ impl Core {
     /// The flusher thread cannot start.
     pub fn promote(&self, epoch: u64, store: Box<dyn LogStore>) -> Result<(), RdzvError> {
         let mut g = self.lock();
+        self.clock.catch_up(g.last_at);
         let now = self.clock.now_ms().max(g.last_at);
         g.term += 1;
         let term = g.term;
@@ -1221,13 +1245,6 @@ impl pb::rendezvous_server::Rendezvous for Service {
             validate::addrs(&r.addrs)?;
             validate::hostname(&r.hostname)?;
             let deadline = self.deadline(r.timeout_ms)?;
-            if let Some(local) = local {
-                self.core.note_interface(&r.job_id, local.ip());
-            }
-            let forget = |e: RdzvError| {
-                self.core.forget_interface_if_unknown(&r.job_id);
-                e
-            };
             let cmd = Command::Join(JoinCmd {
                 job: r.job_id.clone(),
                 node: r.node_id.clone(),
@@ -1236,10 +1253,10 @@ impl pb::rendezvous_server::Rendezvous for Service {
                 local_world_size: r.local_world_size,
                 rank_hint: r.rank_hint,
                 master_port: r.master_port,
-                spec: job_spec(r.config.as_ref()).map_err(forget)?,
+                spec: job_spec(r.config.as_ref())?,
             });
             let admit = |st: &State| quota.map_or(Ok(()), |q| q.admit(&p, st, &r.job_id));
-            self.core.execute_admitted(cmd.clone(), &admit).await.map_err(forget)?;
+            self.core.execute_noting(cmd.clone(), &admit, local.map(|l| l.ip())).await?;
             let (job, node) = (r.job_id.as_str(), r.node_id.as_str());
             // Instrumented, never entered across an await: an entered span would leak into whatever
             // else runs on this thread meanwhile, and spans would nest into each other.
@@ -1753,5 +1770,31 @@ impl pb::rendezvous_server::Rendezvous for Service {
         let info = self.core.daemon_info().await;
         self.core.metrics.observe("DaemonInfo", tonic::Code::Ok, start.elapsed().as_secs_f64());
         Ok(Response::new(info))
+    }
+}
+
+#[cfg(test)]
+mod clock_tests {
+    use super::*;
+
+    /// A clock behind the state's time (stepped back before a restart, a lagging new leader)
+    /// catches up to it and runs on at the real rate from there: leases still expire a lease
+    /// later, not once the wall clock reaches the old time.
+    #[tokio::test(start_paused = true)]
+    async fn a_clock_behind_the_state_catches_up_and_keeps_running() {
+        let clock = Clock::system();
+        let hour_ahead = clock.now_ms() + 3_600_000;
+        clock.catch_up(hour_ahead);
+        let start = clock.now_ms();
+        assert!(start >= hour_ahead, "{start} < {hour_ahead}");
+        tokio::time::advance(Duration::from_millis(5_000)).await;
+        assert_eq!(clock.now_ms(), start + 5_000, "time stands still after catching up");
+        // A deadline a second ahead of the clock is a second ahead of tokio's instant too.
+        let at = clock.instant_at(clock.now_ms() + 1_000);
+        assert_eq!(at - Instant::now(), Duration::from_millis(1_000));
+        // Catching up to a time already passed changes nothing.
+        let now = clock.now_ms();
+        clock.catch_up(now - 10);
+        assert_eq!(clock.now_ms(), now);
     }
 }

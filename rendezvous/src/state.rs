@@ -40,6 +40,10 @@ const MAX_FAILURES: usize = 64;
 /// How many request ids a job remembers for de-duplicating retried calls, at least (see
 /// `Job::dedup_window`).
 const MAX_DEDUP: usize = 8192;
+/// The most answers a job's dedup window keeps however large the world its nodes declare (twice
+/// a 131,072-rank world): the window is held in memory and in every snapshot, outside the
+/// store's byte caps.
+const MAX_DEDUP_WINDOW: usize = 1 << 18;
 /// Shortest and longest lease a job may ask for.
 const LEASE_RANGE_MS: (u64, u64) = (100, 3_600_000);
 /// Longest last-call window.
@@ -808,7 +812,7 @@ impl Job {
             Phase::Running { world_size, .. } => *world_size as usize,
             _ => 0,
         };
-        MAX_DEDUP.max(world.saturating_mul(2))
+        MAX_DEDUP.max(world.saturating_mul(2)).min(MAX_DEDUP_WINDOW)
     }
 
     fn recall(&self, request_id: &str) -> Option<&Dedup> {
@@ -824,6 +828,11 @@ impl Job {
         let Phase::Forming { joined, rejoining, last_call_deadline, early_close } = &mut self.phase else {
             return false;
         };
+        // Spares fill the places that removed nodes left (a survivor whose lease ran out while
+        // the round formed): waiting for it, they were stranded while the round stayed below
+        // min, or closed without them.
+        let max = self.spec.max_nodes as usize;
+        fill_from(&mut self.waiting, joined, max.saturating_sub(rejoining.len()));
         let n = joined.len() as u32;
         if n < self.spec.min_nodes {
             *last_call_deadline = None;
@@ -839,6 +848,8 @@ impl Job {
         if !close {
             return false;
         }
+        // Closing without the survivors not back yet: spares take their places.
+        fill_from(&mut self.waiting, joined, max);
         let joined = std::mem::take(joined);
         let ranks = assign_ranks(joined.iter().filter_map(|id| self.nodes.get(id)));
         let mut members = BTreeMap::new();
@@ -891,14 +902,9 @@ impl Job {
         for b in self.barriers.values_mut() {
             b.arrived.clear();
         }
-        // Spares fill only the places the survivors leave: taking them first put survivors out
-        // of the next round (and their sticky ranks with them).
-        let mut joined = BTreeSet::new();
-        while ((joined.len() + previous.len()) as u32) < self.spec.max_nodes {
-            let Some(id) = self.waiting.pop_first() else { break };
-            joined.insert(id);
-        }
-        self.phase = Phase::Forming { joined, rejoining: previous, last_call_deadline: None, early_close: true };
+        // Spares fill only the places the survivors leave (`maybe_close` moves them): taking
+        // them first put survivors out of the next round (and their sticky ranks with them).
+        self.phase = Phase::Forming { joined: BTreeSet::new(), rejoining: previous, last_call_deadline: None, early_close: true };
         self.maybe_close(now);
     }
 
@@ -1087,6 +1093,12 @@ impl State {
         result
     }
 
+    /// The latest time any job changed (0 for none): a lower bound of the time of the last
+    /// entry applied to this state, which a snapshot keeps when its log is gone.
+    pub fn latest_activity(&self) -> Ms {
+        self.jobs.values().map(|j| j.last_activity).max().unwrap_or(0)
+    }
+
     /// Rebuilds [`State::totals`] from the jobs (after a state was decoded).
     pub fn recount(&mut self) {
         self.totals = self.jobs.values().fold(Totals::default(), |t, j| t.replace(Totals::default(), j.totals(true)));
@@ -1227,7 +1239,10 @@ impl State {
                         reason: format!("it is not a participant of round {round}"),
                     });
                 }
-                finished.insert(node.clone());
+                if !finished.insert(node.clone()) {
+                    // A retried finish: already recorded.
+                    return Ok((Outcome::Done, Effects::default()));
+                }
                 if finished.len() == members.len() {
                     let n = members.len();
                     job.reason = format!("all {n} nodes finished");
@@ -1318,7 +1333,13 @@ impl State {
                     (false, current)
                 };
                 job.remember(request_id, Dedup::Cas { swapped });
-                let effects = if swapped { Effects::topic(scope.key_topic(key)) } else { Effects::changed() };
+                // A failed swap changes nothing but the dedup record (none without a request id):
+                // a CAS spin loop must not run at the journal's fsync rate.
+                let effects = if swapped {
+                    Effects::topic(scope.key_topic(key))
+                } else {
+                    Effects { changed: !request_id.is_empty(), topics: Vec::new() }
+                };
                 Ok((Outcome::Cas { swapped, current: after }, effects))
             }
             Command::StoreDelete { scope, key } => {
@@ -1384,14 +1405,19 @@ impl State {
                     ));
                 }
                 let generation = barrier.generation;
-                barrier.arrived.insert(member.clone());
+                let arrived_now = barrier.arrived.insert(member.clone());
                 let released = barrier.arrived.len() as u32 >= barrier.participants;
                 if released {
                     barrier.generation += 1;
                     barrier.arrived.clear();
                 }
                 job.remember(request_id, Dedup::Barrier(generation));
-                let effects = if released { Effects::topic(scope.barrier_topic(name)) } else { Effects::changed() };
+                // A repeated arrival without a request id changes nothing: nothing to journal.
+                let effects = if released {
+                    Effects::topic(scope.barrier_topic(name))
+                } else {
+                    Effects { changed: arrived_now || !request_id.is_empty(), topics: Vec::new() }
+                };
                 Ok((Outcome::Arrived(generation), effects))
             }
             Command::PublishUniqueId { job, round, rank, name, id } => {
@@ -1520,11 +1546,13 @@ impl State {
         // Fixed node ranks (static backend): a rank out of range is bad input; a rank another live
         // node holds fails the job, naming both, so that no worker of it ever starts.
         let mut duplicate = None;
-        if job.spec.fixed_ranks && !known {
+        // A known node (rejoining after a round ended) is checked too, against the others: a
+        // rejoin with another rank (or none) would otherwise take any free one.
+        if job.spec.fixed_ranks && !placed {
             let Some(want) = j.rank_hint.filter(|r| *r < job.spec.max_nodes) else {
                 return Err(fixed_rank_error(j, job.spec.max_nodes));
             };
-            if let Some(holder) = job.nodes.values().find(|n| n.rank_hint == Some(want)) {
+            if let Some(holder) = job.nodes.values().find(|n| n.id != j.node && n.rank_hint == Some(want)) {
                 duplicate = Some(format!(
                     "duplicate node rank {want}: {} and {} were both started with --node-rank {want}; give each of the {} nodes a distinct --node-rank in 0..{}",
                     node_label(&holder.hostname, &holder.addrs, &holder.id),
@@ -1561,8 +1589,10 @@ impl State {
         let max = job.spec.max_nodes as usize;
         match &mut job.phase {
             Phase::Forming { joined, rejoining, .. } => {
-                rejoining.remove(&j.node);
-                if joined.len() < max {
+                // A survivor of the ended round has its place; a newcomer only one no survivor
+                // is coming back to (else it put that survivor out, with its sticky rank).
+                let survivor = rejoining.remove(&j.node);
+                if joined.len() + if survivor { 0 } else { rejoining.len() } < max {
                     joined.insert(j.node.clone());
                 } else {
                     job.waiting.insert(j.node.clone());
@@ -1684,6 +1714,14 @@ impl State {
             store_bytes: job.store_bytes as u64,
             created_unix_ms: job.created,
         }
+    }
+}
+
+/// Moves spares from `waiting` (smallest ids first) into `joined` until it holds `up_to`.
+fn fill_from(waiting: &mut BTreeSet<String>, joined: &mut BTreeSet<String>, up_to: usize) {
+    while joined.len() < up_to {
+        let Some(id) = waiting.pop_first() else { break };
+        joined.insert(id);
     }
 }
 

@@ -232,6 +232,8 @@ pub async fn recover(etcd: &Etcd, keys: &Keys, revision: i64) -> Result<Recovere
     };
     let values = log_after(etcd, keys, seq, rev).await?;
     apply_batches(&mut state, &mut seq, &mut last_at, &mut epoch, &values).map_err(RecoverError::Damaged)?;
+    // (A pointer written before this fix, or by a leader that had appended nothing, says 0.)
+    let last_at = last_at.max(state.latest_activity());
     let (leader, _) = etcd.range_all(&keys.leader(), &[], rev, 1).await?;
     let leader = leader.first().and_then(|kv| read_peer(&kv.value));
     Ok(Recovered { state, seq, last_at, revision: rev, snap_mod_revision: snap_mod, leader, epoch })
@@ -515,7 +517,9 @@ impl LogStore for EtcdLog {
             return self.finish_snapshot(false);
         }
         let payload = journal::encode_state(state)?;
-        let at = self.last_at;
+        // A new leader's first snapshot (of its predecessors' backlog) comes before any append of
+        // its own: the state's own latest time stands in for the entry time it has not seen.
+        let at = self.last_at.max(state.latest_activity());
         let chunks: Vec<Vec<u8>> = payload.chunks(CHUNK_BYTES).map(<[u8]>::to_vec).collect();
         let pointer = SnapPointer {
             seq,

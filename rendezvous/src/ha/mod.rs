@@ -522,9 +522,18 @@ impl Node {
         // Catch up with everything committed before the barrier, read at its revision. A read
         // etcd did not answer (an election of its own, a compaction) is tried again behind a
         // new barrier, up to the fence: one hiccup must not cost a whole campaign.
+        // Bounded while the lease lives too: a candidate that cannot catch up (reads that time
+        // out, a compaction window shorter than the read) steps aside for the next one.
+        let give_up = Instant::now() + self.stuck_limit();
         let (h, snap) = loop {
             if s.fence.fenced() {
                 return Err(End::Restart("the lease lapsed before the takeover barrier".into()));
+            }
+            if Instant::now() >= give_up {
+                return Err(End::Restart(format!(
+                    "the takeover did not catch up with the log in {} s: letting the next candidate try",
+                    self.stuck_limit().as_secs()
+                )));
             }
             let h = match self.etcd.txn(barrier.clone()).await {
                 Ok(r) if r.succeeded => r.header.map(|h| h.revision).unwrap_or(0),
@@ -634,9 +643,17 @@ impl Node {
         Ok(())
     }
 
+    /// How long a takeover, a resync or a watch reopen may keep failing before the session ends
+    /// (its campaign key goes, so a daemon that cannot read the log does not hold its place in
+    /// the line): three lease TTLs, at least 10 s.
+    fn stuck_limit(&self) -> Duration {
+        (self.cfg.lease_ttl * 3).max(Duration::from_secs(10))
+    }
+
     /// Rebuilds the replica from etcd (now) and opens the log watch after that revision.
     async fn resync(&self, _old: Option<Follow>) -> Result<Follow, End> {
         let mut pause = Duration::from_millis(50);
+        let give_up = Instant::now() + self.stuck_limit();
         let r = loop {
             let recovered = tokio::select! {
                 r = recover(&self.etcd, &self.keys, 0) => r,
@@ -647,6 +664,13 @@ impl Node {
                 Err(RecoverError::Damaged(m)) => {
                     tracing::error!(error = %m, "cannot rebuild the replica: the rsrun log in etcd is damaged");
                     return Err(End::Restart(m));
+                }
+                Err(RecoverError::Etcd(e @ EtcdError::Refused(_))) => {
+                    tracing::error!(error = %e, "cannot rebuild the replica: etcd refuses the read");
+                    return Err(End::Restart(e.to_string()));
+                }
+                Err(RecoverError::Etcd(e)) if Instant::now() >= give_up => {
+                    return Err(End::Restart(format!("cannot read the log for {} s: {e}", self.stuck_limit().as_secs())));
                 }
                 Err(RecoverError::Etcd(e)) => {
                     tracing::debug!(error = %e, "cannot read the log yet; retrying");
@@ -684,6 +708,7 @@ impl Node {
             ..Default::default()
         };
         let mut pause = Duration::from_millis(50);
+        let give_up = Instant::now() + self.stuck_limit();
         loop {
             let watched = tokio::select! {
                 r = self.etcd.watch(create.clone()) => r,
@@ -698,6 +723,10 @@ impl Node {
                 Err(EtcdError::Compacted(m)) => {
                     tracing::warn!(reason = %m, "replica resync: the log watch's history was compacted");
                     return Box::pin(self.resync(Some(f))).await;
+                }
+                Err(e @ EtcdError::Refused(_)) => return Err(e.into()),
+                Err(e) if Instant::now() >= give_up => {
+                    return Err(End::Restart(format!("cannot open the log watch for {} s: {e}", self.stuck_limit().as_secs())));
                 }
                 Err(e) => {
                     tracing::debug!(error = %e, "cannot open the log watch; retrying");

@@ -201,6 +201,49 @@ fn spares_do_not_displace_survivors() {
     assert_eq!(w.job().view().nodes_waiting, 1, "c is still the spare");
 }
 
+/// A survivor that dies while the next round forms (its peer's workers failed first, and its
+/// lease ran out later) leaves a place for the spare: the round forms with it, instead of
+/// staying below min with the spare stranded.
+#[test]
+fn a_spare_takes_the_place_of_a_survivor_that_dies_while_the_round_forms() {
+    let mut w = World::new(2, 2, 3);
+    w.join("a").unwrap();
+    w.join("b").unwrap();
+    w.join("c").unwrap();
+    assert_eq!(w.job().view().nodes_waiting, 1);
+    w.apply(report("a", 1)).unwrap();
+    assert_eq!(w.job().round, 2);
+    w.join("a").unwrap();
+    assert_eq!(w.state_name(), pb::JobState::Forming, "b is an expected survivor");
+    // b's host is gone: its lease runs out (a and c keep theirs).
+    for _ in 0..3 {
+        w.advance(LEASE / 2);
+        w.keep_alive(&["a", "c"]);
+    }
+    assert!(!w.job().nodes.contains_key("b"));
+    assert_eq!(w.state_name(), pb::JobState::Running, "the spare was stranded");
+    assert_eq!(w.ranks(), vec![("a".to_string(), 0), ("c".to_string(), 1)]);
+    assert_eq!(w.job().view().nodes_waiting, 0);
+}
+
+/// A newcomer that joins while a round forms after a failure waits as a spare while every place
+/// is a survivor's: it does not put a survivor (and its sticky rank) out of the round.
+#[test]
+fn a_newcomer_does_not_take_a_place_a_survivor_comes_back_to() {
+    let mut w = World::new(1, 2, 3);
+    w.join("a").unwrap();
+    w.join("b").unwrap();
+    w.apply(report("a", 1)).unwrap();
+    w.join("d").unwrap();
+    assert_eq!(w.job().view().nodes_waiting, 1, "d took a survivor's place");
+    w.join("a").unwrap();
+    assert_eq!(w.state_name(), pb::JobState::Forming, "b is an expected survivor");
+    w.join("b").unwrap();
+    assert_eq!(w.state_name(), pb::JobState::Running);
+    assert_eq!(w.ranks(), vec![("a".to_string(), 0), ("b".to_string(), 1)]);
+    assert_eq!(w.job().view().nodes_waiting, 1, "d is the spare");
+}
+
 /// After a round ends, a survivor still tearing its workers down is waited for past the last
 /// call, up to a lease (closing without it made its return a scale-up that ended the round
 /// again, round after round while teardown took longer than the last call).
