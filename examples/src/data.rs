@@ -51,7 +51,8 @@ impl std::fmt::Debug for Corpus {
     }
 }
 
-/// The most windows one epoch shuffles (u32 indices, 4 bytes each in memory: 4 GiB at most).
+/// The most windows one epoch shuffles (u32 indices, 4 bytes each in memory on every rank: 16
+/// GiB at most; `train`'s memory check counts them).
 pub const MAX_WINDOWS: usize = u32::MAX as usize;
 
 impl Corpus {
@@ -64,7 +65,8 @@ impl Corpus {
             DataSpec::Synthetic => Corpus::Owned(synthetic(seed, synthetic_bytes)),
             DataSpec::File(path) => Corpus::Mapped(map(path)?),
         };
-        let need = seq_len + 2;
+        // One window: seq_len inputs and the target after the last.
+        let need = seq_len + 1;
         let len = corpus.bytes().len();
         if len < need {
             anyhow::bail!("the data has {len} bytes; at least {need} are needed for one window of --seq-len {seq_len}");
@@ -155,8 +157,9 @@ pub fn synthetic(seed: u64, len: usize) -> Vec<u8> {
 }
 
 /// What a checkpoint must share with the run that resumes it for the data to go on where it
-/// stopped: the sampler's seed, the samples per global step, and the data itself. Saved by
-/// `train` as the checkpoint's `rng_state` (a tagged little-endian record).
+/// stopped (the sampler's seed and the data itself), and what the ranks of one run must share
+/// (those and the samples per global step). Saved by `train` as the checkpoint's `rng_state` (a
+/// tagged little-endian record), with the samples consumed so far ([`DataIdentity::encode_at`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DataIdentity {
     pub seed: u64,
@@ -166,10 +169,14 @@ pub struct DataIdentity {
     pub data: u64,
 }
 
+/// The record of a checkpoint of a run at one global batch throughout (older `train`), and the
+/// record the ranks exchange.
 const IDENTITY_TAG: &[u8; 8] = b"rsrunDI1";
+/// The record of a checkpoint with the samples consumed: resumable at any global batch.
+const POSITION_TAG: &[u8; 8] = b"rsrunDI2";
 
 impl DataIdentity {
-    /// The bytes saved in a checkpoint.
+    /// The record the ranks compare (no position).
     pub fn encode(&self) -> Vec<u8> {
         let mut b = IDENTITY_TAG.to_vec();
         for v in [self.seed, self.global_batch, self.data] {
@@ -178,30 +185,55 @@ impl DataIdentity {
         b
     }
 
-    /// What a checkpoint saved: the full record, or the seed alone (the 8 bytes older versions of
-    /// `train` saved); `None` for anything else.
+    /// The record a checkpoint saves: this identity and the `samples` the run consumed up to it
+    /// (over every global batch it ran at).
+    pub fn encode_at(&self, samples: u64) -> Vec<u8> {
+        let mut b = POSITION_TAG.to_vec();
+        for v in [self.seed, self.global_batch, self.data, samples] {
+            b.extend_from_slice(&v.to_le_bytes());
+        }
+        b
+    }
+
+    /// What a checkpoint saved: the full record (with or without the samples consumed), or the
+    /// seed alone (the 8 bytes older versions of `train` saved); `None` for anything else.
     pub fn decode(b: &[u8]) -> Option<SavedIdentity> {
         let word = |i: usize| b.get(i..i + 8).and_then(|w| w.try_into().ok()).map(u64::from_le_bytes);
         if b.len() == 8 {
             return word(0).map(SavedIdentity::SeedOnly);
         }
+        let identity = || Some(DataIdentity { seed: word(8)?, global_batch: word(16)?, data: word(24)? });
         if b.len() == 32 && b.starts_with(IDENTITY_TAG) {
-            return Some(SavedIdentity::Full(DataIdentity { seed: word(8)?, global_batch: word(16)?, data: word(24)? }));
+            return Some(SavedIdentity::Full { identity: identity()?, samples: None });
+        }
+        if b.len() == 40 && b.starts_with(POSITION_TAG) {
+            return Some(SavedIdentity::Full { identity: identity()?, samples: Some(word(32)?) });
         }
         None
     }
 
-    /// Why a run with `self` cannot resume from `saved` (each difference named), or `None`.
+    /// Why a run with `self` cannot resume from `saved` (each difference named), or `None`. The
+    /// global batch may differ (another world size): the run resumes at the samples consumed.
     pub fn mismatch(&self, saved: &SavedIdentity) -> Option<String> {
         const WHOSE: &str = "the checkpoint's";
-        match saved {
-            SavedIdentity::SeedOnly(seed) => (*seed != self.seed).then(|| self.seed_differs(*seed, WHOSE)),
-            SavedIdentity::Full(d) => self.differences(d, WHOSE, "resuming would skip or repeat data"),
+        let seed = match saved {
+            SavedIdentity::SeedOnly(seed) => *seed,
+            SavedIdentity::Full { identity, .. } => identity.seed,
+        };
+        let mut why = Vec::new();
+        if seed != self.seed {
+            why.push(self.seed_differs(seed, WHOSE));
         }
+        if let SavedIdentity::Full { identity, .. } = saved
+            && identity.data != self.data
+        {
+            why.push(self.data_differs(identity.data, WHOSE));
+        }
+        (!why.is_empty()).then(|| why.join("; "))
     }
 
-    /// Each way `other` (`whose`: "the checkpoint's", "rank 3's") differs from `self`, or `None`;
-    /// `batch_harm` says what a different global batch would do.
+    /// Each way `other` (`whose`: "rank 3's") differs from `self`, or `None`; `batch_harm` says
+    /// what a different global batch would do.
     pub fn differences(&self, other: &DataIdentity, whose: &str, batch_harm: &str) -> Option<String> {
         let mut why = Vec::new();
         if other.seed != self.seed {
@@ -214,13 +246,17 @@ impl DataIdentity {
             ));
         }
         if other.data != self.data {
-            why.push(format!("other data (fingerprint {:016x}, {whose} is {:016x}: another --data)", self.data, other.data));
+            why.push(self.data_differs(other.data, whose));
         }
         (!why.is_empty()).then(|| why.join("; "))
     }
 
     fn seed_differs(&self, other: u64, whose: &str) -> String {
         format!("--seed {} ({whose} is {other}: another data order)", self.seed)
+    }
+
+    fn data_differs(&self, other: u64, whose: &str) -> String {
+        format!("other data (fingerprint {:016x}, {whose} is {other:016x}: another --data)", self.data)
     }
 }
 
@@ -229,7 +265,30 @@ impl DataIdentity {
 pub enum SavedIdentity {
     /// The seed alone (older checkpoints).
     SeedOnly(u64),
-    Full(DataIdentity),
+    /// The identity, and the samples consumed (`None`: a checkpoint of a run at one global batch
+    /// throughout, older `train`).
+    Full { identity: DataIdentity, samples: Option<u64> },
+}
+
+impl SavedIdentity {
+    /// The samples consumed at the checkpoint's data position `step` (its global steps done):
+    /// recorded, or `step` × the one global batch an older checkpoint's run had; `None` where
+    /// that batch is unknown (the seed alone: the run must keep it).
+    pub fn samples_at(&self, step: u64) -> Option<u64> {
+        match self {
+            SavedIdentity::SeedOnly(_) => None,
+            SavedIdentity::Full { samples: Some(n), .. } => Some(*n),
+            SavedIdentity::Full { identity, samples: None } => step.checked_mul(identity.global_batch),
+        }
+    }
+
+    /// The global batch the checkpoint's run had last, if recorded.
+    pub fn global_batch(&self) -> Option<u64> {
+        match self {
+            SavedIdentity::SeedOnly(_) => None,
+            SavedIdentity::Full { identity, .. } => Some(identity.global_batch),
+        }
+    }
 }
 
 /// A 64-bit FNV-1a fingerprint of `bytes`: their length, the first and the last MiB (a full
@@ -257,6 +316,9 @@ pub struct Sampler {
     batch: usize,
     grad_accum: usize,
     world: usize,
+    /// Where the run started: its first global step and the samples consumed before it (a
+    /// resume, maybe from a run at another global batch).
+    origin: (u64, u64),
     cached_epoch: Option<(u64, Vec<u32>)>,
 }
 
@@ -265,7 +327,20 @@ impl Sampler {
     pub fn new(corpus_len: usize, seq_len: usize, seed: u64, batch: usize, grad_accum: usize, world: usize) -> Self {
         // Windows start every seq_len bytes and need seq_len + 1 bytes.
         let n_windows = ((corpus_len - 1) / seq_len) as u64;
-        Sampler { seq_len, n_windows, seed, batch, grad_accum, world, cached_epoch: None }
+        Sampler { seq_len, n_windows, seed, batch, grad_accum, world, origin: (0, 0), cached_epoch: None }
+    }
+
+    /// Resumes at global step `step` with `samples` consumed before it (by this global batch or
+    /// others): step `step` takes the samples from there on, so none is skipped or seen twice
+    /// when the world size changed between the save and the resume.
+    pub fn resume_at(&mut self, step: u64, samples: u64) {
+        self.origin = (step, samples);
+    }
+
+    /// The samples consumed before global step `step` (from the origin on, `global_batch` each).
+    pub fn samples_before(&self, step: u64) -> u64 {
+        let (first, before) = self.origin;
+        before.saturating_add(step.saturating_sub(first).saturating_mul(self.global_batch()))
     }
 
     /// Windows per epoch.
@@ -280,7 +355,7 @@ impl Sampler {
 
     /// The epoch global step `step` starts in.
     pub fn epoch_of(&self, step: u64) -> u64 {
-        step * self.global_batch() / self.n_windows
+        self.samples_before(step) / self.n_windows
     }
 
     fn window(&mut self, sample: u64) -> u64 {
@@ -302,8 +377,8 @@ impl Sampler {
     /// The window starts (byte offsets) of `rank`'s micro-step `micro` of global step `step`.
     pub fn starts(&mut self, step: u64, rank: usize, micro: usize) -> Vec<usize> {
         let slot = (rank * self.grad_accum + micro) as u64;
-        let base = step * self.global_batch() + slot * self.batch as u64;
-        (0..self.batch as u64).map(|i| self.window(base + i) as usize * self.seq_len).collect()
+        let base = self.samples_before(step).saturating_add(slot * self.batch as u64);
+        (0..self.batch as u64).map(|i| self.window(base.saturating_add(i)) as usize * self.seq_len).collect()
     }
 
     /// Inputs and targets (`batch × seq_len` each, row-major) of one micro-step.
@@ -328,11 +403,18 @@ mod tests {
     fn data_identity_round_trips_and_names_each_difference() {
         let id = DataIdentity { seed: 1, global_batch: 16, data: fingerprint(b"hello world") };
         let saved = DataIdentity::decode(&id.encode()).unwrap();
-        assert_eq!(saved, SavedIdentity::Full(id));
+        assert_eq!(saved, SavedIdentity::Full { identity: id, samples: None });
+        assert_eq!(saved.samples_at(5), Some(80), "an older checkpoint's run had one global batch");
         assert_eq!(id.mismatch(&saved), None);
+        let at = DataIdentity::decode(&id.encode_at(1234)).unwrap();
+        assert_eq!(at, SavedIdentity::Full { identity: id, samples: Some(1234) });
+        assert_eq!((at.samples_at(5), at.global_batch()), (Some(1234), Some(16)));
+        // Another global batch resumes (at the samples consumed); another seed or data does not.
+        let wider = DataIdentity { global_batch: 24, ..id };
+        assert_eq!(wider.mismatch(&at), None);
         let other = DataIdentity { seed: 2, global_batch: 32, data: fingerprint(b"hello there") };
         let why = other.mismatch(&saved).unwrap();
-        assert!(why.contains("--seed 2") && why.contains("global batch of 32") && why.contains("other data"), "{why}");
+        assert!(why.contains("--seed 2") && !why.contains("global batch") && why.contains("other data"), "{why}");
         // Older checkpoints saved the seed alone: only the seed is checked.
         assert_eq!(DataIdentity::decode(&1u64.to_le_bytes()), Some(SavedIdentity::SeedOnly(1)));
         assert_eq!(other.mismatch(&SavedIdentity::SeedOnly(2)), None);
@@ -377,6 +459,36 @@ mod tests {
                 assert_eq!(single.batch(&corpus, step, 0, slot), two.batch(&corpus, step, slot, 0), "step {step} slot {slot}");
             }
         }
+    }
+
+    /// A run resumed at another global batch (another world size) takes the samples from where
+    /// the checkpoint stopped: the two runs together see exactly what one run of one sample per
+    /// step sees, across an epoch boundary too.
+    #[test]
+    fn a_resume_at_another_global_batch_continues_the_sample_sequence() {
+        let corpus = synthetic(3, 32 * 40 + 1);
+        let mut one = Sampler::new(corpus.len(), 32, 5, 1, 1, 1);
+        let reference: Vec<usize> = (0..100).flat_map(|s| one.starts(s, 0, 0)).collect();
+        // 6 steps at 2 ranks × batch 2 × accum 2 (8 samples), then 4 ranks × batch 3 (12).
+        let mut first = Sampler::new(corpus.len(), 32, 5, 2, 2, 2);
+        let mut seen = Vec::new();
+        for step in 0..6 {
+            for rank in 0..2 {
+                for micro in 0..2 {
+                    seen.extend(first.starts(step, rank, micro));
+                }
+            }
+        }
+        let mut second = Sampler::new(corpus.len(), 32, 5, 3, 1, 4);
+        second.resume_at(6, first.samples_before(6));
+        assert_eq!(second.samples_before(6), 48);
+        for step in 6..10 {
+            for rank in 0..4 {
+                seen.extend(second.starts(step, rank, 0));
+            }
+        }
+        assert_eq!(seen, reference[..96]);
+        assert_eq!(second.epoch_of(10), 96 / 40);
     }
 
     #[test]

@@ -24,6 +24,9 @@ pub struct Need {
     pub optimizer: u64,
     /// A lower bound on one micro-batch's activations: each block's output and the logits.
     pub activations: u64,
+    /// The data order: the sampler's shuffled window indices (4 bytes a window, one table per
+    /// rank).
+    pub data_order: u64,
     /// Parameters in the model.
     pub parameters: u64,
 }
@@ -31,7 +34,7 @@ pub struct Need {
 impl Need {
     /// Everything.
     pub fn total(&self) -> u64 {
-        self.params + self.grads + self.optimizer + self.activations
+        self.params + self.grads + self.optimizer + self.activations + self.data_order
     }
 
     /// Model state: what `Engine::memory().model_state()` reports, plus the offloaded host
@@ -54,6 +57,8 @@ pub struct Plan {
     pub offload: Offload,
     /// Sequences per micro-batch.
     pub batch: usize,
+    /// Windows of the data one epoch shuffles.
+    pub windows: u64,
 }
 
 /// What one rank of `plan` needs.
@@ -90,6 +95,7 @@ pub fn need(plan: &Plan) -> Result<Need, rsrun_training_engine::EngineError> {
         grads,
         optimizer,
         activations,
+        data_order: 4 * plan.windows,
         parameters: psi,
     })
 }
@@ -150,13 +156,14 @@ pub fn refusal(need: &Need, ranks: u64, available: u64) -> Option<String> {
         return None;
     }
     Some(format!(
-        "the model needs at least {} per rank ({} parameters: parameters {}, gradients {}, master and optimizer state {}, activations {}), {ranks} rank(s) on this host need {}, and it has {} available (MemAvailable + SwapFree, or the cgroup's memory.max); use a smaller --d-model, --layers, --seq-len or --batch, shard the state over more ranks (--strategy zero3), or --offload nvme",
+        "the model needs at least {} per rank ({} parameters: parameters {}, gradients {}, master and optimizer state {}, activations {}, data order {}), {ranks} rank(s) on this host need {}, and it has {} available (MemAvailable + SwapFree, or the cgroup's memory.max); use a smaller --d-model, --layers, --seq-len or --batch, shard the state over more ranks (--strategy zero3), or --offload nvme (a big --data file's order takes 4 bytes a window: a longer --seq-len has fewer)",
         gib(need.total()),
         need.parameters,
         gib(need.params),
         gib(need.grads),
         gib(need.optimizer),
         gib(need.activations),
+        gib(need.data_order),
         gib(total),
         gib(available),
     ))
@@ -199,6 +206,7 @@ mod tests {
                             reduce_dtype,
                             offload: offload.clone(),
                             batch: 2,
+                            windows: 0,
                         };
                         let mut cfg = EngineConfig::new(strategy, OptimizerConfig::AdamW(AdamW::default()));
                         cfg.precision = precision;
@@ -239,14 +247,18 @@ mod tests {
             reduce_dtype: ReduceDtype::Compute,
             offload: Offload::None,
             batch: 8,
+            // A 100 GB --data at --seq-len 128: 781 million windows, 3 GiB of data order per rank.
+            windows: 781_250_000,
         };
         let n = need(&huge).unwrap();
+        assert_eq!(n.data_order, 3_125_000_000);
         // 12·D² per block: about 206 billion parameters, 16 bytes each under DDP in fp32.
         assert!(n.parameters > 200_000_000_000, "{n:?}");
         assert_eq!(n.model_state(), 16 * n.parameters);
         let why = refusal(&n, 2, 24 << 30).unwrap();
         assert!(why.contains("2 rank(s) on this host") && why.contains("24.0 GiB available"), "{why}");
         assert!(why.contains(&format!("{} parameters", n.parameters)), "{why}");
+        assert!(why.contains("data order 2.9 GiB"), "{why}");
         // Sharded over 64 ranks the state per rank is a 64th (ZeRO-3 keeps no full replica).
         let z3 = need(&Plan { strategy: Strategy::Zero3, shard_world: 64, ..huge.clone() }).unwrap();
         assert!(z3.model_state() * 63 < n.model_state() && z3.model_state() * 65 > n.model_state(), "{z3:?}");
@@ -261,6 +273,7 @@ mod tests {
         let small = need(&Plan {
             gpt: GptConfig::reference(),
             offload: Offload::None,
+            windows: 1 << 20,
             ..huge
         })
         .unwrap();
@@ -295,6 +308,7 @@ mod tests {
                     reduce_dtype: ReduceDtype::Compute,
                     offload: Offload::None,
                     batch: 2,
+                    windows: 0,
                 })
                 .unwrap();
                 for r in ranks {

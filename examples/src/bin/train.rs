@@ -437,6 +437,7 @@ fn run() -> anyhow::Result<()> {
         reduce_dtype,
         offload: offload.clone(),
         batch: args.batch as usize,
+        windows: sampler.windows_per_epoch(),
     };
     let need = rsrun_examples::memory::need(&plan).map_err(|e| BadInput(format!("{e}")))?;
     if let Some(why) = rsrun_examples::memory::available().and_then(|a| rsrun_examples::memory::refusal(&need, place.local_world as u64, a)) {
@@ -455,16 +456,44 @@ fn run() -> anyhow::Result<()> {
     // Every rank must read the same data in the same order (each takes its own samples of every
     // global step): a node whose copy of --data differs, or a rank with another --seed or
     // --batch, would train on samples the others do not see, or on some twice, without an error.
-    let mine = identity.encode();
+    // The flags that decide which collectives each step runs go along: ranks with another
+    // --steps or checkpoint schedule would enter a save while the others enter a step, and fail
+    // with a mismatch or a timeout instead of naming the flag.
+    let loop_shape: [(&str, u64); 4] = [
+        ("--steps", args.steps),
+        ("--checkpoint-every", args.checkpoint_every),
+        ("--checkpoint-dir (1: given)", u64::from(args.checkpoint_dir.is_some())),
+        ("--schedule (1: cosine)", u64::from(args.schedule == LrSchedule::Cosine)),
+    ];
+    let mut mine = identity.encode();
+    let data_len = mine.len();
+    for (_, v) in loop_shape {
+        mine.extend_from_slice(&v.to_le_bytes());
+    }
     let mut all = vec![0u8; mine.len() * world];
     stats_pg.all_gather(&mine[..], &mut all[..]).context("comparing the ranks' data")?;
     for (r, theirs) in all.chunks(mine.len()).enumerate() {
-        if let Some(rsrun_examples::data::SavedIdentity::Full(other)) = rsrun_examples::data::DataIdentity::decode(theirs)
+        if let Some(rsrun_examples::data::SavedIdentity::Full { identity: other, .. }) =
+            rsrun_examples::data::DataIdentity::decode(&theirs[..data_len])
             && let Some(why) = identity.differences(&other, &format!("rank {r}'s"), "the ranks would take overlapping or missing samples")
         {
             return Err(BadInput(format!(
                 "rank {rank} reads the data otherwise than rank {r}: it has {why}; every rank must pass the same --data (the same \
                  file on a shared file system, or identical copies), --seed, --batch and --grad-accum"
+            ))
+            .into());
+        }
+        let words = theirs[data_len..].chunks_exact(8).map(|w| u64::from_le_bytes(w.try_into().unwrap_or([0; 8])));
+        let differ: Vec<String> = loop_shape
+            .iter()
+            .zip(words)
+            .filter(|((_, v), w)| v != w)
+            .map(|((name, v), w)| format!("{name} {v} (rank {r}'s is {w})"))
+            .collect();
+        if !differ.is_empty() {
+            return Err(BadInput(format!(
+                "rank {rank} runs another loop than rank {r}: it has {}; every rank must pass the same flags",
+                differ.join(", ")
             ))
             .into());
         }
@@ -477,8 +506,9 @@ fn run() -> anyhow::Result<()> {
         LrSchedule::Constant => None,
     };
     if rank == 0 && args.schedule == LrSchedule::Cosine && args.warmup >= args.steps && args.steps > 0 {
+        let reach = if args.warmup == args.steps { "reaches --lr only at the last step" } else { "never reaches --lr" };
         eprintln!(
-            "train: note: --warmup {} is not below --steps {}: the learning rate stays in its linear warmup and never reaches --lr {} (no cosine decay)",
+            "train: note: --warmup {} is not below --steps {}: the learning rate stays in its linear warmup and {reach} {} (no cosine decay)",
             args.warmup, args.steps, args.lr
         );
     }
@@ -543,15 +573,33 @@ fn run() -> anyhow::Result<()> {
             ))
             .into());
         }
-        match rsrun_examples::data::DataIdentity::decode(&progress.rng_state) {
+        // The samples the checkpoint's run consumed (over every global batch it ran at): this
+        // run goes on from there, at its own global batch (another world size).
+        let samples = match rsrun_examples::data::DataIdentity::decode(&progress.rng_state) {
             Some(saved) => {
                 if let Some(why) = identity.mismatch(&saved) {
                     return Err(BadInput(format!("cannot resume from {}: this run has {why}", dir.display())).into());
                 }
+                if let Some(was) = saved.global_batch()
+                    && was != sampler.global_batch()
+                    && rank == 0
+                {
+                    eprintln!(
+                        "train: note: a global batch of {} samples (the checkpoint's run had {was}): the data goes on from the samples it consumed",
+                        sampler.global_batch()
+                    );
+                }
+                saved.samples_at(start)
             }
-            None if rank == 0 => eprintln!("train: note: checkpoint {}: no data record of train's; the data order is not checked", dir.display()),
-            None => {}
-        }
+            None => {
+                if rank == 0 {
+                    eprintln!("train: note: checkpoint {}: no data record of train's; the data order is not checked", dir.display());
+                }
+                None
+            }
+        };
+        let samples = samples.unwrap_or_else(|| start.saturating_mul(sampler.global_batch()));
+        sampler.resume_at(start, samples);
         if rank == 0 && args.log_format == LogFormat::Text {
             println!("resumed from {} at step {start} (restart {})", dir.display(), restart_count());
         }
@@ -568,13 +616,22 @@ fn run() -> anyhow::Result<()> {
         let file = if start > 0 {
             // Keep the lines up to the resumed step (later ones were lost with the failed attempt)
             // and append after them.
-            let old = std::fs::read_to_string(&path).unwrap_or_default();
+            let old = match std::fs::read_to_string(&path) {
+                Ok(text) => text,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+                Err(e) => return Err(e).with_context(|| format!("cannot read {} to keep its earlier steps", path.display())),
+            };
             let kept: String = old
                 .lines()
                 .filter(|l| metric_step(l).is_some_and(|s| s <= start))
                 .map(|l| format!("{l}\n"))
                 .collect();
-            std::fs::write(&path, &kept).with_context(|| format!("cannot rewrite {}", path.display()))?;
+            // Replaced whole (a kill in the middle of a rewrite in place lost every earlier
+            // attempt's lines).
+            let tmp = run_dir.join(format!(".metrics.jsonl.{}", std::process::id()));
+            std::fs::write(&tmp, &kept)
+                .and_then(|()| std::fs::rename(&tmp, &path))
+                .with_context(|| format!("cannot rewrite {}", path.display()))?;
             for l in kept.lines() {
                 if let (Some(s), Some(loss)) = (metric_step(l), metric_loss(l)) {
                     losses.push((s, loss));
@@ -687,6 +744,10 @@ fn run() -> anyhow::Result<()> {
             }
         }
         // After the metrics line of this step, so a resumed run's metrics.jsonl is complete.
+        if save_requested && args.checkpoint_dir.is_none() && rank == 0 {
+            // The signal no longer kills the process (it asks for a checkpoint): say it was seen.
+            eprintln!("train: SIGUSR1/SIGUSR2 at step {}: no checkpoint is saved without --checkpoint-dir", step + 1);
+        }
         if let Some(root) = &args.checkpoint_dir {
             let done = step + 1;
             let every = args.checkpoint_every > 0 && done % args.checkpoint_every == 0;
@@ -701,7 +762,8 @@ fn run() -> anyhow::Result<()> {
                     metrics = None;
                     metrics_lost = true;
                 }
-                let progress = Progress { data_position: done, epoch: sampler.epoch_of(done), rng_state: identity.encode() };
+                let progress =
+                    Progress { data_position: done, epoch: sampler.epoch_of(done), rng_state: identity.encode_at(sampler.samples_before(done)) };
                 // A save of gigabytes (and the other ranks' wait for it) is no hang: the
                 // heartbeat of --hang-timeout goes on meanwhile.
                 // For as long as the other ranks wait for the save at most (an hour): a save

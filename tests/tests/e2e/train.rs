@@ -183,20 +183,17 @@ fn resume_at_the_end_and_a_damaged_latest_checkpoint() {
     assert!(text(&out).contains("step-000000008/metadata.json") && text(&out).contains("damaged"), "{}", text(&out));
 }
 
-/// A checkpoint resumes only the data order it was saved with: another global batch (which would
-/// skip or repeat samples), another --seed or other data is refused with exit 2, each difference
-/// named; the same global batch over other shapes (batch 1 × grad-accum 2) resumes.
+/// A checkpoint resumes only the data order it was saved with: another --seed or other data is
+/// refused with exit 2, each difference named; the same global batch over other shapes (batch 1 ×
+/// grad-accum 2) resumes, and so does another global batch (another world size: the data goes on
+/// from the samples the checkpoint's run consumed, with a note).
 #[test]
 fn a_resume_with_another_data_order_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let out = checkpointed_run(dir.path());
     assert_eq!(code(&out.status), 0, "{}", text(&out));
     std::fs::write(dir.path().join("other.txt"), vec![b'x'; 10_000]).unwrap();
-    let cases: [(&[&str], &str); 3] = [
-        (&["--batch", "4"], "a global batch of 4 samples (the checkpoint's is 2"),
-        (&["--seed", "9"], "--seed 9 (the checkpoint's is"),
-        (&["--data", "other.txt"], "other data (fingerprint"),
-    ];
+    let cases: [(&[&str], &str); 2] = [(&["--seed", "9"], "--seed 9 (the checkpoint's is"), (&["--data", "other.txt"], "other data (fingerprint")];
     // MODEL with `extra`'s flags in place of its own.
     let resume = |extra: &[&str]| {
         let mut args = model_with_steps("12");
@@ -216,6 +213,17 @@ fn a_resume_with_another_data_order_is_refused() {
     let out = resume(&["--batch", "1", "--grad-accum", "2"]);
     assert_eq!(code(&out.status), 0, "{}", text(&out));
     assert_eq!(summary_field(&String::from_utf8_lossy(&out.stdout), "resumed_from_step"), "8");
+    assert!(!text(&out).contains("the checkpoint's run had"), "{}", text(&out));
+    // The checkpoint of step 8 records the 16 samples its run consumed: a run at a global batch
+    // of 4 resumes from there.
+    let out = resume(&["--batch", "4"]);
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    assert_eq!(summary_field(&String::from_utf8_lossy(&out.stdout), "resumed_from_step"), "8");
+    assert!(
+        text(&out).contains("a global batch of 4 samples (the checkpoint's run had 2): the data goes on from the samples it consumed"),
+        "{}",
+        text(&out)
+    );
 }
 
 /// Ranks that read different data (a node's copy of --data differs; here each local rank its
@@ -237,6 +245,13 @@ fn ranks_reading_different_data_are_refused() {
     cmd.args(["--standalone", "--nproc-per-node", "2"]).arg(bin("train")).args(MODEL).args(["--data", "data_0.txt"]);
     let out = KillOnDrop::spawn(&mut cmd).output_within(RUN_DEADLINE);
     assert_eq!(code(&out.status), 0, "{}", text(&out));
+    // Ranks with another --steps (which decides which collectives each step runs) are named too,
+    // before the first step.
+    let mut cmd = rsrun(dir.path());
+    cmd.args(["--standalone", "--nproc-per-node", "2"]).arg(bin("train")).args(model_with_steps("1${local_rank}"));
+    let out = KillOnDrop::spawn(&mut cmd).output_within(RUN_DEADLINE);
+    assert_ne!(code(&out.status), 0, "{}", text(&out));
+    assert!(text(&out).contains("runs another loop than rank") && text(&out).contains("--steps 1"), "{}", text(&out));
 }
 
 /// A checkpoint's data position is where the sampler resumes: one behind the checkpoint's own
