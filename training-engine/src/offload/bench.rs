@@ -1,10 +1,8 @@
 //! Measurements for `engine-bench`: plain O_DIRECT bandwidth against the offload engine on the
 //! same file size and disk, and the optimizer step with the state in memory or on NVMe.
 
-use std::fs::OpenOptions;
 use std::os::fd::AsRawFd;
-use std::os::unix::fs::OpenOptionsExt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -61,67 +59,59 @@ pub fn measure_bandwidth(
     repeats: usize,
 ) -> Result<BandwidthReport, OffloadError> {
     let bytes = round_up(bytes);
-    let path: PathBuf = dir.join(format!("rsrun-bw-{}.bin", std::process::id()));
-    let result = (|| {
-        let file = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .custom_flags(libc::O_DIRECT)
-            .open(&path)
-            .map_err(|e| io_err("open", &path, e))?;
-        let fd = file.as_raw_fd();
-        let mut buf = AlignedBuf::zeroed(bytes / 4)?;
-        for (i, x) in buf.iter_mut().enumerate() {
-            *x = i as f32;
-        }
-        let eng = IoEngine::start(engine, block_size, queue_depth)?;
-        let shared_path: Arc<Path> = path.clone().into();
-        let (mut pw, mut pr, mut ew, mut er) = (f64::MAX, f64::MAX, f64::MAX, f64::MAX);
-        for _ in 0..repeats.max(1) {
-            // Plain: one block at a time.
+    // A new file of our own (exclusive, no symlink followed, 0600; a taken name gets a random
+    // suffix), unlinked at once: two jobs with equal pids on a shared path never share it, and
+    // a killed run leaves nothing behind.
+    let (file, _direct, path) = super::nvme::open_swap(&dir.join(format!("rsrun-bw-{}.bin", std::process::id())))?;
+    let _ = std::fs::remove_file(&path);
+    let fd = file.as_raw_fd();
+    let mut buf = AlignedBuf::zeroed(bytes / 4)?;
+    for (i, x) in buf.iter_mut().enumerate() {
+        *x = i as f32;
+    }
+    let eng = IoEngine::start(engine, block_size, queue_depth)?;
+    let shared_path: Arc<Path> = path.clone().into();
+    let (mut pw, mut pr, mut ew, mut er) = (f64::MAX, f64::MAX, f64::MAX, f64::MAX);
+    for _ in 0..repeats.max(1) {
+        // Plain: one block at a time.
+        let t = Instant::now();
+        plain(fd, &mut buf, block_size, Dir::Write).map_err(|e| io_err("write", &path, e))?;
+        pw = pw.min(t.elapsed().as_secs_f64());
+        let t = Instant::now();
+        plain(fd, &mut buf, block_size, Dir::Read).map_err(|e| io_err("read", &path, e))?;
+        pr = pr.min(t.elapsed().as_secs_f64());
+        for dir in [Dir::Write, Dir::Read] {
+            let job = Job {
+                phases: vec![vec![IoReq {
+                    fd,
+                    offset: 0,
+                    ptr: buf.as_mut_ptr(),
+                    len: bytes,
+                    dir,
+                }]],
+                path: shared_path.clone(),
+            };
             let t = Instant::now();
-            plain(fd, &mut buf, block_size, Dir::Write).map_err(|e| io_err("write", &path, e))?;
-            pw = pw.min(t.elapsed().as_secs_f64());
-            let t = Instant::now();
-            plain(fd, &mut buf, block_size, Dir::Read).map_err(|e| io_err("read", &path, e))?;
-            pr = pr.min(t.elapsed().as_secs_f64());
-            for dir in [Dir::Write, Dir::Read] {
-                let job = Job {
-                    phases: vec![vec![IoReq {
-                        fd,
-                        offset: 0,
-                        ptr: buf.as_mut_ptr(),
-                        len: bytes,
-                        dir,
-                    }]],
-                    path: shared_path.clone(),
-                };
-                let t = Instant::now();
-                // SAFETY: `buf` and `file` outlive the ticket, which is waited for at once.
-                unsafe { eng.submit(job) }.wait()?;
-                let s = t.elapsed().as_secs_f64();
-                match dir {
-                    Dir::Write => ew = ew.min(s),
-                    Dir::Read => er = er.min(s),
-                }
+            // SAFETY: `buf` and `file` outlive the ticket, which is waited for at once.
+            unsafe { eng.submit(job) }.wait()?;
+            let s = t.elapsed().as_secs_f64();
+            match dir {
+                Dir::Write => ew = ew.min(s),
+                Dir::Read => er = er.min(s),
             }
         }
-        let b = bytes as f64;
-        Ok(BandwidthReport {
-            bytes: bytes as u64,
-            block_size,
-            queue_depth,
-            engine: eng.kind(),
-            plain_write: b / pw,
-            plain_read: b / pr,
-            engine_write: b / ew,
-            engine_read: b / er,
-        })
-    })();
-    let _ = std::fs::remove_file(&path);
-    result
+    }
+    let b = bytes as f64;
+    Ok(BandwidthReport {
+        bytes: bytes as u64,
+        block_size,
+        queue_depth,
+        engine: eng.kind(),
+        plain_write: b / pw,
+        plain_read: b / pr,
+        engine_write: b / ew,
+        engine_read: b / er,
+    })
 }
 
 fn plain(fd: i32, buf: &mut AlignedBuf, block: usize, dir: Dir) -> std::io::Result<()> {
@@ -138,6 +128,9 @@ fn plain(fd: i32, buf: &mut AlignedBuf, block: usize, dir: Dir) -> std::io::Resu
                 Dir::Read => libc::pread(fd, p.cast(), len, off as libc::off_t),
             }
         };
+        if n < 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::Interrupted {
+            continue;
+        }
         if n <= 0 {
             return Err(if n == 0 {
                 std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "short transfer")

@@ -215,13 +215,16 @@ impl IoEngine {
     ) -> Result<Self, OffloadError> {
         let queue_depth = queue_depth.max(1);
         if want != Some(EngineKind::ThreadPool) {
-            match io_uring::IoUring::new(queue_depth.next_power_of_two() as u32) {
-                Ok(ring) => {
-                    let (tx, rx) = mpsc::channel();
-                    let thread = std::thread::Builder::new()
-                        .name("rsrun-uring".into())
-                        .spawn(move || uring_loop(ring, rx, queue_depth))
-                        .map_err(|e| OffloadError::Engine(format!("spawn io_uring thread: {e}")))?;
+            let started = usable_ring(queue_depth).and_then(|ring| {
+                let (tx, rx) = mpsc::channel();
+                let thread = std::thread::Builder::new()
+                    .name("rsrun-uring".into())
+                    .spawn(move || uring_loop(ring, rx, queue_depth))
+                    .map_err(|e| format!("cannot spawn its thread: {e}"))?;
+                Ok((tx, thread))
+            });
+            match started {
+                Ok((tx, thread)) => {
                     return Ok(IoEngine {
                         kind: EngineKind::IoUring,
                         block_size,
@@ -231,10 +234,10 @@ impl IoEngine {
                         },
                     });
                 }
-                Err(e) if want == Some(EngineKind::IoUring) => {
-                    return Err(OffloadError::Engine(format!("io_uring setup failed: {e}")));
+                Err(why) if want == Some(EngineKind::IoUring) => {
+                    return Err(OffloadError::Engine(format!("io_uring setup failed: {why}")));
                 }
-                Err(_) => {}
+                Err(why) => tracing::debug!(%why, "io_uring unusable: pread/pwrite threads instead"),
             }
         }
         let shared = Arc::new(PoolShared {
@@ -246,12 +249,19 @@ impl IoEngine {
         });
         let mut threads = Vec::with_capacity(queue_depth);
         for i in 0..queue_depth {
-            let shared = shared.clone();
-            let t = std::thread::Builder::new()
-                .name(format!("rsrun-aio-{i}"))
-                .spawn(move || pool_loop(&shared))
-                .map_err(|e| OffloadError::Engine(format!("spawn i/o thread: {e}")))?;
-            threads.push(t);
+            let worker = shared.clone();
+            match std::thread::Builder::new().name(format!("rsrun-aio-{i}")).spawn(move || pool_loop(&worker)) {
+                Ok(t) => threads.push(t),
+                Err(e) => {
+                    // The threads started so far wait on the queue: closed, they end.
+                    shared.queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner).closed = true;
+                    shared.cv.notify_all();
+                    for t in threads {
+                        let _ = t.join();
+                    }
+                    return Err(OffloadError::Engine(format!("spawn i/o thread: {e}")));
+                }
+            }
         }
         Ok(IoEngine {
             kind: EngineKind::ThreadPool,
@@ -374,6 +384,34 @@ fn split(reqs: Vec<IoReq>, block: usize) -> Vec<IoReq> {
 
 // === io_uring backend ===
 
+/// A ring of `queue_depth` entries that can do the work: set up, able to read and write (a 5.1 –
+/// 5.5 kernel sets a ring up but has no READ/WRITE opcodes: every request failed with EINVAL),
+/// and able to enter (a seccomp or LSM rule that allows the setup but not `io_uring_enter` made
+/// every request fail); else why not, for the thread pool to take over.
+fn usable_ring(queue_depth: usize) -> Result<io_uring::IoUring, String> {
+    use io_uring::opcode;
+    let mut ring = io_uring::IoUring::new(queue_depth.next_power_of_two() as u32).map_err(|e| e.to_string())?;
+    let mut probe = io_uring::Probe::new();
+    ring.submitter().register_probe(&mut probe).map_err(|e| format!("cannot probe its opcodes: {e}"))?;
+    if !probe.is_supported(opcode::Read::CODE) || !probe.is_supported(opcode::Write::CODE) {
+        return Err("the kernel's io_uring has no READ/WRITE (Linux 5.6 or later)".into());
+    }
+    // SAFETY: a NOP names no memory; the ring is empty, so the push cannot overflow.
+    unsafe { ring.submission().push(&opcode::Nop::new().build().user_data(u64::MAX)) }.map_err(|e| e.to_string())?;
+    ring.submit_and_wait(1).map_err(|e| format!("io_uring_enter failed: {e}"))?;
+    let nop = ring.completion().next().map(|c| c.result());
+    match nop {
+        Some(res) if res >= 0 => Ok(ring),
+        Some(res) => Err(format!("a NOP failed: {}", io::Error::from_raw_os_error(-res))),
+        None => Err("a NOP did not complete".into()),
+    }
+}
+
+/// Times one request is reissued after a completion of `EAGAIN` or `EINTR` before it fails: a
+/// request the kernel split into several bios completes with `EAGAIN` on older kernels (5.10 –
+/// 5.19) when a bio gets no tag at once, and the application must issue it again.
+const MAX_REISSUES: u32 = 16;
+
 struct InFlight {
     ctx: Arc<JobCtx>,
     req: IoReq,
@@ -432,6 +470,8 @@ fn uring_loop(mut ring: io_uring::IoUring, rx: Receiver<Op>, queue_depth: usize)
     let mut streak = 0u32;
     // Set once the ring failed for good: why, for every request from then on.
     let mut dead: Option<String> = None;
+    // Reissues of requests that completed with EAGAIN/EINTR, by job and offset.
+    let mut reissued: std::collections::HashMap<(usize, u64), u32> = std::collections::HashMap::new();
     loop {
         let in_flight = queue_depth - free.len();
         if in_flight == 0 && queue.is_empty() {
@@ -547,7 +587,15 @@ fn uring_loop(mut ring: io_uring::IoUring, rx: Receiver<Op>, queue_depth: usize)
                 continue;
             };
             free.push(slot);
-            if res < 0 {
+            let key = (Arc::as_ptr(&ctx) as usize, req.offset);
+            let tries = if reissued.is_empty() { 0 } else { reissued.remove(&key).unwrap_or(0) };
+            if (res == -libc::EAGAIN || res == -libc::EINTR) && tries < MAX_REISSUES && !ctx.failed() {
+                // The same request again (a read, or the same bytes written: idempotent), after
+                // a pause that grows with the tries.
+                reissued.insert(key, tries + 1);
+                std::thread::sleep(std::time::Duration::from_millis(u64::from(tries + 1)));
+                queue.push_front((ctx, req));
+            } else if res < 0 {
                 ctx.fail(ctx.error(&req, io::Error::from_raw_os_error(-res)));
                 finish(&ctx, &mut queue);
             } else if res == 0 {

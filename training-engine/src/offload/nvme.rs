@@ -60,6 +60,10 @@ struct Staging {
     buf: AlignedBuf,
     /// The tile whose current slot is being (or has been) read into `buf`, if any.
     holds: Option<usize>,
+    /// The pending job is a read ahead of need (a prefetch): its error is dropped with the
+    /// tile, which is read again when it is needed, instead of failing whatever waits next (a
+    /// checkpoint save, another unit's update).
+    speculative: bool,
 }
 
 /// Optimizer state in one `O_DIRECT` swap file; see the module docs for layout and
@@ -197,6 +201,7 @@ impl NvmeStore {
                     pending: None,
                     buf,
                     holds: None,
+                    speculative: false,
                 }),
                 Err(e) => return Err(cleanup(file, e)),
             }
@@ -323,11 +328,21 @@ impl NvmeStore {
         // access, and `Staging` drops the ticket first); `self.file` outlives the engine.
         let ticket = unsafe { self.engine.submit(job) };
         self.staging[b].pending = Some(ticket);
+        self.staging[b].speculative = false;
     }
 
     fn wait(&mut self, b: usize) -> Result<(), OffloadError> {
+        let speculative = std::mem::take(&mut self.staging[b].speculative);
         match self.staging[b].pending.take() {
-            Some(t) => t.wait().inspect_err(|_| self.staging[b].holds = None),
+            Some(t) => t.wait().or_else(|e| {
+                self.staging[b].holds = None;
+                if speculative {
+                    tracing::debug!(error = %e, "a prefetch read failed; the tile is read again when needed");
+                    Ok(())
+                } else {
+                    Err(e)
+                }
+            }),
             None => Ok(()),
         }
     }
@@ -358,6 +373,7 @@ impl NvmeStore {
             let req = self.read_req(b, t);
             self.submit(b, vec![vec![req]]);
             self.staging[b].holds = Some(t);
+            self.staging[b].speculative = true;
         }
         Ok(())
     }
@@ -400,10 +416,11 @@ impl NvmeStore {
             *waited += t0.elapsed().as_secs_f64();
             r?;
             if self.staging[b].holds != Some(t) {
-                // Only reachable if a chained read was lost to an error reported above.
-                return Err(EngineError::Offload(format!(
-                    "internal: staging buffer {b} does not hold tile {t}"
-                )));
+                // Its prefetch failed (the error dropped with it): read it now, and wait.
+                let req = self.read_req(b, t);
+                self.submit(b, vec![vec![req]]);
+                self.staging[b].holds = Some(t);
+                self.wait(b)?;
             }
             self.staging[b].holds = None;
             let tile = self.tiles[t].clone();
@@ -569,7 +586,7 @@ impl Drop for NvmeStore {
 /// never truncated or written through; such a name gets a random suffix instead. (Creating
 /// with `O_DIRECT` itself would not do: the kernel creates the file before it refuses the flag,
 /// and a second, buffered `O_EXCL` open then finds the name taken.)
-fn open_swap(path: &Path) -> Result<(File, bool, PathBuf), OffloadError> {
+pub(super) fn open_swap(path: &Path) -> Result<(File, bool, PathBuf), OffloadError> {
     let mut candidate = path.to_path_buf();
     for _ in 0..8 {
         let r = OpenOptions::new()
@@ -577,6 +594,9 @@ fn open_swap(path: &Path) -> Result<(File, bool, PathBuf), OffloadError> {
             .write(true)
             .create_new(true)
             .custom_flags(libc::O_NOFOLLOW)
+            // Only ours while it still has its name (it is unlinked right after): another user
+            // of a shared --nvme-path must not open the weights in that moment.
+            .mode(0o600)
             .open(&candidate);
         match r {
             Ok(f) => {
