@@ -84,7 +84,7 @@ fn nproc_per_node(args: &LaunchArgs, env: &Env<'_>, c: &mut Cluster) -> Result<b
 }
 
 /// The rendezvous port: `SLURM_STEP_RESV_PORTS`'s first port, else
-/// `61000 + (SLURM_JOB_ID * 32 + SLURM_STEP_ID) mod 4536`.
+/// `61000 + (SLURM_JOB_ID * 37 + SLURM_STEP_ID) mod 4536`.
 ///
 /// # Errors
 /// A malformed `SLURM_STEP_RESV_PORTS`.
@@ -102,10 +102,12 @@ pub fn select_port(env: &HashMap<String, String>) -> Result<(u16, Source), PlanE
     let job: u64 = env.get("SLURM_JOB_ID").and_then(|j| j.parse().ok()).unwrap_or(0);
     // "batch" and "extern" steps have no number; srun tasks do.
     let step: u64 = env.get("SLURM_STEP_ID").and_then(|s| s.parse().ok()).unwrap_or(0);
-    let port = u64::from(PORT_BASE) + (job.wrapping_mul(32).wrapping_add(step)) % PORT_SPAN;
+    // 37 is prime to 4536 (= 2^3 · 3^4 · 7): every job starts on a port of its own within the
+    // span (with 32, a multiple of 8, jobs shared 567 starting ports, one in every 567 jobs).
+    let port = u64::from(PORT_BASE) + (job.wrapping_mul(37).wrapping_add(step)) % PORT_SPAN;
     // PORT_BASE + PORT_SPAN - 1 == 65535.
     let port = u16::try_from(port).unwrap_or(u16::MAX);
-    Ok((port, Source::Derived("61000 + (SLURM_JOB_ID*32 + SLURM_STEP_ID) mod 4536".into())))
+    Ok((port, Source::Derived("61000 + (SLURM_JOB_ID*37 + SLURM_STEP_ID) mod 4536".into())))
 }
 
 /// How many ports past the first a taken port may be probed within `SLURM_STEP_RESV_PORTS`: the
@@ -204,9 +206,20 @@ pub fn detect(args: &LaunchArgs, host: &HostInfo, table_given: bool, notes: &mut
     if env.get("SLURM_STEP_NUM_TASKS").is_none() {
         return batch(args, host, table_given, notes);
     }
+    // A step of one task (`srun --pty bash`, salloc with LaunchParameters=use_interactive_step,
+    // `srun -n1 rsrun ...`) runs rsrun once, as a batch script does: a host table or options for
+    // this node by hand take over there, as they do in a batch script.
+    let one_task = env.num("SLURM_STEP_NUM_TASKS")? == Some(1);
+    if one_task && (table_given || MANUAL.iter().any(|id| args.origin(id) == Origin::CommandLine)) {
+        notes.push(format!(
+            "SLURM_JOB_ID={job} in a step of one task (an interactive shell?): rsrun runs once here, {}",
+            if table_given { "and starts the hosts of --hostfile/-H over ssh" } else { "with this node configured by its options" }
+        ));
+        return Ok(None);
+    }
     if table_given {
         return Err(err(format!(
-            "--hostfile/-H inside an srun step (SLURM_JOB_ID={job}): every task would start the whole job; run rsrun once, from the batch script"
+            "--hostfile/-H inside an srun step of several tasks (SLURM_JOB_ID={job}): every task would start the whole job; run rsrun once, from the batch script (or a step of one task)"
         )));
     }
 
@@ -358,6 +371,17 @@ pub fn detect(args: &LaunchArgs, host: &HostInfo, table_given: bool, notes: &mut
         }
         if local_rank >= here {
             return Err(err(format!("SLURM_LOCALID={local_rank} but this node runs {here} tasks ({tpn_var})")));
+        }
+        // torchrun's ranks are contiguous per node (RANK = the tasks of the nodes before + LOCAL_RANK):
+        // node-local groups (tensor parallelism, new_subgroups) rely on it. A cyclic or plane
+        // distribution deals the ranks round the nodes instead.
+        // (A typed --master-addr says the layout is the user's own: it is taken as given.)
+        let block = tpn[..node as usize].iter().map(|t| u64::from(*t)).sum::<u64>() + u64::from(local_rank);
+        if u64::from(rank) != block && master_addr.is_none() {
+            return Err(err(format!(
+                "SLURM_PROCID={rank} on node SLURM_NODEID={node} as its task SLURM_LOCALID={local_rank}: the ranks are not in blocks per node (expected {block}; SLURM_DISTRIBUTION={}); use srun --distribution=block",
+                env.get("SLURM_DISTRIBUTION").unwrap_or("unset")
+            )));
         }
         if let Some(cvd) = env.get("CUDA_VISIBLE_DEVICES")
             && local_rank > 0

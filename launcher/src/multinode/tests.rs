@@ -50,8 +50,8 @@ fn without(mut v: Vec<(&'static str, String)>, k: &str) -> Vec<(&'static str, St
     v
 }
 
-// 61000 + (4242 * 32 + 0) mod 4536 = 61000 + 135744 mod 4536 = 61000 + 4200.
-const SLURM_PORT: u16 = 65200;
+// 61000 + (4242 * 37 + 0) mod 4536 = 61000 + 156954 mod 4536 = 61000 + 2730.
+const SLURM_PORT: u16 = 63730;
 
 #[test]
 fn slurm_mode_a_node_1() {
@@ -72,9 +72,9 @@ fn slurm_mode_a_node_1() {
             "nnodes = 2 (SLURM_STEP_NUM_NODES)",
             "node rank = 1 (SLURM_NODEID)",
             "node list = gpu[01-02] (SLURM_STEP_NODELIST)",
-            "rendezvous port = 65200 (61000 + (SLURM_JOB_ID*32 + SLURM_STEP_ID) mod 4536)",
+            "rendezvous port = 63730 (61000 + (SLURM_JOB_ID*37 + SLURM_STEP_ID) mod 4536)",
             "nproc per node = 4 (SLURM_GPUS_ON_NODE)",
-            "rendezvous = gpu01:65200 (first host of SLURM_STEP_NODELIST)",
+            "rendezvous = gpu01:63730 (first host of SLURM_STEP_NODELIST)",
             "run id = slurm-4242.0.r0 (SLURM_JOB_ID, SLURM_STEP_ID, SLURM_RESTART_COUNT)",
             "shutdown grace = 25s (Slurm sends SIGKILL KillWait after SIGTERM, 30 s by default)",
         ]
@@ -82,7 +82,7 @@ fn slurm_mode_a_node_1() {
     let text = render(&p);
     assert!(text.contains("launch       : Slurm mode A: srun started one rsrun per node"), "{text}");
     assert!(
-        text.contains("ports        : 65200..65207: node rank 0 hosts on the first free one (a service of job 'slurm-4242.0.r0' only)"),
+        text.contains("ports        : 63730..63737: node rank 0 hosts on the first free one (a service of job 'slurm-4242.0.r0' only)"),
         "{text}"
     );
     assert!(text.contains("worker rank 7 (local_rank 3, node_rank 1)"), "{text}");
@@ -161,8 +161,8 @@ fn slurm_ports_and_run_ids() {
     let env = with(with(env, "SLURM_RESTART_COUNT", "2"), "SLURM_STEP_ID", "3");
     let p = plan(&["true"], &env_ref(&env)).unwrap();
     assert_eq!(p.job_id, "slurm-4200_7.3.r2");
-    // 61000 + (4242*32 + 3) mod 4536 = 61000 + 4203.
-    assert_eq!(p.rdzv, RdzvPlan::Daemon { endpoint: Endpoint { host: "gpu01".into(), port: 65203 }, host: HostMode::Never });
+    // 61000 + (4242*37 + 3) mod 4536 = 61000 + 2733.
+    assert_eq!(p.rdzv, RdzvPlan::Daemon { endpoint: Endpoint { host: "gpu01".into(), port: 63733 }, host: HostMode::Never });
     assert!(plan(&["true"], &env_ref(&with(slurm_a("1", "gpu02"), "SLURM_STEP_RESV_PORTS", "x"))).is_err());
 }
 
@@ -399,7 +399,25 @@ fn slurm_and_host_tables() {
     let p = run(&slurm_batch("2")).unwrap();
     assert_eq!(p.mode, LaunchMode::Hosts);
     assert!(p.notes.iter().any(|n| n.contains("over ssh, not with srun")));
-    assert!(run(&slurm_a("0", "gpu01")).unwrap_err().starts_with("--hostfile/-H inside an srun step"));
+    assert!(run(&slurm_a("0", "gpu01")).unwrap_err().starts_with("--hostfile/-H inside an srun step of several tasks"));
+    // A step of one task (`srun --pty bash` on one node of the allocation) runs rsrun once: the
+    // host table starts the job over ssh, as from a batch script.
+    let one = with(with(with(slurm_a("0", "gpu01"), "SLURM_STEP_NUM_TASKS", "1"), "SLURM_STEP_NUM_NODES", "1"), "SLURM_STEP_NODELIST", "gpu01");
+    let one = with(with(one, "SLURM_STEP_TASKS_PER_NODE", "1"), "SLURM_PTY_PORT", "4000");
+    let p = run(&one).unwrap();
+    assert_eq!(p.mode, LaunchMode::Hosts);
+    assert!(p.notes.iter().any(|n| n.contains("a step of one task")), "{:?}", p.notes);
+}
+
+/// Mode B takes RANK from SLURM_PROCID and LOCAL_RANK from SLURM_LOCALID: a cyclic task layout
+/// (rank 1 on node 1) breaks torchrun's contiguous ranks per node, and is named.
+#[test]
+fn slurm_mode_b_refuses_ranks_that_are_not_in_blocks_per_node() {
+    // `srun -N2 -n4 --distribution=cyclic`: node 1 runs ranks 1 and 3; rank 1 is its task 0.
+    let cyclic = with(with(with(slurm_b(2), "SLURM_PROCID", "1"), "SLURM_NODEID", "1"), "SLURMD_NODENAME", "gpu02");
+    let cyclic = with(with(cyclic, "SLURM_LOCALID", "0"), "SLURM_DISTRIBUTION", "cyclic");
+    let e = plan(&["true"], &env_ref(&cyclic)).unwrap_err().to_string();
+    assert!(e.contains("SLURM_PROCID=1 on node SLURM_NODEID=1") && e.contains("expected 2; SLURM_DISTRIBUTION=cyclic") && e.contains("--distribution=block"), "{e}");
 }
 
 #[test]
@@ -688,9 +706,8 @@ fn slurm_mode_b_task_0_must_run_on_node_0() {
     // The user says where task 0 is.
     let p = plan(&["--master-addr", "gpu02", "true"], &env_ref(&env)).unwrap();
     assert_eq!(p.rdzv, RdzvPlan::Static { node_rank: 0, master_addr: "gpu02".into(), master_port: SLURM_PORT });
-    // Other tasks on other nodes are fine.
-    let env = with(with(slurm_b(1), "SLURM_NODEID", "1"), "SLURMD_NODENAME", "gpu02");
-    assert!(plan(&["true"], &env_ref(&env)).is_ok());
+    // Other tasks on other nodes are fine (node 1's first task is rank 2 in blocks).
+    assert!(plan(&["true"], &env_ref(&slurm_b(2))).is_ok());
 }
 
 /// SLURM_GPUS_ON_NODE becomes the worker count: the per-node limit of --nproc-per-node applies.

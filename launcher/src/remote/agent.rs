@@ -405,6 +405,18 @@ pub fn control_loop(stdin: &mut impl Read, injector: &SignalInjector, head_gone:
                 tracing::info!("the head asks to kill the workers now");
                 injector.inject(sig, SignalAction::Stop) && injector.inject(sig, SignalAction::Stop)
             }
+            control::Action::Forward => match Signal::try_from(c.signal) {
+                // What the head's --signal-policy passes on (never SIGKILL or SIGSTOP, which no
+                // handler receives).
+                Ok(s) if !matches!(s, Signal::SIGKILL | Signal::SIGSTOP) => {
+                    tracing::info!(signal = %s, "the head passes a signal on to the workers");
+                    injector.inject(s, SignalAction::Forward)
+                }
+                _ => {
+                    tracing::warn!(signal = c.signal, "ignoring a FORWARD of a signal that is not one to pass on");
+                    true
+                }
+            },
             control::Action::Start | control::Action::Unspecified => true,
         };
         if !ok {
@@ -434,15 +446,23 @@ mod tests {
     async fn control_messages_and_eof_become_stop_signals() {
         let mut signals = Signals::none();
         let injector = signals.injector();
-        let mut bytes = super::super::wire::encode(&Control { action: control::Action::Stop as i32, signal: 2 });
+        // A forwarded SIGUSR1 (a Slurm preemption warning at the head) reaches the workers and
+        // stops nothing; a FORWARD of SIGKILL is ignored.
+        let mut bytes = super::super::wire::encode(&Control { action: control::Action::Forward as i32, signal: Signal::SIGUSR1 as i32 });
+        bytes.extend(super::super::wire::encode(&Control { action: control::Action::Forward as i32, signal: Signal::SIGKILL as i32 }));
+        bytes.extend(super::super::wire::encode(&Control { action: control::Action::Stop as i32, signal: 2 }));
         bytes.extend(super::super::wire::encode(&Control { action: control::Action::Force as i32, signal: 0 }));
         let gone = tokio_util::sync::CancellationToken::new();
         control_loop(&mut std::io::Cursor::new(bytes), &injector, &gone);
         assert!(gone.is_cancelled(), "EOF: the head is gone");
-        let got: Vec<(Signal, SignalAction)> = vec![signals.recv().await, signals.recv().await, signals.recv().await, signals.recv().await];
+        let mut got = Vec::new();
+        for _ in 0..5 {
+            got.push(signals.recv().await);
+        }
         assert_eq!(
             got,
             [
+                (Signal::SIGUSR1, SignalAction::Forward),
                 (Signal::SIGINT, SignalAction::Stop),
                 (Signal::SIGTERM, SignalAction::Stop),
                 (Signal::SIGTERM, SignalAction::Stop),

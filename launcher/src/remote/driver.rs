@@ -431,9 +431,21 @@ pub async fn run_head(plan: RemotePlan, mut cx: HeadContext) -> anyhow::Result<H
                 }
             }
             (sig, action) = cx.signals.recv() => {
-                if action != SignalAction::Stop {
-                    info!(signal = %sig, %action, "signal not forwarded to remote agents");
-                    continue;
+                match action {
+                    SignalAction::Stop => {}
+                    SignalAction::Forward => {
+                        // Every host's workers get it (a Slurm --signal warning that asks them to
+                        // checkpoint), as a local rsrun passes it on to its own.
+                        info!(signal = %sig, "passing the signal on to every host's workers");
+                        send_all(&cmds, &hosts, &|| {
+                            vec![HostCmd::Control(Control { action: control::Action::Forward as i32, signal: sig as i32 })]
+                        });
+                        continue;
+                    }
+                    SignalAction::Ignore => {
+                        info!(signal = %sig, "signal ignored (--signal-policy)");
+                        continue;
+                    }
                 }
                 n_signals += 1;
                 signalled.get_or_insert(sig);

@@ -32,6 +32,9 @@ pub const EXCLUDED: &[&str] = &[
     "SLURM_*", "KUBERNETES_*", "PET_*",
     // This launcher's own multi-node settings: an agent must never take itself for a head.
     "RSRUN_HOSTS", "RSRUN_HOSTFILE", "RSRUN_RSH", "RSRUN_SSH_*", "RSRUN_REMOTE_RSRUN", "RSRUN_TOKEN_FILE",
+    // The head's own options, which an agent's rsrun would read as its own (a requeue runner on
+    // every host, a --check that starts nothing, a cwd note): the head passes on what applies.
+    "RSRUN_REQUEUE_ON_PREEMPT", "RSRUN_CHDIR", "RSRUN_INCLUDE", "RSRUN_EXCLUDE", "RSRUN_CHECK", "RSRUN_ALLOW_SAME_HOST",
 ];
 /// The per-host environment file, read from the home directory and then the current directory.
 pub const ENV_FILE_NAME: &str = ".rsrun_env";

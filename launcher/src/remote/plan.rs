@@ -279,6 +279,12 @@ impl RemotePlan {
         if args.standalone {
             return Err(conflict("--standalone runs a single node; it cannot be used with --hosts/--hostfile"));
         }
+        if args.requeue_on_preempt {
+            // No agent gets it (they are not Slurm's tasks): it would be dropped without a word.
+            return Err(conflict(
+                "--requeue-on-preempt works where Slurm starts rsrun (srun, or a batch script without --hosts/--hostfile); with --hosts/--hostfile, requeue from the batch script (`scontrol requeue $SLURM_JOB_ID` in a trap)",
+            ));
+        }
         if args.node_rank.is_some() && args.origin("node_rank") == crate::cli::Origin::CommandLine {
             return Err(conflict("--node-rank cannot be used with --hosts/--hostfile: node ranks follow the host order"));
         }

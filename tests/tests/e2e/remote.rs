@@ -201,6 +201,24 @@ fn sigint_stops_every_host_and_exits_130() {
     assert_eq!(all_gone(&pids, Duration::from_secs(3)), Ok(()), "processes of the job left after SIGINT");
 }
 
+/// SIGUSR1 at the head (Slurm's `--signal=B:USR1@120` on the batch step, a `kill -USR1` asking
+/// for a checkpoint) reaches every host's workers, which go on running: the head passes it on
+/// to the agents instead of dropping it.
+#[test]
+fn sigusr1_at_the_head_reaches_every_hosts_workers() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = "trap 'echo usr1 >> usr1.$RANK' USR1; echo $$ >> pids; i=0; while [ ! -f usr1.$RANK ] && [ $i -lt 400 ]; do sleep 0.05; i=$((i+1)); done; sleep 0.2; exit 0";
+    let child = KillOnDrop::spawn(head(dir.path(), "h1:1,h2:1").args(["sh", "-c", script]));
+    let pids_file = dir.path().join("pids");
+    assert!(wait_until(Duration::from_secs(30), || read_pids(&pids_file).len() == 2), "workers did not start");
+    kill(child.pid(), libc::SIGUSR1);
+    let out = child.output_within(Duration::from_secs(30));
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    for rank in 0..2 {
+        assert!(dir.path().join(format!("usr1.{rank}")).exists(), "rank {rank} got no SIGUSR1\n{}", text(&out));
+    }
+}
+
 #[test]
 fn kill_9_of_the_head_leaves_no_worker() {
     for attempt in 0..3 {
