@@ -88,7 +88,7 @@ pub struct LaunchArgs {
     /// Static backend: address of node rank 0, which hosts the rendezvous there (workers get
     /// MASTER_ADDR:MASTER_PORT of the store it serves for each round). A --rdzv-endpoint wins.
     #[arg(long = "master-addr", alias = "master_addr", env = "PET_MASTER_ADDR", value_name = "ADDR",
-          help_heading = "Rendezvous")]
+          value_parser = unbracketed_host, help_heading = "Rendezvous")]
     pub master_addr: Option<String>,
 
     /// Static backend: the rendezvous port on node rank 0 (workers' MASTER_PORT is the round's
@@ -100,7 +100,7 @@ pub struct LaunchArgs {
     /// This node's address as other nodes reach it (default: the local address that routes to the
     /// rendezvous endpoint).
     #[arg(long = "local-addr", alias = "local_addr", env = "PET_LOCAL_ADDR", value_name = "ADDR",
-          help_heading = "Rendezvous")]
+          value_parser = unbracketed_host, help_heading = "Rendezvous")]
     pub local_addr: Option<String>,
 
     /// File holding the token that authenticates this node (and its workers) to the rendezvous daemon.
@@ -529,5 +529,17 @@ impl LaunchArgs {
     /// Whether this is a whole-job launch over ssh (`--hosts` or `--hostfile`).
     pub fn is_remote(&self) -> bool {
         self.hosts.is_some() || self.hostfile.is_some()
+    }
+}
+
+/// An address as given, without the brackets of a bracketed IPv6 address (`[::1]`, the form
+/// torchrun's help shows): the brackets belong to `HOST:PORT`, not to the address, and a name
+/// lookup of `[::1]` waited out the join timeout.
+fn unbracketed_host(v: &str) -> Result<String, String> {
+    let t = v.trim();
+    match t.strip_prefix('[').and_then(|r| r.strip_suffix(']')) {
+        Some(inner) if inner.parse::<std::net::Ipv6Addr>().is_ok() => Ok(inner.to_owned()),
+        Some(_) => Err(format!("{t:?}: brackets hold an IPv6 address, such as [::1]")),
+        None => Ok(v.to_owned()),
     }
 }

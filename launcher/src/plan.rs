@@ -104,6 +104,8 @@ pub struct HostInfo {
     pub gpus: u32,
     /// This host's name.
     pub hostname: String,
+    /// The directory of this rsrun's executable (a venv's `bin/` when pip installed it there).
+    pub exe_dir: Option<PathBuf>,
 }
 
 impl HostInfo {
@@ -118,7 +120,8 @@ impl HostInfo {
             .ok()
             .and_then(|h| h.into_string().ok())
             .unwrap_or_else(|| "localhost".to_owned());
-        HostInfo { env, cwd, cpus, numa_nodes, gpus, hostname }
+        let exe_dir = std::env::current_exe().ok().and_then(|p| p.parent().map(Path::to_path_buf));
+        HostInfo { env, cwd, cpus, numa_nodes, gpus, hostname, exe_dir }
     }
 
     fn var(&self, name: &str) -> Option<&str> {
@@ -938,6 +941,17 @@ fn is_executable(p: &Path) -> bool {
 /// Set by `python -m rsrun` to its `sys.executable`: the workers' Python when PYTHON_EXEC is unset.
 pub const PYTHON_OF_MODULE_VAR: &str = "RSRUN_PYTHON_OF_MODULE";
 
+/// Whether `path` starts with a `#!` line that runs Python (`#!/usr/bin/env python3`): such a
+/// script runs as torchrun runs it, `python -u SCRIPT` (direct, its output went block-buffered
+/// into the pipe, and PYTHON_EXEC was not used).
+fn python_shebang(path: &Path) -> bool {
+    use std::io::Read;
+    let mut head = [0u8; 128];
+    let n = std::fs::File::open(path).and_then(|mut f| f.read(&mut head)).unwrap_or(0);
+    let first = head[..n].split(|b| *b == b'\n').next().unwrap_or_default();
+    first.starts_with(b"#!") && String::from_utf8_lossy(first).split(|c: char| c == '/' || c.is_whitespace()).any(|w| w.starts_with("python"))
+}
+
 fn python(host: &HostInfo) -> Result<PathBuf, PlanError> {
     if let Some(exec) = host.var("PYTHON_EXEC").filter(|s| !s.is_empty()) {
         return find_executable(exec, host).ok_or_else(|| {
@@ -948,6 +962,16 @@ fn python(host: &HostInfo) -> Result<PathBuf, PlanError> {
     // (a venv's python off PATH), not the first python3 on PATH.
     if let Some(exec) = host.var(PYTHON_OF_MODULE_VAR).filter(|s| !s.is_empty())
         && let Some(p) = find_executable(exec, host)
+    {
+        return Ok(p);
+    }
+    // An rsrun that pip installed into a venv (or a conda env) runs as that env's own, activated
+    // or not: its Python, as `/venv/bin/torchrun` gives its workers `sys.executable` (the first
+    // python3 on PATH was the system's, without the env's packages).
+    if let Some(dir) = &host.exe_dir
+        && let Some(root) = dir.parent()
+        && (root.join("pyvenv.cfg").is_file() || root.join("conda-meta").is_dir())
+        && let Some(p) = ["python3", "python"].iter().map(|n| dir.join(n)).find(|p| is_executable(p))
     {
         return Ok(p);
     }
@@ -1028,14 +1052,17 @@ fn resolve_program(args: &LaunchArgs, host: &HostInfo, notes: &mut Vec<String>) 
                 on_path.display()
             ));
         }
-        if is_executable(&here) {
+        if is_executable(&here) && !python_shebang(&here) {
             return Ok(direct(here));
         }
         return python_script(notes);
     }
-    // A path to a file that is not executable, or to a package directory (its __main__.py), runs
-    // under Python, as torchrun runs every PROGRAM.
-    if name.contains('/') && ((here.is_file() && !is_executable(&here)) || here.join("__main__.py").is_file()) {
+    // A path to a file that is not executable (or is a Python script by its `#!` line), or a
+    // package directory (its __main__.py; `mypkg` as well as `./mypkg`), runs under Python, as
+    // torchrun runs every PROGRAM: `python -u` keeps its output unbuffered.
+    if (name.contains('/') && here.is_file() && (!is_executable(&here) || python_shebang(&here)))
+        || here.join("__main__.py").is_file()
+    {
         return python_script(notes);
     }
     if let Some(exe) = find_executable(&name, host) {

@@ -11,6 +11,7 @@ pub(crate) fn host() -> HostInfo {
         numa_nodes: vec![vec![0, 1], vec![2, 3]],
         gpus: 0,
         hostname: "testhost".into(),
+        exe_dir: None,
     }
 }
 
@@ -646,6 +647,69 @@ fn python_of_the_module_runs_the_scripts() {
     h.env.insert("PYTHON_EXEC".into(), "/bin/true".into());
     let plan = LaunchPlan::resolve(&parse(&["train.py"]), &h).unwrap();
     assert_eq!(plan.program.exe, Path::new("/bin/true"));
+}
+
+/// An rsrun that pip installed into a venv runs its scripts under the venv's Python, activated
+/// or not (`/venv/bin/torchrun` gives its workers `sys.executable`); an rsrun elsewhere takes
+/// python3 from PATH.
+#[test]
+fn an_rsrun_in_a_venv_runs_the_venvs_python() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let bin = dir.path().join("venv/bin");
+    std::fs::create_dir_all(&bin).unwrap();
+    std::fs::write(bin.join("python3"), "#!/bin/sh\n").unwrap();
+    std::fs::set_permissions(bin.join("python3"), std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::write(dir.path().join("train.py"), "print(1)").unwrap();
+    let mut h = host();
+    h.cwd = dir.path().to_owned();
+    h.exe_dir = Some(bin.clone());
+    // Not a venv yet (no pyvenv.cfg): PATH's python3, wherever that is.
+    if let Ok(plan) = LaunchPlan::resolve(&parse(&["train.py"]), &h) {
+        assert_ne!(plan.program.exe, bin.join("python3"));
+    }
+    std::fs::write(dir.path().join("venv/pyvenv.cfg"), "home = /usr/bin\n").unwrap();
+    let plan = LaunchPlan::resolve(&parse(&["train.py"]), &h).unwrap();
+    assert_eq!(plan.program.exe, bin.join("python3"));
+}
+
+/// An executable Python script (by its `#!` line) and a package directory named without a
+/// slash run as torchrun runs them, `python -u PROGRAM`; an executable shell script runs as it is.
+#[test]
+fn python_scripts_by_their_shebang_and_bare_package_directories_run_under_python() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    for (name, text) in [("train", "#!/usr/bin/env python3\nprint(1)\n"), ("tool", "#!/bin/sh\necho 1\n")] {
+        std::fs::write(dir.path().join(name), text).unwrap();
+        std::fs::set_permissions(dir.path().join(name), std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    std::fs::create_dir_all(dir.path().join("mypkg")).unwrap();
+    std::fs::write(dir.path().join("mypkg/__main__.py"), "print(1)").unwrap();
+    let mut h = host();
+    h.cwd = dir.path().to_owned();
+    h.env.insert("PYTHON_EXEC".into(), "/bin/true".into());
+    for program in ["train", "./train", "mypkg"] {
+        let plan = LaunchPlan::resolve(&parse(&[program]), &h).unwrap();
+        assert_eq!(plan.program.kind, ProgramKind::PythonScript, "{program}");
+        assert_eq!(plan.program.argv(0), vec!["-u", program], "{program}");
+        assert_eq!(plan.program.exe, Path::new("/bin/true"), "{program}: PYTHON_EXEC");
+    }
+    for program in ["tool", "./tool"] {
+        let plan = LaunchPlan::resolve(&parse(&[program]), &h).unwrap();
+        assert_eq!(plan.program.kind, ProgramKind::Executable, "{program}");
+    }
+}
+
+/// `--master-addr [::1]` (torchrun's help shows the bracketed form) is the address ::1, not a
+/// name to look up until the join timeout; brackets around anything else are named.
+#[test]
+fn a_bracketed_ipv6_master_addr_is_the_address() {
+    let plan = resolve(&["--master-addr", "[::1]", "--master-port", "29566", "true"]).unwrap();
+    assert!(matches!(&plan.rdzv, RdzvPlan::Static { master_addr, .. } if master_addr == "::1"), "{:?}", plan.rdzv);
+    let a = LaunchArgs::try_parse_with_origins_from(["rsrun", "--local-addr", "[fe80::1]", "true"]).unwrap();
+    assert_eq!(a.local_addr.as_deref(), Some("fe80::1"));
+    let e = LaunchArgs::try_parse_with_origins_from(["rsrun", "--master-addr", "[node1]", "true"]).unwrap_err().to_string();
+    assert!(e.contains("brackets hold an IPv6 address"), "{e}");
 }
 
 /// CUDA_VISIBLE_DEVICES counts as the CUDA runtime counts it: up to the first entry that names no

@@ -339,6 +339,10 @@ simd_fn! {
         let mut total = 0f64;
         for (row, &tg) in logits.chunks_exact_mut(v).zip(targets) {
             let m = max_of(row);
+            // The target's logit against the max, before the row becomes probabilities: the loss
+            // is `ln s − (x_t − m)`, exact however far below the max the target is (through
+            // `exp`, which floors its argument at −87, it stopped at 87).
+            let xt = row[tg as usize] - m;
             let mut acc = [0f32; L];
             let (head, tail) = row.split_at_mut(v / L * L);
             for c in head.chunks_exact_mut(L) {
@@ -354,11 +358,10 @@ simd_fn! {
                 s += *x;
             }
             let inv = 1.0 / s;
-            let pt = row[tg as usize] * inv;
-            // A NaN or infinite logit makes the loss NaN, as the reference's does: `max` would
-            // turn a NaN probability into MIN_POSITIVE, a finite loss that hides the divergence
-            // from the engine's check while NaN gradients reach the weights.
-            total -= if pt.is_nan() { f64::NAN } else { f64::from(pt.max(f32::MIN_POSITIVE)).ln() };
+            // A NaN or infinite logit makes the loss NaN, as the reference's does (a NaN in the
+            // row makes `s` NaN; an infinite max makes `x_t − m` NaN): a finite loss would hide
+            // the divergence from the engine's check while NaN gradients reach the weights.
+            total += f64::from(s).ln() - f64::from(xt);
             for x in row.iter_mut() {
                 *x *= inv;
             }
@@ -390,6 +393,17 @@ mod tests {
         let mut out = 0f64;
         softmax_xent(&mut logits, 19, &[0], &mut out);
         assert!((out - (19f64).ln()).abs() < 1e-5, "{out}");
+        // A target far below the max: its loss is the gap (it stopped at 87, where `exp` floors
+        // its argument), as the reference's log-softmax gives; the probabilities stay exact.
+        for gap in [50f32, 100.0, 200.0, 1000.0] {
+            let mut logits = vec![0f32; 19];
+            logits[7] = gap;
+            let mut out = 0f64;
+            softmax_xent(&mut logits, 19, &[0], &mut out);
+            let want = f64::from(gap) + (1.0 + 18.0 * (-f64::from(gap)).exp()).ln();
+            assert!((out - want).abs() < 1e-3 * want, "gap {gap}: {out}, want {want}");
+            assert!((logits[7] - 1.0).abs() < 1e-6 && logits[0] >= 0.0, "{logits:?}");
+        }
     }
 
     #[test]
