@@ -193,17 +193,24 @@ pub fn read_error_file(path: &Path) -> Option<ErrorFileInfo> {
         }
     };
     let msg = v.get("message")?;
+    // torch's `ProcessFailure`: a string message has its timestamp at the top level, a dict one
+    // in `extraInfo`; `int(...)` of a string or a number (a float too).
+    let seconds = |t: &serde_json::Value| {
+        t.as_str()
+            .and_then(|s| s.trim().parse::<f64>().ok())
+            .or_else(|| t.as_f64())
+            .filter(|s| s.is_finite() && *s >= 0.0)
+            // A time past what SystemTime holds is no time (checked: `+` would panic the reader).
+            .and_then(|s| UNIX_EPOCH.checked_add(Duration::from_secs(s as u64)))
+    };
     if let Some(s) = msg.as_str() {
-        return Some(ErrorFileInfo { message: s.to_owned(), traceback: None, timestamp: None, written });
+        let timestamp = v.get("timestamp").and_then(seconds);
+        return Some(ErrorFileInfo { message: s.to_owned(), traceback: None, timestamp, written });
     }
     let message = msg.get("message").and_then(|m| m.as_str()).unwrap_or("<no message>").to_owned();
     let extra = msg.get("extraInfo");
     let traceback = extra.and_then(|e| e.get("py_callstack")).and_then(|t| t.as_str()).map(str::to_owned);
-    let timestamp = extra
-        .and_then(|e| e.get("timestamp"))
-        .and_then(|t| t.as_str().and_then(|s| s.parse::<u64>().ok()).or_else(|| t.as_u64()))
-        // A time past what SystemTime holds is no time (checked: `+` would panic the reader).
-        .and_then(|s| UNIX_EPOCH.checked_add(Duration::from_secs(s)));
+    let timestamp = extra.and_then(|e| e.get("timestamp")).and_then(seconds);
     Some(ErrorFileInfo { message, traceback, timestamp, written })
 }
 
@@ -407,29 +414,29 @@ impl FailureReport {
             }
         }
         if let Some(e) = &r.error {
-            let _ = writeln!(s, "  error      : {}", e.message);
+            // The message's first line after the label, the rest under it (a load_state_dict
+            // error is thousands of lines: its first and last ones are kept).
+            let mut lines = e.message.lines();
+            let _ = writeln!(s, "  error      : {}", shown(lines.next().unwrap_or_default()));
+            let rest: Vec<&str> = lines.collect();
+            write_lines(&mut s, &rest, "    ", MAX_MESSAGE_LINES, 0, "of the message in the error file");
             if let Some(tb) = e.traceback.as_deref().filter(|t| !t.trim().is_empty()) {
-                const MAX_TRACEBACK_LINES: usize = 40;
+                // Its first line ("Traceback (most recent call last):") and its last ones: the
+                // frame that failed and the exception are at the end.
                 let lines: Vec<&str> = tb.lines().collect();
                 let _ = writeln!(s, "  traceback  :");
-                for line in lines.iter().take(MAX_TRACEBACK_LINES) {
-                    let _ = writeln!(s, "    {line}");
-                }
-                if lines.len() > MAX_TRACEBACK_LINES {
-                    let _ = writeln!(s, "    ... {} more lines in the error file", lines.len() - MAX_TRACEBACK_LINES);
-                }
+                write_lines(&mut s, &lines, "    ", MAX_TRACEBACK_LINES, 1, "in the error file");
             }
         }
         if let Some(m) = &r.message {
             let _ = writeln!(s, "  message    :");
-            for line in m.lines() {
-                let _ = writeln!(s, "    {line}");
-            }
+            let lines: Vec<&str> = m.lines().collect();
+            write_lines(&mut s, &lines, "    ", MAX_MESSAGE_LINES, 0, "");
         }
         if !r.stderr_tail.is_empty() {
             let _ = writeln!(s, "  stderr (last {} lines):", r.stderr_tail.len());
             for line in &r.stderr_tail {
-                let _ = writeln!(s, "    | {line}");
+                let _ = writeln!(s, "    | {}", shown(line));
             }
         }
         if !self.others.is_empty() {
@@ -460,6 +467,54 @@ pub fn format_utc(t: SystemTime) -> String {
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
     let y = yoe + era * 400 + i64::from(m <= 2);
     format!("{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02} UTC", rem / 3600, rem % 3600 / 60, rem % 60)
+}
+
+/// Most lines of a traceback the report shows (its first, and the last ones).
+const MAX_TRACEBACK_LINES: usize = 40;
+/// Most lines of a message the report shows (the first and last ones).
+const MAX_MESSAGE_LINES: usize = 40;
+/// Most bytes of one line the report shows.
+const MAX_LINE_BYTES: usize = 512;
+
+/// Writes `lines` indented by `indent`: all of them when they fit `max`, else the first `head`
+/// and the last ones, with the number left out (`where_`: where the rest is).
+fn write_lines(s: &mut String, lines: &[&str], indent: &str, max: usize, head: usize, where_: &str) {
+    if lines.len() <= max {
+        for line in lines {
+            let _ = writeln!(s, "{indent}{}", shown(line));
+        }
+        return;
+    }
+    let tail = max - head;
+    for line in &lines[..head] {
+        let _ = writeln!(s, "{indent}{}", shown(line));
+    }
+    let skipped = lines.len() - head - tail;
+    let _ = writeln!(s, "{indent}... {skipped} lines left out{}{where_} ...", if where_.is_empty() { "" } else { " " });
+    for line in &lines[lines.len() - tail..] {
+        let _ = writeln!(s, "{indent}{}", shown(line));
+    }
+}
+
+/// A line of a worker's output or error file as the report prints it: control characters made
+/// visible (an escape sequence in a worker's stderr cleared the terminal or retitled it), and cut
+/// at [`MAX_LINE_BYTES`] with the length said.
+pub(crate) fn shown(line: &str) -> String {
+    let mut out = String::with_capacity(line.len().min(MAX_LINE_BYTES + 32));
+    for (i, c) in line.char_indices() {
+        if i >= MAX_LINE_BYTES {
+            let _ = write!(out, "... ({} bytes)", line.len());
+            break;
+        }
+        match c {
+            '\t' => out.push('\t'),
+            c if c.is_control() => {
+                let _ = write!(out, "\\x{:02x}", u32::from(c));
+            }
+            c => out.push(c),
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -517,6 +572,43 @@ mod tests {
         std::fs::write(&p, r#"{"message": "plain"}"#).unwrap();
         assert_eq!(read_error_file(&p).unwrap().message, "plain");
         assert!(read_error_file(&dir.path().join("missing.json")).is_none());
+        // torch's string form keeps its timestamp at the top level; a float counts (int(...)).
+        std::fs::write(&p, r#"{"message": "plain", "timestamp": "1700000000"}"#).unwrap();
+        assert_eq!(read_error_file(&p).unwrap().timestamp, Some(UNIX_EPOCH + Duration::from_secs(1_700_000_000)));
+        std::fs::write(&p, r#"{"message": {"message": "m", "extraInfo": {"timestamp": 1700000000.75}}}"#).unwrap();
+        assert_eq!(read_error_file(&p).unwrap().timestamp, Some(UNIX_EPOCH + Duration::from_secs(1_700_000_000)));
+    }
+
+    /// What a worker wrote reaches the report bounded and inert: control characters shown, not
+    /// sent to the terminal (an escape sequence cleared it); a huge line cut; a long traceback
+    /// keeps its first line and its end (the frame that failed); a long message its ends.
+    #[test]
+    fn worker_text_in_the_report_is_bounded_and_inert() {
+        let mut root = failure(ExitKind::Code(1));
+        root.stderr_tail = vec!["\x1b[2J\x1b[Hgone\x07".into(), "x".repeat(100_000)];
+        let tb: Vec<String> = std::iter::once("Traceback (most recent call last):".to_owned())
+            .chain((0..100).map(|i| format!("  frame {i}")))
+            .chain(std::iter::once("ValueError: at the end".to_owned()))
+            .collect();
+        let message: Vec<String> = (0..1000).map(|i| format!("missing key {i}")).collect();
+        root.error = Some(ErrorFileInfo { message: message.join("\n"), traceback: Some(tb.join("\n")), timestamp: None, written: None });
+        let report = FailureReport {
+            job_id: "j".into(),
+            program: "train".into(),
+            round: 0,
+            restart_count: 0,
+            max_restarts: 0,
+            root,
+            others: Vec::new(),
+            reason: "no restarts left".into(),
+        };
+        let text = report.render();
+        assert!(!text.contains('\x1b') && !text.contains('\x07'), "{text}");
+        assert!(text.contains("| \\x1b[2J\\x1b[Hgone\\x07"), "{text}");
+        assert!(text.contains("... (100000 bytes)") && text.len() < 20_000, "{} bytes", text.len());
+        assert!(text.contains("    Traceback (most recent call last):\n    ... 62 lines left out in the error file ...\n      frame 62"), "{text}");
+        assert!(text.contains("ValueError: at the end"), "{text}");
+        assert!(text.contains("error      : missing key 0\n") && text.contains("missing key 999") && !text.contains("missing key 500\n"), "{text}");
     }
 
     #[test]

@@ -27,7 +27,7 @@
 
 use std::future::Future;
 use std::os::unix::process::ExitStatusExt;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
@@ -147,6 +147,8 @@ struct Group<'a> {
     /// The stop signal rsrun received, once one arrived: the round then ends as
     /// [`GroupOutcome::Signalled`], whatever else ended it.
     signalled: Option<Signal>,
+    /// When stalled workers were seen (each one's idle time in the report is measured to it).
+    stall_seen_at: Option<Instant>,
 }
 
 /// How [`Group::monitor`] ended.
@@ -213,6 +215,7 @@ impl<'a> Group<'a> {
             quiet: CancellationToken::new(),
             state: WorkerGroupState::Init,
             signalled: None,
+            stall_seen_at: None,
         };
         let dup_files = open_dup_files(plan, a);
         for local_rank in 0..a.local_world_size {
@@ -259,7 +262,7 @@ impl<'a> Group<'a> {
                 // Named as the log directory's failure, not the program's (`--log-dir` naming a
                 // file read as if the program could not be found).
                 let log_err = |e: std::io::Error| anyhow::anyhow!("log directory {} (--log-dir): {e}", dir.display());
-                std::fs::create_dir_all(dir).map_err(log_err)?;
+                create_private_dirs(dir).map_err(log_err)?;
                 let error_file = dir.join("error.json");
                 // A round's rank starts once per run: files here are an earlier run's of the same
                 // job id (whose rounds counted from 1 again). Kept, not truncated; and its error
@@ -435,6 +438,7 @@ impl<'a> Group<'a> {
                     if plan.timeouts.hang.is_some()
                         && let Some((stalled, idle)) = self.stalled()
                     {
+                        self.stall_seen_at = Some(Instant::now());
                         self.state = WorkerGroupState::Unhealthy;
                         let ranks: Vec<u32> = stalled.iter().map(|&i| self.slots[i].rank).collect();
                         info!(?ranks, "no progress: worker group UNHEALTHY");
@@ -508,15 +512,18 @@ impl<'a> Group<'a> {
             if s.exited.is_some() {
                 continue;
             }
-            if let Some((last, _)) = *s.progress.last.lock().unwrap_or_else(|e| e.into_inner()) {
+            if let Some((last, step)) = *s.progress.last.lock().unwrap_or_else(|e| e.into_inner()) {
                 let idle = now.saturating_duration_since(last);
                 if idle >= hang {
-                    stalled.push(i);
+                    stalled.push((last, step, i));
                     max_idle = max_idle.max(idle);
                 }
             }
         }
-        (!stalled.is_empty()).then_some((stalled, max_idle))
+        // The first to stop first: the oldest heartbeat, then the lowest step (stalls of a
+        // synchronous job often fall in one tick; the lowest index was named before).
+        stalled.sort();
+        (!stalled.is_empty()).then(|| (stalled.into_iter().map(|(_, _, i)| i).collect(), max_idle))
     }
 
     /// Stops every worker: `sig` to each group, `grace` for them to exit, then SIGKILL.
@@ -701,16 +708,18 @@ impl<'a> Group<'a> {
     }
 
     /// torchrun's root cause: the smallest error-file timestamp (torchrun.md §4.4), among the first
-    /// failure seen and the workers that failed on their own (not by rsrun's SIGTERM or SIGKILL),
-    /// counting only files written no later than that first exit (a later one is a consequence of
-    /// it: its whole-second timestamp can still equal the exit's second, so the file's own
-    /// modification time decides). Without any, the first failure seen. Ties go to the earlier exit.
+    /// failure seen and the other workers that failed, counting only files written no later than
+    /// that first exit (a later one is a consequence of it: its whole-second timestamp can still
+    /// equal the exit's second, so the file's own modification time decides). A worker that rsrun
+    /// stopped counts too when its file came first: it raised and wrote it, then hung in its
+    /// teardown (an NCCL destructor) until the stop, while another rank's exit was seen first.
+    /// Without any, the first failure seen. Ties go to the earlier exit.
     fn root_cause(&self, first: usize, errors: &[Option<ErrorFileInfo>]) -> usize {
         let Some((_, first_at)) = self.slots[first].exited else { return first };
         self.slots
             .iter()
             .enumerate()
-            .filter(|(i, s)| *i == first || s.exited.as_ref().is_some_and(|(k, _)| failed_on_its_own(k)))
+            .filter(|(i, s)| *i == first || s.exited.as_ref().is_some_and(|(k, _)| !matches!(k, ExitKind::Code(0))))
             .filter_map(|(i, s)| {
                 let info = errors.get(i)?.as_ref()?;
                 let ts = info.timestamp?;
@@ -768,8 +777,10 @@ impl<'a> Group<'a> {
             let s = &self.slots[i];
             let (mut exit, time) = s.exited.clone().unwrap_or((ExitKind::Other, SystemTime::now()));
             if is_root && let Some(idle) = hang_idle {
-                let step = s.progress.last.lock().unwrap_or_else(|e| e.into_inner()).map(|(_, st)| st).unwrap_or(0);
-                exit = ExitKind::Hang { idle, last_step: step };
+                let last = *s.progress.last.lock().unwrap_or_else(|e| e.into_inner());
+                // Each stalled worker's own idle time (up to when the stall was seen).
+                let own = last.zip(self.stall_seen_at).map(|((at, _), seen)| seen.saturating_duration_since(at));
+                exit = ExitKind::Hang { idle: own.unwrap_or(idle), last_step: last.map_or(0, |(_, st)| st) };
             }
             WorkerFailure {
                 rank: Some(s.rank),
@@ -839,9 +850,12 @@ fn ended_by_a_stop(kind: &ExitKind) -> bool {
     matches!(kind, ExitKind::Signal(s) if *s == libc::SIGTERM || *s == libc::SIGKILL)
 }
 
-/// A failure of the worker's own: not a success, and not [`ended_by_a_stop`].
-fn failed_on_its_own(kind: &ExitKind) -> bool {
-    !matches!(kind, ExitKind::Code(0)) && !ended_by_a_stop(kind)
+/// Creates `dir` and its missing parents as this user's only (0700, as torchrun's mkdtemp log
+/// directory): the workers' output and error files (tracebacks, values of variables) are not
+/// for other users of the machine. Directories that exist keep their mode.
+fn create_private_dirs(dir: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    std::fs::DirBuilder::new().recursive(true).mode(0o700).create(dir)
 }
 
 /// The files of one worker's log directory.
@@ -897,7 +911,7 @@ fn open_dup_files(plan: &LaunchPlan, a: &RoundAssignment) -> DupFiles {
         if needles.is_empty() {
             return None;
         }
-        std::fs::create_dir_all(&dir).ok()?;
+        create_private_dirs(&dir).ok()?;
         // Agents of one node (one job, one round) share this file: it is appended to, never
         // truncated, and each line goes in one write (`logs::keep_line`), so their lines never mix.
         let path = dir.join(name);
@@ -1128,6 +1142,25 @@ mod tests {
         assert_eq!(root.error.as_ref().map(|e| e.message.as_str()), Some("RuntimeError: first"));
         assert_eq!(others.len(), 1, "{others:?}");
         assert_eq!((others[0].rank, &others[0].exit, others[0].stopped_by_rsrun), (Some(1), &ExitKind::Code(1), false));
+    }
+
+    /// A worker that wrote its error file, then hung in its teardown (an NCCL destructor) until
+    /// rsrun's SIGTERM, is the root cause when its file came before a peer's exit: its exception
+    /// is in the report, not only the peer's bare abort.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_worker_stopped_after_writing_its_error_file_first_is_the_root_cause() {
+        let dir = tempfile::tempdir().unwrap();
+        let logs = dir.path().display().to_string();
+        // Rank 0 raises (its file at once) and hangs; rank 1 aborts 2.5 s later without a file.
+        let script = r#"if [ $RANK = 0 ]; then printf '{"message": {"message": "ValueError: the real bug", "extraInfo": {"py_callstack": "tb", "timestamp": "%s"}}}' "$(date +%s)" > "$TORCHELASTIC_ERROR_FILE.tmp"; mv "$TORCHELASTIC_ERROR_FILE.tmp" "$TORCHELASTIC_ERROR_FILE"; exec sleep 30; fi; sleep 2.5; kill -ABRT $$"#;
+        let plan = plan_of(2, &["--log-dir", &logs, "--shutdown-timeout", "2"], script);
+        let outcome = run_round(&plan, &mut Signals::none(), std::future::pending::<RoundEndCause>()).await;
+        let GroupOutcome::Failed { root, others, .. } = outcome else { panic!("{outcome:?}") };
+        assert_eq!(root.rank, Some(0), "{root:?}");
+        assert_eq!(root.exit, ExitKind::Signal(libc::SIGTERM));
+        assert!(!root.stopped_by_rsrun, "{root:?}");
+        assert_eq!(root.error.as_ref().map(|e| e.message.as_str()), Some("ValueError: the real bug"));
+        assert_eq!((others.len(), others[0].rank, &others[0].exit), (1, Some(1), &ExitKind::Signal(libc::SIGABRT)), "{others:?}");
     }
 
     /// An error file written after the first failure's exit is its consequence, though its
