@@ -30,6 +30,9 @@ use tonic::{Request, Status};
 use crate::RdzvError;
 use crate::state::State;
 
+
+/// The longest token accepted (it travels in every call's `authorization` header).
+pub const MAX_TOKEN_BYTES: usize = 4096;
 /// Which jobs a caller may touch.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Principal {
@@ -158,6 +161,11 @@ impl TokenTable {
             let token = fields[0];
             if token.len() < 16 {
                 return Err(bad(format!("token of {} characters; use at least 16 (e.g. `openssl rand -hex 32`)", token.len())));
+            }
+            if token.len() > MAX_TOKEN_BYTES {
+                // A longer one overflows the HTTP/2 header limit: every call would fail with an
+                // unknown status, retried until its deadline, instead of this error.
+                return Err(bad(format!("token of {} characters; use at most {MAX_TOKEN_BYTES}", token.len())));
             }
             let principal = match fields.get(1) {
                 None => Principal::Any,

@@ -45,7 +45,7 @@ pub use rsrun_proto::v1 as proto;
 pub const KEEP_ALIVE_GIVE_UP: Duration = Duration::from_secs(120);
 
 /// Where and how to reach the service.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct ClientConfig {
     /// `host:port`, `[v6]:port`, or a full `http://` / `https://` URI; or several, comma-separated
     /// (the daemons of a highly available group).
@@ -59,6 +59,19 @@ pub struct ClientConfig {
     /// Deadline of a non-blocking call, including its retries; blocking calls get this on top of
     /// their own wait.
     pub rpc_timeout: Duration,
+}
+
+/// Without the token (a `{:?}` of a config, a client or a store client in a log would print it).
+impl std::fmt::Debug for ClientConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClientConfig")
+            .field("endpoint", &self.endpoint)
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("tls_ca", &self.tls_ca)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("rpc_timeout", &self.rpc_timeout)
+            .finish()
+    }
 }
 
 impl ClientConfig {
@@ -75,9 +88,15 @@ impl ClientConfig {
 }
 
 /// Adds the bearer token to every call.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct TokenInjector {
     header: Option<MetadataValue<tonic::metadata::Ascii>>,
+}
+
+impl std::fmt::Debug for TokenInjector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TokenInjector").field("header", &self.header.as_ref().map(|_| "<redacted>")).finish()
+    }
 }
 
 impl tonic::service::Interceptor for TokenInjector {
@@ -152,13 +171,25 @@ struct Conn {
 }
 
 /// The daemons a client talks to, which one it uses now, and the highest epoch it heard.
-#[derive(Debug)]
 struct Conns {
     list: RwLock<Vec<Conn>>,
     current: AtomicUsize,
     epoch: AtomicU64,
     header: Option<MetadataValue<tonic::metadata::Ascii>>,
     ca_pem: Option<Vec<u8>>,
+}
+
+impl std::fmt::Debug for Conns {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let names: Vec<String> = self.list.read().unwrap_or_else(|p| p.into_inner()).iter().map(|c| c.name.clone()).collect();
+        f.debug_struct("Conns")
+            .field("endpoints", &names)
+            .field("current", &self.current)
+            .field("epoch", &self.epoch)
+            .field("token", &self.header.as_ref().map(|_| "<redacted>"))
+            .field("tls", &self.ca_pem.is_some())
+            .finish()
+    }
 }
 
 /// `host:port` of an endpoint as written (scheme dropped), for matching leader hints.
@@ -170,6 +201,11 @@ fn bare(endpoint: &str) -> &str {
 fn channel(raw: &str, cfg: &ClientConfig, ca_pem: Option<&[u8]>, header: Option<MetadataValue<tonic::metadata::Ascii>>) -> Result<Inner, RdzvError> {
     let bad = |message: String| RdzvError::Connect { endpoint: raw.to_string(), message };
     let raw = raw.trim();
+    if ca_pem.is_some() && raw.starts_with("http://") {
+        // The connector speaks TLS only to https:// URIs: with http:// the CA went unused and the
+        // token and every call travelled in clear, without a word.
+        return Err(bad("http:// with a TLS CA: the calls (and the token) would travel unencrypted; use https:// or host:port".into()));
+    }
     let uri = if raw.starts_with("http://") || raw.starts_with("https://") {
         raw.to_string()
     } else {
@@ -360,11 +396,17 @@ impl RdzvClient {
         };
         let header = match &cfg.token {
             None => None,
-            Some(t) => Some(
-                format!("Bearer {t}")
+            Some(t) if t.len() > crate::auth::MAX_TOKEN_BYTES => {
+                return Err(bad(format!("the token has {} characters; at most {} travel in a header", t.len(), crate::auth::MAX_TOKEN_BYTES)));
+            }
+            Some(t) => {
+                let mut h = format!("Bearer {t}")
                     .parse::<MetadataValue<tonic::metadata::Ascii>>()
-                    .map_err(|_| bad("the token contains characters that cannot travel in a header".into()))?,
-            ),
+                    .map_err(|_| bad("the token contains characters that cannot travel in a header".into()))?;
+                // Never indexed by HPACK (nor shown by debug output of the headers).
+                h.set_sensitive(true);
+                Some(h)
+            }
         };
         let names: Vec<&str> = cfg.endpoint.split(',').map(str::trim).filter(|e| !e.is_empty()).collect();
         if names.is_empty() {
@@ -428,6 +470,10 @@ impl RdzvClient {
         let mut backoff = Duration::from_millis(25);
         let mut attempts = 0u32;
         let mut redirects = 0u32;
+        // Daemons that failed (not a standby's refusal) during this call: a hint naming one is
+        // not followed again in it (a standby whose hint names a dead or unreachable leader sent
+        // the client back and forth between the two, never trying the rest of the list).
+        let mut failed: Vec<String> = Vec::new();
         let mut last_unreachable: Option<RdzvError> = None;
         loop {
             attempts += 1;
@@ -519,7 +565,16 @@ impl RdzvClient {
             let cap = if several { Duration::from_millis(500) } else { Duration::from_secs(2) };
             // A hint this client cannot use (it names this daemon, or cannot be parsed) moves on
             // to the next daemon like any other refusal, instead of asking the same standby again.
-            let redirected = matches!(&err, RdzvError::NotLeader { leader, .. } if !leader.is_empty() && self.conns.go_to(leader, &self.cfg));
+            if !matches!(err, RdzvError::NotLeader { .. }) && !failed.iter().any(|f| bare(f) == bare(&conn.name)) {
+                failed.push(conn.name.clone());
+            }
+            // A hint of an older epoch than one this client heard is stale: not followed.
+            let usable = |leader: &str, epoch: u64| {
+                !leader.is_empty()
+                    && (epoch == 0 || epoch >= self.conns.epoch.load(Ordering::Relaxed))
+                    && !failed.iter().any(|f| bare(f) == bare(leader))
+            };
+            let redirected = matches!(&err, RdzvError::NotLeader { leader, epoch } if usable(leader, *epoch) && self.conns.go_to(leader, &self.cfg));
             if !redirected && several {
                 self.conns.rotate(idx);
             }
@@ -1114,6 +1169,27 @@ impl StoreClient {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A CA file with an http:// endpoint is refused (the connector would ignore the CA and
+    /// send everything, the token too, in clear); a config, a client and its debug output never
+    /// show the token; a token past the header limit is named.
+    #[tokio::test]
+    async fn tls_is_never_silently_dropped_and_the_token_never_shown() {
+        let dir = tempfile::tempdir().unwrap();
+        let ca = dir.path().join("ca.pem");
+        std::fs::write(&ca, "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n").unwrap();
+        let mut cfg = ClientConfig::new("http://head:29400");
+        cfg.tls_ca = Some(ca);
+        cfg.token = Some("s3cret-token-0123456789".into());
+        let e = RdzvClient::connect(cfg.clone()).unwrap_err().to_string();
+        assert!(e.contains("http:// with a TLS CA"), "{e}");
+        assert!(!format!("{cfg:?}").contains("s3cret"), "{cfg:?}");
+        let plain = ClientConfig { token: Some("s3cret-token-0123456789".into()), ..ClientConfig::new("127.0.0.1:1") };
+        let client = RdzvClient::connect(plain).unwrap();
+        assert!(!format!("{client:?}").contains("s3cret"), "{client:?}");
+        let huge = ClientConfig { token: Some("t".repeat(crate::auth::MAX_TOKEN_BYTES + 1)), ..ClientConfig::new("127.0.0.1:1") };
+        assert!(RdzvClient::connect(huge).unwrap_err().to_string().contains("at most 4096 travel in a header"));
+    }
     use tonic::metadata::{MetadataMap, MetadataValue};
 
     fn stamped(epoch: u64) -> MetadataMap {

@@ -225,8 +225,25 @@ impl From<RdzvError> for Status {
             let details = pb::NotLeader { leader_endpoint: leader.clone(), epoch: *epoch, daemon_id: String::new() }.encode_to_vec();
             return Status::with_details(err.code(), err.to_string(), details.into());
         }
-        Status::new(err.code(), err.to_string())
+        Status::new(err.code(), capped(err.to_string()))
     }
+}
+
+/// Most bytes of an error's text in a status (`grpc-message`, a header): percent-encoded, a
+/// longer one could pass the client's 16 KiB header limit, which resets the stream and loses
+/// the message (a job's failure reason among them).
+const MAX_STATUS_MESSAGE: usize = 4096;
+
+fn capped(mut text: String) -> String {
+    if text.len() > MAX_STATUS_MESSAGE {
+        let mut cut = MAX_STATUS_MESSAGE;
+        while !text.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        text.truncate(cut);
+        text.push_str("...");
+    }
+    text
 }
 
 /// Client side: a status received from the server. The message is kept as the server wrote it.
@@ -246,10 +263,38 @@ impl From<Status> for RdzvError {
                 Ok(n) => RdzvError::NotLeader { leader: n.leader_endpoint, epoch: n.epoch },
                 Err(_) => RdzvError::Unavailable(message),
             },
-            Code::Unavailable | Code::Cancelled | Code::Unknown => {
+            Code::Unavailable | Code::Cancelled => {
                 RdzvError::Unavailable(if message.is_empty() { "service unavailable".into() } else { message })
+            }
+            // tonic's own statuses for a broken transport (a reset stream, a connection gone)
+            // carry that error as their source: retryable. One the server sent (a handler's
+            // Internal, an HTTP error mapped to Unknown) is an answer: retrying it only waited
+            // out the deadline and then said "unreachable".
+            Code::Unknown | Code::Internal if std::error::Error::source(&status).is_some() => {
+                RdzvError::Unavailable(if message.is_empty() { "the connection failed".into() } else { message })
             }
             code => RdzvError::Rpc { code, message },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A status the server sent is an answer (not retried); tonic's own status for a broken
+    /// transport carries the transport error and is retried; a long message is capped.
+    #[test]
+    fn statuses_from_the_server_and_from_the_transport() {
+        let sent = RdzvError::from(Status::new(Code::Unknown, "HTTP status 431"));
+        assert!(!sent.is_retryable(), "{sent:?}");
+        let sent = RdzvError::from(Status::new(Code::Internal, "storage failed"));
+        assert!(!sent.is_retryable(), "{sent:?}");
+        let mut broken = Status::new(Code::Internal, "h2 protocol error: stream reset");
+        broken.set_source(std::sync::Arc::new(std::io::Error::from(std::io::ErrorKind::ConnectionReset)));
+        assert!(RdzvError::from(broken).is_retryable());
+        assert!(RdzvError::from(Status::new(Code::Unavailable, "")).is_retryable());
+        let long = Status::from(RdzvError::FailedPrecondition("\u{fffd}".repeat(10_000)));
+        assert!(long.message().len() <= MAX_STATUS_MESSAGE + 3 && long.message().ends_with("..."), "{}", long.message().len());
     }
 }
