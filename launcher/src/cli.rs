@@ -26,6 +26,8 @@ use clap::{CommandFactory, FromArgMatches, Parser};
     version,
     about = "Launch and supervise distributed training workers (torchrun-compatible)",
     infer_long_args = true,
+    // `--max-restarts -1` is a value to refuse by name, not an unknown option `-1`.
+    allow_negative_numbers = true,
     max_term_width = 100
 )]
 pub struct LaunchArgs {
@@ -399,8 +401,10 @@ pub struct LaunchArgs {
     /// executable path or a name on PATH (run directly). The arguments are passed as torchrun
     /// passes them (`${local_rank}` and `$local_rank` substituted); rsrun options after PROGRAM
     /// belong to PROGRAM.
-    #[arg(value_name = "PROGRAM [ARGS]", required = true, num_args = 1.., trailing_var_arg = true,
-          allow_hyphen_values = true)]
+    // (No `allow_hyphen_values`: with it, clap took a short option with its value attached,
+    // `-t3` or `-r0:1` as torchrun's argparse reads them, for PROGRAM; `trailing_var_arg` alone
+    // keeps everything after PROGRAM as it is, `--help` and `--` included.)
+    #[arg(value_name = "PROGRAM [ARGS]", required = true, num_args = 1.., trailing_var_arg = true)]
     pub command: Vec<String>,
 
     /// Where each option's value came from (filled by [`LaunchArgs::parse_with_origins`]).

@@ -261,8 +261,11 @@ fn trailing_args_go_to_the_program() {
     let a = parse(&["--nproc-per-node", "2", "prog", "--nproc-per-node", "7", "-m"]);
     assert_eq!(a.program(), "prog");
     assert_eq!(a.program_args(), ["--nproc-per-node", "7", "-m"]);
-    let e = LaunchPlan::resolve(&parse(&["--bogus", "prog"]), &host()).unwrap_err().to_string();
-    assert!(e.contains("unknown option '--bogus'"), "{e}");
+    let e = LaunchArgs::try_parse_with_origins_from(["rsrun", "--bogus", "prog"]).unwrap_err().to_string();
+    assert!(e.contains("unexpected argument '--bogus'"), "{e}");
+    // Short options with their value attached, as torchrun's argparse reads them.
+    let a = parse(&["-t3", "-r0:1", "prog", "-t3"]);
+    assert_eq!((a.tee.as_deref(), a.redirects.as_deref(), a.program(), a.program_args()), (Some("3"), Some("0:1"), "prog", &["-t3".to_owned()][..]));
 }
 
 #[test]

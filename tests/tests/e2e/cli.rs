@@ -26,7 +26,7 @@ fn bad_input_exits_2_with_a_clear_message() {
     expect_usage_error(&["no-such-program-xyz"], "program 'no-such-program-xyz' not found");
     expect_usage_error(&["missing.py"], "program 'missing.py' not found");
     expect_usage_error(&["--max-restarts", "-1", "true"], "--max-restarts");
-    expect_usage_error(&["--bogus-flag", "true"], "unknown option '--bogus-flag'");
+    expect_usage_error(&["--bogus-flag", "true"], "unexpected argument '--bogus-flag'");
 }
 
 #[test]
