@@ -42,11 +42,23 @@ impl RoundStores {
         RoundStores { limits, fallback, interfaces: HashMap::new(), running: HashMap::new(), cancel }
     }
 
-    /// Records the local address a node of `job` reached the service on (the first one counts).
+    /// Records the local address a node of `job` reached the service on (the first one counts,
+    /// except that a loopback address gives way to the first other one: a node on the daemon's
+    /// own host that joined through `localhost` first made every worker's MASTER_ADDR 127.0.0.1,
+    /// which the other hosts' workers cannot reach).
     pub(crate) fn note_interface(&mut self, job: &str, ip: IpAddr) {
         let ip = ip.to_canonical();
-        if !ip.is_unspecified() && !self.interfaces.contains_key(job) {
-            self.interfaces.insert(job.to_owned(), ip);
+        if ip.is_unspecified() {
+            return;
+        }
+        match self.interfaces.get(job) {
+            None => {
+                self.interfaces.insert(job.to_owned(), ip);
+            }
+            Some(old) if old.is_loopback() && !ip.is_loopback() => {
+                self.interfaces.insert(job.to_owned(), ip);
+            }
+            Some(_) => {}
         }
     }
 
@@ -100,13 +112,40 @@ impl RoundStores {
         }
     }
 
-    /// Stops every store (a leader stepping down: the new leader serves the rounds' stores).
+    /// Stops every store and forgets the jobs' interfaces (a leader stepping down: the new
+    /// leader serves the rounds' stores; jobs removed meanwhile must not leave theirs behind).
     pub(crate) fn clear(&mut self) {
         self.running.clear();
+        self.interfaces.clear();
     }
 
     /// The store serving `round` of `job`, if any.
     pub(crate) fn endpoint(&self, job: &str, round: u64) -> Option<SocketAddr> {
         self.running.get(job).filter(|(r, _)| *r == round).and_then(|(_, s)| s.as_ref()).map(TcpStoreServer::local_addr)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The first node's address counts, but a loopback one gives way to the first other one (a
+    /// node on the daemon's host joined through localhost first); a job's entry goes when the
+    /// leader steps down.
+    #[test]
+    fn a_loopback_interface_gives_way_to_a_reachable_one() {
+        let mut s = RoundStores::new(TcpStoreLimits::default(), None, CancellationToken::new());
+        let (lo, net, other): (IpAddr, IpAddr, IpAddr) =
+            ("127.0.0.1".parse().unwrap(), "10.0.0.5".parse().unwrap(), "10.0.0.6".parse().unwrap());
+        s.note_interface("j", lo);
+        assert_eq!(s.interfaces.get("j"), Some(&lo), "alone on one host, loopback serves");
+        s.note_interface("j", net);
+        s.note_interface("j", other);
+        s.note_interface("j", lo);
+        assert_eq!(s.interfaces.get("j"), Some(&net));
+        s.note_interface("k", "0.0.0.0".parse().unwrap());
+        assert_eq!(s.n_interfaces(), 1);
+        s.clear();
+        assert_eq!(s.n_interfaces(), 0);
     }
 }

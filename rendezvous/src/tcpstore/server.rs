@@ -557,7 +557,10 @@ impl EventLoop {
             .collect();
         holders.sort_unstable_by(|a, b| b.cmp(a));
         let total = self.buffered;
-        let mut left = total;
+        // What connections already closing hold goes with them (counted off when they close):
+        // not a reason to close another one.
+        let going: usize = self.conns.iter().flatten().filter(|c| c.closing).map(|c| c.accounted).sum();
+        let mut left = total.saturating_sub(going);
         for (bytes, slot) in holders {
             if left <= max {
                 break;
