@@ -59,6 +59,10 @@ if [[ -n ${RSRUN_BENCH_CPUS:-} ]]; then
   fi
 fi
 export OMP_NUM_THREADS=1 RAYON_NUM_THREADS=1 STEPS=$steps
+# The reference GPT's shape, batch and threads, as engine-bench runs it (GptConfig::reference,
+# --batch 8, one thread): set here, so that a D, B or THREADS in the caller's environment cannot
+# give torch another workload (its params= is checked against ours below too).
+export D=256 L=4 H=4 T=128 B=8 THREADS=1
 # The workload is CPU-only on both sides: on a GPU host torch's FSDP2 would build its device mesh
 # on CUDA and fail under gloo.
 export CUDA_VISIBLE_DEVICES=
@@ -154,6 +158,15 @@ for ((round = 1; round <= rounds; round++)); do
 done
 o_single=${best[o_single]} o_pair=${best[o_pair]} o_ddp=${best[o_ddp]} o_z3=${best[o_z3]}
 t_single=${best[t_single]} t_ddp=${best[t_ddp]} t_fsdp=${best[t_fsdp]}
+# The same model on both sides, or no ratio at all.
+our_params=$(grep -m1 '^params=' "$log" | sed -n 's/^params=\([0-9]*\).*/\1/p')
+for line in "$t_single" "$t_ddp" "$t_fsdp"; do
+  their_params=$(echo "$line" | field params)
+  if [[ -n $their_params && $their_params != "$our_params" ]]; then
+    echo "bench-vs-torch: torch ran a model of $their_params parameters, engine-bench one of ${our_params:-?}: not the same workload" >&2
+    exit 1
+  fi
+done
 
 ratio() { python3 -c "import sys; a, b = sys.argv[1:]; print('n/a' if 'n/a' in (a, b) or not a or not b else f'{float(a)/float(b):.2f}')" "$1" "$2"; }
 grep -m1 '^machine:' "$log"
@@ -167,10 +180,18 @@ ddp_wait=$(echo "$o_ddp" | field comm_wait_frac)
 ddp_cpu=$(echo "$o_ddp" | field comm_thread_cpu_frac)
 echo "rsrun: single mfu=$(echo "$o_single" | field mfu) ddp speedup=$(ratio "$(tok "$o_ddp")" "$(tok "$o_single")") (two single processes at once: $(ratio "$(tok "$o_pair")" "$(tok "$o_single")"), DDP $(ratio "$(tok "$o_ddp")" "$(tok "$o_pair")") of them; DDP's step waits ${ddp_wait:-n/a} of its time in collectives, its communication thread runs ${ddp_cpu:-n/a} of a core) zero3/ddp=$(ratio "$(tok "$o_z3")" "$(tok "$o_ddp")"); torch: ddp speedup=$(ratio "$(tok "$t_ddp")" "$(tok "$t_single")")"
 
-coll=$("${PIN[@]}" "$BIN/collectives-bench" --spawn 2 --sizes 1024,67108864 2>&1)
+coll=$("${PIN[@]}" "$BIN/collectives-bench" --spawn 2 --sizes 1024,67108864 2>&1) || {
+  echo "bench-vs-torch: collectives-bench failed:" >&2
+  echo "$coll" | tail -n 20 >&2
+  exit 1
+}
 echo "$coll" | grep -E '^(limits|bound):'
 gloo=$(SIZES=1024,67108864 "${PIN[@]}" "${TORCHRUN[@]}" --standalone --nproc-per-node 2 "$GLOO" 2>&1 | grep -E "world=" || true)
-[[ -n $gloo ]] && echo "gloo (same run):" && echo "$gloo"
+if [[ -n $gloo ]]; then
+  echo "gloo (same run):" && echo "$gloo"
+else
+  echo "gloo (same run): failed or unavailable: not measured"
+fi
 
 cpu=$(grep -m1 '^machine:' "$log" | sed -n 's/.*cpu="\([^"]*\)".*/\1/p' | tr ' ' '_')
 level=$(grep -m1 '^machine:' "$log" | field isa)

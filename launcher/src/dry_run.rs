@@ -7,6 +7,9 @@ use crate::env::{RoundAssignment, worker_env};
 use crate::multinode::{HostTable, LaunchMode, Slots};
 use crate::plan::{GpuBind, HostMode, LaunchPlan, RdzvPlan};
 
+/// The number of a run's first round.
+const FIRST_ROUND: u64 = 1;
+
 /// Renders the plan. For elastic backends, ranks are only known once the round forms; the text shows
 /// this node as node rank `--node-rank` (or 0) of MAX nodes and says so.
 pub fn render(plan: &LaunchPlan) -> String {
@@ -122,7 +125,7 @@ pub fn render(plan: &LaunchPlan) -> String {
     match &plan.logs.dir {
         Some(d) => {
             // The same path the run takes (the job id made a safe path component).
-            let attempt = plan.logs.attempt_dir(&plan.job_id, 0).unwrap_or_else(|| d.clone());
+            let attempt = plan.logs.attempt_dir(&plan.job_id, FIRST_ROUND).unwrap_or_else(|| d.clone());
             let job_dir = attempt.parent().unwrap_or(d.as_path());
             let _ = writeln!(s, "logs         : {}/attempt_<round>/<rank>/{{stdout,stderr}}.log", job_dir.display());
         }
@@ -134,8 +137,10 @@ pub fn render(plan: &LaunchPlan) -> String {
     for n in &plan.notes {
         let _ = writeln!(s, "note         : {n}");
     }
+    // The first round is round 1 (the rendezvous counts from 1; a static or standalone run too):
+    // its variables and its attempt directory as the run will have them.
     let a = RoundAssignment {
-        round: 0,
+        round: FIRST_ROUND,
         node_rank,
         num_nodes,
         rank_offset: node_rank * nproc,
@@ -157,7 +162,7 @@ pub fn render(plan: &LaunchPlan) -> String {
     };
     for local_rank in 0..nproc {
         let rank = a.rank(local_rank);
-        let error_file = plan.logs.worker_dir(&plan.job_id, 0, rank).map(|d| d.join("error.json"));
+        let error_file = plan.logs.worker_dir(&plan.job_id, FIRST_ROUND, rank).map(|d| d.join("error.json"));
         let _ = writeln!(s);
         match &plan.task_ranks {
             Some(t) => {

@@ -10,6 +10,9 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 /// Whether `ip` is loopback or assigned to one of this machine's interfaces. Where the interfaces
 /// cannot be listed, whether a socket binds to it.
 pub fn is_own_address(ip: IpAddr) -> bool {
+    // `::ffff:10.0.0.5` (a dual-stack socket's view, a literal endpoint) is the IPv4 address the
+    // interfaces list.
+    let ip = ip.to_canonical();
     if ip.is_loopback() {
         return true;
     }
@@ -62,6 +65,8 @@ mod tests {
         assert!(is_own_address("127.0.0.1".parse().unwrap()));
         assert!(is_own_address("127.0.0.2".parse().unwrap()));
         assert!(is_own_address("::1".parse().unwrap()));
+        assert!(is_own_address("::ffff:127.0.0.1".parse().unwrap()), "an IPv4-mapped loopback");
+        assert!(!is_own_address("::ffff:192.0.2.7".parse().unwrap()));
         let own = interface_addresses().expect("getifaddrs");
         assert!(own.iter().any(|a| a.is_loopback()), "{own:?}");
         for a in &own {

@@ -648,10 +648,14 @@ fn performance_against_pytorch() {
         "ddp_speedup",
         "pair_speedup",
         "ddp_frac_of_pair",
+        "zero3_vs_ddp",
+        "fsdp_tok_ratio_vs_torch",
         "mfu",
     ] {
-        assert!(number(engine, key) > 0.0, "{engine}");
+        assert!(number(engine, key) > 0.0, "{key}: {engine}");
     }
+    // The collectives' anchor ran too (a gloo failure is said, not a missing section).
+    assert!(all.contains("gloo (same run):\nallreduce world=2"), "{all}");
     assert!(engine.contains(" cpu=") && engine.contains(" isa="), "{engine}");
     // Where DDP's step goes: shares of it, waiting in collectives and on the communication thread.
     for key in ["ddp_comm_wait_frac", "ddp_comm_thread_cpu_frac"] {
@@ -847,6 +851,15 @@ fn launch_and_rendezvous_benchmarks() {
     assert!(number(launch, "launch_ms") > 0.0 && number(launch, "peak_rss_mib") > 0.0, "{launch}");
     let nodes = lines.iter().find(|l| l.starts_with("summary: nodes=8 ")).unwrap_or_else(|| panic!("{lines:?}"));
     assert!(number(nodes, "all_done_ms") > 0.0, "{nodes}");
+    // torchrun, the anchor, in the same run where the test has a Python with torch.
+    if std::env::var_os("RSRUN_TEST_PYTHON").is_some() {
+        for key in ["torchrun_launch_ms", "torchrun_peak_rss_mib", "torchrun_over_rsrun"] {
+            assert!(number(launch, key) > 0.0, "{key}: {launch}");
+        }
+        assert!(number(nodes, "torchrun_all_done_ms") > 0.0, "{nodes}");
+    } else {
+        assert!(launch.contains("torchrun_launch_ms=na"), "{launch}");
+    }
     // 256 agents instead of 10,000.
     let out = run_all(vec![shell(&workspace(), &readme(RDZV_BENCH).replace("10000", "256"))], RUN_DEADLINE).remove(0);
     let line = summaries(&out).pop().unwrap();
