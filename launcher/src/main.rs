@@ -105,6 +105,7 @@ fn exec_under_srun(srun: &[String]) -> ExitCode {
 fn launch(plan: LaunchPlan) -> anyhow::Result<i32> {
     // SAFETY: no thread has been started yet (tracing's subscriber starts none): the runtime and the
     // console thread are created below.
+    rsrun_launcher::worker::become_subreaper();
     let guardian = match unsafe { Guardian::start() } {
         Ok(g) => Some(Arc::new(g)),
         Err(err) => {
@@ -312,7 +313,8 @@ fn agent_main() -> ExitCode {
     let service_gone = if rdzv_in_head { Some(head_gone.clone()) } else { None };
     let run = move || -> anyhow::Result<rsrun_launcher::Outcome> {
         // SAFETY: still no other thread.
-        let guardian = match unsafe { Guardian::start() } {
+        rsrun_launcher::worker::become_subreaper();
+    let guardian = match unsafe { Guardian::start() } {
             Ok(g) => Some(Arc::new(g)),
             Err(err) => {
                 tracing::warn!(%err, "no guardian process: workers are still covered by PDEATHSIG");

@@ -686,6 +686,13 @@ impl<'a> Group<'a> {
         for s in &mut self.slots {
             s.process.signal_group(Signal::SIGKILL);
         }
+        // What the workers started outside their groups (`setsid`, a daemon's double fork) and
+        // left behind: rsrun adopted it (its subreaper), and it goes too.
+        let workers: Vec<i32> = self.slots.iter().filter(|s| s.exited.is_none()).map(|s| s.process.pid()).collect();
+        let killed = crate::worker::kill_adopted(self.ctx.guardian.map_or(0, Guardian::pid), &workers);
+        if !killed.is_empty() {
+            warn!(pids = ?killed, "the workers left processes outside their process groups (setsid, a daemon): killed");
+        }
     }
 
     /// The failure list: the root cause first, then the other failed or stopped workers. `causes` is

@@ -141,11 +141,88 @@ pub fn any_group_running(pgids: &[i32]) -> bool {
 /// The state and process group of a `/proc/<pid>/stat` line (`pid (comm) state ppid pgrp ...`;
 /// `comm` may hold spaces and parentheses, so the fields start after the last `)`).
 pub(crate) fn stat_state_and_group(stat: &str) -> Option<(char, i32)> {
+    stat_fields(stat).map(|(state, _, pgrp)| (state, pgrp))
+}
+
+/// The state, parent and process group of a `/proc/<pid>/stat` line.
+fn stat_fields(stat: &str) -> Option<(char, i32, i32)> {
     let rest = &stat[stat.rfind(')')? + 1..];
     let mut f = rest.split_ascii_whitespace();
     let state = f.next()?.chars().next()?;
-    let _ppid = f.next()?;
-    Some((state, f.next()?.parse().ok()?))
+    let ppid = f.next()?.parse().ok()?;
+    Some((state, ppid, f.next()?.parse().ok()?))
+}
+
+/// Makes rsrun the subreaper of everything its workers start: a process that leaves its worker's
+/// process group (`setsid`, Python's `start_new_session=True`, a daemon's double fork) and outlives
+/// its parent becomes rsrun's child instead of init's, so that [`kill_adopted`] finds it. Call it
+/// before any worker starts.
+pub fn become_subreaper() {
+    // SAFETY: a plain prctl on this process.
+    if unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) } != 0 {
+        tracing::debug!(err = %io::Error::last_os_error(), "PR_SET_CHILD_SUBREAPER refused: processes that leave their worker's group are not followed");
+        return;
+    }
+    SUBREAPER.store(true, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// Set once [`become_subreaper`] succeeded: only then are rsrun's other children its adoptions (a
+/// test process runs other tests' workers as its children too).
+static SUBREAPER: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Kills what rsrun adopted (see [`become_subreaper`]): its children that are no worker (a worker
+/// is only ever signalled as its group), not the guardian (`guardian`, 0 for none) and not in
+/// rsrun's own process group (what rsrun itself runs: `scontrol`); their groups with them (a
+/// `setsid` process leads its own). Reaps those that died. Returns the pids killed.
+pub fn kill_adopted(guardian: i32, workers: &[i32]) -> Vec<i32> {
+    if !SUBREAPER.load(std::sync::atomic::Ordering::Relaxed) {
+        return Vec::new();
+    }
+    let me = std::process::id() as i32;
+    // SAFETY: getpgrp cannot fail.
+    let own_group = unsafe { libc::getpgrp() };
+    let Ok(dir) = std::fs::read_dir("/proc") else { return Vec::new() };
+    let mut adopted = Vec::new();
+    for e in dir.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else { continue };
+        if pid == guardian || workers.contains(&pid) {
+            continue;
+        }
+        // A process may exit between the listing and the read.
+        let Ok(stat) = std::fs::read_to_string(e.path().join("stat")) else { continue };
+        if let Some((state, ppid, pgrp)) = stat_fields(&stat)
+            && ppid == me
+            && pgrp != own_group
+        {
+            adopted.push((pid, pgrp, state));
+        }
+    }
+    let mut killed = Vec::new();
+    for &(pid, pgrp, state) in &adopted {
+        if !matches!(state, 'Z' | 'X') {
+            // SAFETY: plain kill(2) of a process that is our child (it cannot be reaped, and its
+            // pid reused, before we wait for it below).
+            unsafe {
+                if pgrp > 1 {
+                    libc::kill(-pgrp, libc::SIGKILL);
+                }
+                libc::kill(pid, libc::SIGKILL);
+            }
+            killed.push(pid);
+        }
+    }
+    // Reap them (an adopted process is nobody else's to wait for); a moment at most.
+    for &(pid, _, _) in &adopted {
+        for _ in 0..50 {
+            // SAFETY: waitpid of a child of ours, without blocking.
+            let r = unsafe { libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) };
+            if r != 0 {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+    }
+    killed
 }
 
 impl Drop for WorkerProcess {
@@ -253,6 +330,9 @@ pub fn spawn(spec: SpawnSpec<'_>) -> io::Result<Spawned> {
 #[derive(Debug)]
 pub struct Guardian {
     pipe: Mutex<std::fs::File>,
+    /// The guardian's pid (0 for none: tests' recording guardian): a child of rsrun that
+    /// [`kill_adopted`] leaves alone.
+    pid: i32,
 }
 
 impl Guardian {
@@ -276,9 +356,9 @@ impl Guardian {
                 drop(write_end);
                 guardian_main(read_end)
             }
-            _ => {
+            pid => {
                 drop(read_end);
-                Ok(Guardian { pipe: Mutex::new(std::fs::File::from(write_end)) })
+                Ok(Guardian { pipe: Mutex::new(std::fs::File::from(write_end)), pid })
             }
         }
     }
@@ -286,7 +366,12 @@ impl Guardian {
     /// A guardian that only records what it is told into `file` (tests: no process is forked).
     #[cfg(test)]
     pub(crate) fn recording(file: std::fs::File) -> Guardian {
-        Guardian { pipe: Mutex::new(file) }
+        Guardian { pipe: Mutex::new(file), pid: 0 }
+    }
+
+    /// The guardian process's pid (0 for a recording one).
+    pub fn pid(&self) -> i32 {
+        self.pid
     }
 
     /// Another handle on the same guardian (its own descriptor of the pipe), for a thread that
@@ -296,7 +381,7 @@ impl Guardian {
     /// The descriptor could not be duplicated.
     pub fn try_clone(&self) -> io::Result<Guardian> {
         let pipe = self.pipe.lock().unwrap_or_else(|e| e.into_inner());
-        Ok(Guardian { pipe: Mutex::new(pipe.try_clone()?) })
+        Ok(Guardian { pipe: Mutex::new(pipe.try_clone()?), pid: self.pid })
     }
 
     /// Adds a process group to kill if rsrun dies.

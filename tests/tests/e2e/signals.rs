@@ -24,6 +24,29 @@ fn sigterm_is_forwarded_then_rsrun_exits_143() {
     }
 }
 
+/// A process a worker started outside its process group (`setsid`, Python's
+/// `start_new_session=True`, a daemon) is not left running when the job ends, whether it succeeds
+/// or fails: rsrun, its subreaper, adopted it when its parent exited.
+#[test]
+fn what_workers_start_in_a_session_of_their_own_does_not_outlive_the_job() {
+    for (exit, want) in [("0", 0), ("3", 3)] {
+        let dir = tempfile::tempdir().unwrap();
+        let script = format!("setsid sleep 37 & echo $! >> pids; exit {exit}");
+        let out = rsrun_tests::run(rsrun(dir.path()).args(["--nproc-per-node", "2", "--shutdown-timeout", "1", "sh", "-c", &script]));
+        assert_eq!(code(&out.status), want, "{}", text(&out));
+        let escaped = read_pids(&dir.path().join("pids"));
+        // (A failing rank may get the other stopped before it started its own.)
+        assert!(!escaped.is_empty() && escaped.len() <= 2, "{escaped:?}: {}", text(&out));
+        let gone = wait_until(Duration::from_secs(3), || escaped.iter().all(|&p| !alive(p)));
+        for &p in &escaped {
+            if alive(p) {
+                nix_kill(p, libc::SIGKILL);
+            }
+        }
+        assert!(gone, "exit {exit}: processes in sessions of their own outlived the job: {escaped:?}\n{}", text(&out));
+    }
+}
+
 #[test]
 fn workers_ignoring_sigterm_are_killed_after_the_grace() {
     let dir = tempfile::tempdir().unwrap();
