@@ -43,6 +43,9 @@ impl fmt::Display for SignalAction {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SignalPolicy {
     actions: BTreeMap<i32, (Signal, SignalAction)>,
+    /// Signals the user named (`--signals-to-handle`, `--signal-policy`): handled even when rsrun
+    /// started with them ignored.
+    given: Vec<i32>,
 }
 
 impl SignalPolicy {
@@ -55,7 +58,7 @@ impl SignalPolicy {
         for sig in [Signal::SIGUSR1, Signal::SIGUSR2] {
             actions.insert(sig as i32, (sig, SignalAction::Forward));
         }
-        SignalPolicy { actions }
+        SignalPolicy { actions, given: Vec::new() }
     }
 
     /// torchrun's `--signals-to-handle`: the listed signals stop the job. SIGUSR1/2 keep the default
@@ -67,6 +70,7 @@ impl SignalPolicy {
         for name in list.split(',').map(str::trim).filter(|s| !s.is_empty()) {
             let sig = parse_signal(name)?;
             self.actions.insert(sig as i32, (sig, SignalAction::Stop));
+            self.given.push(sig as i32);
         }
         Ok(self)
     }
@@ -95,6 +99,7 @@ impl SignalPolicy {
             }
             seen.push(sig);
             self.actions.insert(sig as i32, (sig, action));
+            self.given.push(sig as i32);
         }
         Ok(self)
     }
@@ -174,6 +179,15 @@ impl SignalInjector {
     }
 }
 
+/// Whether `sig`'s disposition is `SIG_IGN` now (as inherited, before rsrun installs handlers).
+fn ignored_at_start(sig: Signal) -> bool {
+    // SAFETY: sigaction with a null new action only reads the current one into `old`.
+    unsafe {
+        let mut old: libc::sigaction = std::mem::zeroed();
+        libc::sigaction(sig as i32, std::ptr::null(), &mut old) == 0 && old.sa_sigaction == libc::SIG_IGN
+    }
+}
+
 impl Signals {
     /// Installs handlers for every signal in `policy`. Must run inside a tokio runtime.
     ///
@@ -182,6 +196,13 @@ impl Signals {
     pub fn install(policy: &SignalPolicy) -> std::io::Result<Self> {
         let (tx, rx) = mpsc::unbounded_channel();
         for (sig, action) in policy.entries() {
+            // A signal rsrun started with ignored (`nohup rsrun ...`, `trap '' HUP`) stays ignored
+            // unless the user named it, as POSIX shells keep it: a logout's SIGHUP tore down a
+            // nohup'd run.
+            if !policy.given.contains(&(sig as i32)) && ignored_at_start(sig) {
+                tracing::info!(signal = %sig, "ignored when rsrun started (nohup?): it stays ignored");
+                continue;
+            }
             let mut stream = signal(SignalKind::from_raw(sig as i32))?;
             let tx = tx.clone();
             // Ends when the receiver is dropped (the send fails) or the runtime shuts down.

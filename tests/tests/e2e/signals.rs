@@ -47,6 +47,39 @@ fn what_workers_start_in_a_session_of_their_own_does_not_outlive_the_job() {
     }
 }
 
+/// `nohup rsrun ...`: a SIGHUP that rsrun started with ignored stays ignored (a logout's SIGHUP
+/// tore the run down); SIGTERM still stops it. Named in --signal-policy, it is handled again.
+#[test]
+fn a_signal_ignored_at_start_stays_ignored_unless_named() {
+    use std::os::unix::process::CommandExt;
+    for (policy, hup_stops) in [(None, false), (Some("SIGHUP=stop"), true)] {
+        let dir = tempfile::tempdir().unwrap();
+        let script = "echo $$ >> pids; i=0; while [ $i -lt 600 ]; do sleep 0.05; i=$((i+1)); done";
+        let mut cmd = rsrun(dir.path());
+        if let Some(p) = policy {
+            cmd.args(["--signal-policy", p]);
+        }
+        cmd.args(["--nproc-per-node", "1", "sh", "-c", script]);
+        // SAFETY: signal(2) between fork and exec, as nohup does.
+        unsafe {
+            cmd.pre_exec(|| {
+                libc::signal(libc::SIGHUP, libc::SIG_IGN);
+                Ok(())
+            });
+        }
+        let child = KillOnDrop::spawn(&mut cmd);
+        assert!(wait_until(Duration::from_secs(20), || read_pids(&dir.path().join("pids")).len() == 1), "the worker did not start");
+        nix_kill(child.pid(), libc::SIGHUP);
+        std::thread::sleep(Duration::from_millis(500));
+        if !hup_stops {
+            assert!(alive(child.pid()), "SIGHUP stopped a run that started with it ignored");
+            nix_kill(child.pid(), libc::SIGTERM);
+        }
+        let out = child.output_within(Duration::from_secs(30));
+        assert_eq!(code(&out.status), if hup_stops { 129 } else { 143 }, "{policy:?}: {}", text(&out));
+    }
+}
+
 #[test]
 fn workers_ignoring_sigterm_are_killed_after_the_grace() {
     let dir = tempfile::tempdir().unwrap();
