@@ -84,11 +84,16 @@ impl Requeuer {
         let run_ended = CancellationToken::new();
         let ended = run_ended.clone();
         let requeue = requeue.clone();
+        let policy = policy.clone();
         let task = tokio::spawn(async move {
+            // The notice and when it came; the grace counts only from a stop signal: a forwarded
+            // one (`--signal=USR1@300`, the workers checkpoint and go on) requeues when the run
+            // ends, not `grace` after the warning, minutes before the time limit it was for.
             let mut preempted: Option<(Signal, Instant)> = None;
+            let mut stop_at: Option<Instant> = None;
             loop {
-                let at = preempted.map(|(_, t)| t);
-                if due(at, ended.is_cancelled(), Instant::now(), grace) {
+                let ran_out = stop_at.is_some_and(|t| due(Some(t), false, Instant::now(), grace));
+                if preempted.is_some() && (ended.is_cancelled() || ran_out) {
                     let (sig, _) = preempted.unwrap_or((Signal::SIGTERM, Instant::now()));
                     run_scontrol(&requeue, sig, &console).await;
                     return;
@@ -103,6 +108,9 @@ impl Requeuer {
                                 info!(signal = %sig, job = %requeue.job, "preemption notice: the job is requeued once the workers exit");
                                 preempted = Some((sig, Instant::now()));
                             }
+                            if stop_at.is_none() && policy.action(sig) == Some(SignalAction::Stop) {
+                                stop_at = Some(Instant::now());
+                            }
                         }
                         None => {
                             // No signal stream is left: wait for the end of the run.
@@ -110,7 +118,7 @@ impl Requeuer {
                         }
                     },
                     _ = ended.cancelled() => {}
-                    _ = tokio::time::sleep_until(at.map_or_else(|| Instant::now() + Duration::from_secs(86_400), |t| t + grace)), if at.is_some() => {}
+                    _ = tokio::time::sleep_until(stop_at.map_or_else(|| Instant::now() + Duration::from_secs(86_400), |t| t + grace)), if stop_at.is_some() => {}
                 }
             }
         });
