@@ -24,6 +24,10 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 
 fn main() -> ExitCode {
+    // First of all, while single-threaded: no descriptor rsrun inherited reaches a worker, an
+    // agent or scontrol (the workers' close_range(CLOEXEC) needs Linux 5.11; RHEL 8 and Ubuntu
+    // 20.04 run older kernels, where it failed and every inherited descriptor leaked).
+    rsrun_launcher::worker::close_inherited_on_exec();
     let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
     if argv.len() == 3 && argv[1] == AGENT_ARGS[0] && argv[2] == AGENT_ARGS[1] {
         // A node agent reports through the head: a bad RSRUN_LOG there costs its logs, not the job.

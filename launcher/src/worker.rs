@@ -11,7 +11,8 @@
 //! - optionally gets a datagram socket for progress reports (`RSRUN_PROGRESS_FD`) and a CPU affinity;
 //! - inherits no other descriptor: whatever rsrun itself inherited without `FD_CLOEXEC` (a
 //!   scheduler's pipe, a shell's redirection) is closed at exec (`close_range(3, ~0,
-//!   CLOSE_RANGE_CLOEXEC)`; on kernels without it, before 5.11, they still leak).
+//!   CLOSE_RANGE_CLOEXEC)`, and on kernels without it, before 5.11, [`close_inherited_on_exec`]
+//!   at rsrun's start).
 //!
 //! Grandchildren that outlive their worker would escape PDEATHSIG; the [`Guardian`] covers them: a
 //! small process forked at startup, in its own session, that holds the read end of a pipe from rsrun.
@@ -151,6 +152,22 @@ fn stat_fields(stat: &str) -> Option<(char, i32, i32)> {
     let state = f.next()?.chars().next()?;
     let ppid = f.next()?.parse().ok()?;
     Some((state, ppid, f.next()?.parse().ok()?))
+}
+
+/// Marks every descriptor rsrun inherited above stderr close-on-exec (call it first in `main`).
+pub fn close_inherited_on_exec() {
+    let Ok(dir) = std::fs::read_dir("/proc/self/fd") else { return };
+    // Collected first: the listing itself holds a descriptor.
+    let fds: Vec<i32> = dir.flatten().filter_map(|e| e.file_name().to_str().and_then(|n| n.parse().ok())).filter(|fd| *fd > 2).collect();
+    for fd in fds {
+        // SAFETY: fcntl on a descriptor number; one that is gone (the listing's own) fails harmlessly.
+        unsafe {
+            let flags = libc::fcntl(fd, libc::F_GETFD);
+            if flags >= 0 && flags & libc::FD_CLOEXEC == 0 {
+                libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC);
+            }
+        }
+    }
 }
 
 /// Makes rsrun the subreaper of everything its workers start: a process that leaves its worker's

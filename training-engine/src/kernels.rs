@@ -21,6 +21,15 @@ fn contiguous<'a>(s: &'a CpuStorage, l: &Layout, op: &str) -> candle_core::Resul
     }
 }
 
+/// Rows of 0 elements are refused by name (the kernels walk rows with `chunks_exact`, which
+/// panics on a length of 0).
+fn no_empty_rows(y: &Tensor, op: &str) -> candle_core::Result<()> {
+    if y.dims().last() == Some(&0) {
+        return Err(candle_core::Error::Msg(format!("{op}: rows of 0 elements ({:?})", y.dims())));
+    }
+    Ok(())
+}
+
 /// The contiguous rows `y` (`[.., o]`) and bias `b` (`[o]`) of a bias op, checked to fit.
 fn rows_and_bias<'a>(
     s1: &'a CpuStorage,
@@ -48,6 +57,9 @@ fn rows_and_bias<'a>(
 /// Candle errors (shapes).
 pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f32) -> candle_core::Result<Tensor> {
     let d = x.dims().last().copied().unwrap_or(1);
+    if d == 0 {
+        return Err(candle_core::Error::Msg(format!("layer norm over rows of 0 elements ({:?})", x.dims())));
+    }
     if w.elem_count() != d || b.elem_count() != d {
         return Err(candle_core::Error::Msg(format!(
             "layer norm over rows of {d}: weight of {} and bias of {} elements",
@@ -196,8 +208,8 @@ pub fn causal_softmax(att: &Tensor) -> candle_core::Result<Tensor> {
 pub fn causal_softmax_scaled(att: &Tensor, scale: f32) -> candle_core::Result<Tensor> {
     // The mask is the lower triangle of square T×T blocks: row r of a block sees r + 1 columns.
     let dims = att.dims();
-    if dims.len() < 2 || dims[dims.len() - 1] != dims[dims.len() - 2] {
-        return Err(candle_core::Error::Msg(format!("causal softmax of scores {dims:?}: the last two dimensions must be equal (T×T)")));
+    if dims.len() < 2 || dims[dims.len() - 1] != dims[dims.len() - 2] || dims[dims.len() - 1] == 0 {
+        return Err(candle_core::Error::Msg(format!("causal softmax of scores {dims:?}: the last two dimensions must be equal (T×T), T at least 1")));
     }
     if att.dtype() != DType::F32 {
         let y = causal_softmax_scaled(&att.to_dtype(DType::F32)?, scale)?;
@@ -403,6 +415,7 @@ fn colsum_into(dy: &[f32], o: usize, db: &mut [f32]) {
 /// # Errors
 /// Candle errors (shapes).
 pub fn bias_add(y: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    no_empty_rows(y, "bias add")?;
     if y.dtype() != DType::F32 || b.dtype() != DType::F32 {
         return y.broadcast_add(b);
     }
@@ -471,6 +484,7 @@ impl CustomOp1 for ColSum {
 /// # Errors
 /// Candle errors (shapes).
 pub fn bias_gelu(y: &Tensor, b: &Tensor) -> candle_core::Result<Tensor> {
+    no_empty_rows(y, "bias gelu")?;
     if y.dtype() != DType::F32 || b.dtype() != DType::F32 {
         return y.broadcast_add(b)?.gelu_erf();
     }
@@ -846,5 +860,16 @@ mod tests {
         assert!(e.contains("[2, 4, 5]") && e.contains("T×T"), "{e}");
         let square = Tensor::zeros((2, 4, 4), DType::F32, &dev).unwrap();
         assert_eq!(super::causal_softmax(&square).unwrap().dims(), &[2, 4, 4]);
+        // Rows of 0 elements: named, not a chunks_exact(0) panic.
+        let empty = Tensor::zeros((3, 0), DType::F32, &dev).unwrap();
+        let none = Tensor::zeros(0, DType::F32, &dev).unwrap();
+        for e in [
+            super::layer_norm(&empty, &none, &none, 1e-5).unwrap_err().to_string(),
+            super::bias_add(&empty, &none).unwrap_err().to_string(),
+            super::bias_gelu(&empty, &none).unwrap_err().to_string(),
+            super::causal_softmax(&Tensor::zeros((2, 0, 0), DType::F32, &dev).unwrap()).unwrap_err().to_string(),
+        ] {
+            assert!(e.contains("0 elements") || e.contains("T at least 1"), "{e}");
+        }
     }
 }
