@@ -147,6 +147,41 @@ pub fn memcpy_gbps(bytes: usize) -> f64 {
     2.0 * bytes as f64 / best / 1e9
 }
 
+/// Single-thread bandwidth of an in-place fold (`a[i] += b[i]` over two buffers of `bytes`, as a
+/// reduction folds a peer's data into its own) in GB/s counting bytes read plus bytes written
+/// (3 × `bytes`), best of a few folds on each kind of [`Pages`]. Its writes go to lines it just
+/// read, so it pays no read-for-ownership; a memcpy's writes to lines it never read do, which
+/// left memcpy's figure below what an in-place collective moves (its all_reduce ran at 1.1–1.2×
+/// a memcpy "bound"). A memory-bound op's limit is the better of the two.
+pub fn fold_gbps(bytes: usize) -> f64 {
+    let mut best = f64::MAX;
+    for pages in Pages::ALL {
+        let mut a = PageBuf::new(bytes, 1, pages);
+        let b = PageBuf::new(bytes, 2, pages);
+        for _ in 0..5 {
+            let t = Instant::now();
+            fold_into(&mut a, std::hint::black_box(&b));
+            std::hint::black_box(&a[..]);
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+    }
+    3.0 * bytes as f64 / best / 1e9
+}
+
+/// `a[i] += b[i]` over 8-byte words (integer adds: the values do not matter, the traffic does).
+fn fold_into(a: &mut [u8], b: &[u8]) {
+    for (x, y) in a.chunks_exact_mut(8).zip(b.chunks_exact(8)) {
+        let (Ok(xa), Ok(ya)) = (<[u8; 8]>::try_from(&x[..]), <[u8; 8]>::try_from(y)) else { continue };
+        x.copy_from_slice(&u64::from_ne_bytes(xa).wrapping_add(u64::from_ne_bytes(ya)).to_ne_bytes());
+    }
+}
+
+/// The memory limit of an op over a footprint of `2 × half` bytes, GB/s read + written: the
+/// better of a memcpy of `half` into `half` and an in-place fold of `half` into `half`.
+pub fn memory_gbps(half: usize) -> (f64, f64) {
+    (memcpy_gbps(half), fold_gbps(half))
+}
+
 /// Where a limit's buffers come from. The kernel copies TCP payloads to and from user pages,
 /// and what backs those pages moves the figures both ways (on a 2-vCPU Zen 3, huge pages ran a
 /// two-way 64 MiB exchange at 2.2–2.7 GB/s each way against 0.9–1.2 on 4 KiB pages, while one
