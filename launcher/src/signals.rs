@@ -196,10 +196,11 @@ impl Signals {
     pub fn install(policy: &SignalPolicy) -> std::io::Result<Self> {
         let (tx, rx) = mpsc::unbounded_channel();
         for (sig, action) in policy.entries() {
-            // A signal rsrun started with ignored (`nohup rsrun ...`, `trap '' HUP`) stays ignored
-            // unless the user named it, as POSIX shells keep it: a logout's SIGHUP tore down a
-            // nohup'd run.
-            if !policy.given.contains(&(sig as i32)) && ignored_at_start(sig) {
+            // SIGHUP that rsrun started with ignored (`nohup rsrun ...`, `trap '' HUP`) stays
+            // ignored unless the user named it: a logout's SIGHUP tore down a nohup'd run. (Only
+            // SIGHUP: a shell starts every background job with SIGINT and SIGQUIT ignored, and
+            // `kill -INT` of an `rsrun ... &` must still stop it, as torchrun's handlers do.)
+            if sig == Signal::SIGHUP && !policy.given.contains(&(sig as i32)) && ignored_at_start(sig) {
                 tracing::info!(signal = %sig, "ignored when rsrun started (nohup?): it stays ignored");
                 continue;
             }

@@ -414,7 +414,7 @@ fn cluster_path_dry_runs() {
     let s = run(SLURM_DRY_RUN);
     assert!(s.contains("Slurm mode A") && s.contains("node rank = 1 (SLURM_NODEID)") && s.contains("job          : slurm-4242.0.r0"), "{s}");
     // The README: the derived port and the 7 probed after it; the SIGTERM grace below KillWait.
-    assert!(s.contains("ports        : 65200..65207") && s.contains("timeouts     : shutdown 25s"), "{s}");
+    assert!(s.contains("ports        : 63730..63737") && s.contains("timeouts     : shutdown 25s"), "{s}");
     let s = run(K8S_DRY_RUN);
     assert!(s.contains("Kubernetes") && s.contains("node rank = 1 (PET_NODE_RANK)"), "{s}");
 }
