@@ -592,17 +592,7 @@ mod tests {
             .collect();
         let message: Vec<String> = (0..1000).map(|i| format!("missing key {i}")).collect();
         root.error = Some(ErrorFileInfo { message: message.join("\n"), traceback: Some(tb.join("\n")), timestamp: None, written: None });
-        let report = FailureReport {
-            job_id: "j".into(),
-            program: "train".into(),
-            round: 0,
-            restart_count: 0,
-            max_restarts: 0,
-            root,
-            others: Vec::new(),
-            reason: "no restarts left".into(),
-        };
-        let text = report.render();
+        let text = report_with(root).render();
         assert!(!text.contains('\x1b') && !text.contains('\x07'), "{text}");
         assert!(text.contains("| \\x1b[2J\\x1b[Hgone\\x07"), "{text}");
         assert!(text.contains("... (100000 bytes)") && text.len() < 20_000, "{} bytes", text.len());

@@ -857,8 +857,9 @@ fn launch_and_rendezvous_benchmarks() {
             assert!(number(launch, key) > 0.0, "{key}: {launch}");
         }
         assert!(number(nodes, "torchrun_all_done_ms") > 0.0, "{nodes}");
-    } else {
-        assert!(launch.contains("torchrun_launch_ms=na"), "{launch}");
+    } else if !launch.contains("torchrun_launch_ms=na") {
+        // No test Python named, but the bench found scripts/torch-venv.sh's own venv: measured.
+        assert!(number(launch, "torchrun_launch_ms") > 0.0, "{launch}");
     }
     // 256 agents instead of 10,000.
     let out = run_all(vec![shell(&workspace(), &readme(RDZV_BENCH).replace("10000", "256"))], RUN_DEADLINE).remove(0);

@@ -197,29 +197,35 @@ fn main() -> anyhow::Result<()> {
 /// `nodes` torchrun agents × 1 worker through its c10d rendezvous on loopback (the first one
 /// hosts the store), all started at once: the median time until every agent exited.
 fn torchrun_nodes(torchrun: &Path, work: &Path, nodes: u32, runs: usize) -> anyhow::Result<f64> {
+    let mut endpoint = String::new();
+    all_done_ms(nodes, runs, "a torchrun agent", |run, i| {
+        if i == 0 {
+            endpoint = format!("127.0.0.1:{}", free_port()?);
+        }
+        let mut cmd = Command::new(torchrun);
+        cmd.current_dir(work)
+            .args(["--nnodes", &nodes.to_string(), "--nproc-per-node", "1", "--rdzv-backend", "c10d"])
+            .args(["--rdzv-endpoint", &endpoint, "--rdzv-id", &format!("bench-{}-{run}", std::process::id()), "--no-python"])
+            .arg(format!("--rdzv-conf=is_host={}", i == 0));
+        Ok(cmd)
+    })
+}
+
+/// `runs` times: starts `node(run, i)` for every node `i` at once (with `true` as the program),
+/// waits for all of them; the median time until every one exited successfully.
+fn all_done_ms(nodes: u32, runs: usize, what: &str, mut node: impl FnMut(usize, u32) -> anyhow::Result<Command>) -> anyhow::Result<f64> {
     let mut times = Vec::new();
     for run in 0..runs {
-        let endpoint = format!("127.0.0.1:{}", free_port()?);
-        let job = format!("bench-{}-{run}", std::process::id());
+        let cmds = (0..nodes).map(|i| node(run, i)).collect::<anyhow::Result<Vec<_>>>()?;
         let t = Instant::now();
         let mut kids = Vec::new();
-        for i in 0..nodes {
-            kids.push(
-                Command::new(torchrun)
-                    .current_dir(work)
-                    .args(["--nnodes", &nodes.to_string(), "--nproc-per-node", "1", "--rdzv-backend", "c10d"])
-                    .args(["--rdzv-endpoint", &endpoint, "--rdzv-id", &job, "--no-python"])
-                    .arg(format!("--rdzv-conf=is_host={}", i == 0))
-                    .arg("true")
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
-                    .spawn()?,
-            );
+        for mut cmd in cmds {
+            kids.push(cmd.arg("true").stdout(Stdio::null()).stderr(Stdio::null()).spawn()?);
         }
         for k in &mut kids {
             let st = k.wait()?;
             if !st.success() {
-                bail!("a torchrun agent failed: {st}");
+                bail!("{what} failed: {st}");
             }
         }
         times.push(ms(t.elapsed()));
@@ -238,33 +244,14 @@ fn nodes_bench(daemon_bin: &Path, rsrun: &Path, work: &Path, nodes: u32, runs: u
         let mut line = String::new();
         BufReader::new(stdout).read_line(&mut line)?;
         let addr = line.trim().strip_prefix("listening on ").context("daemon address line")?.to_owned();
-        let mut times = Vec::new();
-        for run in 0..runs {
-            let job = format!("bench-{}-{run}", std::process::id());
-            let t = Instant::now();
-            let mut kids = Vec::new();
-            for _ in 0..nodes {
-                kids.push(
-                    Command::new(rsrun)
-                        .current_dir(work)
-                        .args(["--nnodes", &nodes.to_string(), "--rdzv-backend", "c10d", "--rdzv-endpoint", &addr])
-                        .args(["--rdzv-id", &job, "--log-dir"])
-                        .arg(work.join("logs"))
-                        .arg("true")
-                        .stdout(Stdio::null())
-                        .stderr(Stdio::null())
-                        .spawn()?,
-                );
-            }
-            for k in &mut kids {
-                let st = k.wait()?;
-                if !st.success() {
-                    bail!("a launcher failed: {st}");
-                }
-            }
-            times.push(ms(t.elapsed()));
-        }
-        Ok(median(times))
+        all_done_ms(nodes, runs, "a launcher", |run, _| {
+            let mut cmd = Command::new(rsrun);
+            cmd.current_dir(work)
+                .args(["--nnodes", &nodes.to_string(), "--rdzv-backend", "c10d", "--rdzv-endpoint", &addr])
+                .args(["--rdzv-id", &format!("bench-{}-{run}", std::process::id()), "--log-dir"])
+                .arg(work.join("logs"));
+            Ok(cmd)
+        })
     })();
     let _ = daemon.kill();
     let _ = daemon.wait();
