@@ -17,7 +17,13 @@
 //! Grandchildren that outlive their worker would escape PDEATHSIG; the [`Guardian`] covers them: a
 //! small process forked at startup, in its own session, that holds the read end of a pipe from rsrun.
 //! rsrun tells it each worker's process group; when the pipe reaches EOF — rsrun exited, however it
-//! exited, `kill -9` included — the guardian SIGKILLs every group it was told about and exits.
+//! exited, `kill -9` included — the guardian SIGKILLs every group it was told about. A process that
+//! left its worker's group (`setsid`, a daemon's double fork) is in none of those groups, and after
+//! a `kill -9` rsrun is no longer there to have adopted it (see [`become_subreaper`]): every worker
+//! carries this launch's random mark in `RSRUN_LAUNCH_MARKS` and passes it on to what it starts, so
+//! the guardian then SIGKILLs every process of ours whose environment carries the mark, until a
+//! pass of `/proc` finds none. (A process started with an emptied environment, `env -i`, carries
+//! no mark; it is still caught when rsrun exits normally, by [`kill_adopted`].)
 
 use std::io::{self, BufRead, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -282,6 +288,9 @@ pub fn spawn(spec: SpawnSpec<'_>) -> io::Result<Spawned> {
         .stderr(Stdio::piped())
         .process_group(0)
         .kill_on_drop(true);
+    if let Some(marks) = LAUNCH_MARKS.get() {
+        cmd.env(crate::env::LAUNCH_MARKS_VAR, marks);
+    }
     if let Some(fd) = child_fd {
         cmd.env(crate::env::PROGRESS_FD_VAR, fd.to_string());
         cmd.env(crate::env::PROGRESS_PEER_VAR, parent.to_string());
@@ -359,6 +368,11 @@ impl Guardian {
     /// The process must be single-threaded (call it first thing in `main`, before any runtime or
     /// thread starts): the forked child keeps running Rust code that allocates.
     pub unsafe fn start() -> io::Result<Guardian> {
+        let mark = crate::plan::random_id();
+        let marks = match std::env::var(crate::env::LAUNCH_MARKS_VAR) {
+            Ok(outer) if !outer.is_empty() => format!("{outer}:{mark}"),
+            _ => mark.clone(),
+        };
         let mut fds = [0 as libc::c_int; 2];
         // SAFETY: fds is a valid two-element array.
         if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
@@ -371,10 +385,12 @@ impl Guardian {
             -1 => Err(io::Error::last_os_error()),
             0 => {
                 drop(write_end);
-                guardian_main(read_end)
+                guardian_main(read_end, &mark)
             }
             pid => {
                 drop(read_end);
+                // Workers carry the mark only once a guardian will look for it.
+                let _ = LAUNCH_MARKS.set(marks);
                 Ok(Guardian { pipe: Mutex::new(std::fs::File::from(write_end)), pid })
             }
         }
@@ -420,7 +436,11 @@ impl Guardian {
     }
 }
 
-fn guardian_main(read_end: OwnedFd) -> ! {
+/// The `RSRUN_LAUNCH_MARKS` value workers get: the inherited marks and this launch's own (set by
+/// [`Guardian::start`]; workers carry none without a guardian).
+static LAUNCH_MARKS: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+fn guardian_main(read_end: OwnedFd, mark: &str) -> ! {
     // SAFETY: plain system calls in a single-threaded child; the descriptors are our own.
     unsafe {
         libc::setsid();
@@ -462,13 +482,86 @@ fn guardian_main(read_end: OwnedFd) -> ! {
             }
         }
     }
+    kill_marked(mark);
     // SAFETY: exit without running the parent's atexit handlers or destructors.
     unsafe { libc::_exit(0) }
+}
+
+/// Whether an environment block (`/proc/PID/environ`: `NAME=value` entries, NUL-separated) carries
+/// `mark` among its `RSRUN_LAUNCH_MARKS`.
+fn environ_carries(environ: &[u8], mark: &str) -> bool {
+    let key = crate::env::LAUNCH_MARKS_VAR.as_bytes();
+    environ.split(|b| *b == 0).any(|entry| {
+        entry.len() > key.len()
+            && entry.starts_with(key)
+            && entry[key.len()] == b'='
+            && entry[key.len() + 1..].split(|b| *b == b':').any(|m| m == mark.as_bytes())
+    })
+}
+
+/// Kills every process (but this one) whose environment carries `mark`, pass after pass, until a
+/// pass finds none (they may fork while we kill) or 50 passes went by. Each is opened as a pidfd
+/// before its environment is read and signalled through it, so a pid reused in between is not hit.
+fn kill_marked(mark: &str) {
+    let me = std::process::id();
+    for _ in 0..50 {
+        let Ok(dir) = std::fs::read_dir("/proc") else { return };
+        let mut killed = 0;
+        for e in dir.flatten() {
+            let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
+            if pid == me {
+                continue;
+            }
+            // SAFETY: pidfd_open(2) with a pid and no flags; the result is checked.
+            let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+            // Unreadable (another user's, exited, a zombie's empty block): not ours to kill.
+            let Ok(environ) = std::fs::read(e.path().join("environ")) else {
+                if fd >= 0 {
+                    // SAFETY: our own descriptor.
+                    unsafe { libc::close(fd as i32) };
+                }
+                continue;
+            };
+            if !environ_carries(&environ, mark) {
+                if fd >= 0 {
+                    // SAFETY: our own descriptor.
+                    unsafe { libc::close(fd as i32) };
+                }
+                continue;
+            }
+            // SAFETY: plain system calls; the pidfd (when the kernel has them, 5.3+) is ours.
+            unsafe {
+                if fd >= 0 {
+                    libc::syscall(libc::SYS_pidfd_send_signal, fd as i32, libc::SIGKILL, std::ptr::null::<libc::siginfo_t>(), 0);
+                    libc::close(fd as i32);
+                } else {
+                    libc::kill(pid as libc::pid_t, libc::SIGKILL);
+                }
+            }
+            killed += 1;
+        }
+        if killed == 0 {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::stat_state_and_group;
+
+    #[test]
+    fn launch_marks_are_matched_whole_in_their_own_variable() {
+        use super::environ_carries;
+        let m = "0123abcd";
+        assert!(environ_carries(b"A=1\0RSRUN_LAUNCH_MARKS=0123abcd\0B=2\0", m));
+        assert!(environ_carries(b"RSRUN_LAUNCH_MARKS=ffff:0123abcd:eeee", m));
+        assert!(!environ_carries(b"RSRUN_LAUNCH_MARKS=0123abcde", m), "a prefix of another mark");
+        assert!(!environ_carries(b"RSRUN_LAUNCH_MARKSX=0123abcd", m), "another variable");
+        assert!(!environ_carries(b"OTHER=0123abcd\0", m));
+        assert!(!environ_carries(b"", m));
+    }
 
     #[test]
     fn stat_lines_are_read_after_the_command_name() {

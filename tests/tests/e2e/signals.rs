@@ -101,16 +101,42 @@ fn kill_9_of_rsrun_leaves_no_survivors() {
     let mut child = KillOnDrop::spawn(rsrun(dir.path()).args(["--nproc-per-node", "3", "sh", "-c", script]));
     let pids_file = dir.path().join("pids");
     assert!(wait_until(Duration::from_secs(20), || read_pids(&pids_file).len() == 6), "workers did not start");
-    let pids = read_pids(&pids_file);
-    assert!(pids.iter().all(|&p| alive(p)));
+    let survivors = survivors_of_kill_9(&mut child, &read_pids(&pids_file), Duration::from_secs(1));
+    assert!(survivors.is_empty(), "processes alive 1 s after kill -9 of rsrun: {survivors:?}");
+}
+
+/// `kill -9` of rsrun, then which of `pids` (all alive before) are still alive after `within`;
+/// those are killed before returning.
+fn survivors_of_kill_9(child: &mut KillOnDrop, pids: &[i32], within: Duration) -> Vec<i32> {
+    assert!(pids.iter().all(|&p| alive(p)), "{pids:?} were not all alive before the kill");
     nix_kill(child.pid(), libc::SIGKILL);
     let _ = child.0.wait();
-    let gone = wait_until(Duration::from_secs(1), || pids.iter().all(|&p| !alive(p)));
+    wait_until(within, || pids.iter().all(|&p| !alive(p)));
     let survivors: Vec<i32> = pids.iter().copied().filter(|&p| alive(p)).collect();
     for &p in &survivors {
         nix_kill(p, libc::SIGKILL);
     }
-    assert!(gone, "processes alive 1 s after kill -9 of rsrun: {survivors:?}");
+    survivors
+}
+
+/// A process that left its worker's group (`setsid`) and whose worker is still running is in no
+/// group the guardian knows, and rsrun is not there to adopt it after a `kill -9`: the guardian
+/// finds it by the launch mark it inherited, even two forks and a `setsid` down.
+#[test]
+fn kill_9_of_rsrun_also_ends_what_left_the_workers_groups() {
+    let dir = tempfile::tempdir().unwrap();
+    // Rank 0 starts `sleep` in a session of its own; rank 1 a daemon-like double fork into one.
+    let script = "if [ $RANK = 0 ]; then setsid sleep 300 & echo $! >> escaped; else sh -c 'setsid sh -c \"sleep 300 & echo \\$! >> escaped; wait\" &'; fi; echo $$ >> pids; while true; do sleep 0.05; done";
+    let mut child = KillOnDrop::spawn(rsrun(dir.path()).args(["--nproc-per-node", "2", "sh", "-c", script]));
+    let (pids_file, escaped_file) = (dir.path().join("pids"), dir.path().join("escaped"));
+    assert!(
+        wait_until(Duration::from_secs(20), || read_pids(&pids_file).len() == 2 && read_pids(&escaped_file).len() == 2),
+        "workers did not start: {:?} {:?}",
+        read_pids(&pids_file),
+        read_pids(&escaped_file)
+    );
+    let survivors = survivors_of_kill_9(&mut child, &read_pids(&escaped_file), Duration::from_secs(3));
+    assert!(survivors.is_empty(), "processes in sessions of their own alive 3 s after kill -9 of rsrun: {survivors:?}");
 }
 
 #[test]
