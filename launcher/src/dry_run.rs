@@ -200,6 +200,7 @@ pub fn render(plan: &LaunchPlan) -> String {
         }
         let _ = writeln!(s, "    RSRUN_PROGRESS_FD=<fd of the progress socket>");
         let _ = writeln!(s, "    RSRUN_PROGRESS_PEER=<pid of the rsrun that made it>");
+        let _ = writeln!(s, "    RSRUN_LAUNCH_MARKS=<this launch's random mark, after those of launches around it>");
     }
     s
 }

@@ -35,6 +35,8 @@ pub const EXCLUDED: &[&str] = &[
     // The head's own options, which an agent's rsrun would read as its own (a requeue runner on
     // every host, a --check that starts nothing, a cwd note): the head passes on what applies.
     "RSRUN_REQUEUE_ON_PREEMPT", "RSRUN_CHDIR", "RSRUN_INCLUDE", "RSRUN_EXCLUDE", "RSRUN_CHECK", "RSRUN_ALLOW_SAME_HOST",
+    // Marks of the launches this head runs under, which mean nothing on another host.
+    "RSRUN_LAUNCH_MARKS",
 ];
 /// The per-host environment file, read from the home directory and then the current directory.
 pub const ENV_FILE_NAME: &str = ".rsrun_env";
