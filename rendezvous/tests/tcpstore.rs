@@ -710,6 +710,93 @@ async fn a_paused_peer_that_goes_away_is_closed_with_its_waits() {
     until_all_closed(&server).await;
 }
 
+/// The server closed the connection cleanly (the end of the stream, not a reset) after
+/// everything it sent before.
+async fn assert_eof(s: &mut TcpStream) {
+    let mut b = [0u8; 64];
+    match tokio::time::timeout(DEADLINE, s.read(&mut b)).await.expect("the server did not close the connection") {
+        Ok(0) => {}
+        Ok(n) => panic!("expected the end of the stream, got {:02x?}", &b[..n]),
+        Err(e) => panic!("expected a clean close, got {e}"),
+    }
+}
+
+/// A client that writes its requests and then shuts down its write side (a script piping a
+/// batch, torch's client on some exit paths) still reads the replies.
+#[tokio::test]
+async fn a_peer_that_shuts_down_its_write_side_still_gets_the_get_reply() {
+    let server = server().await;
+    let mut s = validated(server.local_addr()).await;
+    send(&mut s, &[Request::Set { key: k("/k"), value: k("abc") }, Request::Get { key: k("/k") }]).await;
+    s.shutdown().await.unwrap();
+    assert_eq!(read_n(&mut s, 11).await, blob(b"abc"));
+    assert_eof(&mut s).await;
+    until_all_closed(&server).await;
+}
+
+/// The end of the stream comes while replies larger than the kernel buffers are being written
+/// and requests are still held back (three GETs of 8 MiB pass the 16 MiB the server holds for
+/// one peer): every reply arrives, in order, then the end of the stream. (The server used to
+/// close at the end of the stream, dropping what it had not written or applied.)
+#[tokio::test]
+async fn a_half_closed_peer_gets_every_large_and_held_back_reply_in_order() {
+    let server = server().await;
+    let value: Vec<u8> = (0..8 << 20).map(|i: u32| (i % 251) as u8).collect();
+    let mut s = validated(server.local_addr()).await;
+    let mut reqs = vec![Request::Set { key: k("/big"), value: value.clone() }];
+    for _ in 0..3 {
+        reqs.push(Request::Get { key: k("/big") });
+    }
+    reqs.push(Request::Ping { nonce: 9 });
+    send(&mut s, &reqs).await;
+    s.shutdown().await.unwrap();
+    let one = blob(&value);
+    for i in 0..3 {
+        let reply = read_n(&mut s, one.len()).await;
+        assert!(reply == one, "GET {i}: the reply differs");
+    }
+    assert_eq!(read_n(&mut s, 4).await, 9u32.to_le_bytes());
+    assert_eof(&mut s).await;
+    until_all_closed(&server).await;
+}
+
+/// A WAIT still pending when its peer shuts down its write side is dropped, as torch's servers
+/// drop a client's waits when its stream ends (the peer could no longer cancel it): a key
+/// written afterwards does not answer it. The reply queued before the wait arrives; the one
+/// behind it does not (it would read as the wait's answer); then a clean close.
+#[tokio::test]
+async fn a_wait_pending_when_the_peer_shuts_down_its_write_side_is_dropped_and_the_close_is_clean() {
+    let server = server().await;
+    let mut a = validated(server.local_addr()).await;
+    send(&mut a, &[Request::Ping { nonce: 1 }, Request::Wait { keys: vec![k("/late")] }, Request::Ping { nonce: 2 }]).await;
+    until_waits(&server, 1).await;
+    a.shutdown().await.unwrap();
+    until_stats(&server, "the half-closed peer's wait or connection was kept", |st| st.n_waits == 0 && st.n_connections == 0).await;
+    let mut b = TcpStoreClient::connect(server.local_addr()).await.unwrap();
+    b.set(b"/late", b"1").await.unwrap();
+    b.ping(3).await.unwrap();
+    assert_eq!(read_n(&mut a, 4).await, 1u32.to_le_bytes());
+    assert_eof(&mut a).await;
+}
+
+/// A peer that shut down its write side and reads none of its replies is not kept for ever: it
+/// is closed once it has taken no byte for `stall_timeout`, not at the end of its stream.
+#[tokio::test]
+async fn a_half_closed_peer_that_reads_nothing_is_closed_after_stall_timeout() {
+    let limits = TcpStoreLimits { stall_timeout: Duration::from_millis(300), ..TcpStoreLimits::default() };
+    let server = start(limits).await;
+    let mut w = TcpStoreClient::connect(server.local_addr()).await.unwrap();
+    w.set(b"/big", &vec![1u8; 8 << 20]).await.unwrap();
+    w.ping(1).await.unwrap();
+    let mut s = validated(server.local_addr()).await;
+    send(&mut s, &[Request::Get { key: k("/big") }, Request::Get { key: k("/big") }]).await;
+    s.shutdown().await.unwrap();
+    let start = Instant::now();
+    until_stats(&server, "the half-closed peer that reads nothing was kept", |st| st.n_connections == 1).await;
+    assert!(start.elapsed() >= Duration::from_millis(250), "closed after {:?}", start.elapsed());
+    w.ping(2).await.unwrap();
+}
+
 #[tokio::test]
 async fn shutdown_closes_every_connection_and_the_listener() {
     // An address of its own on the loopback network: a server of a test running beside this one
@@ -838,4 +925,103 @@ async fn replies_read_by_their_clients_do_not_count_toward_the_budget() {
     for c in &mut clients {
         assert_quiet(c).await;
     }
+}
+
+/// A GET of the 24 MiB value, a reply bigger than the kernel buffers take, so the server holds
+/// most of it until the peer reads: `h` sends it, then this waits until the server holds at
+/// least `at_least` bytes, and returns what it holds then (that reply, less what the kernel took).
+async fn big_get(server: &TcpStoreServer, h: &mut TcpStream, at_least: usize) -> usize {
+    send(h, &[Request::Get { key: k("/big") }]).await;
+    until_stats(server, "the GET reply was not built", |st| st.buffered_bytes >= at_least).await;
+    server.stats().buffered_bytes
+}
+
+/// Reads `want` from `h` at about 6 MiB/s (64 KiB every 10 ms): slow, but far above what
+/// shedding calls draining (64 KiB/s).
+fn read_slowly(mut h: TcpStream, want: Vec<u8>) -> tokio::task::JoinHandle<TcpStream> {
+    tokio::spawn(async move {
+        let mut got = Vec::with_capacity(want.len());
+        let mut chunk = vec![0u8; 64 << 10];
+        while got.len() < want.len() {
+            let room = chunk.len().min(want.len() - got.len());
+            let n = tokio::time::timeout(DEADLINE, h.read(&mut chunk[..room])).await.expect("the reply stopped coming").unwrap();
+            assert!(n > 0, "the connection was closed after {} of {} bytes", got.len(), want.len());
+            got.extend_from_slice(&chunk[..n]);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(got == want, "the reply differs");
+        h
+    })
+}
+
+/// Reads `s` until the server closes it; returns how many bytes came first.
+async fn drain_to_close(s: &mut TcpStream) -> usize {
+    let mut b = vec![0u8; 1 << 20];
+    let mut got = 0;
+    loop {
+        match tokio::time::timeout(DEADLINE, s.read(&mut b)).await.expect("the server did not close the connection") {
+            Ok(0) | Err(_) => return got,
+            Ok(n) => got += n,
+        }
+    }
+}
+
+/// A store of one 24 MiB value under a 25 MiB budget for all connections.
+async fn store_of_one_big_value() -> (TcpStoreServer, Vec<u8>) {
+    const VALUE: usize = 24 << 20;
+    let limits = TcpStoreLimits { max_value_bytes: VALUE, max_buffered_bytes: 25 << 20, ..TcpStoreLimits::default() };
+    let server = start(limits).await;
+    let value: Vec<u8> = (0..VALUE).map(|i| (i % 251) as u8).collect();
+    let mut w = validated(server.local_addr()).await;
+    send(&mut w, &[Request::Set { key: k("/big"), value: value.clone() }]).await;
+    until_stats(&server, "the SET was not applied", |st| st.n_keys == 1 && st.buffered_bytes == 0).await;
+    (server, value)
+}
+
+/// A rank downloading a large value slowly holds the most, when another peer's unfinished
+/// upload pushes the server past `max_buffered_bytes`: the upload is closed, not the download
+/// (which the server used to close, as the largest holder).
+#[tokio::test]
+async fn shedding_spares_a_slow_reader_and_closes_the_stalled_upload_that_passed_the_budget() {
+    let (server, value) = store_of_one_big_value().await;
+    let addr = server.local_addr();
+    let mut h = validated(addr).await;
+    let held = big_get(&server, &mut h, 12 << 20).await;
+    let reader = read_slowly(h, blob(&value));
+    // An upload that stops part of the way, with 4 MiB to spare past the budget.
+    let mut g = validated(addr).await;
+    let set = enc(&[Request::Set { key: k("/other"), value: vec![7; value.len()] }]);
+    let part = ((25 << 20) - held.min(25 << 20) + (4 << 20)).min(set.len() - 1);
+    let _ = g.write_all(&set[..part]).await;
+    until_stats(&server, "no connection was shed", |st| st.shed_connections == 1).await;
+    assert_closed(&mut g).await;
+    let mut h = tokio::time::timeout(DEADLINE, reader).await.expect("the reader hung").unwrap();
+    assert_quiet(&mut h).await;
+    let st = server.stats();
+    assert_eq!((st.shed_connections, st.n_keys), (1, 1), "{st:?}");
+}
+
+/// A peer that asked for a large value and does not read it, and a rank that reads its own:
+/// past the budget, the one not reading is closed, though it holds less.
+#[tokio::test]
+async fn shedding_closes_the_peer_that_does_not_read_its_reply_not_the_one_that_does() {
+    let (server, value) = store_of_one_big_value().await;
+    let addr = server.local_addr();
+    let mut idle = validated(addr).await;
+    let idle_held = big_get(&server, &mut idle, 12 << 20).await;
+    // Past a drain window without a byte taken.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(server.stats().shed_connections, 0, "alone under the budget");
+    // The reader's reply, just built, is the largest holding; the idle peer's is past the budget
+    // with it.
+    let mut h = validated(addr).await;
+    send(&mut h, &[Request::Get { key: k("/big") }]).await;
+    let reader = read_slowly(h, blob(&value));
+    until_stats(&server, "no connection was shed", |st| st.shed_connections == 1).await;
+    // The idle peer gets what the kernel had taken, never the rest of its reply.
+    let got = drain_to_close(&mut idle).await;
+    assert!(got < 8 + value.len() && got + idle_held >= 8 + value.len(), "the idle peer got {got} bytes of its reply");
+    let mut h = tokio::time::timeout(DEADLINE, reader).await.expect("the reader hung").unwrap();
+    assert_quiet(&mut h).await;
+    assert_eq!(server.stats().shed_connections, 1);
 }

@@ -69,7 +69,8 @@ struct TcpStoreArgs {
     #[arg(long, default_value_t = 1 << 30, value_parser = clap::value_parser!(u64).range(1..=(1 << 40)))]
     max_total_bytes: u64,
     /// Most bytes held for all connections together in unfinished requests and unread replies;
-    /// past it the connections holding the most are closed.
+    /// past it the connections holding the most that nobody moves are closed (never one whose
+    /// peer reads its replies at 64 KiB/s or more).
     #[arg(long, default_value_t = 1 << 30, value_parser = clap::value_parser!(u64).range(1..=(1 << 40)))]
     max_buffered_bytes: u64,
 }

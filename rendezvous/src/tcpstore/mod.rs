@@ -9,6 +9,8 @@
 //! - [`state`]: the keyspace, queues, waits and barriers; applying a request returns its reply and
 //!   the other connections' waits it completed, and does no I/O;
 //! - [`replies`]: per-connection reply ordering around pending waits;
+//! - `shed`: which connections to close when the server holds too much for all of them (never
+//!   one whose peer takes its replies at a reasonable rate);
 //! - [`server`]: [`TcpStoreServer`], one event-loop thread (mio/epoll) per server that owns the
 //!   listener, the connections and the keyspace;
 //! - [`client`]: [`TcpStoreClient`], a small raw-protocol client for tests and probes.
@@ -33,6 +35,7 @@ pub mod client;
 pub mod proto;
 pub mod replies;
 pub mod server;
+mod shed;
 pub mod state;
 
 pub use client::TcpStoreClient;
@@ -59,13 +62,19 @@ pub struct TcpStoreLimits {
     pub max_connections: usize,
     /// Most bytes the server holds for all connections together in requests not yet applied
     /// (partly read, or parsed and held back) and replies not yet taken by their peers. Past it,
-    /// the connections holding the most are closed, with a log line, until it holds less: a
-    /// peer cannot make the daemon grow by opening many connections that never finish a request
-    /// or never read (each one alone is held to about `max_request_bytes` and 16 MiB of replies).
+    /// connections that hold bytes nobody moves (replies their peer does not take, requests it
+    /// does not finish) are closed, with a log line, until it holds less: those whose peer ended
+    /// its stream first, then the largest. A connection whose peer takes its replies at a
+    /// reasonable rate (64 KiB/s) is never closed for it, however much it holds: a rank
+    /// downloading a large value is spared. So a peer cannot make the daemon grow by opening many
+    /// connections that never finish a request or never read (each one alone is held to about
+    /// `max_request_bytes` and 16 MiB of replies).
     pub max_buffered_bytes: usize,
     /// A connection that has not sent its handshake, or that stopped in the middle of a request,
     /// is closed after this long without a byte (idle time between requests is never limited:
-    /// torch's clients hold their connection for the whole job).
+    /// torch's clients hold their connection for the whole job). A peer that ended its stream
+    /// (shutdown of its write side) still gets its replies, and is closed after this long
+    /// without taking a byte of them.
     pub stall_timeout: std::time::Duration,
 }
 

@@ -70,6 +70,25 @@ impl ReplyQueue {
         self.n_pending -= before - self.slots.len();
     }
 
+    /// Drops the first pending wait and everything queued after it; true if there was one. For
+    /// a connection whose peer ended its stream: its waits are dropped (it can no longer cancel
+    /// them), and a reply sent in place of a wait's would be read as that wait's answer.
+    pub fn cut_at_first_pending(&mut self) -> bool {
+        let Some(at) = self.slots.iter().position(|s| matches!(s, Slot::Pending(_))) else { return false };
+        for slot in self.slots.drain(at..) {
+            match slot {
+                Slot::Ready(b) => self.n_bytes -= b.len(),
+                Slot::Pending(_) => self.n_pending -= 1,
+            }
+        }
+        true
+    }
+
+    /// Nothing is queued: no reply waiting to be taken, no pending wait.
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
     /// Moves the replies that may leave now (everything before the first pending wait) to `out`.
     pub fn take_ready(&mut self, out: &mut Vec<u8>) {
         while let Some(Slot::Ready(_)) = self.slots.front() {

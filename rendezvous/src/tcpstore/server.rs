@@ -13,6 +13,14 @@
 //! is in its connection's queue before anything that connection sends afterwards is applied (which
 //! is what keeps `00 01` in that order), and each queue hands out its replies in request order.
 //!
+//! A peer that ends its side of the stream (a `shutdown(SHUT_WR)` after its last request, or a
+//! close) is not closed at once: every request it sent is applied and answered, and the
+//! connection closes once its last reply is written (or after `stall_timeout` without the peer
+//! taking a byte of them). Its pending WAITs and BARRIERs are dropped when its stream ends, as
+//! torch's servers do when a client goes: it can no longer cancel them and the server has no
+//! deadline for them; the replies to its requests after the first such wait go with it (alone,
+//! they would read as that wait's answer).
+//!
 //! Why a thread and not a tokio task per connection: a store is a single keyspace whose requests
 //! are a few hundred nanoseconds of work each, so per-request task wake-ups, cross-thread channels
 //! and the keyspace lock cost more than the work (and, on a machine the workers share, the CPU the
@@ -33,7 +41,8 @@ use crate::RdzvError;
 use crate::tcpstore::TcpStoreLimits;
 use crate::tcpstore::proto::{Request, RequestParser};
 use crate::tcpstore::replies::ReplyQueue;
-use crate::tcpstore::state::{ConnId, StoreState, WaitId};
+use crate::tcpstore::shed::{self, Drain, Holder};
+use crate::tcpstore::state::{ConnId, Reply, StoreState, WaitId};
 
 /// The listen backlog asked for; the kernel caps it at `net.core.somaxconn`. Thousands of ranks
 /// connect at once when a job starts, and a full backlog costs each late one a SYN retry.
@@ -54,6 +63,9 @@ const READS_PER_TURN: usize = 4;
 const ACCEPTS_PER_TURN: usize = 1024;
 /// A write buffer larger than this is freed after use rather than kept for the next reply.
 const KEEP_WRITE_BUFFER: usize = 64 << 10;
+/// While only connections that drain hold the server past `max_buffered_bytes`, shedding looks
+/// again this much later, not every turn (each look walks every connection).
+const SHED_RECHECK: Duration = Duration::from_millis(100);
 /// Readiness events taken per `epoll_wait`.
 const EVENTS: usize = 1024;
 /// Pause after a failed `accept` (out of file descriptors, typically) before trying again.
@@ -272,6 +284,17 @@ struct Conn {
     closing: bool,
     /// An event said the peer closed or reset the connection.
     hung_up: bool,
+    /// The peer ended its stream (a read returned 0): nothing more is read; what it sent is
+    /// applied and answered, then the connection closes (see the module docs).
+    eof: bool,
+    /// After the end of the stream, a wait was dropped with the replies queued behind it: the
+    /// replies to later requests are dropped too, and no longer hold back applying them.
+    cut: bool,
+    /// When the peer last took reply bytes, or its stream ended: after its end of stream, a peer
+    /// that takes none for `stall_timeout` is closed.
+    last_taken: Instant,
+    /// Whether the peer takes its held replies at a reasonable rate (what shedding spares).
+    drain: Drain,
     /// Requests parsed but not applied yet: applying stops, request by request, once the
     /// connection holds too much (so one read of small requests with large replies, or of many
     /// WAITs, cannot make it hold more than about one reply past the budget).
@@ -301,26 +324,35 @@ impl Conn {
         self.held_bytes() > MAX_HELD_BYTES || self.queue.n_pending() >= MAX_PENDING_WAITS
     }
 
-    /// Reading is paused while the connection is over its budget, except for a peer that hung
-    /// up: that one is read to its end (what it sent is bounded then), which closes it.
+    /// Reading (or, after the end of the stream, applying held-back requests) is paused while
+    /// the connection is over its budget, except for a peer that hung up and whose stream has
+    /// not been read to its end yet: that one is read on (what it sent is bounded then).
     fn paused(&self) -> bool {
-        self.over_budget() && !self.hung_up
+        self.over_budget() && (self.eof || !self.hung_up)
     }
 
     /// Applies the held-back requests in order until the connection goes over its budget; wakes
-    /// of other connections' waits go to `woken`.
+    /// of other connections' waits go to `woken`. After the end of the stream, a wait a request
+    /// registers is dropped at once (see [`Conn::end_waits`]).
     ///
     /// # Errors
     /// A request that must close the connection (the state is unchanged by it).
     fn apply_pending(&mut self, state: &mut StoreState, woken: &mut Vec<WaitId>) -> Result<(), RdzvError> {
-        while !self.over_budget() {
+        // Once cut, replies are dropped: nothing is held for them, so the budget holds nothing back.
+        while self.cut || !self.over_budget() {
             let Some(req) = self.pending.pop_front() else { break };
             self.pending_bytes = self.pending_bytes.saturating_sub(pending_cost(&req));
             let a = state.apply(self.id, req)?;
             self.queue.cancelled(&a.cancelled);
-            self.queue.push(a.reply);
+            let waits = matches!(a.reply, Reply::Pending(_));
+            if !self.cut {
+                self.queue.push(a.reply);
+            }
             for id in a.woken {
                 if id.conn() == self.id { self.queue.woken(id) } else { woken.push(id) }
+            }
+            if self.eof && waits {
+                self.end_waits(state);
             }
         }
         // A burst of tiny requests (64 Ki CANCEL_WAITs in one read) must not leave its queue's
@@ -329,6 +361,48 @@ impl Conn {
             self.pending = VecDeque::new();
         }
         Ok(())
+    }
+
+    /// The peer ended its stream (a read returned 0). Its pending waits are dropped, its
+    /// held-back requests applied as far as its budget allows (the rest as it takes its replies);
+    /// once none is left, what it was woken for in queues goes to other waiters (it will never pop).
+    ///
+    /// # Errors
+    /// A held-back request that must close the connection.
+    fn end_of_stream(&mut self, state: &mut StoreState, woken: &mut Vec<WaitId>, now: Instant) -> Result<(), RdzvError> {
+        self.eof = true;
+        self.last_taken = now;
+        if self.parser.is_mid_request() {
+            tracing::debug!(peer = %self.peer, "tcpstore: the peer ended its stream in the middle of a request; that request is dropped");
+        }
+        self.end_waits(state);
+        self.apply_pending(state, woken)?;
+        self.settle(state, woken);
+        Ok(())
+    }
+
+    /// After the end of the stream, once every request the peer sent is applied: it will never
+    /// pop a queue item it was woken for, so the wake-up goes to another waiter. Harmless to
+    /// repeat (the core forgets the connection's wake-ups the first time).
+    fn settle(&mut self, state: &mut StoreState, woken: &mut Vec<WaitId>) {
+        if self.eof && self.pending.is_empty() {
+            woken.extend(state.disconnect(self.id));
+        }
+    }
+
+    /// After the end of the stream: drops the connection's pending waits (the peer can no longer
+    /// cancel them; torch's servers drop them when the stream ends) and, from the first of them
+    /// on, the replies queued (sent without the wait's, they would read as its answer).
+    fn end_waits(&mut self, state: &mut StoreState) {
+        state.cancel_waits(self.id);
+        if self.queue.cut_at_first_pending() {
+            self.cut = true;
+        }
+    }
+
+    /// Everything the peer sent is applied and every reply written: the connection can close.
+    fn finished(&self) -> bool {
+        self.eof && self.pending.is_empty() && self.queue.is_empty() && self.out_at == self.out.len()
     }
 }
 
@@ -375,6 +449,12 @@ struct EventLoop {
     next_sweep: Instant,
     /// Bytes held for all connections together: the sum of their `accounted`.
     buffered: usize,
+    /// When the current turn began (after `epoll_wait` returned): the clock of the turn's
+    /// bookkeeping (drain rates, the end-of-stream deadline).
+    now: Instant,
+    /// Shedding left the server past its budget (only draining connections hold it): not looked
+    /// at again before this.
+    next_shed: Instant,
 }
 
 impl EventLoop {
@@ -399,6 +479,8 @@ impl EventLoop {
             accept_retry: None,
             accept_more: false,
             buffered: 0,
+            now: Instant::now(),
+            next_shed: Instant::now(),
         })
     }
 
@@ -423,6 +505,7 @@ impl EventLoop {
             if self.cancel.is_cancelled() {
                 return Ok(());
             }
+            self.now = Instant::now();
             let shared = self.shared.clone();
             let mut state = shared.lock();
             let mut accept = std::mem::take(&mut self.accept_more) || self.accept_retry.is_some_and(|at| at <= Instant::now());
@@ -460,13 +543,26 @@ impl EventLoop {
     }
 
     /// Closes the connections that stalled: no handshake, or a request begun and not finished,
-    /// and not a byte for `stall_timeout` (a connection this server stopped reading is not one).
+    /// and not a byte for `stall_timeout` (a connection this server stopped reading is not one);
+    /// or the peer ended its stream and has taken no byte of its replies for `stall_timeout`.
     fn sweep(&mut self) {
         let stall = self.limits.stall_timeout;
         let now = Instant::now();
         self.next_sweep = now + stall.min(Duration::from_secs(1)) / 2;
         for (slot, c) in self.conns.iter_mut().enumerate() {
             let Some(c) = c.as_mut() else { continue };
+            if c.eof {
+                // Its stream ended: only replies are left, and the peer must take them.
+                if !c.closing && now.saturating_duration_since(c.last_taken) >= stall {
+                    let e = RdzvError::TcpStoreProtocol(format!(
+                        "the peer ended its stream and took no byte of its {} remaining reply bytes for {stall:?}",
+                        c.held_bytes()
+                    ));
+                    c.closing = true;
+                    self.closing.push((slot, Close::Violation(e)));
+                }
+                continue;
+            }
             let waiting_on_peer = !c.parser.is_validated() || c.parser.is_mid_request();
             if c.closing || c.unread || !c.pending.is_empty() || !waiting_on_peer || now.duration_since(c.last_read) < stall {
                 continue;
@@ -524,6 +620,10 @@ impl EventLoop {
                 in_backlog: false,
                 closing: false,
                 hung_up: false,
+                eof: false,
+                cut: false,
+                last_taken: self.now,
+                drain: Drain::new(self.now),
                 pending: VecDeque::new(),
                 pending_bytes: 0,
                 accounted: 0,
@@ -534,45 +634,67 @@ impl EventLoop {
         self.accept_more = true;
     }
 
-    /// Brings connection `c`'s share of the `buffered` total up to date.
-    fn account(buffered: &mut usize, c: &mut Conn) {
-        let now = c.buffered();
-        *buffered = buffered.saturating_sub(c.accounted) + now;
-        c.accounted = now;
+    /// Brings connection `c`'s share of the `buffered` total up to date, and its drain meter
+    /// (replies that began to be held start its window).
+    fn account(buffered: &mut usize, c: &mut Conn, now: Instant) {
+        let replies = c.held_bytes();
+        c.drain.update(now, 0, replies);
+        let held = c.buffered();
+        *buffered = buffered.saturating_sub(c.accounted) + held;
+        c.accounted = held;
     }
 
-    /// Over [`TcpStoreLimits::max_buffered_bytes`]: closes the connections holding the most until
-    /// the rest hold less. Only a peer that sends requests it does not finish, or asks for
-    /// replies it does not read, on many connections at once gets here.
+    /// Over [`TcpStoreLimits::max_buffered_bytes`]: closes connections that hold bytes nobody
+    /// moves (replies their peer does not take, requests it does not finish), those whose peer
+    /// ended its stream first, then the largest, until the rest hold less; never one whose peer
+    /// takes its replies at a reasonable rate (see [`shed`]). Only a peer that sends requests it
+    /// does not finish, or asks for replies it does not read, on many connections at once gets
+    /// here.
     fn shed(&mut self) {
         let max = self.limits.max_buffered_bytes;
-        if self.buffered <= max {
+        if self.buffered <= max || self.now < self.next_shed {
             return;
         }
-        let mut holders: Vec<(usize, usize)> = self
-            .conns
-            .iter()
-            .enumerate()
-            .filter_map(|(slot, c)| c.as_ref().filter(|c| !c.closing && c.accounted > 0).map(|c| (c.accounted, slot)))
-            .collect();
-        holders.sort_unstable_by(|a, b| b.cmp(a));
         let total = self.buffered;
         // What connections already closing hold goes with them (counted off when they close):
         // not a reason to close another one.
         let going: usize = self.conns.iter().flatten().filter(|c| c.closing).map(|c| c.accounted).sum();
-        let mut left = total.saturating_sub(going);
-        for (bytes, slot) in holders {
-            if left <= max {
-                break;
-            }
+        let left = total.saturating_sub(going);
+        if left <= max {
+            return;
+        }
+        let now = self.now;
+        let holders: Vec<Holder> = self
+            .conns
+            .iter()
+            .enumerate()
+            .filter_map(|(slot, c)| {
+                let c = c.as_ref().filter(|c| !c.closing && c.accounted > 0)?;
+                Some(Holder { slot, bytes: c.accounted, half_closed: c.eof, draining: c.drain.draining(now) })
+            })
+            .collect();
+        let mut left = left;
+        for slot in shed::pick(holders, left, max) {
             let Some(c) = self.conns.get_mut(slot).and_then(Option::as_mut) else { continue };
+            let why = if c.eof {
+                "its peer ended its stream and is not taking its replies"
+            } else if c.held_bytes() > 0 {
+                "its peer is not taking its replies"
+            } else {
+                "its peer has not finished its request"
+            };
             let e = RdzvError::TcpStoreProtocol(format!(
-                "it holds {bytes} of the {total} bytes the server holds for all connections (unfinished requests and unread replies), past max_buffered_bytes {max}"
+                "it holds {} of the {total} bytes the server holds for all connections (unfinished requests and unread replies), past max_buffered_bytes {max}, and {why}",
+                c.accounted
             ));
+            left = left.saturating_sub(c.accounted);
             c.closing = true;
             self.closing.push((slot, Close::Violation(e)));
             self.shared.shed_connections.fetch_add(1, Ordering::Relaxed);
-            left -= bytes;
+        }
+        if left > max {
+            tracing::debug!(held = left, max_buffered_bytes = max, "tcpstore: past the budget, but only connections that drain hold it");
+            self.next_shed = now + SHED_RECHECK;
         }
     }
 
@@ -586,41 +708,68 @@ impl EventLoop {
     /// Reads what arrived on connection `slot` and applies it. `hung_up`: the event said the
     /// peer closed or reset the connection.
     fn read(&mut self, slot: usize, state: &mut StoreState, hung_up: bool) {
+        let now = self.now;
         let Some(c) = self.conns.get_mut(slot).and_then(Option::as_mut) else { return };
         if c.closing {
             return;
         }
         // The hang-up is reported once (edge-triggered): a peer that is gone is not paused any
-        // more, so what it sent before its close is still served and the end of the stream
-        // closes the connection, instead of its socket and waits staying until the pause ended.
+        // more, so what it sent before its close is still read, and the end of the stream is
+        // seen, instead of its socket and waits staying until the pause ended.
         c.hung_up |= hung_up;
         let mut close = None;
         // Requests held back by the budget go first; nothing more is read until they are applied.
-        if !c.pending.is_empty() {
+        let had_pending = !c.pending.is_empty();
+        if had_pending {
             if let Err(e) = c.apply_pending(state, &mut self.woken) {
                 close = Some(Close::Violation(e));
             }
             self.shared.peak_held_bytes.fetch_max(c.held_bytes(), Ordering::Relaxed);
             Self::mark_dirty(&mut self.dirty, slot, c);
         }
-        // A peer that hung up is read on to its end, which closes the connection: what it
-        // sent is bounded, and requests it can no longer be answered for are dropped with it.
+        // The stream ended earlier: nothing is left to read, only held-back requests to apply
+        // (above, as far as the budget allows) and replies to write (`flush_dirty` closes the
+        // connection after the last one).
+        if c.eof {
+            match close {
+                Some(close) => {
+                    c.closing = true;
+                    self.closing.push((slot, close));
+                }
+                None if had_pending => {
+                    c.settle(state, &mut self.woken);
+                    c.unread = !c.pending.is_empty();
+                    if c.unread && !c.paused() && !c.in_backlog {
+                        c.in_backlog = true;
+                        self.backlog.push(slot);
+                    }
+                }
+                None => {}
+            }
+            Self::account(&mut self.buffered, c, now);
+            self.deliver_wakes();
+            return;
+        }
+        // A peer that hung up is read on to the end of its stream: what it sent is bounded.
         if close.is_none() && !c.hung_up && (c.paused() || !c.pending.is_empty()) {
             c.unread = true;
-            Self::account(&mut self.buffered, c);
+            Self::account(&mut self.buffered, c, now);
             self.deliver_wakes();
             return;
         }
         if close.is_none() {
             c.unread = false;
         }
+        let mut ended = false;
         for n_read in 1..=READS_PER_TURN {
             if close.is_some() {
                 break;
             }
             let n = match c.stream.read(&mut self.read_buf) {
+                // The end of the stream: a close, or a shutdown(SHUT_WR) of a peer that still
+                // reads. Either way what it sent is finished first (see `Conn::end_of_stream`).
                 Ok(0) => {
-                    close = Some(Close::Peer);
+                    ended = true;
                     break;
                 }
                 Ok(n) => {
@@ -664,6 +813,15 @@ impl EventLoop {
                 break;
             }
         }
+        if ended && close.is_none() {
+            if let Err(e) = c.end_of_stream(state, &mut self.woken, now) {
+                close = Some(Close::Violation(e));
+            }
+            // Held-back requests are applied as the peer takes its replies (from the backlog).
+            c.unread = !c.pending.is_empty();
+            self.shared.peak_held_bytes.fetch_max(c.held_bytes(), Ordering::Relaxed);
+            Self::mark_dirty(&mut self.dirty, slot, c);
+        }
         if c.unread && !c.paused() && !c.in_backlog {
             c.in_backlog = true;
             self.backlog.push(slot);
@@ -672,7 +830,7 @@ impl EventLoop {
             c.closing = true;
             self.closing.push((slot, close));
         }
-        Self::account(&mut self.buffered, c);
+        Self::account(&mut self.buffered, c, now);
         self.deliver_wakes();
     }
 
@@ -685,7 +843,7 @@ impl EventLoop {
             c.queue.woken(id);
             Self::mark_dirty(&mut self.dirty, slot, c);
             // A pause on pending waits may be over.
-            Self::account(&mut self.buffered, c);
+            Self::account(&mut self.buffered, c, self.now);
             if c.unread && !c.paused() && !c.in_backlog {
                 c.in_backlog = true;
                 self.backlog.push(slot);
@@ -718,6 +876,7 @@ impl EventLoop {
                 c.out_at = 0;
             }
             c.queue.take_ready(&mut c.out);
+            let mut wrote = 0;
             while !c.write_blocked && c.out_at < c.out.len() {
                 match c.stream.write(&c.out[c.out_at..]) {
                     Ok(0) => {
@@ -725,7 +884,10 @@ impl EventLoop {
                         self.closing.push((slot, Close::Peer));
                         break;
                     }
-                    Ok(n) => c.out_at += n,
+                    Ok(n) => {
+                        c.out_at += n;
+                        wrote += n;
+                    }
                     Err(e) if e.kind() == ErrorKind::WouldBlock => c.write_blocked = true,
                     Err(e) if e.kind() == ErrorKind::Interrupted => {}
                     Err(e) => {
@@ -743,17 +905,36 @@ impl EventLoop {
                     c.out = Vec::new();
                 }
             }
+            if wrote > 0 {
+                let left = c.held_bytes();
+                c.last_taken = self.now;
+                c.drain.update(self.now, wrote, left);
+            }
             // What was written is no longer held: a client that read its reply must not count
             // toward max_buffered_bytes (shed() would close it for bytes it already has).
-            Self::account(&mut self.buffered, c);
+            Self::account(&mut self.buffered, c, self.now);
             if c.unread && !c.paused() && !c.in_backlog {
                 c.in_backlog = true;
                 self.backlog.push(slot);
+            }
+            // The peer ended its stream and has every reply: an ordinary close.
+            if c.finished() && !c.closing {
+                c.closing = true;
+                self.closing.push((slot, Close::Peer));
             }
         }
     }
 
     fn close_pending(&mut self, state: &mut StoreState) {
+        // Until none is left: the flush of hand-on wake-ups may finish a connection whose peer
+        // ended its stream (or fail a write), listing it anew. A round lists more only after it
+        // closed one, so this ends.
+        while !self.closing.is_empty() {
+            self.close_listed(state);
+        }
+    }
+
+    fn close_listed(&mut self, state: &mut StoreState) {
         for (slot, why) in std::mem::take(&mut self.closing) {
             let Some(mut c) = self.conns.get_mut(slot).and_then(Option::take) else { continue };
             match why {

@@ -456,6 +456,15 @@ impl StoreState {
         woken
     }
 
+    /// Drops `conn`'s pending waits without reply (returned), for a connection whose peer ended
+    /// its stream and still has replies to take: the peer can no longer cancel them, the server
+    /// has no deadline for them, and torch's servers drop a client's waits when its stream ends
+    /// (tcpstore.md §4.2: `clearSocketWaitState`). Queue items it was woken for stay its own
+    /// until [`StoreState::disconnect`] (a pop it sent may still be applied).
+    pub fn cancel_waits(&mut self, conn: ConnId) -> Vec<WaitId> {
+        self.drop_waits(conn)
+    }
+
     /// Wakes another waiter for each queue in `keys` whose wake-up a connection will not use, if
     /// an item is left that no woken connection is on its way to (a client that was not waiting
     /// may have popped it meanwhile).

@@ -598,3 +598,48 @@ fn a_pipelined_set_on_the_waiting_connection_wakes_its_own_wait() {
     let id = pending(&mut s, A, wait(&["/x"]));
     assert_eq!(ok(&mut s, A, set("/x", "1")).woken, vec![id]);
 }
+
+/// The end of a peer's stream: its waits are dropped (nothing wakes them later), while a queue
+/// item it was woken for stays its own until it disconnects (a pop it sent may still be applied).
+#[test]
+fn cancel_waits_drops_the_waits_and_keeps_the_queue_wake_ups_until_the_disconnect() {
+    let mut s = store();
+    let x = pending(&mut s, A, wait(&["/x"]));
+    let _bar = pending(&mut s, A, Request::Barrier { key: k("/bar"), world_size: 2 });
+    let q = pending(&mut s, A, wait(&["q"]));
+    let other = pending(&mut s, B, wait(&["q"]));
+    assert_eq!(ok(&mut s, ConnId(3), Request::QueuePush { key: k("q"), value: k("1") }).woken, vec![q]);
+    let mut dropped = s.cancel_waits(A);
+    dropped.sort();
+    assert_eq!(dropped.len(), 2, "{dropped:?}");
+    assert!(dropped.contains(&x));
+    check_invariants(&s);
+    assert_eq!(s.stats().n_waits, 1, "B's wait is untouched");
+    // A later write wakes nobody of A's.
+    assert!(ok(&mut s, B, set("/x", "1")).woken.is_empty());
+    // The queue wake-up is handed on only when A disconnects.
+    assert_eq!(s.disconnect(A), vec![other]);
+    check_invariants(&s);
+}
+
+#[test]
+fn the_reply_queue_cut_drops_the_first_pending_wait_and_everything_after_it() {
+    let mut s = store();
+    let mut q = ReplyQueue::new();
+    q.push(ok(&mut s, A, Request::Ping { nonce: 1 }).reply);
+    let first = pending(&mut s, A, wait(&["/x"]));
+    q.push(Reply::Pending(first));
+    q.push(ok(&mut s, A, Request::Get { key: k("/x") }).reply);
+    let second = pending(&mut s, A, wait(&["/y"]));
+    q.push(Reply::Pending(second));
+    assert_eq!((q.n_bytes(), q.n_pending()), (4 + 8, 2));
+    assert!(q.cut_at_first_pending());
+    assert_eq!((q.n_bytes(), q.n_pending()), (4, 0));
+    // A wake-up of a cut wait is ignored.
+    q.woken(first);
+    let mut out = Vec::new();
+    q.take_ready(&mut out);
+    assert_eq!(out, 1u32.to_le_bytes());
+    assert!(q.is_empty());
+    assert!(!q.cut_at_first_pending(), "nothing left to cut");
+}
