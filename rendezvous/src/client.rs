@@ -2,8 +2,10 @@
 //!
 //! Every call has a deadline. Calls that fail because the service is unreachable (restarting, say)
 //! are retried with exponential backoff until that deadline, over a lazily reconnecting channel, so a
-//! `kill -9` and restart of the daemon is a pause, not an error. Non-idempotent store calls carry a
-//! request id, so a retry is answered from the daemon's memory instead of being applied twice.
+//! `kill -9` and restart of the daemon is a pause, not an error. Every store write (set, multi-set,
+//! add, compare-set, delete) and barrier arrival carries a request id, drawn once per call and
+//! sent again by its retries, so a retry whose first attempt was applied (its answer lost) is
+//! answered from the daemon's memory instead of being applied again.
 //!
 //! The endpoint may list several daemons (`h1:29400,h2:29400`): a highly available group. A standby
 //! refuses with a hint naming the leader, and the client goes there at once; an endpoint that does
@@ -970,11 +972,18 @@ impl StoreClient {
         self.scope.round
     }
 
-    /// Sets a key.
+    /// Sets a key. A retry whose first attempt was applied is not applied again (it would
+    /// overwrite what another client wrote meanwhile).
     pub async fn set(&self, key: &str, value: &[u8]) -> Result<(), RdzvError> {
+        let id = request_id();
         self.client
             .call("store set", Duration::ZERO, |mut c, _| {
-                let req = pb::StoreSetRequest { scope: Some(self.scope.clone()), key: key.into(), value: value.to_vec() };
+                let req = pb::StoreSetRequest {
+                    scope: Some(self.scope.clone()),
+                    key: key.into(),
+                    value: value.to_vec(),
+                    request_id: id.clone(),
+                };
                 async move { c.store_set(req).await }
             })
             .await
@@ -1053,12 +1062,14 @@ impl StoreClient {
             .map(|_| ())
     }
 
-    /// Deletes a key; `true` when it existed.
+    /// Deletes a key; `true` when it existed (when this call's first applied attempt found it:
+    /// a retry answers that attempt's result).
     pub async fn delete(&self, key: &str) -> Result<bool, RdzvError> {
+        let id = request_id();
         let r = self
             .client
             .call("store delete", Duration::ZERO, |mut c, _| {
-                let req = pb::StoreDeleteRequest { scope: Some(self.scope.clone()), key: key.into() };
+                let req = pb::StoreDeleteRequest { scope: Some(self.scope.clone()), key: key.into(), request_id: id.clone() };
                 async move { c.store_delete(req).await }
             })
             .await?;
@@ -1082,13 +1093,16 @@ impl StoreClient {
         Ok(r.values)
     }
 
-    /// Sets several keys at once (all or nothing).
+    /// Sets several keys at once (all or nothing). Retries are not applied twice, as for
+    /// [`StoreClient::set`].
     pub async fn multi_set(&self, entries: &[(&str, &[u8])]) -> Result<(), RdzvError> {
+        let id = request_id();
         self.client
             .call("store multi-set", Duration::ZERO, |mut c, _| {
                 let req = pb::StoreMultiSetRequest {
                     scope: Some(self.scope.clone()),
                     entries: entries.iter().map(|(k, v)| pb::KeyValue { key: k.to_string(), value: v.to_vec() }).collect(),
+                    request_id: id.clone(),
                 };
                 async move { c.store_multi_set(req).await }
             })

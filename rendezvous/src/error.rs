@@ -94,8 +94,11 @@ pub enum RdzvError {
     /// The daemon is shutting down.
     #[error("the rendezvous service is shutting down")]
     ShuttingDown,
-    /// HA: this daemon is not the leader (a standby, or a leader that lost its lease); the call was
-    /// not applied. Travels as `UNAVAILABLE` with a [`pb::NotLeader`] in the status details.
+    /// HA: this daemon is not the leader (a standby, or a leader that lost its lease or reached its
+    /// lease's local deadline). A call refused on arrival was not applied; one refused when its
+    /// answer was due (the leader stepped down meanwhile) may have been, like any `UNAVAILABLE`
+    /// (clients retry with the same request id). Travels as `UNAVAILABLE` with a
+    /// [`pb::NotLeader`] in the status details.
     #[error("this rendezvous daemon is not the leader{}", leader_hint(leader, *epoch))]
     NotLeader {
         /// The leader's advertised address, when known.

@@ -3,21 +3,31 @@
 //! Layout of `--data-dir`:
 //! - `snapshot`: `RSRUNSN1` magic, last included sequence number (u64 LE), payload length (u64 LE),
 //!   CRC-32 of the payload (u32 LE), payload = postcard-encoded [`State`].
-//! - `journal-<first seq, 20 digits>.log`: records `[len u32 LE][crc32 u32 LE][postcard Entry]`.
+//! - `journal-<first seq, 20 digits>.log`: the `RSRUNJL4` magic (written with the file, atomically),
+//!   then one batch frame per append (a group commit):
+//!   `[RSJB][record count u32 LE][payload length u32 LE][CRC-32 u32 LE][payload]`, the CRC over the
+//!   count, the length and the payload; the payload is the group's records
+//!   `[len u32 LE][crc32 u32 LE][postcard Entry]` (as [`encode`] frames them, and etcd stores them).
 //! - `lock`: held with `flock` so two daemons never share a directory.
-//! - `format`: the encoding version of the records and the snapshot ([`FORMAT_VERSION`]). A directory
-//!   written in another version is refused with an error naming both versions, never misread.
+//! - `format`: the directory's version ([`FORMAT_VERSION`]: the encoding of the records and the
+//!   snapshot, and the framing of the logs). Any other version is refused with an error naming both
+//!   versions, never misread.
 //!
 //! Every record carries its sequence number; recovery loads the snapshot and replays the records
 //! after the snapshot's sequence, so a crash between writing a snapshot and deleting the older logs
-//! replays nothing twice. A torn record at the very end of the last log (a write the crash cut short,
-//! which was therefore never acknowledged) is truncated; damage anywhere else is an error naming the
-//! file and offset, never silently skipped.
+//! replays nothing twice. A group commit is one batch, and a batch is replayed whole or not at all:
+//! none of its records was acknowledged before its fsync returned, so a batch that a crash cut short
+//! (the last one of the last log, torn, or zero-filled where the size was persisted and the data
+//! not) is truncated, with a warning naming the file, the offset and the bytes dropped. Damage
+//! anywhere else (in an earlier log, or followed by a valid batch) is an error naming the file and
+//! offset, never silently skipped.
 //!
-//! Snapshots and log switches are written atomically: temp file, fsync, rename, fsync of the directory.
+//! Snapshots, new logs and the `format` file are written atomically: temp file, fsync, rename,
+//! fsync of the directory.
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Write};
+use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::os::unix::fs::OpenOptionsExt as _;
 
@@ -28,12 +38,28 @@ use crate::state::{Command, Ms, State};
 use crate::validate::Limits;
 
 const SNAPSHOT_MAGIC: &[u8; 8] = b"RSRUNSN1";
-/// Version of the postcard encoding of [`Entry`] and [`State`]; bumped whenever a journaled type
-/// changes shape. 2: `JobSpec::fixed_ranks`. 3: `State::retired`. Directories without a
-/// `format` file hold version 1.
-pub const FORMAT_VERSION: u32 = 3;
-/// Largest record accepted when reading (a longer length field is damage, not data).
+/// Version of a data directory (its `format` file) and of the postcard encoding of [`Entry`] and
+/// [`State`] (what etcd's format key holds); bumped whenever a journaled type or the framing
+/// changes shape. 2: `JobSpec::fixed_ranks`. 3: `State::retired`. 4: request ids of `StoreSet`,
+/// `StoreMultiSet` and `StoreDelete` (and their `Dedup` answers), and logs of batch frames.
+/// Directories without a `format` file hold version 1.
+pub const FORMAT_VERSION: u32 = 4;
+/// The version of a data directory, its `format` file.
+const DIR_FORMAT: u32 = FORMAT_VERSION;
+/// Largest record accepted (a longer length field is damage, not data).
 const MAX_RECORD: u32 = 512 << 20;
+/// First bytes of every log of a format-4 directory. Read as the length of a bare record (what
+/// logs of formats 1 to 3 start with) it is past [`MAX_RECORD`]: the two framings never look alike.
+const LOG_MAGIC: &[u8; 8] = b"RSRUNJL4";
+/// First bytes of every batch frame.
+const BATCH_MAGIC: &[u8; 4] = b"RSJB";
+/// Bytes of a batch header: magic, record count, payload length, CRC-32.
+const BATCH_HEADER: usize = 16;
+/// Largest batch payload accepted (a longer length field is damage, not data). The executor never
+/// queues more than 256 MiB of unwritten records plus one record (at most [`MAX_RECORD`]) for one
+/// append; [`Journal::append`] splits a larger one into several batches rather than write one
+/// that recovery would refuse.
+const MAX_BATCH: u32 = 1 << 30;
 
 /// One journaled command.
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -99,23 +125,24 @@ fn fsync_dir(dir: &Path) -> Result<(), RdzvError> {
     File::open(dir).and_then(|d| d.sync_all()).map_err(|e| storage(dir, "cannot fsync directory", e))
 }
 
-/// Checks (or, for a new directory, writes) the directory's encoding version.
+/// Checks (or, for a new directory, writes) the directory's version.
 fn check_format(dir: &Path, has_data: bool) -> Result<(), RdzvError> {
     let path = dir.join("format");
     let found = match fs::read_to_string(&path) {
         Ok(text) => text.trim().parse::<u32>().map_err(|_| storage(&path, "not a format version", format!("{:?}", text.trim())))?,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound && !has_data => {
-            return write_atomic(dir, &path, format!("{FORMAT_VERSION}\n").as_bytes());
+            write_atomic(dir, &path, format!("{DIR_FORMAT}\n").as_bytes())?;
+            return Ok(());
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => 1,
         Err(e) => return Err(storage(&path, "cannot read", e)),
     };
-    if found != FORMAT_VERSION {
+    if found != DIR_FORMAT {
         return Err(storage(
             &path,
             "unsupported journal format",
             format!(
-                "the data directory holds format {found}, this rsrun-rendezvous reads format {FORMAT_VERSION}: let its jobs end under the rsrun-rendezvous that wrote it, or start with an empty --data-dir"
+                "the data directory holds format {found}, this rsrun-rendezvous reads format {DIR_FORMAT}: let its jobs end under the rsrun-rendezvous that wrote it, or start with an empty --data-dir"
             ),
         ));
     }
@@ -217,81 +244,197 @@ fn snapshot_bytes(state: &State, seq: u64) -> Result<Vec<u8>, RdzvError> {
     Ok(out)
 }
 
-/// Reads the records of one log. Returns the entries and the length of the valid prefix.
-fn read_log(path: &Path, is_last: bool) -> Result<(Vec<Entry>, u64, u64), RdzvError> {
+/// What one log held.
+struct LogRead {
+    /// Its records, in order.
+    entries: Vec<Entry>,
+    /// Bytes of its valid prefix: where a torn tail starts.
+    valid: u64,
+    /// Bytes of the torn tail after it (0: none).
+    torn: u64,
+    /// Why the tail is a write a crash cut short (empty when there is none).
+    why: String,
+}
+
+/// Reads one log: batch frames after [`LOG_MAGIC`]. Only the last log (`is_last`) may end in a torn
+/// tail.
+fn read_log(path: &Path, is_last: bool) -> Result<LogRead, RdzvError> {
     let mut bytes = Vec::new();
     File::open(path)
         .and_then(|mut f| f.read_to_end(&mut bytes))
         .map_err(|e| storage(path, "cannot read journal", e))?;
-    let mut entries = Vec::new();
-    let mut at = 0usize;
-    while at < bytes.len() {
-        let torn = |why: &str| -> Result<(Vec<Entry>, u64, u64), RdzvError> {
-            Err(storage(path, &format!("journal damaged at offset {at}"), why))
-        };
-        if bytes.len() - at < 8 {
-            if is_last {
-                break;
-            }
-            return torn("record header cut short");
-        }
-        let len = u32::from_le_bytes([bytes[at], bytes[at + 1], bytes[at + 2], bytes[at + 3]]);
-        let crc = u32::from_le_bytes([bytes[at + 4], bytes[at + 5], bytes[at + 6], bytes[at + 7]]);
-        let end = at + 8 + len as usize;
-        // No write makes a record this long: the length itself is damaged, and taking it for a
-        // torn tail would throw away every acknowledged record after `at`.
-        if len > MAX_RECORD {
-            return torn(&format!("record length {len} exceeds the largest record ({MAX_RECORD} bytes)"));
-        }
-        if end > bytes.len() {
-            if !is_last {
-                return torn("record cut short");
-            }
-            // A torn final write, unless a whole record follows: then this length is damaged,
-            // and taking it for a torn tail would drop the acknowledged records after it.
-            if let Some(next) = next_valid_record(&bytes, at + 1) {
-                return torn(&format!("record length {len} runs past the end of the log, but a valid record starts at offset {next}"));
-            }
-            break;
-        }
-        let payload = &bytes[at + 8..end];
-        // A write the crash cut short can only be at the end of the last log: the final record, or a
-        // tail the file system zero-filled (size persisted, data not). Anything followed by valid
-        // data is damage.
-        let zero_tail = bytes[at..].iter().all(|b| *b == 0);
-        if crc32fast::hash(payload) != crc || len == 0 {
-            if is_last && (end == bytes.len() || zero_tail) {
-                break;
-            }
-            return torn("checksum mismatch");
-        }
-        let entry: Entry = match postcard::from_bytes(payload) {
-            Ok(e) => e,
-            Err(e) => {
-                if is_last && zero_tail {
-                    break;
-                }
-                return torn(&format!("undecodable record: {e}"));
-            }
-        };
-        entries.push(entry);
-        at = end;
+    if bytes.starts_with(LOG_MAGIC) {
+        return read_batches(path, &bytes, is_last);
     }
-    Ok((entries, at as u64, (bytes.len() - at) as u64))
+    Err(storage(
+        path,
+        "journal damaged at offset 0",
+        format!(
+            "the log starts with {:02x?}, not with {:?} as every log of a format-{DIR_FORMAT} directory does",
+            &bytes[..bytes.len().min(LOG_MAGIC.len())],
+            String::from_utf8_lossy(LOG_MAGIC)
+        ),
+    ))
 }
 
-/// The offset of the first whole, valid record (its checksum matches and it decodes) at or after
-/// `from`, if any: what tells a damaged length in the middle of a log from a torn final write.
-fn next_valid_record(bytes: &[u8], from: usize) -> Option<usize> {
-    (from..bytes.len().saturating_sub(8)).find(|&p| {
-        let len = u32::from_le_bytes([bytes[p], bytes[p + 1], bytes[p + 2], bytes[p + 3]]) as usize;
-        let crc = u32::from_le_bytes([bytes[p + 4], bytes[p + 5], bytes[p + 6], bytes[p + 7]]);
-        let end = p + 8 + len;
-        len > 0
-            && end <= bytes.len()
-            && crc32fast::hash(&bytes[p + 8..end]) == crc
-            && postcard::from_bytes::<Entry>(&bytes[p + 8..end]).is_ok()
-    })
+/// Why the bytes at an offset of a log are not a valid batch.
+enum BadBatch {
+    /// What a write that a crash cut short leaves: a header or a payload cut short, a header the
+    /// file system zero-filled (the size persisted, the data not), a checksum that does not match.
+    Torn(String),
+    /// What no write cut short leaves: a length past any batch's, a batch whose checksum matches
+    /// but whose records do not, a batch that another batch's header follows.
+    Damaged(String),
+}
+
+/// The CRC-32 of a batch: over its record count, its payload length and its payload.
+fn batch_crc(count: u32, len: u32, payload: &[u8]) -> u32 {
+    let mut h = crc32fast::Hasher::new();
+    h.update(&count.to_le_bytes());
+    h.update(&len.to_le_bytes());
+    h.update(payload);
+    h.finalize()
+}
+
+/// The header of a batch of `count` records. The caller keeps `payload` within [`MAX_BATCH`]
+/// bytes, so its length fits the u32 field.
+fn batch_header(count: u32, payload: &[u8]) -> [u8; BATCH_HEADER] {
+    let len = payload.len() as u32;
+    let mut h = [0u8; BATCH_HEADER];
+    h[..4].copy_from_slice(BATCH_MAGIC);
+    h[4..8].copy_from_slice(&count.to_le_bytes());
+    h[8..12].copy_from_slice(&len.to_le_bytes());
+    h[12..].copy_from_slice(&batch_crc(count, len, payload).to_le_bytes());
+    h
+}
+
+/// A batch header and the range of a group's records that is its payload.
+type BatchFrame = ([u8; BATCH_HEADER], Range<usize>);
+
+/// Frames the records of one group commit (as [`encode`] writes them, concatenated) as batches:
+/// one, unless the group is larger than [`MAX_BATCH`]. Each batch is a header and the range of
+/// `records` that is its payload.
+fn batch_frames(records: &[u8]) -> Result<Vec<BatchFrame>, String> {
+    let mut frames = Vec::new();
+    let (mut start, mut at, mut count) = (0usize, 0usize, 0u32);
+    while at < records.len() {
+        let Some(head) = records.get(at..at + 8) else {
+            return Err(format!("record header cut short at offset {at} of {} bytes", records.len()));
+        };
+        let len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]);
+        if len > MAX_RECORD {
+            return Err(format!("the record at offset {at} has {len} bytes, more than the largest record ({MAX_RECORD} bytes)"));
+        }
+        let end = at + 8 + len as usize;
+        if end > records.len() {
+            return Err(format!("the record at offset {at} announces {len} bytes, past the end of the {} bytes given", records.len()));
+        }
+        if count > 0 && end - start > MAX_BATCH as usize {
+            frames.push((batch_header(count, &records[start..at]), start..at));
+            (start, count) = (at, 0);
+        }
+        count += 1;
+        at = end;
+    }
+    if count > 0 {
+        frames.push((batch_header(count, &records[start..at]), start..at));
+    }
+    Ok(frames)
+}
+
+/// Reads the batch at `at`: its entries and the offset where it ends.
+fn read_batch(bytes: &[u8], at: usize) -> Result<(Vec<Entry>, usize), BadBatch> {
+    let Some(header) = bytes.get(at..at + BATCH_HEADER) else {
+        return Err(BadBatch::Torn(format!("batch header cut short ({} of {BATCH_HEADER} bytes)", bytes.len().saturating_sub(at))));
+    };
+    let word = |i: usize| u32::from_le_bytes([header[i], header[i + 1], header[i + 2], header[i + 3]]);
+    let (count, len, crc) = (word(4), word(8), word(12));
+    let start = at + BATCH_HEADER;
+    let end = start + len as usize;
+    let checksum_matches = len <= MAX_BATCH && end <= bytes.len() && batch_crc(count, len, &bytes[start..end]) == crc;
+    if &header[..4] != BATCH_MAGIC {
+        if checksum_matches {
+            return Err(BadBatch::Damaged(format!(
+                "batch magic {:02x?} is not {BATCH_MAGIC:02x?}, though the checksum of the batch it heads matches",
+                &header[..4]
+            )));
+        }
+        return Err(BadBatch::Torn(format!("no batch header (it starts with {:02x?})", &header[..4])));
+    }
+    // No write makes a batch this long: the length itself is damaged, and taking it for a torn
+    // tail would throw away every acknowledged record after `at`.
+    if len > MAX_BATCH {
+        return Err(BadBatch::Damaged(format!("batch length {len} exceeds the largest batch ({MAX_BATCH} bytes)")));
+    }
+    if end > bytes.len() {
+        return Err(BadBatch::Torn(format!("batch of {len} bytes cut short after {} bytes", bytes.len() - start)));
+    }
+    if !checksum_matches {
+        // A batch whose length leads to the next batch's header was whole when that one was
+        // appended (an append starts only after the one before it returned).
+        if bytes.get(end..end + BATCH_MAGIC.len()) == Some(BATCH_MAGIC.as_slice()) {
+            return Err(BadBatch::Damaged(format!("checksum mismatch in a batch of {len} bytes that the next batch's header follows")));
+        }
+        return Err(BadBatch::Torn(format!("checksum mismatch in a batch of {len} bytes")));
+    }
+    let entries = decode_records(&bytes[start..end])
+        .map_err(|e| BadBatch::Damaged(format!("the batch's checksum matches, but its payload does not hold whole records: {e} of the payload")))?;
+    if entries.is_empty() || entries.len() != count as usize {
+        return Err(BadBatch::Damaged(format!("the batch header counts {count} records, its payload holds {}", entries.len())));
+    }
+    Ok((entries, end))
+}
+
+/// The offset of the first valid batch (its checksum matches and its records decode) at or after
+/// `from`, if any: what tells damage in the middle of a log from a torn final write.
+fn next_valid_batch(bytes: &[u8], from: usize) -> Option<usize> {
+    (from..bytes.len().saturating_sub(BATCH_HEADER - 1)).find(|&p| bytes[p..].starts_with(BATCH_MAGIC) && read_batch(bytes, p).is_ok())
+}
+
+/// Writes batches ([`batch_frames`] of `records`) and syncs them.
+fn write_frames(log: &mut File, records: &[u8], frames: &[([u8; BATCH_HEADER], Range<usize>)]) -> std::io::Result<()> {
+    for (header, payload) in frames {
+        log.write_all(header)?;
+        // In bounds: `batch_frames` made every range within `records`.
+        log.write_all(&records[payload.clone()])?;
+    }
+    log.sync_data()
+}
+
+/// Reads the batches of a log that starts with [`LOG_MAGIC`]. A batch is taken whole or not at
+/// all; the last log may end in one batch that a crash cut short, which is dropped whole (none of
+/// its records was acknowledged: the fsync that would have made them durable never returned).
+fn read_batches(path: &Path, bytes: &[u8], is_last: bool) -> Result<LogRead, RdzvError> {
+    let mut entries = Vec::new();
+    let mut at = LOG_MAGIC.len();
+    let mut why = String::new();
+    while at < bytes.len() {
+        let problem = match read_batch(bytes, at) {
+            Ok((batch, end)) => {
+                entries.extend(batch);
+                at = end;
+                continue;
+            }
+            Err(problem) => problem,
+        };
+        let damaged = |why: String| storage(path, &format!("journal damaged at offset {at}"), why);
+        let torn = match problem {
+            BadBatch::Damaged(why) => return Err(damaged(why)),
+            BadBatch::Torn(why) => why,
+        };
+        if !is_last {
+            return Err(damaged(format!("{torn}, in a log that a newer log follows")));
+        }
+        // Only the last append can have been cut short, and nothing follows it: a valid batch
+        // after `at` means the bytes at `at` were whole once, and taking them for a torn tail
+        // would drop the acknowledged records from there on.
+        if let Some(next) = next_valid_batch(bytes, at + 1) {
+            return Err(damaged(format!("{torn}, but a valid batch starts at offset {next}")));
+        }
+        why = torn;
+        break;
+    }
+    Ok(LogRead { entries, valid: at as u64, torn: (bytes.len() - at) as u64, why })
 }
 
 /// The snapshot's sequence number against the newest log (first sequence `first`, last record
@@ -374,12 +517,18 @@ impl Journal {
         let mut last_at = 0;
         for (i, (first, path)) in logs.iter().enumerate() {
             let is_last = i + 1 == logs.len();
-            let (entries, valid, torn) = read_log(path, is_last)?;
+            let LogRead { entries, valid, torn, why } = read_log(path, is_last)?;
             if is_last {
                 check_snapshot_seq(&snap_path, snapshot_seq, *first, entries.last().map(|e| e.seq))?;
             }
             if torn > 0 {
-                tracing::warn!(path = %path.display(), torn_bytes = torn, "truncating a torn journal tail (an unacknowledged write)");
+                tracing::warn!(
+                    path = %path.display(),
+                    offset = valid,
+                    dropped_bytes = torn,
+                    reason = %why,
+                    "truncating a torn journal tail: the last write, which a crash cut short and which was acknowledged to no one"
+                );
                 truncated_bytes = torn;
                 let f = OpenOptions::new().write(true).open(path).map_err(|e| storage(path, "cannot open", e))?;
                 f.set_len(valid).and_then(|_| f.sync_all()).map_err(|e| storage(path, "cannot truncate", e))?;
@@ -424,43 +573,47 @@ impl Journal {
             }
         }
         fsync_dir(dir)?;
-        let journal = Journal { dir: dir.to_path_buf(), log, log_path, log_bytes: 0, poisoned: None, _lock: lock };
+        let log_bytes = LOG_MAGIC.len() as u64;
+        let journal = Journal { dir: dir.to_path_buf(), log, log_path, log_bytes, poisoned: None, _lock: lock };
         let last_at = last_at.max(state.latest_activity());
         Ok((journal, Recovered { state, seq, replayed, truncated_bytes, last_at }))
     }
 
+    /// Creates a log that holds only its [`LOG_MAGIC`], atomically (a crash leaves it whole or
+    /// absent, never without its magic), and opens it for appending.
     fn create_log(dir: &Path, path: &Path) -> Result<File, RdzvError> {
-        let f = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .mode(FILE_MODE)
-            .open(path)
-            .map_err(|e| storage(path, "cannot create journal", e))?;
-        fsync_dir(dir)?;
-        Ok(f)
+        write_atomic(dir, path, LOG_MAGIC)?;
+        OpenOptions::new().append(true).open(path).map_err(|e| storage(path, "cannot open journal", e))
     }
 
-    /// Appends framed records and makes them durable (fdatasync).
+    /// Appends the framed records of one group commit (as [`encode`] writes them, concatenated) as
+    /// one batch frame, and makes them durable (fdatasync). Recovery replays a batch whole or not
+    /// at all, so a crash during the write loses the group whole (none of it was acknowledged).
     ///
     /// # Errors
-    /// The write or the sync failed (e.g. the disk is full). A failed append may have left a partial
-    /// record; the caller retries the same bytes, and recovery truncates a torn tail.
+    /// `records` are not whole framed records, or the write or the sync failed (e.g. the disk is
+    /// full). A failed write is undone (if that fails too, the journal refuses appends until a
+    /// restart, whose recovery truncates the torn batch); the caller retries the same bytes.
     pub fn append(&mut self, records: &[u8]) -> Result<(), RdzvError> {
         if let Some(why) = &self.poisoned {
             return Err(storage(&self.log_path, "journal unusable until restart", why));
         }
-        if let Err(e) = self.log.write_all(records).and_then(|_| self.log.sync_data()) {
+        let frames = batch_frames(records).map_err(|why| storage(&self.log_path, "cannot frame journal records", why))?;
+        if frames.is_empty() {
+            return Ok(());
+        }
+        if let Err(e) = write_frames(&mut self.log, records, &frames) {
             // Undo a partial write so a retry does not leave garbage in the middle of the log.
             if let Err(undo) = self.log.set_len(self.log_bytes) {
                 self.poisoned = Some(format!("a failed append ({e}) could not be undone ({undo})"));
             }
             return Err(storage(&self.log_path, "cannot append to journal", e));
         }
-        self.log_bytes += records.len() as u64;
+        self.log_bytes += frames.iter().map(|(_, payload)| (BATCH_HEADER + payload.len()) as u64).sum::<u64>();
         Ok(())
     }
 
-    /// Bytes in the current log.
+    /// Bytes in the current log (its magic included).
     pub fn log_bytes(&self) -> u64 {
         self.log_bytes
     }
@@ -473,7 +626,7 @@ impl Journal {
         if path != self.log_path {
             self.log = Self::create_log(&self.dir, &path)?;
             self.log_path = path;
-            self.log_bytes = 0;
+            self.log_bytes = LOG_MAGIC.len() as u64;
         }
         for (_, old) in logs_in(&self.dir)? {
             if old != self.log_path {
@@ -503,15 +656,42 @@ mod tests {
     }
 
     fn set(key: &str) -> Command {
-        Command::StoreSet { scope: Scope { job: "j".into(), round: 1, round_scoped: false }, key: key.into(), value: b"v".to_vec() }
+        Command::StoreSet { scope: Scope { job: "j".into(), round: 1, round_scoped: false }, key: key.into(), value: b"v".to_vec(), request_id: String::new() }
     }
 
-    fn write(j: &mut Journal, first: u64, cmds: &[Command]) {
+    /// The framed records of `cmds`, numbered from `first`: what the executor hands to `append`.
+    fn framed(first: u64, cmds: &[Command]) -> Vec<u8> {
         let mut buf = Vec::new();
         for (i, cmd) in cmds.iter().enumerate() {
             buf.extend(encode(&Entry { seq: first + i as u64, at: 10, cmd: cmd.clone() }).unwrap());
         }
-        j.append(&buf).unwrap();
+        buf
+    }
+
+    /// One group commit.
+    fn write(j: &mut Journal, first: u64, cmds: &[Command]) {
+        j.append(&framed(first, cmds)).unwrap();
+    }
+
+    /// The bytes `append` writes for one group: its batch frame.
+    fn batch(first: u64, cmds: &[Command]) -> Vec<u8> {
+        let records = framed(first, cmds);
+        let frames = batch_frames(&records).unwrap();
+        assert_eq!(frames.len(), 1);
+        let (header, payload) = &frames[0];
+        [header.as_slice(), &records[payload.clone()]].concat()
+    }
+
+    /// The offset and payload length of each batch of a log.
+    fn batches(log: &[u8]) -> Vec<(usize, usize)> {
+        let mut out = Vec::new();
+        let mut at = LOG_MAGIC.len();
+        while at + BATCH_HEADER <= log.len() {
+            let len = u32::from_le_bytes(log[at + 8..at + 12].try_into().unwrap()) as usize;
+            out.push((at, len));
+            at += BATCH_HEADER + len;
+        }
+        out
     }
 
     #[test]
@@ -528,9 +708,9 @@ mod tests {
             }
             j.compact(&state, 3).unwrap();
             write(&mut j, 4, &[set("k2")]);
-            // A torn record at the tail: half of one more entry.
-            let rec = encode(&Entry { seq: 5, at: 10, cmd: set("k3") }).unwrap();
-            j.log.write_all(&rec[..rec.len() / 2]).unwrap();
+            // A torn batch at the tail: half of one more group commit.
+            let torn = batch(5, &[set("k3"), set("k4")]);
+            j.log.write_all(&torn[..torn.len() / 2]).unwrap();
         }
         let (j, rec) = Journal::open(dir.path()).unwrap();
         assert_eq!(rec.seq, 4);
@@ -552,11 +732,11 @@ mod tests {
             let (mut j, _) = Journal::open(dir.path()).unwrap();
             write(&mut j, 1, &[join("a")]);
         }
-        assert_eq!(fs::read_to_string(dir.path().join("format")).unwrap().trim(), FORMAT_VERSION.to_string());
+        assert_eq!(fs::read_to_string(dir.path().join("format")).unwrap().trim(), DIR_FORMAT.to_string());
         // Data written before the format file existed is version 1.
         fs::remove_file(dir.path().join("format")).unwrap();
         let err = Journal::open(dir.path()).unwrap_err().to_string();
-        assert!(err.contains("holds format 1") && err.contains(&format!("reads format {FORMAT_VERSION}")), "{err}");
+        assert!(err.contains("format") && err.contains("holds format 1") && err.contains(&format!("reads format {DIR_FORMAT}")), "{err}");
         fs::write(dir.path().join("format"), "9\n").unwrap();
         let err = Journal::open(dir.path()).unwrap_err().to_string();
         assert!(err.contains("holds format 9"), "{err}");
@@ -564,10 +744,12 @@ mod tests {
         assert!(Journal::open(dir.path()).unwrap_err().to_string().contains("not a format version"));
     }
 
-    /// A data directory whose log holds three records; returns the log's path.
+    /// A data directory whose log holds three records in two batches (two group commits);
+    /// returns the log's path.
     fn three_records(dir: &Path) -> PathBuf {
         let (mut j, _) = Journal::open(dir).unwrap();
-        write(&mut j, 1, &[join("a"), join("b"), set("k1")]);
+        write(&mut j, 1, &[join("a"), join("b")]);
+        write(&mut j, 3, &[set("k1")]);
         j.log_path.clone()
     }
 
@@ -577,10 +759,149 @@ mod tests {
 
         let log_path = three_records(dir.path());
         let mut bytes = fs::read(&log_path).unwrap();
-        bytes[12] ^= 0xff; // inside the first record
+        bytes[12] ^= 0xff; // the first batch's record count
         fs::write(&log_path, bytes).unwrap();
         let err = Journal::open(dir.path()).unwrap_err().to_string();
-        assert!(err.contains("journal-") && err.contains("damaged at offset 0"), "{err}");
+        assert!(err.contains("journal-") && err.contains("damaged at offset 8"), "{err}");
+    }
+
+    /// A group commit that a crash cut at any byte (the file ends there, or keeps its size with
+    /// zeros from there on) is dropped whole: the records before it replay, none of its own, and
+    /// the journal takes new groups that replay after the next restart.
+    #[test]
+    fn a_group_cut_at_any_byte_is_dropped_whole() {
+        let template = tempfile::tempdir().unwrap();
+        let (log_file, before, after) = {
+            let (mut j, _) = Journal::open(template.path()).unwrap();
+            write(&mut j, 1, &[join("a"), join("b")]);
+            let before = j.log_bytes() as usize;
+            write(&mut j, 3, &[set("k1"), set("k2"), set("k3")]);
+            (j.log_path.file_name().unwrap().to_owned(), before, j.log_bytes() as usize)
+        };
+        let log = fs::read(template.path().join(&log_file)).unwrap();
+        assert_eq!(log.len(), after);
+        assert_eq!(batches(&log), [(LOG_MAGIC.len(), before - LOG_MAGIC.len() - BATCH_HEADER), (before, after - before - BATCH_HEADER)]);
+        for zero_filled in [false, true] {
+            for cut in before..after {
+                let what = format!("group cut at byte {cut} of {before}..{after} (zero-filled: {zero_filled})");
+                let dir = tempfile::tempdir().unwrap();
+                for name in ["format", "snapshot"] {
+                    fs::copy(template.path().join(name), dir.path().join(name)).unwrap();
+                }
+                if zero_filled && log[cut..].iter().all(|b| *b == 0) {
+                    // Zeros from here on are the group's own bytes (a trailing empty request id):
+                    // the file is whole.
+                    continue;
+                }
+                let mut torn = log[..cut].to_vec();
+                if zero_filled {
+                    // The size persisted, the data from `cut` on did not.
+                    torn.resize(after, 0);
+                }
+                fs::write(dir.path().join(&log_file), &torn).unwrap();
+                let (mut j, rec) = Journal::open(dir.path()).unwrap_or_else(|e| panic!("{what}: {e}"));
+                assert_eq!((rec.seq, rec.replayed, rec.truncated_bytes), (2, 2, (torn.len() - before) as u64), "{what}");
+                let job = rec.state.job("j").unwrap();
+                assert!(["k1", "k2", "k3"].iter().all(|k| !job.store.contains_key(*k)), "{what}: part of the group replayed");
+                write(&mut j, 3, &[set("n1"), set("n2")]);
+                drop(j);
+                let (_j, rec) = Journal::open(dir.path()).unwrap_or_else(|e| panic!("{what}, second restart: {e}"));
+                assert_eq!((rec.seq, rec.replayed, rec.truncated_bytes), (4, 2, 0), "{what}");
+                let job = rec.state.job("j").unwrap();
+                assert!(job.store.contains_key("n1") && job.store.contains_key("n2") && !job.store.contains_key("k1"), "{what}");
+            }
+        }
+    }
+
+    /// Damage followed by more data is no torn write: refused, naming the file and the offset of
+    /// the damaged batch, and nothing is truncated.
+    #[test]
+    fn corruption_in_the_middle_is_refused_with_its_offset() {
+        // A damaged payload byte in the first batch, a whole batch after it.
+        let dir = tempfile::tempdir().unwrap();
+        let log_path = three_records(dir.path());
+        let mut bytes = fs::read(&log_path).unwrap();
+        let b = batches(&bytes);
+        assert_eq!(b.len(), 2);
+        let (first, second) = (b[0].0, b[1].0);
+        bytes[first + BATCH_HEADER + 3] ^= 0x40;
+        fs::write(&log_path, &bytes).unwrap();
+        let err = Journal::open(dir.path()).unwrap_err().to_string();
+        assert!(err.contains(&log_path.display().to_string()), "{err}");
+        assert!(err.contains(&format!("damaged at offset {first}")) && err.contains("checksum mismatch"), "{err}");
+        assert!(err.contains("the next batch's header follows"), "{err}");
+        assert_eq!(fs::read(&log_path).unwrap(), bytes, "nothing was truncated");
+
+        // The same, and the batch after it torn: the damaged batch's length still leads to the
+        // next batch's header, so it was whole once.
+        bytes.truncate(second + BATCH_HEADER + 2);
+        fs::write(&log_path, &bytes).unwrap();
+        let err = Journal::open(dir.path()).unwrap_err().to_string();
+        assert!(err.contains(&format!("damaged at offset {first}")) && err.contains("the next batch's header follows"), "{err}");
+        assert_eq!(fs::read(&log_path).unwrap(), bytes, "nothing was truncated");
+
+        // A damaged magic on the last batch, whose checksum still matches: whole, so not torn.
+        let dir = tempfile::tempdir().unwrap();
+        let log_path = three_records(dir.path());
+        let mut bytes = fs::read(&log_path).unwrap();
+        let second = batches(&bytes)[1].0;
+        bytes[second] ^= 0x01;
+        fs::write(&log_path, &bytes).unwrap();
+        let err = Journal::open(dir.path()).unwrap_err().to_string();
+        assert!(err.contains(&format!("damaged at offset {second}")) && err.contains("checksum of the batch it heads matches"), "{err}");
+        assert_eq!(fs::read(&log_path).unwrap(), bytes, "nothing was truncated");
+
+        // A torn batch in a log that a newer log follows: only the last log may end torn.
+        let dir = tempfile::tempdir().unwrap();
+        let log_path = three_records(dir.path());
+        let mut bytes = fs::read(&log_path).unwrap();
+        let second = batches(&bytes)[1].0;
+        bytes.truncate(second + BATCH_HEADER + 2);
+        fs::write(&log_path, &bytes).unwrap();
+        let newer = [LOG_MAGIC.as_slice(), &batch(3, &[set("k2")])[..]].concat();
+        fs::write(dir.path().join(log_name(3)), newer).unwrap();
+        let err = Journal::open(dir.path()).unwrap_err().to_string();
+        assert!(err.contains(&log_path.display().to_string()) && err.contains(&format!("damaged at offset {second}")), "{err}");
+        assert!(err.contains("a newer log follows"), "{err}");
+    }
+
+    /// A complete group replays all its records.
+    #[test]
+    fn a_whole_group_replays_all_its_records() {
+        let dir = tempfile::tempdir().unwrap();
+        let log_path = {
+            let (mut j, _) = Journal::open(dir.path()).unwrap();
+            write(&mut j, 1, &[join("a"), join("b")]);
+            write(&mut j, 3, &[set("k1"), set("k2"), set("k3")]);
+            j.log_path.clone()
+        };
+        let bytes = fs::read(&log_path).unwrap();
+        assert!(bytes.starts_with(LOG_MAGIC));
+        // One batch frame per append; the group's header counts its three records.
+        let b = batches(&bytes);
+        assert_eq!(b.len(), 2);
+        let (group, len) = b[1];
+        assert_eq!(group + BATCH_HEADER + len, bytes.len());
+        assert_eq!(&bytes[group..group + 4], BATCH_MAGIC);
+        assert_eq!(u32::from_le_bytes(bytes[group + 4..group + 8].try_into().unwrap()), 3);
+        let (_j, rec) = Journal::open(dir.path()).unwrap();
+        assert_eq!((rec.seq, rec.replayed, rec.truncated_bytes), (5, 5, 0));
+        let job = rec.state.job("j").unwrap();
+        assert!(["k1", "k2", "k3"].iter().all(|k| job.store.contains_key(*k)));
+    }
+
+    /// A format-3 directory (another encoding, bare records) is refused naming both versions,
+    /// never misread; a bare-record log in a format-4 directory is damage at offset 0.
+    #[test]
+    fn an_older_directory_or_a_bare_record_log_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        fs::write(dir.path().join(log_name(1)), framed(1, &[join("a")])).unwrap();
+        fs::write(dir.path().join("format"), "3\n").unwrap();
+        let err = Journal::open(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("holds format 3") && err.contains(&format!("reads format {DIR_FORMAT}")), "{err}");
+        fs::write(dir.path().join("format"), format!("{DIR_FORMAT}\n")).unwrap();
+        let err = Journal::open(dir.path()).unwrap_err().to_string();
+        assert!(err.contains("damaged at offset 0") && err.contains("format-4 directory"), "{err}");
     }
 
     #[test]
@@ -625,10 +946,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let log_path = three_records(dir.path());
         let mut bytes = fs::read(&log_path).unwrap();
-        bytes[..4].copy_from_slice(&0xffff_fff0u32.to_le_bytes());
+        // The length of the log's last batch (nothing after it tells damage from a torn write):
+        // no write makes a batch this long.
+        bytes.truncate(batches(&bytes)[1].0);
+        bytes[16..20].copy_from_slice(&0xffff_fff0u32.to_le_bytes());
         fs::write(&log_path, &bytes).unwrap();
         let err = Journal::open(dir.path()).unwrap_err().to_string();
-        assert!(err.contains("damaged at offset 0") && err.contains("exceeds the largest record"), "{err}");
+        assert!(err.contains("damaged at offset 8") && err.contains("exceeds the largest batch"), "{err}");
         assert_eq!(fs::read(&log_path).unwrap(), bytes, "nothing was truncated");
         // A legitimate state: a crash after a compaction's snapshot, before its new log.
         let dir = tempfile::tempdir().unwrap();
@@ -645,20 +969,20 @@ mod tests {
         assert_eq!((rec.seq, rec.replayed), (2, 0));
     }
 
-    /// A damaged length in the first of three records of the last log points past its end: not a
-    /// torn write (two whole records follow), so recovery refuses instead of dropping them.
+    /// A damaged length in the first of two batches of the last log points past its end: not a
+    /// torn write (a whole batch follows), so recovery refuses instead of dropping it.
     #[test]
     fn a_damaged_length_followed_by_whole_records_is_not_a_torn_tail() {
         let dir = tempfile::tempdir().unwrap();
         let log_path = three_records(dir.path());
         let mut bytes = fs::read(&log_path).unwrap();
-        let first_len = u32::from_le_bytes(bytes[..4].try_into().unwrap());
+        let first_len = u32::from_le_bytes(bytes[16..20].try_into().unwrap());
         let past_the_end = bytes.len() as u32;
-        bytes[..4].copy_from_slice(&past_the_end.to_le_bytes());
+        bytes[16..20].copy_from_slice(&past_the_end.to_le_bytes());
         fs::write(&log_path, &bytes).unwrap();
         let err = Journal::open(dir.path()).unwrap_err().to_string();
-        let next = 8 + first_len as usize;
-        assert!(err.contains("damaged at offset 0") && err.contains(&format!("a valid record starts at offset {next}")), "{err}");
+        let next = LOG_MAGIC.len() + BATCH_HEADER + first_len as usize;
+        assert!(err.contains("damaged at offset 8") && err.contains(&format!("a valid batch starts at offset {next}")), "{err}");
         assert_eq!(fs::read(&log_path).unwrap(), bytes, "nothing was truncated");
     }
 

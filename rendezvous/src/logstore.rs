@@ -3,7 +3,8 @@
 //! for it to say "durable".
 //!
 //! Two implementations share one entry format ([`journal::encode`] records, postcard snapshots):
-//! - the file journal ([`Journal`], `--data-dir`): fsync'd append log plus snapshot compaction;
+//! - the file journal ([`Journal`], `--data-dir`): fsync'd append log (each append one batch frame,
+//!   replayed whole or not at all) plus snapshot compaction;
 //! - the etcd log ([`crate::ha::log::EtcdLog`], `--etcd-endpoints`): every write is a Txn guarded by
 //!   the leader's fencing token, so a deposed leader commits nothing.
 //!

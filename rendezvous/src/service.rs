@@ -10,7 +10,9 @@
 //! daemons, etcd ([`crate::ha`]). There a daemon is a leader or a standby ([`Role`]); only the
 //! leader applies commands, runs timers and answers, and its reads also wait for a leadership
 //! confirmation (a guarded etcd write) that began after they arrived, so a deposed leader that has
-//! not noticed yet answers nothing from its stale state.
+//! not noticed yet answers nothing from its stale state. A leader also answers only before the
+//! local deadline of its election lease ([`LeaderLease`]): every answer is checked against it when
+//! it is sent ([`standing`]), and past it the daemon refuses and steps down at once.
 //!
 //! Waiting (join, blocking get, barrier, unique id, exit barrier) subscribes to a per-job view channel
 //! (changes only when a round forms or ends, or the job ends) and, for store waits, to a per-topic
@@ -113,6 +115,47 @@ pub enum Role {
         /// Its epoch (0: unknown).
         epoch: u64,
     },
+}
+
+/// The local deadline of an HA leader's election lease, as the HA node keeps it (`crate::ha`).
+///
+/// `answer_until` is a moment of this process's monotonic clock strictly before the earliest
+/// moment etcd may expire the lease: the send time of the last acknowledged grant or keep-alive,
+/// plus its TTL, less a margin for clock drift. A leader answers nothing at or after it.
+pub trait LeaderLease: Send + Sync + std::fmt::Debug {
+    /// The moment from which this daemon must not answer as leader (`None`: no live lease).
+    fn answer_until(&self) -> Option<Instant>;
+}
+
+/// Whether a daemon may send an answer now ([`standing`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Standing {
+    /// Answer: the only daemon, or the HA leader before its lease's local deadline.
+    Serve,
+    /// An HA leader at or past its lease's local deadline, or without a live lease: it answers
+    /// [`RdzvError::NotLeader`] without a hint and steps down.
+    Lapsed,
+    /// An HA standby: it refuses, naming the leader it knows.
+    Standby {
+        /// The leader's advertised address (empty: unknown).
+        leader: String,
+        /// Its epoch (0: unknown).
+        epoch: u64,
+    },
+}
+
+/// Decides whether a daemon in `role` may answer at `now`, when its leadership lease lets it
+/// answer until `answer_until` ([`LeaderLease::answer_until`]; only a leader's counts). Pure: the
+/// executor passes the time of the answer.
+pub fn standing(role: &Role, answer_until: Option<Instant>, now: Instant) -> Standing {
+    match role {
+        Role::Single => Standing::Serve,
+        Role::Standby { leader, epoch } => Standing::Standby { leader: leader.clone(), epoch: *epoch },
+        Role::Leader { .. } => match answer_until {
+            Some(until) if now < until => Standing::Serve,
+            _ => Standing::Lapsed,
+        },
+    }
 }
 
 /// Durability progress published by the flusher of the current term.
@@ -223,6 +266,8 @@ struct Inner {
     /// The log of the current term (`None`: in memory, or a standby).
     log: Option<Arc<Durability>>,
     role: Role,
+    /// The leader's election lease (`None` unless it leads).
+    lease: Option<Arc<dyn LeaderLease>>,
     term: u64,
     /// Takeovers this daemon made.
     takeovers: u64,
@@ -336,6 +381,7 @@ impl Core {
                 stores: config.tcpstore.map(|limits| RoundStores::new(limits, config.listen, cancel.child_token())),
                 log,
                 role,
+                lease: None,
                 term: 0,
                 takeovers: 0,
             }),
@@ -376,11 +422,66 @@ impl Core {
         &self.cancel
     }
 
-    /// `Err(NotLeader)` unless this daemon may answer (single, or the HA leader).
-    fn serving(g: &Inner) -> Result<(), RdzvError> {
-        match &g.role {
-            Role::Standby { leader, epoch } => Err(RdzvError::NotLeader { leader: leader.clone(), epoch: *epoch }),
-            Role::Single | Role::Leader { .. } => Ok(()),
+    /// `Err(NotLeader)` unless this daemon may answer now (single, or the HA leader before its
+    /// lease's local deadline). A leader past it steps down here, at once ([`Core::lapse`]).
+    fn serving(&self, g: &mut Inner) -> Result<(), RdzvError> {
+        let now = Instant::now();
+        match Self::standing_of(g, now) {
+            Standing::Serve => Ok(()),
+            Standing::Standby { leader, epoch } => Err(RdzvError::NotLeader { leader, epoch }),
+            Standing::Lapsed => Err(self.lapse(g, now)),
+        }
+    }
+
+    /// [`standing`] of this daemon at `now`.
+    fn standing_of(g: &Inner, now: Instant) -> Standing {
+        standing(&g.role, g.lease.as_ref().and_then(|l| l.answer_until()), now)
+    }
+
+    /// A leader whose lease reached its local deadline (or is gone) stops answering: it steps down
+    /// under the same lock that found it (the HA node sees the ended term through
+    /// [`Core::deposed`] and campaigns again). Returns the refusal: no hint, since whoever leads
+    /// now is not known here.
+    fn lapse(&self, g: &mut Inner, now: Instant) -> RdzvError {
+        let epoch = match g.role {
+            Role::Leader { epoch } => epoch,
+            _ => 0,
+        };
+        let until = g.lease.as_ref().and_then(|l| l.answer_until());
+        self.demote_locked(g, "", 0);
+        let span = tracing::warn_span!("lease_deadline", epoch);
+        let _entered = span.enter();
+        match until {
+            Some(u) => tracing::warn!(
+                late_ms = now.saturating_duration_since(u).as_millis() as u64,
+                "the election lease reached its local deadline: answering nothing more as leader, stepping down"
+            ),
+            None => tracing::warn!("no live election lease: answering nothing more as leader, stepping down"),
+        }
+        RdzvError::NotLeader { leader: String::new(), epoch: 0 }
+    }
+
+    /// The answer-time check: every handler's answer passes here when it is ready to go out (in
+    /// `rpc`, and for each pushed view), whatever the checks it passed while it ran. An HA leader
+    /// at or past its lease's local deadline answers [`RdzvError::NotLeader`] without a hint and
+    /// steps down, even when the answer was proven by a write acknowledged before the deadline
+    /// (it may have stalled since); a daemon that stepped down while the call ran does not send a
+    /// success it computed as leader. Returns the leader stamp to attach, read under the same lock.
+    fn answer<T>(&self, r: Result<T, RdzvError>) -> Result<(T, Option<pb::LeaderStamp>), RdzvError> {
+        let mut g = self.lock();
+        // Read once the lock is held: waiting for it must not count as time before the deadline.
+        let now = Instant::now();
+        match Self::standing_of(&g, now) {
+            Standing::Serve => {
+                let stamp = self.stamp_of(&g.role);
+                r.map(|v| (v, stamp))
+            }
+            Standing::Lapsed => Err(self.lapse(&mut g, now)),
+            // Its own refusals (and errors found before the state was read) stand.
+            Standing::Standby { leader, epoch } => match r {
+                Ok(_) => Err(RdzvError::NotLeader { leader, epoch }),
+                Err(e) => Err(e),
+            },
         }
     }
 
@@ -394,7 +495,7 @@ impl Core {
     /// Applies a command and, when it changed durable state, queues it for the log. Returns the
     /// outcome and the sequence number the caller must wait for.
     fn apply_locked(&self, g: &mut Inner, cmd: &Command) -> Result<(Outcome, u64), RdzvError> {
-        Self::serving(g)?;
+        self.serving(g)?;
         let now = self.clock.now_ms().max(g.last_at);
         let job_id = cmd.job().to_string();
         if let Some(cap) = self.max_total_store_bytes
@@ -531,7 +632,7 @@ impl Core {
     ) -> Result<Outcome, RdzvError> {
         let (outcome, settle) = {
             let mut g = self.lock();
-            Self::serving(&g)?;
+            self.serving(&mut g)?;
             let before = g.seq;
             if let (Some(ip), Some(stores)) = (interface, g.stores.as_mut()) {
                 stores.note_interface(cmd.job(), ip);
@@ -582,7 +683,13 @@ impl Core {
                 return Err(e);
             }
             if f.seq >= settle.seq && f.confirmed >= settle.ticket {
-                return Ok(());
+                // Proven, and still answered only before the lease's local deadline: the write
+                // or confirmation may have been acknowledged late, or the daemon stalled since.
+                if self.identity.is_none() {
+                    return Ok(());
+                }
+                let mut g = self.lock();
+                return self.serving(&mut g);
             }
             if let Some(e) = &f.error {
                 return Err(RdzvError::Unavailable(format!("the change is not durable yet: {e}")));
@@ -607,8 +714,8 @@ impl Core {
     /// Reads the state and waits until what it saw is durable (errors derived from the state too).
     pub async fn read<T>(&self, f: impl FnOnce(&State) -> Result<T, RdzvError>) -> Result<T, RdzvError> {
         let (value, settle) = {
-            let g = self.lock();
-            Self::serving(&g)?;
+            let mut g = self.lock();
+            self.serving(&mut g)?;
             (f(&g.state), Self::settle_point(&g, g.seq, true))
         };
         self.settle(settle).await?;
@@ -628,7 +735,7 @@ impl Core {
         loop {
             let (found, settle, mut view_rx, mut topic_rx) = {
                 let mut g = self.lock();
-                Self::serving(&g)?;
+                self.serving(&mut g)?;
                 // Nothing more comes to a job that ended (failed or completed): its waiters are
                 // told at once, not at their deadline (a key, a barrier, a unique id, a round).
                 let found = match check(&g.state) {
@@ -687,8 +794,8 @@ impl Core {
                     // The explanation is read from the state like any answer: confirmed first (an
                     // HA leader paused past its lease must not describe a state it lost).
                     let (why, settle) = {
-                        let g = self.lock();
-                        Self::serving(&g)?;
+                        let mut g = self.lock();
+                        self.serving(&mut g)?;
                         (on_timeout(&g.state), Self::settle_point(&g, g.seq, true))
                     };
                     self.settle_by(settle, Instant::now() + ANSWER_SLACK).await?;
@@ -703,7 +810,7 @@ impl Core {
     /// the term it belongs to (pushes stop when the term ends).
     pub fn subscribe_view(&self, job: &str) -> Result<(watch::Receiver<(pb::JobView, u64)>, u64), RdzvError> {
         let mut g = self.lock();
-        Self::serving(&g)?;
+        self.serving(&mut g)?;
         let view = g.state.job(job)?.view();
         let seq = g.seq;
         let term = g.term;
@@ -732,7 +839,9 @@ impl Core {
             let next = {
                 let mut g = self.lock();
                 // Standbys run no timers: what time makes due is the leader's to decide and log.
-                let next = if Self::serving(&g).is_ok() {
+                // A leader past its lease's local deadline steps down here too, within a second
+                // of it, calls or not.
+                let next = if self.serving(&mut g).is_ok() {
                     let now = self.clock.now_ms().max(g.last_at);
                     for cmd in g.state.due(now, &self.limits) {
                         if let Err(e) = self.apply_locked(&mut g, &cmd) {
@@ -857,11 +966,12 @@ impl Core {
     }
 
     /// Standby → leader of `epoch`: the replica (caught up to the barrier revision) becomes the
-    /// state, every node gets a full lease, the log goes to `store`, and calls are answered.
+    /// state, every node gets a full lease, the log goes to `store`, and calls are answered until
+    /// `lease`'s local deadline ([`LeaderLease`]), when the daemon steps down by itself.
     ///
     /// # Errors
     /// The flusher thread cannot start.
-    pub fn promote(&self, epoch: u64, store: Box<dyn LogStore>) -> Result<(), RdzvError> {
+    pub fn promote(&self, epoch: u64, store: Box<dyn LogStore>, lease: Arc<dyn LeaderLease>) -> Result<(), RdzvError> {
         let mut g = self.lock();
         self.clock.catch_up(g.last_at);
         let now = self.clock.now_ms().max(g.last_at);
@@ -880,6 +990,7 @@ impl Core {
         g.log = Some(log);
         g.log_bytes = 0;
         g.role = Role::Leader { epoch };
+        g.lease = Some(lease);
         g.takeovers += 1;
         let inner = &mut *g;
         if let Some(stores) = inner.stores.as_mut() {
@@ -902,10 +1013,20 @@ impl Core {
     /// anything else.
     pub fn demote(&self, leader: &str, epoch: u64) {
         let mut g = self.lock();
+        let was_leading = self.demote_locked(&mut g, leader, epoch);
+        drop(g);
+        if was_leading {
+            tracing::warn!(leader, epoch, "no longer the leader: calls are refused until this daemon leads again");
+        }
+    }
+
+    /// [`Core::demote`] under the executor's lock; returns whether the daemon was leading.
+    fn demote_locked(&self, g: &mut Inner, leader: &str, epoch: u64) -> bool {
         let was_leading = matches!(g.role, Role::Leader { .. });
         g.term += 1;
         let term = g.term;
         g.role = Role::Standby { leader: leader.to_owned(), epoch };
+        g.lease = None;
         if let Some(d) = g.log.take() {
             d.stop(true);
         }
@@ -917,25 +1038,25 @@ impl Core {
         if let Some(stores) = g.stores.as_mut() {
             stores.clear();
         }
-        drop(g);
         self.metrics.ha_leader.set(0);
-        if was_leading {
-            tracing::warn!(leader, epoch, "no longer the leader: calls are refused until this daemon leads again");
-        }
+        was_leading
     }
 
-    /// The epoch the flusher of the current term reported fatal (deposed), if it did.
+    /// Resolves when the term current at the call ends: the flusher of the term reported the log
+    /// refused this writer (deposed), or the executor stepped down by itself (an answer or the
+    /// timer found the lease's local deadline passed), or anyone demoted it.
     pub async fn deposed(&self) -> RdzvError {
         let mut rx = self.flushed.clone();
         let term = self.lock().term;
         loop {
-            {
-                let f = rx.borrow_and_update();
-                if f.term == term
-                    && let Some(e) = &f.fatal
-                {
-                    return e.clone();
-                }
+            // A copy: the channel's read lock is never held while the executor's is taken (see
+            // `settle_by`).
+            let f = rx.borrow_and_update().clone();
+            if f.term != term {
+                return self.not_leader();
+            }
+            if let Some(e) = f.fatal {
+                return e;
             }
             if rx.changed().await.is_err() {
                 std::future::pending::<()>().await;
@@ -951,7 +1072,12 @@ impl Core {
     /// This daemon's role and progress.
     pub async fn daemon_info(&self) -> pb::DaemonInfoResponse {
         let mut info = {
-            let g = self.lock();
+            let mut g = self.lock();
+            let now = Instant::now();
+            // A leader past its lease's local deadline says so by no longer saying it leads.
+            if Self::standing_of(&g, now) == Standing::Lapsed {
+                let _ = self.lapse(&mut g, now);
+            }
             let (role, epoch, leader) = match &g.role {
                 Role::Single => (pb::DaemonRole::Single, 0, String::new()),
                 Role::Leader { epoch } => {
@@ -979,7 +1105,12 @@ impl Core {
 
     /// The stamp every response of the HA leader carries.
     fn stamp(&self) -> Option<pb::LeaderStamp> {
-        match &self.lock().role {
+        self.stamp_of(&self.lock().role)
+    }
+
+    /// The stamp of a daemon in `role` (`None` unless it leads).
+    fn stamp_of(&self, role: &Role) -> Option<pb::LeaderStamp> {
+        match role {
             Role::Leader { epoch } => Some(pb::LeaderStamp {
                 epoch: *epoch,
                 leader_endpoint: self.identity.as_ref().map(|i| i.advertise.clone()).unwrap_or_default(),
@@ -1164,20 +1295,27 @@ fn principal<T>(req: &Request<T>) -> Principal {
 }
 
 /// Runs a handler body, records its latency and converts errors (the one place errors become statuses).
+/// The answer is checked when it is ready to go out ([`Core::answer`]): an HA leader past its
+/// lease's local deadline sends none.
 async fn rpc<T>(core: &Core, method: &'static str, body: impl Future<Output = Result<T, RdzvError>>) -> Result<Response<T>, Status> {
     let start = std::time::Instant::now();
-    let result = body.await;
+    let result = core.answer(body.await);
     let code = result.as_ref().map(|_| tonic::Code::Ok).unwrap_or_else(RdzvError::code);
     core.metrics.observe(method, code, start.elapsed().as_secs_f64());
     if let Err(e) = &result {
         tracing::debug!(method, error = %e, "rpc failed");
     }
-    result.map(|body| stamped(core, Response::new(body))).map_err(Status::from)
+    result.map(|(body, stamp)| with_stamp(Response::new(body), stamp)).map_err(Status::from)
 }
 
 /// Adds the HA leader's [`pb::LeaderStamp`] to a response (nothing outside HA).
-fn stamped<T>(core: &Core, mut resp: Response<T>) -> Response<T> {
-    if let Some(stamp) = core.stamp() {
+fn stamped<T>(core: &Core, resp: Response<T>) -> Response<T> {
+    with_stamp(resp, core.stamp())
+}
+
+/// Adds `stamp`, when there is one, to a response.
+fn with_stamp<T>(mut resp: Response<T>, stamp: Option<pb::LeaderStamp>) -> Response<T> {
+    if let Some(stamp) = stamp {
         use prost::Message;
         resp.metadata_mut().insert_bin(LEADER_STAMP_KEY, tonic::metadata::MetadataValue::from_bytes(&stamp.encode_to_vec()));
     }
@@ -1378,8 +1516,8 @@ impl pb::rendezvous_server::Rendezvous for Service {
                 }
             }
             let (view, seq) = rx.borrow_and_update().clone();
-            // Push only what a crash cannot take back.
-            if let Err(e) = core.durable(term, seq, first).await {
+            // Push only what a crash cannot take back, and only before the lease's local deadline.
+            if let Err(e) = core.answer(core.durable(term, seq, first).await) {
                 return Some((Err(Status::from(e)), (rx, false, cancel, core)));
             }
             Some((Ok(pb::JobEvent { view: Some(view) }), (rx, false, cancel, core)))
@@ -1486,7 +1624,8 @@ impl pb::rendezvous_server::Rendezvous for Service {
             let scope = scope_of(&p, r.scope.as_ref())?;
             validate::key(&r.key)?;
             validate::value(self.core.limits(), &r.value)?;
-            self.core.execute(Command::StoreSet { scope, key: r.key, value: r.value }).await?;
+            validate::optional_id("request_id", &r.request_id)?;
+            self.core.execute(Command::StoreSet { scope, key: r.key, value: r.value, request_id: r.request_id }).await?;
             Ok(pb::StoreSetResponse {})
         })
         .await
@@ -1566,7 +1705,8 @@ impl pb::rendezvous_server::Rendezvous for Service {
         rpc(&self.core, "StoreDelete", async {
             let scope = scope_of(&p, r.scope.as_ref())?;
             validate::key(&r.key)?;
-            match self.core.execute(Command::StoreDelete { scope, key: r.key }).await? {
+            validate::optional_id("request_id", &r.request_id)?;
+            match self.core.execute(Command::StoreDelete { scope, key: r.key, request_id: r.request_id }).await? {
                 Outcome::Deleted(deleted) => Ok(pb::StoreDeleteResponse { deleted }),
                 _ => Err(RdzvError::FailedPrecondition("unexpected outcome of delete".into())),
             }
@@ -1626,8 +1766,9 @@ impl pb::rendezvous_server::Rendezvous for Service {
                 validate::key(&e.key)?;
                 validate::value(self.core.limits(), &e.value)?;
             }
+            validate::optional_id("request_id", &r.request_id)?;
             let entries = r.entries.into_iter().map(|e| (e.key, e.value)).collect();
-            self.core.execute(Command::StoreMultiSet { scope, entries }).await?;
+            self.core.execute(Command::StoreMultiSet { scope, entries, request_id: r.request_id }).await?;
             Ok(pb::StoreMultiSetResponse {})
         })
         .await
@@ -1770,6 +1911,29 @@ impl pb::rendezvous_server::Rendezvous for Service {
         let info = self.core.daemon_info().await;
         self.core.metrics.observe("DaemonInfo", tonic::Code::Ok, start.elapsed().as_secs_f64());
         Ok(Response::new(info))
+    }
+}
+
+#[cfg(test)]
+mod standing_tests {
+    use super::*;
+
+    /// Only a leader's lease counts: a single daemon always answers, a standby never (naming the
+    /// leader it knows), a leader only strictly before its lease's local deadline.
+    #[test]
+    fn a_leader_answers_strictly_before_its_lease_deadline_only() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let until = Some(t0 + ms(2_000));
+        let leader = Role::Leader { epoch: 4 };
+        assert_eq!(standing(&leader, until, t0), Standing::Serve);
+        assert_eq!(standing(&leader, until, t0 + ms(1_999)), Standing::Serve);
+        assert_eq!(standing(&leader, until, t0 + ms(2_000)), Standing::Lapsed, "at the deadline");
+        assert_eq!(standing(&leader, until, t0 + ms(60_000)), Standing::Lapsed, "after it");
+        assert_eq!(standing(&leader, None, t0), Standing::Lapsed, "a leader without a live lease");
+        assert_eq!(standing(&Role::Single, None, t0 + ms(60_000)), Standing::Serve);
+        let standby = Role::Standby { leader: "h2:29400".into(), epoch: 9 };
+        assert_eq!(standing(&standby, until, t0), Standing::Standby { leader: "h2:29400".into(), epoch: 9 });
     }
 }
 

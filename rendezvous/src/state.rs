@@ -296,6 +296,12 @@ pub enum Dedup {
     Cas { swapped: bool },
     /// `Barrier`'s arrival generation.
     Barrier(u64),
+    /// `StoreSet` or `StoreMultiSet` was applied (both answer nothing). A retry is not applied
+    /// again: it would overwrite what another client wrote since.
+    Set,
+    /// `StoreDelete`'s result: whether the key existed. A retry answers it again instead of
+    /// "not found" (or deleting a key another client wrote since).
+    Delete(bool),
 }
 
 /// One job.
@@ -471,15 +477,15 @@ pub enum Command {
     /// A node's workers all succeeded.
     Finish { job: String, round: u64, node: String },
     /// Store set.
-    StoreSet { scope: Scope, key: String, value: Vec<u8> },
+    StoreSet { scope: Scope, key: String, value: Vec<u8>, request_id: String },
     /// Store atomic add.
     StoreAdd { scope: Scope, key: String, delta: i64, request_id: String },
     /// Store compare-and-set.
     StoreCas { scope: Scope, key: String, expected: Option<Vec<u8>>, desired: Vec<u8>, request_id: String },
     /// Store delete.
-    StoreDelete { scope: Scope, key: String },
+    StoreDelete { scope: Scope, key: String, request_id: String },
     /// Store multi-set.
-    StoreMultiSet { scope: Scope, entries: Vec<(String, Vec<u8>)> },
+    StoreMultiSet { scope: Scope, entries: Vec<(String, Vec<u8>)>, request_id: String },
     /// Arrival at a barrier.
     BarrierArrive { scope: Scope, name: String, member: String, participants: u32, request_id: String },
     /// Rank 0 publishes the round's NCCL unique id.
@@ -1250,15 +1256,22 @@ impl State {
                 }
                 Ok((Outcome::Done, Effects::changed()))
             }
-            Command::StoreSet { scope, key, value } => {
+            Command::StoreSet { scope, key, value, request_id } => {
                 let job = self.job_mut(&scope.job)?;
                 job.check_write(scope)?;
+                if matches!(job.recall(request_id), Some(Dedup::Set)) {
+                    return Ok((Outcome::Done, Effects::default()));
+                }
                 job.put(limits, scope.round_scoped, key.clone(), value.clone())?;
+                job.remember(request_id, Dedup::Set);
                 Ok((Outcome::Done, Effects::topic(scope.key_topic(key))))
             }
-            Command::StoreMultiSet { scope, entries } => {
+            Command::StoreMultiSet { scope, entries, request_id } => {
                 let job = self.job_mut(&scope.job)?;
                 job.check_write(scope)?;
+                if matches!(job.recall(request_id), Some(Dedup::Set)) {
+                    return Ok((Outcome::Done, Effects::default()));
+                }
                 // All or nothing: check the limits against the final sizes first, then apply.
                 let mut finals: BTreeMap<&String, usize> = BTreeMap::new();
                 for (k, v) in entries {
@@ -1294,6 +1307,7 @@ impl State {
                 for (k, v) in entries {
                     job.put_unchecked(scope.round_scoped, k.clone(), v.clone());
                 }
+                job.remember(request_id, Dedup::Set);
                 let topics = entries.iter().map(|(k, _)| scope.key_topic(k)).collect();
                 Ok((Outcome::Done, Effects { changed: true, topics }))
             }
@@ -1342,15 +1356,26 @@ impl State {
                 };
                 Ok((Outcome::Cas { swapped, current: after }, effects))
             }
-            Command::StoreDelete { scope, key } => {
+            Command::StoreDelete { scope, key, request_id } => {
                 let job = self.job_mut(&scope.job)?;
                 job.check_write(scope)?;
+                if let Some(Dedup::Delete(existed)) = job.recall(request_id) {
+                    return Ok((Outcome::Deleted(*existed), Effects::default()));
+                }
                 let removed = job.store_map(scope.round_scoped).remove(key);
                 let existed = removed.is_some();
                 if let Some(v) = removed {
                     job.store_bytes = job.store_bytes.saturating_sub(key.len() + v.len());
                 }
-                let effects = if existed { Effects::topic(scope.key_topic(key)) } else { Effects::default() };
+                job.remember(request_id, Dedup::Delete(existed));
+                // Deleting a key that is not there changes nothing but the dedup record (none
+                // without a request id), which must be journaled like any change: a retry after
+                // a restart answers from it too.
+                let effects = if existed {
+                    Effects::topic(scope.key_topic(key))
+                } else {
+                    Effects { changed: !request_id.is_empty(), topics: Vec::new() }
+                };
                 Ok((Outcome::Deleted(existed), effects))
             }
             Command::BarrierArrive { scope, name, member, participants, request_id } => {

@@ -70,14 +70,16 @@ fn call() -> impl Strategy<Value = Call> {
             restartable,
         })),
         (text(), 0u64..3, text()).prop_map(|(job_id, round, node_id)| Call::Finish(pb::FinishRequest { job_id, round, node_id })),
-        (scope(), text(), proptest::collection::vec(any::<u8>(), 0..64)).prop_map(|(scope, key, value)| Call::Set(pb::StoreSetRequest { scope, key, value })),
+        (scope(), text(), proptest::collection::vec(any::<u8>(), 0..64), text())
+            .prop_map(|(scope, key, value, request_id)| Call::Set(pb::StoreSetRequest { scope, key, value, request_id })),
         (scope(), text(), small_ms.clone()).prop_map(|(scope, key, timeout_ms)| Call::Get(pb::StoreGetRequest { scope, key, timeout_ms })),
         (scope(), text(), any::<i64>(), text()).prop_map(|(scope, key, delta, request_id)| Call::Add(pb::StoreAddRequest { scope, key, delta, request_id })),
         (scope(), text(), proptest::option::of(proptest::collection::vec(any::<u8>(), 0..8)), proptest::collection::vec(any::<u8>(), 0..8), text())
             .prop_map(|(scope, key, expected, desired, request_id)| Call::Cas(pb::StoreCompareSetRequest { scope, key, expected, desired, request_id })),
-        (scope(), proptest::collection::vec((text(), proptest::collection::vec(any::<u8>(), 0..8)), 0..4)).prop_map(|(scope, kv)| Call::MultiSet(pb::StoreMultiSetRequest {
+        (scope(), proptest::collection::vec((text(), proptest::collection::vec(any::<u8>(), 0..8)), 0..4), text()).prop_map(|(scope, kv, request_id)| Call::MultiSet(pb::StoreMultiSetRequest {
             scope,
             entries: kv.into_iter().map(|(key, value)| pb::KeyValue { key, value }).collect(),
+            request_id,
         })),
         (scope(), text(), text(), any::<u32>(), small_ms.clone(), text()).prop_map(|(scope, name, member, participants, timeout_ms, request_id)| Call::Barrier(pb::BarrierRequest {
             scope,

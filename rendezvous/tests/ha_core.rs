@@ -1,17 +1,47 @@
 //! The executor's HA roles without etcd: a standby refuses, a promoted daemon serves over its
-//! `LogStore`, reads wait for a leadership confirmation, and a demotion fails every waiter of the
-//! ended term with a hint naming the new leader. (The real etcd log is tested in `tests/tests/ha/`.)
+//! `LogStore`, reads wait for a leadership confirmation, a demotion fails every waiter of the
+//! ended term with a hint naming the new leader, and a leader answers nothing from its lease's
+//! local deadline on. (The real etcd log is tested in `tests/tests/ha/`.)
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use rsrun_rendezvous::RdzvError;
+use rsrun_rendezvous::ha::election::LeaseTimer;
 use rsrun_rendezvous::journal::{self, Entry};
 use rsrun_rendezvous::logstore::LogStore;
-use rsrun_rendezvous::service::{Core, CoreConfig, DaemonIdentity, Role};
+use rsrun_rendezvous::proto::{self as pb, rendezvous_server::Rendezvous};
+use rsrun_rendezvous::service::{Core, CoreConfig, DaemonIdentity, LEADER_STAMP_KEY, LeaderLease, Role, Service};
 use rsrun_rendezvous::state::{Command, JobSpec, JoinCmd, Scope, State};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
+use tonic::Request;
+
+/// An election lease whose local deadline the test moves by hand (the HA node's keeper moves it
+/// with every acknowledged renewal).
+#[derive(Debug)]
+struct HandLease(Mutex<Option<Instant>>);
+
+impl HandLease {
+    fn until(at: Option<Instant>) -> Arc<HandLease> {
+        Arc::new(HandLease(Mutex::new(at)))
+    }
+    fn set(&self, at: Option<Instant>) {
+        *self.0.lock().unwrap() = at;
+    }
+}
+
+impl LeaderLease for HandLease {
+    fn answer_until(&self) -> Option<Instant> {
+        *self.0.lock().unwrap()
+    }
+}
+
+/// A lease that lasts the whole test.
+fn long_lease() -> Arc<HandLease> {
+    HandLease::until(Some(Instant::now() + Duration::from_secs(3600)))
+}
 
 /// A log that keeps what it is given and counts confirmations.
 #[derive(Default, Clone)]
@@ -80,10 +110,10 @@ async fn a_standby_refuses_a_leader_serves_and_a_demotion_fails_every_waiter() {
 
     // Promoted: commands go to its log, reads wait for a confirmation begun after them.
     let log = MemLog::default();
-    core.promote(7, Box::new(log.clone())).unwrap();
+    core.promote(7, Box::new(log.clone()), long_lease()).unwrap();
     assert_eq!(core.role(), Role::Leader { epoch: 7 });
     let scope = Scope { job: "j".into(), round: 1, round_scoped: false };
-    core.execute(Command::StoreSet { scope: scope.clone(), key: "k".into(), value: b"v".to_vec() }).await.unwrap();
+    core.execute(Command::StoreSet { scope: scope.clone(), key: "k".into(), value: b"v".to_vec(), request_id: String::new() }).await.unwrap();
     assert_eq!(log.appended.lock().unwrap().last(), Some(&(2, 2)));
     let confirms = *log.confirms.lock().unwrap();
     let v = core.read(|s| Ok(s.job("j")?.store.get("k").cloned())).await.unwrap();
@@ -155,7 +185,7 @@ fn step_downs_with_callers_waiting_for_durability_never_deadlock() {
             let core = standby_core();
             for round in 0..200u64 {
                 core.replica_reset(State::default(), 0, 0).unwrap();
-                core.promote(round + 1, Box::new(SlowLog)).unwrap();
+                core.promote(round + 1, Box::new(SlowLog), long_lease()).unwrap();
                 core.execute(join("a")).await.unwrap();
                 let scope = Scope { job: "j".into(), round: 1, round_scoped: false };
                 let callers: Vec<_> = (0..8)
@@ -163,7 +193,7 @@ fn step_downs_with_callers_waiting_for_durability_never_deadlock() {
                         let (core, scope) = (core.clone(), scope.clone());
                         tokio::spawn(async move {
                             for n in 0u64.. {
-                                let cmd = Command::StoreSet { scope: scope.clone(), key: format!("k{i}-{n}"), value: vec![1] };
+                                let cmd = Command::StoreSet { scope: scope.clone(), key: format!("k{i}-{n}"), value: vec![1], request_id: String::new() };
                                 if core.execute(cmd).await.is_err() {
                                     return n;
                                 }
@@ -234,13 +264,13 @@ impl LogStore for DeposedLog {
 async fn a_deposed_leader_answers_neither_refusals_nor_first_views() {
     let core = standby_core();
     core.replica_apply(&[Entry { seq: 1, at: 1_000, cmd: join("a") }]).unwrap();
-    core.promote(3, Box::new(DeposedLog)).unwrap();
+    core.promote(3, Box::new(DeposedLog), long_lease()).unwrap();
     let (_rx, term) = core.subscribe_view("j").unwrap();
     let seq = core.position().0;
     let first = tokio::time::timeout(Duration::from_secs(10), core.durable(term, seq, true)).await.unwrap();
     assert!(matches!(first, Err(RdzvError::NotLeader { .. })), "{first:?}");
     let missing = Scope { job: "no-such-job".into(), round: 1, round_scoped: false };
-    let refused = tokio::time::timeout(Duration::from_secs(10), core.execute(Command::StoreSet { scope: missing, key: "k".into(), value: vec![1] }))
+    let refused = tokio::time::timeout(Duration::from_secs(10), core.execute(Command::StoreSet { scope: missing, key: "k".into(), value: vec![1], request_id: String::new() }))
         .await
         .unwrap();
     assert!(matches!(refused, Err(RdzvError::NotLeader { .. })), "{refused:?}");
@@ -280,7 +310,7 @@ impl LogStore for UnsureLog {
 async fn a_retried_write_is_the_same_bytes_and_later_commands_follow_it() {
     let core = standby_core();
     let log = UnsureLog::default();
-    core.promote(1, Box::new(log.clone())).unwrap();
+    core.promote(1, Box::new(log.clone()), long_lease()).unwrap();
     let first = tokio::spawn({
         let core = core.clone();
         async move { core.execute(join("a")).await }
@@ -289,7 +319,7 @@ async fn a_retried_write_is_the_same_bytes_and_later_commands_follow_it() {
     tokio::time::sleep(Duration::from_millis(150)).await;
     assert_eq!(log.attempts.lock().unwrap().len(), 1);
     let scope = Scope { job: "j".into(), round: 1, round_scoped: false };
-    let second = core.execute(Command::StoreSet { scope, key: "k".into(), value: b"v".to_vec() });
+    let second = core.execute(Command::StoreSet { scope, key: "k".into(), value: b"v".to_vec(), request_id: String::new() });
     // Both callers are told their change is not durable yet (the client retries such calls).
     let (a, b) = tokio::time::timeout(Duration::from_secs(10), async { (first.await.unwrap(), second.await) }).await.unwrap();
     assert!(matches!(a, Err(RdzvError::Unavailable(_))), "{a:?}");
@@ -328,11 +358,197 @@ impl LogStore for NoSnapshots {
 async fn a_failing_snapshot_does_not_hold_back_the_records_after_it() {
     let core = standby_core();
     let appended = Arc::new(Mutex::new(0));
-    core.promote(3, Box::new(NoSnapshots { appended: appended.clone() })).unwrap();
+    core.promote(3, Box::new(NoSnapshots { appended: appended.clone() }), long_lease()).unwrap();
     let scope = Scope { job: "j".into(), round: 1, round_scoped: false };
     core.execute(join("a")).await.unwrap();
     for i in 0..5 {
-        core.execute(Command::StoreSet { scope: scope.clone(), key: format!("k{i}"), value: b"v".to_vec() }).await.unwrap();
+        core.execute(Command::StoreSet { scope: scope.clone(), key: format!("k{i}"), value: b"v".to_vec(), request_id: String::new() }).await.unwrap();
     }
     assert_eq!(*appended.lock().unwrap(), 6);
+}
+
+/// Through the gRPC handlers: a leader answers (with its stamp) before its lease's local deadline;
+/// from the deadline on it answers UNAVAILABLE without a leader hint, steps down by itself (the HA
+/// node, waiting on `deposed`, hears of it), and no longer says it leads.
+#[tokio::test]
+async fn a_leader_answers_until_its_lease_deadline_then_refuses_and_steps_down() {
+    let core = standby_core();
+    let lease = long_lease();
+    core.promote(5, Box::new(MemLog::default()), lease.clone()).unwrap();
+    let svc = Service::new(core.clone());
+    core.execute(join("a")).await.unwrap();
+    let scope = pb::StoreScope { job_id: "j".into(), round: 1, round_scoped: false };
+    let set = pb::StoreSetRequest { scope: Some(scope.clone()), key: "k".into(), value: b"v".to_vec(), request_id: String::new() };
+    let answered = svc.store_set(Request::new(set)).await.unwrap();
+    assert!(answered.metadata().get_bin(LEADER_STAMP_KEY).is_some(), "a leader's answer carries its stamp");
+    // The HA node's leader loop waits for the end of the term.
+    let deposed = tokio::spawn({
+        let core = core.clone();
+        async move { core.deposed().await }
+    });
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    // The deadline: no renewal was acknowledged in time (or its reply came too late).
+    lease.set(Some(Instant::now()));
+    let get = pb::StoreGetRequest { scope: Some(scope.clone()), key: "k".into(), timeout_ms: 0 };
+    let refused = svc.store_get(Request::new(get)).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::Unavailable);
+    // No leader to name: the answer carries no hint (an empty NotLeader has no details).
+    assert!(refused.details().is_empty() && refused.message().contains("not the leader"), "{refused:?}");
+    assert_eq!(core.role(), Role::Standby { leader: String::new(), epoch: 0 });
+    let ended = tokio::time::timeout(Duration::from_secs(5), deposed).await.unwrap().unwrap();
+    assert!(matches!(ended, RdzvError::NotLeader { .. }), "{ended:?}");
+    // Every later call is refused; a lease renewed after the fact does not bring it back.
+    lease.set(Some(Instant::now() + Duration::from_secs(3600)));
+    let set = pb::StoreSetRequest { scope: Some(scope), key: "k2".into(), value: b"v".to_vec(), request_id: String::new() };
+    let refused = svc.store_set(Request::new(set)).await.unwrap_err();
+    // No leader to name: the answer carries no hint (an empty NotLeader has no details).
+    assert!(refused.details().is_empty() && refused.message().contains("not the leader"), "{refused:?}");
+    let info = svc.daemon_info(Request::new(pb::DaemonInfoRequest {})).await.unwrap().into_inner();
+    assert_eq!(info.role, pb::DaemonRole::Standby as i32);
+}
+
+/// `DaemonInfo` of a leader past its deadline says it is a standby, even before any other call
+/// or its timer noticed.
+#[tokio::test]
+async fn a_leader_past_its_lease_deadline_does_not_say_it_leads() {
+    let core = standby_core();
+    let lease = long_lease();
+    core.promote(8, Box::new(MemLog::default()), lease.clone()).unwrap();
+    let svc = Service::new(core.clone());
+    let info = svc.daemon_info(Request::new(pb::DaemonInfoRequest {})).await.unwrap().into_inner();
+    assert_eq!((info.role, info.epoch), (pb::DaemonRole::Leader as i32, 8));
+    lease.set(None);
+    let info = svc.daemon_info(Request::new(pb::DaemonInfoRequest {})).await.unwrap().into_inner();
+    assert_eq!((info.role, info.leader_endpoint.as_str()), (pb::DaemonRole::Standby as i32, ""));
+}
+
+/// A log whose writes and confirmations wait until the test opens its gate (a leader that stalls
+/// while a write is in flight).
+#[derive(Clone, Default)]
+struct GatedLog {
+    /// (open, writes waiting at the gate)
+    gate: Arc<(Mutex<(bool, u32)>, Condvar)>,
+}
+
+impl GatedLog {
+    fn set_open(&self, open: bool) {
+        let (m, c) = &*self.gate;
+        m.lock().unwrap().0 = open;
+        c.notify_all();
+    }
+    fn waiting(&self) -> u32 {
+        self.gate.0.lock().unwrap().1
+    }
+    fn pass(&self) {
+        let (m, c) = &*self.gate;
+        let mut g = m.lock().unwrap();
+        g.1 += 1;
+        while !g.0 {
+            g = c.wait(g).unwrap();
+        }
+        g.1 -= 1;
+    }
+}
+
+impl LogStore for GatedLog {
+    fn append(&mut self, _records: &[u8], _first_seq: u64, _last_seq: u64) -> Result<(), RdzvError> {
+        self.pass();
+        Ok(())
+    }
+    fn compact(&mut self, _state: &State, _seq: u64) -> Result<(), RdzvError> {
+        Ok(())
+    }
+    fn confirm(&mut self) -> Result<(), RdzvError> {
+        self.pass();
+        Ok(())
+    }
+    fn reads_need_confirmation(&self) -> bool {
+        true
+    }
+    fn compact_every(&self) -> u64 {
+        u64::MAX
+    }
+}
+
+/// A write applied before the lease's local deadline whose log write is acknowledged only after
+/// it (the leader stalled in between) is not acknowledged to its caller: the answer is checked
+/// when it goes out, not when the call came in.
+#[tokio::test]
+async fn a_write_made_durable_after_the_lease_deadline_is_not_acknowledged() {
+    let core = standby_core();
+    let lease = long_lease();
+    let log = GatedLog::default();
+    log.set_open(true);
+    core.promote(6, Box::new(log.clone()), lease.clone()).unwrap();
+    core.execute(join("a")).await.unwrap();
+    log.set_open(false);
+    let scope = Scope { job: "j".into(), round: 1, round_scoped: false };
+    let write = tokio::spawn({
+        let core = core.clone();
+        async move { core.execute(Command::StoreSet { scope, key: "k".into(), value: b"v".to_vec(), request_id: String::new() }).await }
+    });
+    let start = std::time::Instant::now();
+    while log.waiting() == 0 {
+        assert!(start.elapsed() < Duration::from_secs(10), "the write never reached the log");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    // The deadline passes while the write is in flight; then the log acknowledges it.
+    lease.set(Some(Instant::now()));
+    log.set_open(true);
+    let got = tokio::time::timeout(Duration::from_secs(10), write).await.unwrap().unwrap();
+    assert_eq!(got, Err(RdzvError::NotLeader { leader: String::new(), epoch: 0 }));
+    assert_eq!(core.role(), Role::Standby { leader: String::new(), epoch: 0 });
+}
+
+/// The HA node's own lease arithmetic as the executor's lease (the keeper's `FenceClock` holds the
+/// same fencing point).
+#[derive(Debug)]
+struct TimerLease(Mutex<LeaseTimer>);
+
+impl LeaderLease for TimerLease {
+    fn answer_until(&self) -> Option<Instant> {
+        self.0.lock().unwrap().fence_at()
+    }
+}
+
+async fn role_of(svc: &Service) -> i32 {
+    svc.daemon_info(Request::new(pb::DaemonInfoRequest {})).await.unwrap().into_inner().role
+}
+
+/// Under tokio's paused clock: granted at 0 s with TTL 5 s, renewed by a keep-alive sent at 1 s
+/// whose reply came at 3 s, the leader answers until 5.5 s (the send plus the TTL, less the
+/// 0.5 s margin), not until 7.5 s (the reply plus the same), and not at 5.5 s.
+#[tokio::test(start_paused = true)]
+async fn a_late_keep_alive_reply_counts_from_its_send_under_paused_time() {
+    let t0 = Instant::now();
+    let lease = Arc::new(TimerLease(Mutex::new(LeaseTimer::new(Duration::from_secs(5)))));
+    assert!(lease.0.lock().unwrap().acknowledged(t0, 5));
+    let core = standby_core();
+    core.promote(2, Box::new(MemLog::default()), lease.clone()).unwrap();
+    let svc = Service::new(core.clone());
+    tokio::time::advance(Duration::from_millis(1000)).await;
+    let sent = Instant::now();
+    tokio::time::advance(Duration::from_millis(2000)).await;
+    assert!(lease.0.lock().unwrap().acknowledged(sent, 5), "the reply, 2 s after its request");
+    tokio::time::advance(Duration::from_millis(2499)).await;
+    assert_eq!(Instant::now() - t0, Duration::from_millis(5499));
+    assert_eq!(role_of(&svc).await, pb::DaemonRole::Leader as i32);
+    assert_eq!(core.role(), Role::Leader { epoch: 2 });
+    tokio::time::advance(Duration::from_millis(1)).await;
+    assert_eq!(role_of(&svc).await, pb::DaemonRole::Standby as i32);
+    assert_eq!(core.role(), Role::Standby { leader: String::new(), epoch: 0 });
+}
+
+/// A leader past its deadline steps down within a second even when no call comes: its timer
+/// looks at least once a second.
+#[tokio::test(start_paused = true)]
+async fn a_leader_past_its_lease_deadline_steps_down_without_any_call() {
+    let core = standby_core();
+    core.promote(2, Box::new(MemLog::default()), HandLease::until(Some(Instant::now() + Duration::from_secs(2)))).unwrap();
+    tokio::time::sleep(Duration::from_millis(1900)).await;
+    assert_eq!(core.role(), Role::Leader { epoch: 2 });
+    for _ in 0..20 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(core.role(), Role::Standby { leader: String::new(), epoch: 0 });
 }

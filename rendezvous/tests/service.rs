@@ -266,7 +266,7 @@ async fn bad_requests_get_precise_statuses() {
     assert!(matches!(e.code(), Code::OutOfRange | Code::ResourceExhausted | Code::Internal | Code::Unknown), "{e:?}");
     // Raw requests with missing fields and absurd values.
     let mut raw = pb::rendezvous_client::RendezvousClient::connect(format!("http://{}", srv.addr)).await.unwrap();
-    let st = raw.store_set(pb::StoreSetRequest { scope: None, key: "k".into(), value: vec![] }).await.unwrap_err();
+    let st = raw.store_set(pb::StoreSetRequest { scope: None, key: "k".into(), value: vec![], request_id: String::new() }).await.unwrap_err();
     assert_eq!(st.code(), Code::InvalidArgument);
     let st = raw.join(pb::JoinRequest { job_id: "j2".into(), node_id: "n".into(), config: None, ..Default::default() }).await.unwrap_err();
     assert_eq!(st.code(), Code::InvalidArgument);
@@ -847,5 +847,103 @@ async fn a_hung_daemon_in_the_list_leaves_time_to_ask_the_next() {
     assert!(status.is_ok(), "{status:?}");
     assert_eq!(client.current_endpoint(), srv.addr.to_string());
     holder.abort();
+    let _ = srv.shutdown().await;
+}
+
+/// A proxy to `upstream` that loses the reply to the first call made through it: it forwards the
+/// call, and when the reply begins (the server's first HEADERS frame on a stream), it says so on
+/// `seen`, waits for `go`, and closes the connection instead of forwarding the reply. The server
+/// has applied the call by then; the client sees a broken connection and retries. Later
+/// connections pass through.
+async fn losing_the_first_reply(upstream: SocketAddr) -> (SocketAddr, tokio::sync::oneshot::Receiver<()>, tokio::sync::oneshot::Sender<()>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (seen_tx, seen_rx) = tokio::sync::oneshot::channel();
+    let (go_tx, go_rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(async move {
+        let mut first = Some((seen_tx, go_rx));
+        while let Ok((client, _)) = listener.accept().await {
+            let Ok(server) = tokio::net::TcpStream::connect(upstream).await else { continue };
+            let lose = first.take();
+            tokio::spawn(async move {
+                let (mut from_client, mut to_client) = client.into_split();
+                let (mut from_server, mut to_server) = server.into_split();
+                let up = tokio::spawn(async move {
+                    let _ = tokio::io::copy(&mut from_client, &mut to_server).await;
+                });
+                let Some((seen, go)) = lose else {
+                    let _ = tokio::io::copy(&mut from_server, &mut to_client).await;
+                    return;
+                };
+                // HTTP/2 frames: a 9-byte header (24-bit length, type, flags, 31-bit stream id),
+                // then the payload. Type 1 is HEADERS; a reply's opens its stream's answer.
+                let mut head = [0u8; 9];
+                loop {
+                    if from_server.read_exact(&mut head).await.is_err() {
+                        break;
+                    }
+                    let len = u32::from_be_bytes([0, head[0], head[1], head[2]]) as usize;
+                    let stream = u32::from_be_bytes([head[5], head[6], head[7], head[8]]) & 0x7fff_ffff;
+                    let mut payload = vec![0u8; len];
+                    if from_server.read_exact(&mut payload).await.is_err() {
+                        break;
+                    }
+                    if head[3] == 1 && stream != 0 {
+                        let _ = seen.send(());
+                        let _ = go.await;
+                        break;
+                    }
+                    if to_client.write_all(&head).await.is_err() || to_client.write_all(&payload).await.is_err() {
+                        break;
+                    }
+                }
+                // Both directions closed: the reply is lost with the connection.
+                up.abort();
+                let _ = to_client.shutdown().await;
+            });
+        }
+    });
+    (addr, seen_rx, go_tx)
+}
+
+/// A store write whose reply was lost (the daemon applied it, the connection broke before the
+/// answer arrived) is retried by the client with the same request id and answered from the
+/// daemon's memory: a retried set does not overwrite what another client wrote in between, a
+/// retried multi-set neither, and a retried delete answers "deleted", not "not found".
+#[tokio::test]
+async fn a_store_write_whose_reply_was_lost_is_not_applied_again_by_its_retry() {
+    let (srv, client) = embedded().await;
+    let s = spec(1, 1, 60_000);
+    let round = client.join(join_spec("job", "a", &s)).await.unwrap().round.unwrap().round;
+    let store = client.store("job", round);
+    let lossy = |proxy: SocketAddr| RdzvClient::connect(ClientConfig::new(proxy.to_string())).unwrap().store("job", round);
+
+    let (proxy, seen, go) = losing_the_first_reply(srv.addr).await;
+    let st = lossy(proxy);
+    let set = tokio::spawn(async move { st.set("k", b"first").await });
+    tokio::time::timeout(WAIT, seen).await.unwrap().unwrap();
+    store.set("k", b"second").await.unwrap();
+    go.send(()).unwrap();
+    tokio::time::timeout(WAIT, set).await.unwrap().unwrap().unwrap();
+    assert_eq!(store.get("k", Duration::ZERO).await.unwrap(), b"second", "the retried set overwrote a later write");
+
+    let (proxy, seen, go) = losing_the_first_reply(srv.addr).await;
+    let st = lossy(proxy);
+    let multi = tokio::spawn(async move { st.multi_set(&[("m", &b"first"[..]), ("k", &b"first"[..])]).await });
+    tokio::time::timeout(WAIT, seen).await.unwrap().unwrap();
+    store.set("m", b"second").await.unwrap();
+    go.send(()).unwrap();
+    tokio::time::timeout(WAIT, multi).await.unwrap().unwrap().unwrap();
+    assert_eq!(store.get("m", Duration::ZERO).await.unwrap(), b"second", "the retried multi-set overwrote a later write");
+    assert_eq!(store.get("k", Duration::ZERO).await.unwrap(), b"first");
+
+    let (proxy, seen, go) = losing_the_first_reply(srv.addr).await;
+    let st = lossy(proxy);
+    let delete = tokio::spawn(async move { st.delete("k").await });
+    tokio::time::timeout(WAIT, seen).await.unwrap().unwrap();
+    go.send(()).unwrap();
+    assert!(tokio::time::timeout(WAIT, delete).await.unwrap().unwrap().unwrap(), "the retried delete answered \"not found\"");
+    assert_eq!(store.try_get("k").await.unwrap(), None);
     let _ = srv.shutdown().await;
 }

@@ -10,7 +10,8 @@
 //! may have expired the lease (measured from the *send* time of the acknowledged renewal), schedules
 //! renewals before it, and says when to self-fence (stop answering) — `margin` before that deadline.
 //! Safety does not rest on this timer: every leader write is a Txn guarded by `create_revision(K) ==
-//! R`, so a leader whose lease lapsed commits nothing. The timer only makes it stop answering first.
+//! R`, so a leader whose lease lapsed commits nothing. The timer makes it stop answering first: the
+//! executor checks the fencing point as each answer goes out (`crate::service::standing`).
 
 use std::time::Duration;
 
@@ -203,6 +204,55 @@ mod tests {
         // etcd says the lease is gone.
         assert!(!t.acknowledged(t0 + Duration::from_secs(2), 0));
         assert!(t.fenced(t0 + Duration::from_secs(2)));
+    }
+
+    /// Leadership as the executor judges it when an answer goes out ([`standing`] over the
+    /// timer's fencing point): it holds before the local deadline, which is strictly before etcd
+    /// may expire the lease, and not at or after it; a keep-alive whose reply came late counts
+    /// from when it was sent.
+    #[test]
+    fn leadership_holds_before_the_local_deadline_and_not_at_or_after_it() {
+        use crate::service::{Role, Standing, standing};
+        let leader = Role::Leader { epoch: 7 };
+        let ms = Duration::from_millis;
+        let t0 = Instant::now();
+        let mut t = LeaseTimer::new(Duration::from_secs(5));
+        assert_eq!(standing(&leader, t.fence_at(), t0), Standing::Lapsed, "no lease yet: no answers");
+        // Granted at t0 with TTL 5 s: answers until 4.5 s, strictly before etcd's earliest expiry.
+        assert!(t.acknowledged(t0, 5));
+        assert!(t.fence_at() < t.deadline());
+        assert_eq!(standing(&leader, t.fence_at(), t0), Standing::Serve);
+        assert_eq!(standing(&leader, t.fence_at(), t0 + ms(4499)), Standing::Serve);
+        assert_eq!(standing(&leader, t.fence_at(), t0 + ms(4500)), Standing::Lapsed);
+        assert_eq!(standing(&leader, t.fence_at(), t0 + ms(9000)), Standing::Lapsed);
+        // A keep-alive sent at 1 s whose reply arrived at 4 s: etcd renewed the lease no earlier
+        // than 1 s, so answers stop at 5.5 s, not at 8.5 s (the reply's time plus 4.5 s).
+        let (sent, arrived) = (t0 + ms(1000), t0 + ms(4000));
+        assert!(t.acknowledged(sent, 5));
+        assert_eq!(t.deadline(), Some(t0 + ms(6000)));
+        assert_eq!(standing(&leader, t.fence_at(), arrived), Standing::Serve);
+        assert_eq!(standing(&leader, t.fence_at(), t0 + ms(5499)), Standing::Serve);
+        assert_eq!(standing(&leader, t.fence_at(), t0 + ms(5500)), Standing::Lapsed);
+        assert_eq!(standing(&leader, t.fence_at(), arrived + ms(4500)), Standing::Lapsed);
+        // A keep-alive sent at 5.4 s, just before the deadline, with no reply yet at 5.6 s: the
+        // old deadline holds until a reply is in.
+        assert_eq!(standing(&leader, t.fence_at(), t0 + ms(5600)), Standing::Lapsed);
+        // etcd says the lease is gone: no answers, whatever the time.
+        assert!(!t.acknowledged(t0 + ms(2000), 0));
+        assert_eq!(standing(&leader, t.fence_at(), t0 + ms(2000)), Standing::Lapsed);
+    }
+
+    /// The executor reads the fencing point the keeper sets ([`super::super::FenceClock`]).
+    #[test]
+    fn the_fence_clock_is_the_executors_lease() {
+        use crate::service::LeaderLease;
+        let fence = super::super::FenceClock::default();
+        assert_eq!(fence.answer_until(), None);
+        let at = Instant::now() + Duration::from_secs(3);
+        fence.set(Some(at));
+        assert_eq!(fence.answer_until(), Some(at));
+        fence.set(None);
+        assert_eq!(fence.answer_until(), None);
     }
 
     #[test]

@@ -615,7 +615,7 @@ mod tests {
     }
 
     fn set(seq: u64, key: &str) -> Entry {
-        Entry { seq, at: 100 + seq, cmd: Command::StoreSet { scope: Scope { job: "j".into(), round: 1, round_scoped: false }, key: key.into(), value: b"v".to_vec() } }
+        Entry { seq, at: 100 + seq, cmd: Command::StoreSet { scope: Scope { job: "j".into(), round: 1, round_scoped: false }, key: key.into(), value: b"v".to_vec(), request_id: String::new() } }
     }
 
     fn batch(epoch: u64, entries: &[Entry]) -> Vec<u8> {

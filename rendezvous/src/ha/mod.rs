@@ -22,6 +22,13 @@
 //!              (step down at once: every waiter fails, the replica is rebuilt from etcd)
 //! ```
 //!
+//! The fencing point is the lease's local deadline: the send time of the last acknowledged grant
+//! or keep-alive, plus the TTL, less max(0.5 s, TTL/10) ([`election::LeaseTimer`]). The executor
+//! holds it too ([`FenceClock`] as its [`LeaderLease`]) and checks it when each answer goes out,
+//! so a leader that stalled or lost etcd answers nothing past it, whether or not this node's
+//! tasks have run since; a log write is refused by etcd itself (the fencing compare) once the
+//! lease expired there.
+//!
 //! SIGTERM: the leader stops answering, then revokes its lease, so the next standby takes over in
 //! well under a second.
 
@@ -44,7 +51,7 @@ use self::etcd::{Etcd, EtcdConfig, EtcdError, WatchStream, created_at, get_op, p
 use self::log::{Batch, EtcdLog, Keys, Owner, RecoverError, SnapPointer, TakeoverSnapshot, leader_value, recover};
 use crate::RdzvError;
 use crate::journal::FORMAT_VERSION;
-use crate::service::{Core, DaemonIdentity, PeerSource, Role};
+use crate::service::{Core, DaemonIdentity, LeaderLease, PeerSource, Role};
 
 /// Everything an HA daemon needs besides the service's own configuration.
 #[derive(Debug, Clone)]
@@ -80,6 +87,13 @@ impl FenceClock {
     /// Whether the fencing point passed (or there is no live lease).
     pub fn fenced(&self) -> bool {
         self.at().is_none_or(|f| Instant::now() >= f)
+    }
+}
+
+/// The executor answers as leader only before the fencing point.
+impl LeaderLease for FenceClock {
+    fn answer_until(&self) -> Option<Instant> {
+        self.at()
     }
 }
 
@@ -493,6 +507,8 @@ impl Node {
                         return End::Restart("the election lease was not renewed before its fencing point".into());
                     }
                 }
+                // A log write refused, or the executor stepped down by itself (an answer or its
+                // timer found the fencing point passed before this loop woke).
                 e = self.core.deposed() => {
                     self.core.demote("", 0);
                     return End::Restart(format!("deposed: {e}"));
@@ -561,7 +577,7 @@ impl Node {
         if s.fence.fenced() {
             return Err(End::Restart("the lease lapsed during the takeover".into()));
         }
-        self.core.promote(s.epoch as u64, Box::new(store)).map_err(|e| End::Restart(e.to_string()))?;
+        self.core.promote(s.epoch as u64, Box::new(store), s.fence.clone()).map_err(|e| End::Restart(e.to_string()))?;
         let (seq, _) = self.core.position();
         tracing::info!(epoch = s.epoch, barrier_revision = h, seq, "leading");
         Ok(())

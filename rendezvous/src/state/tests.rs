@@ -545,9 +545,9 @@ fn an_ended_job_that_everyone_left_starts_over_under_the_same_id() {
 fn stale_round_writes_are_fenced() {
     let mut w = World::new(1, 1, 0);
     w.join("a").unwrap();
-    w.apply(Command::StoreSet { scope: scope(1), key: "k".into(), value: b"v".to_vec() }).unwrap();
+    w.apply(Command::StoreSet { scope: scope(1), key: "k".into(), value: b"v".to_vec(), request_id: String::new() }).unwrap();
     w.apply(Command::Leave { job: "job".into(), node: "a".into(), reason: String::new() }).unwrap();
-    let err = w.apply(Command::StoreSet { scope: scope(1), key: "k".into(), value: b"w".to_vec() }).unwrap_err();
+    let err = w.apply(Command::StoreSet { scope: scope(1), key: "k".into(), value: b"w".to_vec(), request_id: String::new() }).unwrap_err();
     assert!(matches!(err, RdzvError::StaleRound { given: 1, current: 2, .. }));
     // Job-scoped data survives the round change; reads are not fenced.
     assert_eq!(w.job().get(&scope(1), "k").unwrap(), Some(&b"v".to_vec()));
@@ -559,7 +559,7 @@ fn round_scoped_keys_and_unique_ids_are_dropped_with_the_round() {
     w.join("a").unwrap();
     w.advance(LAST_CALL);
     let rs = Scope { job: "job".into(), round: 1, round_scoped: true };
-    w.apply(Command::StoreSet { scope: rs.clone(), key: "k".into(), value: b"v".to_vec() }).unwrap();
+    w.apply(Command::StoreSet { scope: rs.clone(), key: "k".into(), value: b"v".to_vec(), request_id: String::new() }).unwrap();
     w.apply(Command::PublishUniqueId { job: "job".into(), round: 1, rank: 0, name: String::new(), id: vec![7; 128] }).unwrap();
     assert_eq!(w.job().store_bytes, 2);
     w.join("b").unwrap(); // scale-up ends round 1
@@ -597,7 +597,7 @@ fn store_ops_add_cas_delete_and_dedup() {
     assert_eq!(w.apply(add(5, "r1")).unwrap(), Outcome::Added(5), "a retried add is not applied twice");
     assert_eq!(w.apply(add(-2, "")).unwrap(), Outcome::Added(3));
     assert_eq!(w.apply(add(i64::MAX, "")).unwrap_err().code(), tonic::Code::InvalidArgument);
-    w.apply(Command::StoreSet { scope: scope(1), key: "s".into(), value: b"text".to_vec() }).unwrap();
+    w.apply(Command::StoreSet { scope: scope(1), key: "s".into(), value: b"text".to_vec(), request_id: String::new() }).unwrap();
     let err = w.apply(Command::StoreAdd { scope: scope(1), key: "s".into(), delta: 1, request_id: String::new() }).unwrap_err();
     assert!(err.to_string().contains("not a decimal integer"));
     let cas = |exp: Option<&[u8]>, des: &[u8], id: &str| Command::StoreCas {
@@ -611,8 +611,107 @@ fn store_ops_add_cas_delete_and_dedup() {
     assert_eq!(w.apply(cas(None, b"1", "c1")).unwrap(), Outcome::Cas { swapped: true, current: Some(b"1".to_vec()) });
     assert_eq!(w.apply(cas(None, b"2", "")).unwrap(), Outcome::Cas { swapped: false, current: Some(b"1".to_vec()) });
     assert_eq!(w.apply(cas(Some(b"1"), b"2", "")).unwrap(), Outcome::Cas { swapped: true, current: Some(b"2".to_vec()) });
-    assert_eq!(w.apply(Command::StoreDelete { scope: scope(1), key: "c".into() }).unwrap(), Outcome::Deleted(true));
-    assert_eq!(w.apply(Command::StoreDelete { scope: scope(1), key: "c".into() }).unwrap(), Outcome::Deleted(false));
+    assert_eq!(w.apply(Command::StoreDelete { scope: scope(1), key: "c".into(), request_id: String::new() }).unwrap(), Outcome::Deleted(true));
+    assert_eq!(w.apply(Command::StoreDelete { scope: scope(1), key: "c".into(), request_id: String::new() }).unwrap(), Outcome::Deleted(false));
+}
+
+/// A set whose first attempt was applied (its answer lost) and is retried with the same request
+/// id after another client's set is answered from memory: it does not overwrite the other
+/// client's value. The same for a multi-set.
+#[test]
+fn a_retried_set_does_not_overwrite_a_later_write() {
+    let mut w = World::new(1, 1, 0);
+    w.join("a").unwrap();
+    let set = |v: &[u8], id: &str| Command::StoreSet { scope: scope(1), key: "k".into(), value: v.to_vec(), request_id: id.into() };
+    let get = |w: &World, k: &str| w.job().get(&scope(1), k).unwrap().cloned();
+    assert_eq!(w.apply(set(b"first", "s1")).unwrap(), Outcome::Done);
+    assert_eq!(w.apply(set(b"second", "s2")).unwrap(), Outcome::Done);
+    let (outcome, effects) = w.state.apply(&set(b"first", "s1"), w.now, &w.limits).unwrap();
+    assert_eq!(outcome, Outcome::Done, "the first attempt's answer");
+    assert_eq!(effects, Effects::default(), "a replayed answer changes nothing: nothing to journal, no waiter to wake");
+    assert_eq!(get(&w, "k"), Some(b"second".to_vec()), "the retry overwrote the later write");
+    // Without a request id every call is applied.
+    w.apply(set(b"first", "")).unwrap();
+    assert_eq!(get(&w, "k"), Some(b"first".to_vec()));
+    let multi = |v: &[u8], id: &str| Command::StoreMultiSet {
+        scope: scope(1),
+        entries: vec![("k".to_string(), v.to_vec()), ("m".to_string(), v.to_vec())],
+        request_id: id.into(),
+    };
+    assert_eq!(w.apply(multi(b"1", "m1")).unwrap(), Outcome::Done);
+    w.apply(set(b"2", "s3")).unwrap();
+    assert_eq!(w.apply(multi(b"1", "m1")).unwrap(), Outcome::Done);
+    assert_eq!((get(&w, "k"), get(&w, "m")), (Some(b"2".to_vec()), Some(b"1".to_vec())), "the retried multi-set was applied again");
+}
+
+/// A delete retried with the same request id answers its first attempt's result: "deleted" for
+/// one that succeeded (not "not found"), and it does not delete a key another client wrote since
+/// a first attempt that found nothing.
+#[test]
+fn a_retried_delete_answers_its_first_result() {
+    let mut w = World::new(1, 1, 0);
+    w.join("a").unwrap();
+    let set = |k: &str| Command::StoreSet { scope: scope(1), key: k.into(), value: b"v".to_vec(), request_id: String::new() };
+    let del = |k: &str, id: &str| Command::StoreDelete { scope: scope(1), key: k.into(), request_id: id.into() };
+    w.apply(set("k")).unwrap();
+    assert_eq!(w.apply(del("k", "d1")).unwrap(), Outcome::Deleted(true));
+    let (outcome, effects) = w.state.apply(&del("k", "d1"), w.now, &w.limits).unwrap();
+    assert_eq!(outcome, Outcome::Deleted(true), "the retry answers the first attempt's result, not \"not found\"");
+    assert_eq!(effects, Effects::default());
+    assert_eq!(w.apply(del("k", "d2")).unwrap(), Outcome::Deleted(false), "a new delete finds nothing");
+    // A delete that found nothing, retried after another client wrote the key: the key stays.
+    let (_, effects) = w.state.apply(&del("gone", "d3"), w.now, &w.limits).unwrap();
+    assert!(effects.changed, "the answer to remember is a change (journaled, replicated)");
+    w.apply(set("gone")).unwrap();
+    assert_eq!(w.apply(del("gone", "d3")).unwrap(), Outcome::Deleted(false));
+    assert_eq!(w.job().get(&scope(1), "gone").unwrap(), Some(&b"v".to_vec()));
+    // Without a request id, a delete that finds nothing changes nothing.
+    let (_, effects) = w.state.apply(&del("absent", ""), w.now, &w.limits).unwrap();
+    assert_eq!(effects, Effects::default());
+}
+
+/// An add retried with the same request id after another client's add is applied once and
+/// answers its first result.
+#[test]
+fn a_retried_add_is_applied_once() {
+    let mut w = World::new(1, 1, 0);
+    w.join("a").unwrap();
+    let add = |d, id: &str| Command::StoreAdd { scope: scope(1), key: "n".into(), delta: d, request_id: id.into() };
+    assert_eq!(w.apply(add(5, "a1")).unwrap(), Outcome::Added(5));
+    assert_eq!(w.apply(add(2, "a2")).unwrap(), Outcome::Added(7));
+    assert_eq!(w.apply(add(5, "a1")).unwrap(), Outcome::Added(5), "the first attempt's answer");
+    assert_eq!(w.apply(add(2, "a2")).unwrap(), Outcome::Added(7));
+    assert_eq!(w.job().get(&scope(1), "n").unwrap(), Some(&b"7".to_vec()), "each add applied once");
+}
+
+/// The remembered answers of sets and deletes are rebuilt by replaying the journal and kept by
+/// a snapshot (on disk, and the HA log's), so a retry that reaches a restarted daemon or a new
+/// leader is answered from them too.
+#[test]
+fn store_answers_survive_journal_replay_and_snapshots() {
+    let mut w = World::new(1, 1, 0);
+    let set = |k: &str, v: &[u8], id: &str| Command::StoreSet { scope: scope(1), key: k.into(), value: v.to_vec(), request_id: id.into() };
+    let del = |k: &str, id: &str| Command::StoreDelete { scope: scope(1), key: k.into(), request_id: id.into() };
+    let mut journal = Vec::new();
+    for cmd in [join_cmd("a", 1, None, &w.spec), set("k", b"first", "s1"), set("k", b"second", ""), del("gone", "d1")] {
+        let (_, effects) = w.state.apply(&cmd, w.now, &w.limits).unwrap();
+        assert!(effects.changed && cmd.is_durable(), "{cmd:?} is journaled");
+        journal.push(cmd);
+    }
+    let mut replayed = State::default();
+    for cmd in &journal {
+        replayed.apply(cmd, w.now, &w.limits).unwrap();
+    }
+    let mut snapshot: State = postcard::from_bytes(&postcard::to_allocvec(&w.state).unwrap()).unwrap();
+    snapshot.recount();
+    for mut s in [replayed, snapshot] {
+        s.apply(&set("gone", b"new", ""), w.now, &w.limits).unwrap();
+        assert_eq!(s.apply(&set("k", b"first", "s1"), w.now, &w.limits).unwrap().0, Outcome::Done);
+        assert_eq!(s.apply(&del("gone", "d1"), w.now, &w.limits).unwrap().0, Outcome::Deleted(false));
+        let job = s.job("job").unwrap();
+        assert_eq!(job.get(&scope(1), "k").unwrap(), Some(&b"second".to_vec()));
+        assert_eq!(job.get(&scope(1), "gone").unwrap(), Some(&b"new".to_vec()));
+    }
 }
 
 #[test]
@@ -621,11 +720,11 @@ fn store_limits_are_enforced_and_multiset_is_atomic() {
     w.limits.max_keys_per_job = 2;
     w.join("a").unwrap();
     let entries = vec![("a".to_string(), b"1".to_vec()), ("b".to_string(), b"2".to_vec()), ("c".to_string(), b"3".to_vec())];
-    let err = w.apply(Command::StoreMultiSet { scope: scope(1), entries }).unwrap_err();
+    let err = w.apply(Command::StoreMultiSet { scope: scope(1), entries, request_id: String::new() }).unwrap_err();
     assert_eq!(err.code(), tonic::Code::ResourceExhausted);
     assert_eq!(w.job().store.len(), 0, "a failed multi-set writes nothing");
     w.limits.max_store_bytes_per_job = 5;
-    let err = w.apply(Command::StoreSet { scope: scope(1), key: "k".into(), value: vec![0; 5] }).unwrap_err();
+    let err = w.apply(Command::StoreSet { scope: scope(1), key: "k".into(), value: vec![0; 5], request_id: String::new() }).unwrap_err();
     assert!(err.to_string().contains("would hold 6 bytes"), "{err}");
 }
 
@@ -783,9 +882,9 @@ fn a_forgotten_job_created_again_fences_off_its_old_rounds() {
     assert_eq!(w.job().round, old_round + 1);
     assert!(w.state.retired.is_empty(), "the tombstone is used up");
     // A writer of the forgotten run still holding its round is stale, not a member of round 1.
-    let err = w.apply(Command::StoreSet { scope: scope(old_round), key: "k".into(), value: b"v".to_vec() }).unwrap_err();
+    let err = w.apply(Command::StoreSet { scope: scope(old_round), key: "k".into(), value: b"v".to_vec(), request_id: String::new() }).unwrap_err();
     assert!(matches!(err, RdzvError::StaleRound { .. }), "{err}");
-    w.apply(Command::StoreSet { scope: scope(old_round + 1), key: "k".into(), value: b"v".to_vec() }).unwrap();
+    w.apply(Command::StoreSet { scope: scope(old_round + 1), key: "k".into(), value: b"v".to_vec(), request_id: String::new() }).unwrap();
 }
 
 /// The caps over all jobs: one client cannot fill the service with nodes or barrier arrivals
@@ -854,7 +953,10 @@ enum Step {
     KeepAlive(u8),
     Fail(u8, bool),
     Finish(u8),
-    Set(u8, u8),
+    /// Node, value byte, request id (a few, so that some repeat).
+    Set(u8, u8, Option<u8>),
+    /// Node whose key is deleted, request id.
+    Delete(u8, Option<u8>),
     Arrive(u8),
     Publish(u8),
     Advance(u16),
@@ -867,7 +969,8 @@ fn step() -> impl Strategy<Value = Step> {
         (0u8..6).prop_map(Step::KeepAlive),
         (0u8..6, any::<bool>()).prop_map(|(n, r)| Step::Fail(n, r)),
         (0u8..6).prop_map(Step::Finish),
-        (0u8..6, any::<u8>()).prop_map(|(n, v)| Step::Set(n, v)),
+        (0u8..6, any::<u8>(), proptest::option::of(0u8..4)).prop_map(|(n, v, id)| Step::Set(n, v, id)),
+        (0u8..6, proptest::option::of(0u8..4)).prop_map(|(n, id)| Step::Delete(n, id)),
         (0u8..6).prop_map(Step::Arrive),
         (0u8..3).prop_map(Step::Publish),
         (0u16..1500).prop_map(Step::Advance),
@@ -926,6 +1029,7 @@ proptest! {
         let mut journal: Vec<(Command, Ms)> = Vec::new();
         for s in steps {
             let node = |n: u8| format!("n{n}");
+            let request_id = |id: Option<u8>| id.map(|i| format!("r{i}")).unwrap_or_default();
             let round = w.state.jobs.get("job").map(|j| j.round).unwrap_or(1);
             let cmd = match s {
                 Step::Join(n, l, h) => join_cmd(&node(n), l as u32, h.map(u32::from), &w.spec),
@@ -936,7 +1040,8 @@ proptest! {
                     failure: Failure { node_id: node(n), round, rank: 0, local_rank: 0, exit_code: 1, signal: 0, message: String::new(), time_unix_ms: 0, hostname: String::new() },
                 },
                 Step::Finish(n) => Command::Finish { job: "job".into(), round, node: node(n) },
-                Step::Set(n, v) => Command::StoreSet { scope: scope(round), key: node(n), value: vec![v; v as usize % 7] },
+                Step::Set(n, v, id) => Command::StoreSet { scope: scope(round), key: node(n), value: vec![v; v as usize % 7], request_id: request_id(id) },
+                Step::Delete(n, id) => Command::StoreDelete { scope: scope(round), key: node(n), request_id: request_id(id) },
                 Step::Arrive(n) => Command::BarrierArrive { scope: scope(round), name: "b".into(), member: node(n), participants: 3, request_id: String::new() },
                 Step::Publish(r) => Command::PublishUniqueId { job: "job".into(), round, rank: r as u32, name: String::new(), id: vec![r; 128] },
                 Step::Advance(ms) => {
