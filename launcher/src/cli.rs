@@ -190,11 +190,23 @@ pub struct LaunchArgs {
           value_name = "none|local-rank", help_heading = "Program")]
     pub gpu_bind: String,
 
-    /// CPU affinity per worker: `none`, `cores` (an equal share of the usable cores) or `numa` (the
-    /// cores of one NUMA node).
+    /// CPU affinity per worker: `none`, `cores` (an equal share of whole physical cores, SMT
+    /// siblings together, taken from the NUMA node of the worker's GPU first) or `numa` (all CPUs of
+    /// one NUMA node: the worker's GPU's when known, else the nodes in turn). A worker's GPU is its
+    /// CUDA_VISIBLE_DEVICES entry (or its local rank), located by its PCI numa_node.
     #[arg(long = "cpu-bind", alias = "cpu_bind", env = "PET_CPU_BIND", default_value = "none",
           value_name = "none|cores|numa", help_heading = "Program")]
     pub cpu_bind: String,
+
+    /// torchrun's CPU binding near each local rank's GPU: `node` (all CPUs of the GPU's NUMA node),
+    /// `socket` (all CPUs of its package), `exclusive` (disjoint whole cores of the GPU's node,
+    /// shared among the ranks there) or `core-complex` (an L3 cache domain of the GPU's node, one
+    /// per rank while there are enough). Without a known GPU node, ranks take the nodes (packages)
+    /// in turn. Not with a different --cpu-bind.
+    #[arg(long = "numa-binding", alias = "numa_binding", value_name = "MODE",
+          value_parser = ["node", "socket", "exclusive", "core-complex"],
+          help_heading = "Program")]
+    pub numa_binding: Option<String>,
 
     // ------------------------------------------------------------------------------------------------
     // torchrun: logs
@@ -264,12 +276,6 @@ pub struct LaunchArgs {
     #[arg(long = "logs-specs", alias = "logs_specs", value_name = "NAME",
           help_heading = "Accepted for compatibility")]
     pub logs_specs: Option<String>,
-
-    /// torchrun: numactl wrapping (use --cpu-bind numa).
-    #[arg(long = "numa-binding", alias = "numa_binding", value_name = "MODE",
-          value_parser = ["node", "socket", "exclusive", "core-complex"],
-          help_heading = "Accepted for compatibility")]
-    pub numa_binding: Option<String>,
 
     /// torchrun: shell completion script (not provided by rsrun).
     #[arg(long = "print-completion", alias = "print_completion", value_name = "SHELL",

@@ -236,19 +236,7 @@ fn shell_quote(s: &str) -> String {
 }
 
 fn cpu_list(cpus: &[usize]) -> String {
-    let mut out: Vec<String> = Vec::new();
-    let mut i = 0;
-    while i < cpus.len() {
-        let start = cpus[i];
-        let mut end = start;
-        while i + 1 < cpus.len() && cpus[i + 1] == end + 1 {
-            i += 1;
-            end = cpus[i];
-        }
-        out.push(if start == end { start.to_string() } else { format!("{start}-{end}") });
-        i += 1;
-    }
-    out.join(",")
+    crate::topology::cpu_list(cpus)
 }
 
 #[cfg(test)]

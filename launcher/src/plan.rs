@@ -13,6 +13,9 @@ use std::time::Duration;
 use crate::cli::LaunchArgs;
 use crate::multinode::{self, HostTable, LaunchMode, Source, Sourced, TaskRanks};
 use crate::signals::SignalPolicy;
+use crate::topology::{self, BindMode, PciGpu, Roots, Topology};
+
+pub use crate::topology::parse_cpu_list;
 
 /// The default port of the rendezvous daemon (torchrun's c10d default).
 pub const DEFAULT_RDZV_PORT: u16 = 29400;
@@ -98,8 +101,9 @@ pub struct HostInfo {
     pub cwd: PathBuf,
     /// CPUs this process may run on (sched_getaffinity), ascending.
     pub cpus: Vec<usize>,
-    /// CPUs of each NUMA node, restricted to `cpus`; empty when unknown.
-    pub numa_nodes: Vec<Vec<usize>>,
+    /// Where each of `cpus` sits and where the GPUs are (`--cpu-bind`, `--numa-binding`), read
+    /// on first use.
+    pub placement: Placement,
     /// Number of NVIDIA GPUs visible (CUDA_VISIBLE_DEVICES, else /proc/driver/nvidia/gpus).
     pub gpus: u32,
     /// This host's name.
@@ -108,20 +112,52 @@ pub struct HostInfo {
     pub exe_dir: Option<PathBuf>,
 }
 
+/// The host's CPU topology (SMT core, package, NUMA node and L3 domain of each usable CPU) and its
+/// NVIDIA GPUs in PCI bus order with their NUMA nodes (`None`: the driver's list cannot be read).
+/// Read from sysfs on first use only: a few files per core, which only `--cpu-bind` and
+/// `--numa-binding` need (a launch without them reads none).
+#[derive(Debug, Clone)]
+pub struct Placement {
+    /// Where to read them, and the usable CPUs; `None` for a placement given whole.
+    source: Option<(Roots, Vec<usize>)>,
+    cell: std::sync::OnceLock<(Topology, Option<Vec<PciGpu>>)>,
+}
+
+impl Placement {
+    /// Read from `roots` when first needed, for the usable `cpus`.
+    pub fn probe(roots: Roots, cpus: Vec<usize>) -> Placement {
+        Placement { source: Some((roots, cpus)), cell: std::sync::OnceLock::new() }
+    }
+
+    /// A placement known already (tests, a host described by hand).
+    pub fn known(topology: Topology, pci_gpus: Option<Vec<PciGpu>>) -> Placement {
+        Placement { source: None, cell: std::sync::OnceLock::from((topology, pci_gpus)) }
+    }
+
+    /// The topology and the GPUs, read now if they were not yet.
+    pub fn get(&self) -> &(Topology, Option<Vec<PciGpu>>) {
+        self.cell.get_or_init(|| match &self.source {
+            Some((roots, cpus)) => (topology::read_topology(&roots.sys, cpus), topology::read_pci_gpus(roots)),
+            // `known` fills the cell: only an empty host reaches this.
+            None => (topology::read_topology(Path::new("/nonexistent"), &[]), None),
+        })
+    }
+}
+
 impl HostInfo {
     /// Reads the real host.
     pub fn probe() -> Self {
         let env = unicode_env(std::env::vars_os());
         let cwd = std::env::current_dir().unwrap_or_else(|_| PathBuf::from("."));
         let cpus = crate::worker::allowed_cpus();
-        let numa_nodes = read_numa_nodes(&cpus);
+        let placement = Placement::probe(Roots::real(), cpus.clone());
         let gpus = count_gpus(&env);
         let hostname = hostname::get()
             .ok()
             .and_then(|h| h.into_string().ok())
             .unwrap_or_else(|| "localhost".to_owned());
         let exe_dir = std::env::current_exe().ok().and_then(|p| p.parent().map(Path::to_path_buf));
-        HostInfo { env, cwd, cpus, numa_nodes, gpus, hostname, exe_dir }
+        HostInfo { env, cwd, cpus, placement, gpus, hostname, exe_dir }
     }
 
     fn var(&self, name: &str) -> Option<&str> {
@@ -134,23 +170,6 @@ impl HostInfo {
 /// environment still holds them, and workers inherit them as they are.
 fn unicode_env(vars: impl Iterator<Item = (std::ffi::OsString, std::ffi::OsString)>) -> HashMap<String, String> {
     vars.filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?))).collect()
-}
-
-fn read_numa_nodes(allowed: &[usize]) -> Vec<Vec<usize>> {
-    let Ok(dir) = std::fs::read_dir("/sys/devices/system/node") else { return Vec::new() };
-    let mut nodes: Vec<(usize, Vec<usize>)> = dir
-        .filter_map(Result::ok)
-        .filter_map(|e| {
-            let name = e.file_name().into_string().ok()?;
-            let idx: usize = name.strip_prefix("node")?.parse().ok()?;
-            let list = std::fs::read_to_string(e.path().join("cpulist")).ok()?;
-            let cpus: Vec<usize> =
-                parse_cpu_list(list.trim()).ok()?.into_iter().filter(|c| allowed.contains(c)).collect();
-            (!cpus.is_empty()).then_some((idx, cpus))
-        })
-        .collect();
-    nodes.sort();
-    nodes.into_iter().map(|(_, c)| c).collect()
 }
 
 fn count_gpus(env: &HashMap<String, String>) -> u32 {
@@ -172,28 +191,6 @@ fn visible_gpus(list: Option<&str>, physical: Option<u32>) -> u32 {
     };
     let n = list.split(',').map(str::trim).take_while(|s| valid(s)).count() as u32;
     physical.map_or(n, |p| n.min(p))
-}
-
-/// Parses a Linux CPU list (`0-3,8,10-11`).
-///
-/// # Errors
-/// A malformed list.
-pub fn parse_cpu_list(s: &str) -> Result<Vec<usize>, String> {
-    let mut out = Vec::new();
-    for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
-        match part.split_once('-') {
-            Some((a, b)) => {
-                let a: usize = a.parse().map_err(|_| format!("bad cpu '{a}'"))?;
-                let b: usize = b.parse().map_err(|_| format!("bad cpu '{b}'"))?;
-                if a > b {
-                    return Err(format!("bad range '{part}'"));
-                }
-                out.extend(a..=b);
-            }
-            None => out.push(part.parse().map_err(|_| format!("bad cpu '{part}'"))?),
-        }
-    }
-    Ok(out)
 }
 
 /// `MIN:MAX` nodes.
@@ -1225,37 +1222,80 @@ fn split_escaped(s: &str) -> Vec<String> {
     out.into_iter().filter(|s| !s.is_empty()).collect()
 }
 
-fn cpu_sets(mode: &str, nproc: u32, host: &HostInfo, notes: &mut Vec<String>) -> Result<Option<Vec<Vec<usize>>>, PlanError> {
+/// CPU affinity per local rank, from `--cpu-bind` or torchrun's `--numa-binding` (one of them; `--cpu-bind
+/// numa` with `--numa-binding node` is the same request), placed on the host's topology near each
+/// worker's GPU ([`topology::assign`]); `None`: inherited.
+fn cpu_sets(
+    args: &LaunchArgs,
+    nproc: u32,
+    host: &HostInfo,
+    gpu_bind: &GpuBind,
+    task: Option<&TaskRanks>,
+    notes: &mut Vec<String>,
+) -> Result<Option<Vec<Vec<usize>>>, PlanError> {
+    let cpu_bind = args.cpu_bind.trim();
+    let by_cpu_bind = match cpu_bind {
+        "none" => None,
+        "cores" => Some(BindMode::Cores),
+        "numa" => Some(BindMode::Numa),
+        other => return Err(invalid("--cpu-bind", other, "none, cores or numa")),
+    };
+    let by_numa_binding = match args.numa_binding.as_deref().map(str::trim) {
+        None => None,
+        Some(m) => Some(
+            BindMode::from_numa_binding(m)
+                .ok_or_else(|| invalid("--numa-binding", m, "node, socket, exclusive or core-complex"))?,
+        ),
+    };
+    let mode = match (by_cpu_bind, by_numa_binding) {
+        (None, None) => return Ok(None),
+        (Some(m), None) | (None, Some(m)) | (Some(BindMode::Numa), Some(m @ BindMode::Node)) => m,
+        (Some(_), Some(m)) => {
+            return Err(PlanError::Conflict(format!(
+                "--cpu-bind {cpu_bind} and {} both choose the workers' CPUs: give one of them (--cpu-bind cores or numa, or torchrun's --numa-binding node, socket, exclusive or core-complex)",
+                m.flag()
+            )));
+        }
+    };
+    let (topo, pci_gpus) = host.placement.get();
+    if topo.cpus.is_empty() {
+        return Err(PlanError::Conflict(format!("{}: cannot read this process's CPU set", mode.flag())));
+    }
+    if mode == BindMode::Numa && !topo.numa_known {
+        return Err(PlanError::Conflict("--cpu-bind numa: no NUMA topology under /sys/devices/system/node".into()));
+    }
+    notes.extend(topo.notes.iter().cloned());
+    let devices = worker_devices(gpu_bind, host.var("CUDA_VISIBLE_DEVICES"), nproc, task);
+    let gpu_nodes = topology::gpu_nodes(&devices, pci_gpus.as_deref(), host.var("CUDA_DEVICE_ORDER"), notes);
+    Ok(Some(topology::assign(mode, topo, &gpu_nodes, notes)))
+}
+
+/// The GPU each worker uses, as this process's CUDA_VISIBLE_DEVICES names it (an index in CUDA's
+/// order, or a UUID): its own device under `--gpu-bind local-rank` (or Slurm's binding), else the
+/// local rank's entry of the inherited list, or the local rank itself without one (torch's
+/// `cuda:LOCAL_RANK`); `None` where there is none.
+fn worker_devices(gpu_bind: &GpuBind, visible: Option<&str>, nproc: u32, task: Option<&TaskRanks>) -> Vec<Option<String>> {
     let n = nproc as usize;
-    let cpus = &host.cpus;
-    match mode {
-        "none" => Ok(None),
-        "cores" => {
-            if cpus.is_empty() {
-                return Err(PlanError::Conflict("--cpu-bind cores: cannot read this process's CPU set".into()));
-            }
-            if n > cpus.len() {
-                notes.push(format!(
-                    "--cpu-bind cores: {n} workers share {} cores (one core each, round-robin)",
-                    cpus.len()
-                ));
-                return Ok(Some((0..n).map(|i| vec![cpus[i % cpus.len()]]).collect()));
-            }
-            Ok(Some((0..n).map(|i| cpus[i * cpus.len() / n..(i + 1) * cpus.len() / n].to_vec()).collect()))
+    match gpu_bind {
+        GpuBind::LocalRank(devices) => (0..n).map(|i| devices.get(i).cloned()).collect(),
+        GpuBind::None => {
+            let list: Option<Vec<String>> =
+                visible.map(|l| l.split(',').map(|s| s.trim().to_owned()).filter(|s| !s.is_empty()).collect());
+            (0..n)
+                .map(|i| {
+                    let local_rank = task.map_or(i, |t| t.local_rank as usize);
+                    match &list {
+                        None => Some(local_rank.to_string()),
+                        Some(l) => match l.get(local_rank) {
+                            Some(d) => Some(d.clone()),
+                            // srun bound this task's one GPU.
+                            None if task.is_some() && l.len() == 1 => Some(l[0].clone()),
+                            None => None,
+                        },
+                    }
+                })
+                .collect()
         }
-        "numa" => {
-            if host.numa_nodes.is_empty() {
-                return Err(PlanError::Conflict(
-                    "--cpu-bind numa: no NUMA topology under /sys/devices/system/node".into(),
-                ));
-            }
-            let nodes = &host.numa_nodes;
-            if nodes.len() == 1 {
-                notes.push("--cpu-bind numa: one NUMA node; every worker gets all its cores".into());
-            }
-            Ok(Some((0..n).map(|i| nodes[i * nodes.len() / n].clone()).collect()))
-        }
-        other => Err(invalid("--cpu-bind", other, "none, cores or numa")),
     }
 }
 
@@ -1719,7 +1759,7 @@ impl LaunchPlan {
             }
             (other, _) => return Err(invalid("--gpu-bind", other, "none or local-rank")),
         };
-        let cpu_sets = cpu_sets(args.cpu_bind.trim(), nproc_per_node, host, &mut notes)?;
+        let cpu_sets = cpu_sets(args, nproc_per_node, host, &gpu_bind, cluster.task_ranks.as_ref(), &mut notes)?;
 
         // Token.
         let token = match &args.rdzv_token_file {
@@ -1774,9 +1814,6 @@ impl LaunchPlan {
         }
         if let Some(s) = &args.logs_specs {
             notes.push(format!("--logs-specs {s} has no effect: rsrun has one log layout (--log-dir)"));
-        }
-        if let Some(n) = &args.numa_binding {
-            notes.push(format!("--numa-binding {n} has no effect: use --cpu-bind numa"));
         }
         if let Some(s) = &args.print_completion {
             notes.push(format!("--print-completion {s} is not provided by rsrun"));

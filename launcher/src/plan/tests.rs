@@ -8,7 +8,7 @@ pub(crate) fn host() -> HostInfo {
         env,
         cwd: std::env::temp_dir(),
         cpus: vec![0, 1, 2, 3],
-        numa_nodes: vec![vec![0, 1], vec![2, 3]],
+        placement: crate::plan::Placement::known(Topology::from_nodes(&[vec![0, 1], vec![2, 3]]), None),
         gpus: 0,
         hostname: "testhost".into(),
         exe_dir: None,
@@ -316,11 +316,43 @@ fn binding() {
     assert_eq!(parse_cpu_list("0-2,5").unwrap(), vec![0, 1, 2, 5]);
 }
 
+/// Binding follows each local rank's GPU: its CUDA_VISIBLE_DEVICES entry (or its local rank),
+/// located by PCI; torchrun's --numa-binding works, and not together with a different --cpu-bind.
+#[test]
+fn cpu_binding_follows_each_workers_gpu() {
+    let mut h = host();
+    h.cpus = (0..16).collect();
+    // 2 packages/nodes of 4 cores x 2 threads (core k: CPUs k and k+8); GPUs 0,1 on node 1, 2,3 on node 0.
+    h.placement = crate::plan::Placement::known(crate::topology::tests::linux_machine(), Some(crate::topology::tests::four_gpus()));
+    let plan = |args: &[&str], h: &HostInfo| LaunchPlan::resolve(&parse(args), h);
+    let p = plan(&["--nproc-per-node", "4", "--cpu-bind", "cores", "true"], &h).unwrap();
+    assert_eq!(p.cpu_sets, Some(vec![vec![4, 5, 12, 13], vec![6, 7, 14, 15], vec![0, 1, 8, 9], vec![2, 3, 10, 11]]));
+    assert!(p.notes.iter().any(|n| n.contains("NUMA node of each local rank's GPU (PCI numa_node): 1,1,0,0")), "{:?}", p.notes);
+    let p = plan(&["--nproc-per-node", "4", "--cpu-bind", "numa", "true"], &h).unwrap();
+    let (node0, node1) = (vec![0, 1, 2, 3, 8, 9, 10, 11], vec![4, 5, 6, 7, 12, 13, 14, 15]);
+    assert_eq!(p.cpu_sets, Some(vec![node1.clone(), node1.clone(), node0.clone(), node0.clone()]));
+    // CUDA_VISIBLE_DEVICES=2,3: local rank 0 uses physical GPU 2, on node 0.
+    h.env.insert("CUDA_VISIBLE_DEVICES".into(), "2,3".into());
+    let p = plan(&["--nproc-per-node", "2", "--gpu-bind", "local-rank", "--numa-binding", "node", "true"], &h).unwrap();
+    assert_eq!(p.cpu_sets, Some(vec![node0.clone(), node0.clone()]));
+    assert!(p.notes.iter().any(|n| n.contains("CUDA_DEVICE_ORDER")), "{:?}", p.notes);
+    let p = plan(&["--nproc-per-node", "2", "--numa-binding", "exclusive", "true"], &h).unwrap();
+    assert_eq!(p.cpu_sets, Some(vec![vec![0, 1, 8, 9], vec![2, 3, 10, 11]]));
+    let p = plan(&["--nproc-per-node", "2", "--numa-binding", "socket", "true"], &h).unwrap();
+    assert_eq!(p.cpu_sets, Some(vec![node0.clone(), node0]));
+    // --cpu-bind numa is --numa-binding node; any other pair is refused, naming both.
+    assert!(plan(&["--cpu-bind", "numa", "--numa-binding", "node", "true"], &h).is_ok());
+    let e = plan(&["--cpu-bind", "cores", "--numa-binding", "exclusive", "true"], &h).unwrap_err().to_string();
+    assert!(e.contains("--cpu-bind cores") && e.contains("--numa-binding exclusive"), "{e}");
+}
+
 #[test]
 fn compat_flags_warn() {
     let p = resolve(&["--start-method", "fork", "--numa-binding", "node", "true"]).unwrap();
     assert!(p.notes.iter().any(|n| n.contains("--start-method")));
-    assert!(p.notes.iter().any(|n| n.contains("--cpu-bind numa")));
+    // --numa-binding binds (no GPU here: the NUMA nodes in turn, said in a note).
+    assert_eq!(p.cpu_sets, Some(vec![vec![0, 1]]));
+    assert!(p.notes.iter().any(|n| n.contains("--numa-binding node: no GPU NUMA node known")), "{:?}", p.notes);
     // torchrun's choices still hold for them (argparse refuses others, exit 2).
     for (flag, bad) in [("--start-method", "thread"), ("--numa-binding", "everywhere")] {
         let e = LaunchArgs::try_parse_with_origins_from(["rsrun", flag, bad, "true"]).unwrap_err();

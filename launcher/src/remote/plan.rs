@@ -131,6 +131,7 @@ pub fn agent_options(args: &LaunchArgs, shutdown: Duration) -> Vec<String> {
     opt("exit-barrier-timeout", Some(&args.exit_barrier_timeout));
     opt("gpu-bind", Some(&args.gpu_bind));
     opt("cpu-bind", Some(&args.cpu_bind));
+    opt("numa-binding", args.numa_binding.as_deref());
     opt("log-dir", args.log_dir.as_deref().and_then(Path::to_str));
     opt("redirects", args.redirects.as_deref());
     opt("tee", args.tee.as_deref());
