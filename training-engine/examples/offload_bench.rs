@@ -8,7 +8,7 @@
 //! (optimizer elements, millions) to 16.
 
 use rsrun_training_engine::offload::bench::{measure_bandwidth, measure_step};
-use rsrun_training_engine::offload::{EngineKind, NvmeConfig};
+use rsrun_training_engine::offload::{DEFAULT_IO_TIMEOUT, EngineKind, NvmeConfig};
 
 #[allow(clippy::print_stdout)]
 fn main() -> anyhow::Result<()> {
@@ -19,7 +19,7 @@ fn main() -> anyhow::Result<()> {
     let gbs = |b: f64| b / 1e9;
     let mut worst = f64::MAX;
     for engine in [EngineKind::IoUring, EngineKind::ThreadPool] {
-        let r = measure_bandwidth(&dir, mib << 20, 1 << 20, 8, Some(engine), 3)?;
+        let r = measure_bandwidth(&dir, mib << 20, 1 << 20, 8, Some(engine), 3, DEFAULT_IO_TIMEOUT)?;
         let (w, rd) = r.ratios();
         println!(
             "bandwidth {:?} {} MiB block 1 MiB qd 8: plain O_DIRECT write {:.2} GB/s read {:.2} GB/s | \

@@ -218,7 +218,7 @@ fn main() -> Result<()> {
             let step_bw = bytes / med;
             // Plain O_DIRECT vs the offload engine on a file of the offloaded size.
             let size = (m.offloaded_nvme as usize / 2).max(64 << 20);
-            let bw = measure_bandwidth(&c.dir, size, c.block_size, c.queue_depth, c.engine, 2)?;
+            let bw = measure_bandwidth(&c.dir, size, c.block_size, c.queue_depth, c.engine, 2, c.io_timeout)?;
             let gb = |x: f64| x / 1e9;
             line += &format!(
                 "\nnvme_bandwidth: file_mib={} plain_write_gbps={:.2} plain_read_gbps={:.2} engine({:?},qd{})_write_gbps={:.2} engine_read_gbps={:.2} engine/plain write={:.2} read={:.2} step_io_gbps={:.2} step_io/plain_avg={:.2}",

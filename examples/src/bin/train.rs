@@ -32,7 +32,7 @@ use rsrun_examples::plot;
 use rsrun_training_engine::comm::{BackendKind, CommOptions, LocalStore, ProcessGroup, Store};
 use rsrun_training_engine::checkpoint::Progress;
 use rsrun_training_engine::engine::{Engine, EngineConfig, Offload, Precision, ReduceDtype};
-use rsrun_training_engine::offload::NvmeConfig;
+use rsrun_training_engine::offload::{DEFAULT_IO_TIMEOUT, NvmeConfig, check_io_timeout};
 use rsrun_training_engine::layout::Strategy;
 use rsrun_training_engine::model::{Batch, Gpt, GptConfig};
 use rsrun_training_engine::optim::{AdamW, OptimizerConfig, Schedule};
@@ -114,6 +114,10 @@ struct Args {
     /// Directory of the NVMe swap files (required by --offload nvme).
     #[arg(long)]
     nvme_path: Option<PathBuf>,
+    /// Deadline in seconds of every wait for the NVMe tier's I/O (--offload nvme; default 300,
+    /// at most 86400): a device that does not answer in time fails the step instead of hanging it.
+    #[arg(long)]
+    nvme_io_timeout: Option<u64>,
     /// Root directory of sharded checkpoints.
     #[arg(long)]
     checkpoint_dir: Option<PathBuf>,
@@ -370,12 +374,25 @@ fn run() -> anyhow::Result<()> {
         .reduce_dtype
         .parse()
         .map_err(|_| BadInput(format!("unknown --reduce-dtype {:?}; expected fp32 or compute", args.reduce_dtype)))?;
+    let nvme_io_timeout = match args.nvme_io_timeout {
+        Some(_) if args.offload != "nvme" => {
+            return Err(BadInput(format!("--nvme-io-timeout is only used with --offload nvme (got --offload {})", args.offload)).into());
+        }
+        Some(secs) => {
+            let timeout = Duration::from_secs(secs);
+            check_io_timeout(timeout).map_err(|e| BadInput(format!("--nvme-io-timeout {secs}: {e}")))?;
+            timeout
+        }
+        None => DEFAULT_IO_TIMEOUT,
+    };
     let offload = match (args.offload.as_str(), &args.nvme_path) {
         ("none", _) => Offload::None,
         ("cpu", _) => Offload::Cpu,
         ("nvme", Some(dir)) => {
             check_writable_dir(dir, "--nvme-path")?;
-            Offload::Nvme(NvmeConfig::new(dir, "train"))
+            let mut cfg = NvmeConfig::new(dir, "train");
+            cfg.io_timeout = nvme_io_timeout;
+            Offload::Nvme(cfg)
         }
         ("nvme", None) => return Err(BadInput("--offload nvme needs --nvme-path DIR".into()).into()),
         (o, _) => return Err(BadInput(format!("unknown --offload {o:?}; expected none, cpu or nvme")).into()),

@@ -301,6 +301,7 @@ fn bad_checkpoint_and_offload_flags_exit_2() {
     let file = dir.path().join("a-file");
     std::fs::write(&file, b"x").unwrap();
     let under_file = file.join("ckpt");
+    let nvme_dir = dir.path().join("nvme");
     let cases: Vec<(Vec<&str>, String)> = vec![
         (vec!["--offload", "nvme"], "--offload nvme needs --nvme-path DIR".into()),
         (vec!["--offload", "disk"], "unknown --offload \"disk\"".into()),
@@ -308,6 +309,11 @@ fn bad_checkpoint_and_offload_flags_exit_2() {
         (vec!["--checkpoint-every", "3"], "--checkpoint-every 3 needs --checkpoint-dir".into()),
         (vec!["--checkpoint-dir", under_file.to_str().unwrap()], format!("--checkpoint-dir {}: cannot create directory", under_file.display())),
         (vec!["--resume", "/no/such/ckpt"], "--resume \"/no/such/ckpt\": no such checkpoint".into()),
+        (
+            vec!["--offload", "nvme", "--nvme-path", nvme_dir.to_str().unwrap(), "--nvme-io-timeout", "0"],
+            "--nvme-io-timeout 0: offload: io_timeout 0ns: expected from 1ms to 86400s".into(),
+        ),
+        (vec!["--nvme-io-timeout", "30"], "--nvme-io-timeout is only used with --offload nvme (got --offload none)".into()),
     ];
     for (args, expected) in &cases {
         let out: Output = Command::new(bin("train")).current_dir(dir.path()).args(MODEL).args(args).output().unwrap();

@@ -212,14 +212,14 @@ pub const CPU_TILE_ELEMS: usize = 1 << 20;
 #[derive(Debug)]
 pub(super) enum OffloadTier {
     Cpu(CpuStore),
-    Nvme(NvmeStore),
+    Nvme(Box<NvmeStore>),
 }
 
 impl OffloadTier {
     fn store(&mut self) -> &mut dyn OptimStateStore {
         match self {
             OffloadTier::Cpu(c) => c,
-            OffloadTier::Nvme(n) => n,
+            OffloadTier::Nvme(n) => n.as_mut(),
         }
     }
 
@@ -417,7 +417,7 @@ impl<M: UnitModel> Engine<M> {
             Offload::Nvme(c) => {
                 let mut c = c.clone();
                 c.file_name = format!("{}.{}.r{:05}", c.file_name, std::process::id(), self.rank);
-                OffloadTier::Nvme(NvmeStore::new(&lens, slots, &c)?)
+                OffloadTier::Nvme(Box::new(NvmeStore::new(&lens, slots, &c)?))
             }
             Offload::None => return Ok(()),
         };

@@ -4,9 +4,9 @@
 use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use super::engine::{Dir, IoEngine, IoReq, Job};
+use super::engine::{Dir, IoEngine, Job, Lease, Span};
 use super::{AlignedBuf, CpuStore, EngineKind, NvmeConfig, NvmeStore, OffloadError, round_up};
 use crate::error::{EngineError, EngineResult};
 use crate::layout::{OptimStateStore, StepParams, TileOptimizer};
@@ -46,10 +46,12 @@ fn io_err(op: &'static str, path: &Path, source: std::io::Error) -> OffloadError
 }
 
 /// Measures plain O_DIRECT and engine bandwidth on a `bytes`-sized file in `dir` (best of
-/// `repeats` runs each). The file is removed afterwards.
+/// `repeats` runs each); each engine transfer may take at most `io_timeout`. The file is
+/// removed afterwards.
 ///
 /// # Errors
-/// Any I/O error, naming the file.
+/// Any I/O error, naming the file; [`OffloadError::TimedOut`] for a transfer past
+/// `io_timeout`; [`OffloadError::InvalidArgument`] for an `io_timeout` out of range.
 pub fn measure_bandwidth(
     dir: &Path,
     bytes: usize,
@@ -57,6 +59,7 @@ pub fn measure_bandwidth(
     queue_depth: usize,
     engine: Option<EngineKind>,
     repeats: usize,
+    io_timeout: Duration,
 ) -> Result<BandwidthReport, OffloadError> {
     let bytes = round_up(bytes);
     // A new file of our own (exclusive, no symlink followed, 0600; a taken name gets a random
@@ -64,12 +67,13 @@ pub fn measure_bandwidth(
     // a killed run leaves nothing behind.
     let (file, _direct, path) = super::nvme::open_swap(&dir.join(format!("rsrun-bw-{}.bin", std::process::id())))?;
     let _ = std::fs::remove_file(&path);
+    let file = Arc::new(file);
     let fd = file.as_raw_fd();
     let mut buf = AlignedBuf::zeroed(bytes / 4)?;
     for (i, x) in buf.iter_mut().enumerate() {
         *x = i as f32;
     }
-    let eng = IoEngine::start(engine, block_size, queue_depth)?;
+    let eng = IoEngine::start(engine, block_size, queue_depth, io_timeout)?;
     let shared_path: Arc<Path> = path.clone().into();
     let (mut pw, mut pr, mut ew, mut er) = (f64::MAX, f64::MAX, f64::MAX, f64::MAX);
     for _ in 0..repeats.max(1) {
@@ -81,20 +85,29 @@ pub fn measure_bandwidth(
         plain(fd, &mut buf, block_size, Dir::Read).map_err(|e| io_err("read", &path, e))?;
         pr = pr.min(t.elapsed().as_secs_f64());
         for dir in [Dir::Write, Dir::Read] {
+            // The job owns the buffer (and the file) until it is done: a wait that times out
+            // leaves them to it.
             let job = Job {
-                phases: vec![vec![IoReq {
-                    fd,
+                phases: vec![vec![Span {
                     offset: 0,
-                    ptr: buf.as_mut_ptr(),
+                    at: 0,
                     len: bytes,
                     dir,
                 }]],
                 path: shared_path.clone(),
+                lease: Lease {
+                    buf,
+                    file: file.clone(),
+                },
             };
             let t = Instant::now();
-            // SAFETY: `buf` and `file` outlive the ticket, which is waited for at once.
-            unsafe { eng.submit(job) }.wait()?;
+            let (result, lease) = eng.submit(job).wait();
             let s = t.elapsed().as_secs_f64();
+            result?;
+            let Some(lease) = lease else {
+                return Err(OffloadError::Engine("a completed job did not hand its buffer back".into()));
+            };
+            buf = lease.buf;
             match dir {
                 Dir::Write => ew = ew.min(s),
                 Dir::Read => er = er.min(s),

@@ -7,20 +7,42 @@
 //! result is an OS error naming the file, a short transfer is resubmitted for the rest, and a
 //! read that hits end of file is a "truncated" error. Nothing here aborts the process.
 //!
-//! Buffer safety: requests carry raw pointers. [`IoEngine::submit`] is `unsafe`; its contract is
-//! that the memory stays valid and untouched until the returned [`Ticket`] has completed
-//! ([`Ticket::wait`], which [`Ticket`]'s `Drop` also does). A failed job still waits for every
-//! request already handed to the kernel before it reports completion.
+//! # Buffer ownership
+//! A job owns what its requests point into, its [`Lease`] (the buffer, and the file behind the
+//! descriptor), so [`IoEngine::submit`] is safe: its spans are checked against the buffer and
+//! turned into raw requests inside the engine. The lease lives in the job's shared context
+//! (`JobCtx`), and the backend holds an `Arc` of that context for every request of the job it
+//! has queued, is running in a pool thread's syscall, or has handed to the kernel.
+//!
+//! **Invariant:** a lease is handed back or freed only when no request of its job can touch it
+//! any more: [`Ticket::wait`] takes it back once the job is done (every request completed, or
+//! was skipped without being issued); otherwise it is freed with the context, when the last
+//! `Arc` goes, i.e. after the backend let go of the job's last request. A request the kernel
+//! never answers keeps it forever: leaked on purpose (its `InFlight` slot is forgotten even if
+//! the driver thread unwinds), never freed under the kernel.
+//!
+//! # Deadlines
+//! [`Ticket::wait`] waits at most the engine's `io_timeout` (a stalled job is reported every
+//! minute until then). On expiry it returns [`OffloadError::TimedOut`] without the lease (the
+//! job keeps it, see above), marks the job failed (its requests not issued yet are skipped) and
+//! poisons the engine: every later job fails at once with [`OffloadError::Poisoned`], and a
+//! wait on a job that is still running gives up at once too. Dropping a [`Ticket`] does not
+//! wait: it cancels what was not issued and leaves the lease with the job. Dropping the engine
+//! waits for its threads up to `io_timeout` (a short grace once poisoned), then leaves those
+//! still stuck in a request running, detached, with what they hold. (The backend threads' own
+//! waits for work are not waits for an answer: they end when the engine closes.)
 
 use std::collections::VecDeque;
+use std::fs::File;
 use std::io;
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, RawFd};
 use std::path::Path;
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
-use super::{EngineKind, OffloadError};
+use super::{AlignedBuf, EngineKind, MAX_IO_TIMEOUT, OffloadError, check_io_timeout};
 
 /// Direction of one request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -38,7 +60,7 @@ impl Dir {
     }
 }
 
-/// One positioned transfer.
+/// One positioned transfer, as the backends issue it.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct IoReq {
     pub(crate) fd: RawFd,
@@ -48,15 +70,37 @@ pub(crate) struct IoReq {
     pub(crate) dir: Dir,
 }
 
-// SAFETY: the pointer is only dereferenced by the kernel or a pool thread while the submitter
-// keeps the memory alive and unaliased (the contract of `IoEngine::submit`).
+// SAFETY: the pointer points into the lease of the request's job, which the job's context owns
+// as long as any request of the job is queued or in flight (the module's invariant); it is only
+// dereferenced by the kernel or a pool thread.
 unsafe impl Send for IoReq {}
+
+/// One transfer of a [`Job`]: `len` bytes at byte `at` of the job's buffer, read from or
+/// written to `offset` in its file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Span {
+    pub(crate) offset: u64,
+    pub(crate) at: usize,
+    pub(crate) len: usize,
+    pub(crate) dir: Dir,
+}
+
+/// What a job's requests point into: the buffer they read into or write from, and the file
+/// behind their descriptor (kept open, so that a late request never goes to another file that
+/// reused the number). Owned by the job from [`IoEngine::submit`] until [`Ticket::wait`] hands
+/// it back.
+#[derive(Debug)]
+pub(crate) struct Lease {
+    pub(crate) buf: AlignedBuf,
+    pub(crate) file: Arc<File>,
+}
 
 /// A job: phases run one after the other; requests within a phase run concurrently.
 pub(crate) struct Job {
-    pub(crate) phases: Vec<Vec<IoReq>>,
+    pub(crate) phases: Vec<Vec<Span>>,
     /// File the requests go to (for error messages).
     pub(crate) path: Arc<Path>,
+    pub(crate) lease: Lease,
 }
 
 #[derive(Default)]
@@ -67,6 +111,25 @@ struct Progress {
     later: VecDeque<Vec<IoReq>>,
     error: Option<OffloadError>,
     done: bool,
+    /// The job's buffer and file: here from `submit` until the ticket takes them back (the job
+    /// is done), or, when the ticket gave up on the job, until the context is dropped.
+    lease: Option<Lease>,
+    /// Direction and first file offset of the current phase (for the timeout error).
+    phase: Option<(Dir, u64)>,
+}
+
+/// Makes `reqs` the current phase.
+fn start_phase(p: &mut Progress, reqs: &[IoReq]) {
+    p.pending = reqs.len();
+    p.phase = reqs.iter().min_by_key(|r| r.offset).map(|r| (r.dir, r.offset));
+}
+
+/// Marks a job that its ticket gave up on (timed out, or dropped) as failed: the backend skips
+/// the requests it has not issued yet, and starts no further phase. The lease stays with the job.
+fn abandon(p: &mut Progress, why: &str) {
+    if p.error.is_none() {
+        p.error = Some(OffloadError::Engine(why.to_owned()));
+    }
 }
 
 struct JobCtx {
@@ -93,6 +156,14 @@ impl JobCtx {
         }
     }
 
+    /// Ends a job that issued nothing: its lease goes straight back to the ticket.
+    fn finish_now(&self, lease: Lease, error: Option<OffloadError>) {
+        let mut p = self.lock();
+        p.lease = Some(lease);
+        p.error = error;
+        p.done = true;
+    }
+
     /// One request finished (or was skipped). Returns the next phase's requests when the
     /// current phase is complete and the job has not failed.
     fn finish_one(&self) -> Option<Vec<IoReq>> {
@@ -104,7 +175,7 @@ impl JobCtx {
         loop {
             match p.later.pop_front() {
                 Some(next) if p.error.is_none() && !next.is_empty() => {
-                    p.pending = next.len();
+                    start_phase(&mut p, &next);
                     return Some(next);
                 }
                 Some(_) if p.error.is_none() => continue,
@@ -129,64 +200,188 @@ impl JobCtx {
 }
 
 /// How often a job that has not completed is reported while it is waited for.
-const STALL_REPORT: std::time::Duration = std::time::Duration::from_secs(60);
+const STALL_REPORT: Duration = Duration::from_secs(60);
+
+/// How long dropping a poisoned engine waits for its threads (one is stuck in a request the
+/// device did not answer; the others end at once).
+const POISONED_GRACE: Duration = Duration::from_millis(100);
 
 /// Completion handle of a submitted job.
 pub(crate) struct Ticket {
     ctx: Option<Arc<JobCtx>>,
+    /// The engine's `io_timeout`.
+    timeout: Duration,
+    /// The engine's poison, set by the first wait that times out.
+    poison: Arc<OnceLock<String>>,
 }
 
 impl Ticket {
-    /// Blocks until every request of the job completed; returns the first error.
-    pub(crate) fn wait(mut self) -> Result<(), OffloadError> {
-        self.wait_inner()
-    }
-
-    fn wait_inner(&mut self) -> Result<(), OffloadError> {
+    /// Waits until every request of the job completed, at most the engine's `io_timeout`;
+    /// returns the job's result (the first error) and its lease.
+    ///
+    /// The lease is `None` only with an error, when the job is not done: it did not complete in
+    /// time ([`OffloadError::TimedOut`], which poisons the engine), or another job of the engine
+    /// had timed out already ([`OffloadError::Poisoned`]). The job keeps the lease then, and
+    /// frees it once the backend let go of its last request.
+    pub(crate) fn wait(mut self) -> (Result<(), OffloadError>, Option<Lease>) {
         let Some(ctx) = self.ctx.take() else {
-            return Ok(());
+            // Only `wait`, which consumes the ticket, and `drop` take the context.
+            return (Err(OffloadError::Engine("a job was waited for twice".into())), None);
         };
+        let started = Instant::now();
+        // The timeout is validated (at most a day), so the sums cannot overflow.
+        let deadline = started + self.timeout.min(MAX_IO_TIMEOUT);
+        let mut report = started + STALL_REPORT;
         let mut p = ctx.lock();
-        // No deadline: the buffers stay lent to the kernel until it answers, so giving up early
-        // would break `submit`'s contract. A device that does not answer is said, every minute.
-        let started = std::time::Instant::now();
-        while !p.done {
-            let (next, waited) = ctx
+        loop {
+            if p.done {
+                let lease = p.lease.take();
+                let result = p.error.take().map_or(Ok(()), Err);
+                return (result, lease);
+            }
+            if let Some(why) = self.poison.get() {
+                // Another job of this engine did not complete in time: the device is not
+                // answering, so do not wait the whole timeout again for this one.
+                abandon(&mut p, "given up: the engine is poisoned");
+                let err = OffloadError::Poisoned {
+                    path: ctx.path.to_path_buf(),
+                    reason: why.clone(),
+                };
+                return (Err(err), None);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let (dir, offset) = p.phase.unwrap_or((Dir::Read, 0));
+                let err = OffloadError::TimedOut {
+                    op: dir.name(),
+                    path: ctx.path.to_path_buf(),
+                    offset,
+                    pending: p.pending,
+                    timeout: self.timeout,
+                };
+                abandon(&mut p, "given up: it did not complete in time");
+                let _ = self.poison.set(err.to_string());
+                tracing::error!(
+                    path = %ctx.path.display(),
+                    pending = p.pending,
+                    "{err}; this offload tier is unusable from now on (its buffers stay lent to the requests in flight)"
+                );
+                return (Err(err), None);
+            }
+            let (next, _) = ctx
                 .cv
-                .wait_timeout(p, STALL_REPORT)
+                .wait_timeout(p, deadline.min(report).saturating_duration_since(now))
                 .unwrap_or_else(|e| e.into_inner());
             p = next;
-            if waited.timed_out() && !p.done {
+            if !p.done && report < deadline && Instant::now() >= report {
                 tracing::warn!(
                     path = %ctx.path.display(),
                     pending = p.pending,
-                    "offload I/O on {} has not completed after {} s (a stalled or failing device?)",
+                    "offload I/O on {} has not completed after {} s (a stalled or failing device?); giving up after {:?}",
                     ctx.path.display(),
-                    started.elapsed().as_secs()
+                    started.elapsed().as_secs(),
+                    self.timeout
                 );
+                report += STALL_REPORT;
             }
-        }
-        match p.error.take() {
-            Some(e) => Err(e),
-            None => Ok(()),
         }
     }
 }
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        // Waiting here keeps the submitted buffers borrowed until the kernel is done with them.
-        let _ = self.wait_inner();
+        // No wait: the job owns its lease until the backend let go of its last request. What
+        // was not issued yet is skipped.
+        if let Some(ctx) = self.ctx.take() {
+            let mut p = ctx.lock();
+            if !p.done {
+                abandon(&mut p, "its ticket was dropped before it completed");
+            }
+        }
     }
 }
 
 /// Work handed to the backend: one request of a job.
 type Op = (Arc<JobCtx>, IoReq);
 
+/// A test hook: while held, every request a backend is about to issue waits, as if the device
+/// did not answer it. Nothing in other builds.
+#[derive(Clone, Default)]
+struct Hook {
+    #[cfg(test)]
+    gate: Arc<Gate>,
+}
+
+impl Hook {
+    /// Called by a backend with a request it is about to issue (the job has not failed).
+    fn before_io(&self) {
+        #[cfg(test)]
+        self.gate.pass();
+    }
+}
+
+#[cfg(test)]
+#[derive(Default)]
+struct Gate {
+    state: Mutex<GateState>,
+    cv: Condvar,
+}
+
+#[cfg(test)]
+#[derive(Default)]
+struct GateState {
+    held: bool,
+    /// Requests waiting at the gate.
+    waiting: usize,
+}
+
+#[cfg(test)]
+impl Gate {
+    fn lock(&self) -> MutexGuard<'_, GateState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn pass(&self) {
+        // The tests release the gate; a deadline all the same, so that a failing test never
+        // leaves a thread stuck.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut s = self.lock();
+        s.waiting += 1;
+        while s.held {
+            let now = Instant::now();
+            if now >= deadline {
+                break;
+            }
+            s = self.cv.wait_timeout(s, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        s.waiting -= 1;
+    }
+}
+
+#[cfg(test)]
+impl IoEngine {
+    /// Holds (`true`) or releases every request that the backend is about to issue from now on.
+    pub(crate) fn hold(&self, held: bool) {
+        self.hook.gate.lock().held = held;
+        self.hook.gate.cv.notify_all();
+    }
+
+    /// Requests held now.
+    pub(crate) fn held(&self) -> usize {
+        self.hook.gate.lock().waiting
+    }
+}
+
 /// The asynchronous I/O engine (one per store).
 pub(crate) struct IoEngine {
     kind: EngineKind,
     block_size: usize,
+    io_timeout: Duration,
+    /// Set by the first wait that timed out: why. Every later job fails at once.
+    poison: Arc<OnceLock<String>>,
+    // Read by the test-only `hold`/`held`.
+    #[cfg_attr(not(test), allow(dead_code))]
+    hook: Hook,
     backend: Backend,
 }
 
@@ -202,24 +397,31 @@ enum Backend {
 }
 
 impl IoEngine {
-    /// Starts an engine. `want` = `None` tries io_uring and falls back to the thread pool when
-    /// the ring cannot be set up (old kernel, seccomp, `io_uring_disabled` sysctl).
+    /// Starts an engine whose waits last at most `io_timeout`. `want` = `None` tries io_uring
+    /// and falls back to the thread pool when the ring cannot be set up (old kernel, seccomp,
+    /// `io_uring_disabled` sysctl).
     ///
     /// # Errors
+    /// [`OffloadError::InvalidArgument`] for an `io_timeout` out of range;
     /// [`OffloadError::Engine`] when io_uring was required and cannot be set up, or a thread
     /// cannot be spawned.
     pub(crate) fn start(
         want: Option<EngineKind>,
         block_size: usize,
         queue_depth: usize,
+        io_timeout: Duration,
     ) -> Result<Self, OffloadError> {
+        check_io_timeout(io_timeout)?;
         let queue_depth = queue_depth.max(1);
+        let hook = Hook::default();
+        let poison = Arc::new(OnceLock::new());
         if want != Some(EngineKind::ThreadPool) {
+            let ring_hook = hook.clone();
             let started = usable_ring(queue_depth).and_then(|ring| {
                 let (tx, rx) = mpsc::channel();
                 let thread = std::thread::Builder::new()
                     .name("rsrun-uring".into())
-                    .spawn(move || uring_loop(ring, rx, queue_depth))
+                    .spawn(move || uring_loop(ring, rx, queue_depth, ring_hook))
                     .map_err(|e| format!("cannot spawn its thread: {e}"))?;
                 Ok((tx, thread))
             });
@@ -228,6 +430,9 @@ impl IoEngine {
                     return Ok(IoEngine {
                         kind: EngineKind::IoUring,
                         block_size,
+                        io_timeout,
+                        poison,
+                        hook,
                         backend: Backend::Uring {
                             tx: Some(tx),
                             thread: Some(thread),
@@ -250,14 +455,19 @@ impl IoEngine {
         let mut threads = Vec::with_capacity(queue_depth);
         for i in 0..queue_depth {
             let worker = shared.clone();
-            match std::thread::Builder::new().name(format!("rsrun-aio-{i}")).spawn(move || pool_loop(&worker)) {
+            let worker_hook = hook.clone();
+            match std::thread::Builder::new()
+                .name(format!("rsrun-aio-{i}"))
+                .spawn(move || pool_loop(&worker, &worker_hook))
+            {
                 Ok(t) => threads.push(t),
                 Err(e) => {
                     // The threads started so far wait on the queue: closed, they end.
                     shared.queue.lock().unwrap_or_else(std::sync::PoisonError::into_inner).closed = true;
                     shared.cv.notify_all();
+                    let deadline = Instant::now() + io_timeout;
                     for t in threads {
-                        let _ = t.join();
+                        join_by(t, deadline);
                     }
                     return Err(OffloadError::Engine(format!("spawn i/o thread: {e}")));
                 }
@@ -266,6 +476,9 @@ impl IoEngine {
         Ok(IoEngine {
             kind: EngineKind::ThreadPool,
             block_size,
+            io_timeout,
+            poison,
+            hook,
             backend: Backend::Pool { shared, threads },
         })
     }
@@ -275,41 +488,93 @@ impl IoEngine {
         self.kind
     }
 
-    /// Submits a job.
-    ///
-    /// # Safety
-    /// Every request's `ptr..ptr+len` must stay valid (and, for reads, not be accessed by
-    /// anyone else) until the returned ticket has completed, and `fd` must stay open as long.
-    pub(crate) unsafe fn submit(&self, job: Job) -> Ticket {
-        let mut phases: VecDeque<Vec<IoReq>> = job
-            .phases
-            .into_iter()
-            .map(|p| split(p, self.block_size))
-            .collect();
+    /// Why the engine is unusable: a wait gave up on a job the device did not complete in time.
+    pub(crate) fn poisoned(&self) -> Option<&str> {
+        self.poison.get().map(String::as_str)
+    }
+
+    /// Submits a job; it owns its lease until [`Ticket::wait`] hands it back (see the module
+    /// docs). A span outside the lease's buffer fails the job with
+    /// [`OffloadError::InvalidArgument`], and a poisoned engine fails it with
+    /// [`OffloadError::Poisoned`], both before anything is issued.
+    pub(crate) fn submit(&self, job: Job) -> Ticket {
+        let Job {
+            phases,
+            path,
+            mut lease,
+        } = job;
         let ctx = Arc::new(JobCtx {
-            path: job.path,
+            path,
             progress: Mutex::new(Progress::default()),
             cv: Condvar::new(),
         });
+        let ticket = Ticket {
+            ctx: Some(ctx.clone()),
+            timeout: self.io_timeout,
+            poison: self.poison.clone(),
+        };
+        if let Some(why) = self.poison.get() {
+            let err = OffloadError::Poisoned {
+                path: ctx.path.to_path_buf(),
+                reason: why.clone(),
+            };
+            ctx.finish_now(lease, Some(err));
+            return ticket;
+        }
+        let cap = lease.buf.capacity_bytes();
+        if let Some(s) = phases
+            .iter()
+            .flatten()
+            .find(|s| s.at.checked_add(s.len).is_none_or(|end| end > cap))
+        {
+            let err = OffloadError::InvalidArgument(format!(
+                "a {} of {} bytes at byte {} of a {cap}-byte buffer",
+                s.dir.name(),
+                s.len,
+                s.at
+            ));
+            ctx.finish_now(lease, Some(err));
+            return ticket;
+        }
+        let fd = lease.file.as_raw_fd();
+        // The allocation does not move with the `AlignedBuf` that owns it: the pointers stay
+        // valid while the lease sits in the job's context.
+        let base = lease.buf.as_mut_ptr();
+        let mut phases: VecDeque<Vec<IoReq>> = phases
+            .into_iter()
+            .map(|p| {
+                let reqs = p
+                    .into_iter()
+                    .map(|s| IoReq {
+                        fd,
+                        offset: s.offset,
+                        // Inside the buffer: checked above.
+                        ptr: base.wrapping_add(s.at),
+                        len: s.len,
+                        dir: s.dir,
+                    })
+                    .collect();
+                split(reqs, self.block_size)
+            })
+            .collect();
         let first = loop {
             match phases.pop_front() {
                 Some(p) if p.is_empty() => continue,
                 other => break other,
             }
         };
+        let mut p = ctx.lock();
+        p.lease = Some(lease);
         let Some(first) = first else {
-            let mut p = ctx.lock();
             p.done = true;
             drop(p);
-            return Ticket { ctx: Some(ctx) };
+            return ticket;
         };
-        {
-            let mut p = ctx.lock();
-            p.pending = first.len();
-            p.later = phases;
-        }
+        start_phase(&mut p, &first);
+        p.later = phases;
+        drop(p);
         self.enqueue(&ctx, first);
-        Ticket { ctx: Some(ctx) }
+        ticket
     }
 
     fn enqueue(&self, ctx: &Arc<JobCtx>, reqs: Vec<IoReq>) {
@@ -343,22 +608,44 @@ impl IoEngine {
 
 impl Drop for IoEngine {
     fn drop(&mut self) {
+        // The threads end once the requests they hold are done. One stuck in a request the
+        // device never answers is left running after the deadline, detached, with the jobs it
+        // holds: their leases are leaked, never freed under the kernel.
+        let grace = if self.poison.get().is_some() { POISONED_GRACE } else { self.io_timeout };
+        let deadline = Instant::now() + grace.min(MAX_IO_TIMEOUT);
         match &mut self.backend {
             Backend::Uring { tx, thread } => {
                 drop(tx.take());
                 if let Some(t) = thread.take() {
-                    let _ = t.join();
+                    join_by(t, deadline);
                 }
             }
             Backend::Pool { shared, threads } => {
                 shared.lock().closed = true;
                 shared.cv.notify_all();
                 for t in threads.drain(..) {
-                    let _ = t.join();
+                    join_by(t, deadline);
                 }
             }
         }
     }
+}
+
+/// Joins `t` if it ends by `deadline`; else leaves it running (detached), and says so.
+fn join_by(t: JoinHandle<()>, deadline: Instant) {
+    let mut pause = Duration::from_micros(50);
+    while !t.is_finished() {
+        if Instant::now() >= deadline {
+            tracing::warn!(
+                thread = t.thread().name().unwrap_or("?"),
+                "an offload i/o thread did not end in time (a request the device does not answer?): left running, with the buffers of the requests it holds"
+            );
+            return;
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_millis(10));
+    }
+    let _ = t.join();
 }
 
 /// Splits requests into pieces of at most `block` bytes.
@@ -419,6 +706,21 @@ struct InFlight {
     seq: u64,
 }
 
+/// The driver's in-flight slots. An entry still here when they are dropped (only if the driver
+/// thread unwinds: it returns only with nothing in flight) was handed to the kernel, which may
+/// still use its buffer: it is forgotten, its job's lease leaked, rather than freed.
+struct Slots(Vec<Option<InFlight>>);
+
+impl Drop for Slots {
+    fn drop(&mut self) {
+        for slot in &mut self.0 {
+            if let Some(in_flight) = slot.take() {
+                std::mem::forget(in_flight);
+            }
+        }
+    }
+}
+
 /// Consecutive failures of `io_uring_enter` after which the ring is given up.
 const MAX_ENTER_FAILURES: u32 = 1000;
 
@@ -461,9 +763,9 @@ fn unconsumed_slots(slots: &[Option<InFlight>], unconsumed: usize) -> Vec<usize>
     pushed[skip..].iter().map(|(_, i)| *i).collect()
 }
 
-fn uring_loop(mut ring: io_uring::IoUring, rx: Receiver<Op>, queue_depth: usize) {
+fn uring_loop(mut ring: io_uring::IoUring, rx: Receiver<Op>, queue_depth: usize, hook: Hook) {
     let mut queue: VecDeque<Op> = VecDeque::new();
-    let mut slots: Vec<Option<InFlight>> = (0..queue_depth).map(|_| None).collect();
+    let mut slots = Slots((0..queue_depth).map(|_| None).collect());
     let mut free: Vec<usize> = (0..queue_depth).rev().collect();
     let mut closed = false;
     let mut seq = 0u64;
@@ -506,6 +808,7 @@ fn uring_loop(mut ring: io_uring::IoUring, rx: Receiver<Op>, queue_depth: usize)
                 finish(&ctx, &mut queue);
                 continue;
             }
+            hook.before_io();
             let entry = match req.dir {
                 Dir::Read => io_uring::opcode::Read::new(
                     io_uring::types::Fd(req.fd),
@@ -523,9 +826,10 @@ fn uring_loop(mut ring: io_uring::IoUring, rx: Receiver<Op>, queue_depth: usize)
                 .build(),
             }
             .user_data(slot as u64);
-            // SAFETY: the buffer and fd stay valid until completion (the `submit` contract);
-            // the ring has `queue_depth` (rounded up to a power of two) entries and at most
-            // `queue_depth` are in flight, so the push cannot overflow.
+            // SAFETY: the buffer and the file are the job's lease, which its context (held by
+            // the slot below until the completion is reaped) owns; the ring has `queue_depth`
+            // (rounded up to a power of two) entries and at most `queue_depth` are in flight,
+            // so the push cannot overflow.
             let pushed = unsafe { ring.submission().push(&entry) };
             if pushed.is_err() {
                 queue.push_front((ctx, req));
@@ -533,7 +837,7 @@ fn uring_loop(mut ring: io_uring::IoUring, rx: Receiver<Op>, queue_depth: usize)
             }
             free.pop();
             seq += 1;
-            slots[slot] = Some(InFlight { ctx, req, seq });
+            slots.0[slot] = Some(InFlight { ctx, req, seq });
         }
         if free.len() == queue_depth {
             continue;
@@ -565,8 +869,8 @@ fn uring_loop(mut ring: io_uring::IoUring, rx: Receiver<Op>, queue_depth: usize)
                         // io_uring_enter, which is never called again: those it did not
                         // consume will never be read, so their buffers are free now.
                         let unconsumed = ring.submission().len();
-                        for slot in unconsumed_slots(&slots, unconsumed) {
-                            if let Some(InFlight { ctx, .. }) = slots[slot].take() {
+                        for slot in unconsumed_slots(&slots.0, unconsumed) {
+                            if let Some(InFlight { ctx, .. }) = slots.0[slot].take() {
                                 free.push(slot);
                                 ctx.fail(OffloadError::Engine(why.clone()));
                                 finish(&ctx, &mut queue);
@@ -583,7 +887,7 @@ fn uring_loop(mut ring: io_uring::IoUring, rx: Receiver<Op>, queue_depth: usize)
             .collect();
         for (slot, res) in done {
             let slot = slot as usize;
-            let Some(InFlight { ctx, req, .. }) = slots.get_mut(slot).and_then(Option::take) else {
+            let Some(InFlight { ctx, req, .. }) = slots.0.get_mut(slot).and_then(Option::take) else {
                 continue;
             };
             free.push(slot);
@@ -660,7 +964,7 @@ impl PoolShared {
     }
 }
 
-fn pool_loop(shared: &PoolShared) {
+fn pool_loop(shared: &PoolShared, hook: &Hook) {
     loop {
         let (ctx, req) = {
             let mut q = shared.lock();
@@ -674,10 +978,11 @@ fn pool_loop(shared: &PoolShared) {
                 q = shared.cv.wait(q).unwrap_or_else(|e| e.into_inner());
             }
         };
-        if !ctx.failed()
-            && let Err(e) = positioned(&req)
-        {
-            ctx.fail(ctx.error(&req, e));
+        if !ctx.failed() {
+            hook.before_io();
+            if let Err(e) = positioned(&req) {
+                ctx.fail(ctx.error(&req, e));
+            }
         }
         if let Some(next) = ctx.finish_one() {
             let mut q = shared.lock();
@@ -695,7 +1000,8 @@ fn positioned(req: &IoReq) -> io::Result<()> {
         let ptr = req.ptr.wrapping_add(done);
         let len = req.len - done;
         let off = (req.offset + done as u64) as libc::off_t;
-        // SAFETY: `ptr..ptr+len` is inside the request's buffer, valid per the submit contract.
+        // SAFETY: `ptr..ptr+len` is inside the request's buffer, its job's lease, which the job's
+        // context (held by this thread's op) owns.
         let n = unsafe {
             match req.dir {
                 Dir::Read => libc::pread(req.fd, ptr.cast(), len, off),

@@ -45,6 +45,23 @@
 //! Every failure is an [`OffloadError`] naming the file, the operation, the offset and the OS
 //! error (`ENOSPC`, `EIO`, …), converted into [`EngineError::Offload`] at the trait boundary;
 //! completions are checked one by one, short transfers are resubmitted, nothing aborts.
+//!
+//! # Deadlines and buffer ownership (NVMe)
+//! Every wait for the tier's I/O has a deadline, [`NvmeConfig::io_timeout`] (default
+//! [`DEFAULT_IO_TIMEOUT`], 300 s; a stalled job is reported every minute until then). A job the
+//! device has not completed by then fails with [`OffloadError::TimedOut`] (the file, the
+//! direction and first offset of the stuck phase, the requests still pending, the timeout), and
+//! the tier is *poisoned*: every later operation fails at once with [`OffloadError::Poisoned`],
+//! saying why, instead of going on with a swap file that may be half written.
+//!
+//! Giving up on a job does not give its memory back: the kernel (io_uring) or a pool thread may
+//! still read from or write into it. So a job owns what its requests point into, a *lease* (the
+//! staging buffer, and the file, so that a late request never lands in another file that
+//! reused the descriptor's number), from submission until the backend has let go of its last
+//! request; a wait that completes hands the lease back, one that gives up leaves it with the
+//! job, which frees it when the late completions arrive (or never, if they never do: leaked on
+//! purpose rather than freed under the kernel). Dropping an engine waits for its threads up to
+//! the same deadline, then leaves them running with whatever they hold.
 
 mod aligned;
 pub mod bench;
@@ -54,12 +71,35 @@ mod nvme;
 
 use std::ops::Range;
 use std::path::PathBuf;
+use std::time::Duration;
 
 use crate::error::EngineError;
 
 pub use aligned::{ALIGN, AlignedBuf, round_up};
 pub use cpu::CpuStore;
 pub use nvme::{NvmeConfig, NvmeStore};
+
+/// Default of [`NvmeConfig::io_timeout`]: how long a wait for the NVMe tier's I/O lasts at most.
+pub const DEFAULT_IO_TIMEOUT: Duration = Duration::from_secs(300);
+/// The shortest `io_timeout` accepted.
+pub const MIN_IO_TIMEOUT: Duration = Duration::from_millis(1);
+/// The longest `io_timeout` accepted: a day (longer is no deadline any more).
+pub const MAX_IO_TIMEOUT: Duration = Duration::from_secs(24 * 60 * 60);
+
+/// Checks an `io_timeout`: zero (every wait would fail) and more than [`MAX_IO_TIMEOUT`] are
+/// refused.
+///
+/// # Errors
+/// [`OffloadError::InvalidArgument`] naming the value.
+pub fn check_io_timeout(timeout: Duration) -> Result<(), OffloadError> {
+    if (MIN_IO_TIMEOUT..=MAX_IO_TIMEOUT).contains(&timeout) {
+        Ok(())
+    } else {
+        Err(OffloadError::InvalidArgument(format!(
+            "io_timeout {timeout:?}: expected from {MIN_IO_TIMEOUT:?} to {MAX_IO_TIMEOUT:?}"
+        )))
+    }
+}
 
 /// Errors of the offload tiers.
 #[derive(Debug, thiserror::Error)]
@@ -77,6 +117,24 @@ pub enum OffloadError {
     /// The I/O engine could not start or stopped.
     #[error("offload i/o engine: {0}")]
     Engine(String),
+    /// A job did not complete within the `io_timeout` (a device that does not answer): `op`
+    /// and `offset` are the direction and first file offset of the phase it was stuck in,
+    /// `pending` that phase's requests not completed. The job keeps its buffer (the kernel may
+    /// still use it), and the tier is poisoned from then on.
+    #[error(
+        "offload {op} of {path} at offset {offset} timed out after {timeout:?}: {pending} request(s) still pending (a stalled device?)"
+    )]
+    TimedOut {
+        op: &'static str,
+        path: PathBuf,
+        offset: u64,
+        pending: usize,
+        timeout: Duration,
+    },
+    /// An earlier job of the tier timed out: nothing more is done with its swap file, which may
+    /// be half written. `reason` is that timeout.
+    #[error("offload tier on {path} is unusable: {reason}")]
+    Poisoned { path: PathBuf, reason: String },
     /// A buffer could not be allocated.
     #[error("cannot allocate {bytes} bytes for offload buffers")]
     Alloc { bytes: usize },

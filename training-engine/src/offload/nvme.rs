@@ -5,15 +5,15 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use std::ops::Range;
 
 use super::cpu::check_unit;
-use super::engine::{Dir, IoEngine, IoReq, Job, Ticket};
+use super::engine::{Dir, IoEngine, Job, Lease, Span, Ticket};
 use super::{
-    ALIGN, AlignedBuf, EngineKind, OffloadError, OffloadStats, TierBytes, TileSpec, round_up,
-    tile_specs,
+    ALIGN, AlignedBuf, DEFAULT_IO_TIMEOUT, EngineKind, OffloadError, OffloadStats, TierBytes,
+    TileSpec, check_io_timeout, round_up, tile_specs,
 };
 use crate::error::{EngineError, EngineResult};
 use crate::layout::{OptimStateStore, StateTile};
@@ -35,11 +35,16 @@ pub struct NvmeConfig {
     pub sub_group_elems: usize,
     /// `None` picks io_uring and falls back to the thread pool when it cannot be set up.
     pub engine: Option<EngineKind>,
+    /// Deadline of every wait for the tier's I/O (default [`DEFAULT_IO_TIMEOUT`], 300 s; from
+    /// [`MIN_IO_TIMEOUT`](super::MIN_IO_TIMEOUT) to [`MAX_IO_TIMEOUT`](super::MAX_IO_TIMEOUT)):
+    /// a job the device has not completed by then fails with [`OffloadError::TimedOut`], and
+    /// the store is unusable from then on ([`OffloadError::Poisoned`]).
+    pub io_timeout: Duration,
 }
 
 impl NvmeConfig {
     /// Defaults: 1 MiB blocks, queue depth 8, 2 buffers, 4 Mi-element (16 MiB) tiles, auto
-    /// engine.
+    /// engine, a 300 s I/O timeout.
     pub fn new(dir: impl Into<PathBuf>, file_name: impl Into<String>) -> Self {
         NvmeConfig {
             dir: dir.into(),
@@ -49,15 +54,50 @@ impl NvmeConfig {
             buffer_count: 2,
             sub_group_elems: 4 << 20,
             engine: None,
+            io_timeout: DEFAULT_IO_TIMEOUT,
         }
+    }
+
+    /// Checks the values ([`NvmeStore::new`] does too, before it creates anything).
+    ///
+    /// # Errors
+    /// [`OffloadError::InvalidArgument`] naming the value out of range.
+    pub fn validate(&self) -> Result<(), OffloadError> {
+        // One request's length travels as a u32 (io_uring's `len`).
+        if self.block_size == 0 || !self.block_size.is_multiple_of(ALIGN) || self.block_size > MAX_BLOCK {
+            return Err(OffloadError::InvalidArgument(format!(
+                "block_size {} is not a positive multiple of {ALIGN} up to {MAX_BLOCK}",
+                self.block_size
+            )));
+        }
+        if self.queue_depth == 0 || self.buffer_count == 0 || self.sub_group_elems == 0 {
+            return Err(OffloadError::InvalidArgument(format!(
+                "queue_depth {}, buffer_count {} and sub_group_elems {} must be positive",
+                self.queue_depth, self.buffer_count, self.sub_group_elems
+            )));
+        }
+        // io_uring takes at most 32768 entries; past it the pool fallback would start that many
+        // threads.
+        if self.queue_depth > MAX_QUEUE_DEPTH {
+            return Err(OffloadError::InvalidArgument(format!(
+                "queue_depth {}: expected at most {MAX_QUEUE_DEPTH} requests in flight",
+                self.queue_depth
+            )));
+        }
+        check_io_timeout(self.io_timeout)
     }
 }
 
 /// One tile-sized staging buffer and the job using it.
 struct Staging {
-    // Declared before `buf` so that dropping waits for the I/O before the memory goes.
+    /// The job using the buffer, if any.
     pending: Option<Ticket>,
-    buf: AlignedBuf,
+    /// The buffer: `None` while it is lent to the pending job (the job owns it, and the wait
+    /// hands it back), and for good once a wait gave up on that job (it stays with the job,
+    /// which the kernel may still write into; the store is poisoned then).
+    buf: Option<AlignedBuf>,
+    /// Bytes of the buffer, lent or not (for [`NvmeStore::memory`]).
+    bytes: usize,
     /// The tile whose current slot is being (or has been) read into `buf`, if any.
     holds: Option<usize>,
     /// The pending job is a read ahead of need (a prefetch): its error is dropped with the
@@ -69,11 +109,12 @@ struct Staging {
 /// Optimizer state in one `O_DIRECT` swap file; see the module docs for layout and
 /// failure atomicity. The file is removed when the store is dropped.
 pub struct NvmeStore {
-    // Field order is drop order: staging (waits for its I/O), then the engine (drains and
-    // joins its threads), then the file.
+    // Field order is drop order: staging (its pending jobs keep their buffers until the backend
+    // lets go of them; `drop` waits for them first), then the engine (joins its threads, up to
+    // `io_timeout`), then the file (each job holds its own reference while it may be used).
     staging: Vec<Staging>,
     engine: IoEngine,
-    file: File,
+    file: Arc<File>,
     path: Arc<Path>,
     direct: bool,
     unit_lens: Vec<usize>,
@@ -119,27 +160,7 @@ impl NvmeStore {
     /// preallocated (`ENOSPC` for a disk that is too small), [`OffloadError::Engine`] when the
     /// requested engine cannot start.
     pub fn new(unit_lens: &[usize], slots: usize, cfg: &NvmeConfig) -> Result<Self, OffloadError> {
-        // One request's length travels as a u32 (io_uring's `len`).
-        if cfg.block_size == 0 || !cfg.block_size.is_multiple_of(ALIGN) || cfg.block_size > MAX_BLOCK {
-            return Err(OffloadError::InvalidArgument(format!(
-                "block_size {} is not a positive multiple of {ALIGN} up to {MAX_BLOCK}",
-                cfg.block_size
-            )));
-        }
-        if cfg.queue_depth == 0 || cfg.buffer_count == 0 || cfg.sub_group_elems == 0 {
-            return Err(OffloadError::InvalidArgument(format!(
-                "queue_depth {}, buffer_count {} and sub_group_elems {} must be positive",
-                cfg.queue_depth, cfg.buffer_count, cfg.sub_group_elems
-            )));
-        }
-        // io_uring takes at most 32768 entries; past it the pool fallback would start that many
-        // threads.
-        if cfg.queue_depth > MAX_QUEUE_DEPTH {
-            return Err(OffloadError::InvalidArgument(format!(
-                "queue_depth {}: expected at most {MAX_QUEUE_DEPTH} requests in flight",
-                cfg.queue_depth
-            )));
-        }
+        cfg.validate()?;
         let tiles = tile_specs(unit_lens, cfg.sub_group_elems);
         let unit_tiles = (0..unit_lens.len())
             .map(|u| {
@@ -189,7 +210,7 @@ impl NvmeStore {
             };
             return Err(cleanup(file, err));
         }
-        let engine = match IoEngine::start(cfg.engine, cfg.block_size, cfg.queue_depth) {
+        let engine = match IoEngine::start(cfg.engine, cfg.block_size, cfg.queue_depth, cfg.io_timeout) {
             Ok(e) => e,
             Err(e) => return Err(cleanup(file, e)),
         };
@@ -199,7 +220,8 @@ impl NvmeStore {
             match AlignedBuf::zeroed(n_tensors * max_region / 4) {
                 Ok(buf) => staging.push(Staging {
                     pending: None,
-                    buf,
+                    bytes: buf.capacity_bytes(),
+                    buf: Some(buf),
                     holds: None,
                     speculative: false,
                 }),
@@ -209,7 +231,7 @@ impl NvmeStore {
         Ok(NvmeStore {
             staging,
             engine,
-            file,
+            file: Arc::new(file),
             path,
             direct,
             unit_lens: unit_lens.to_vec(),
@@ -247,6 +269,12 @@ impl NvmeStore {
         &self.file
     }
 
+    /// The I/O engine (for its test hook).
+    #[cfg(test)]
+    pub(crate) fn engine(&self) -> &IoEngine {
+        &self.engine
+    }
+
     /// The tiles, in update order.
     pub fn tiles(&self) -> &[TileSpec] {
         &self.tiles
@@ -260,7 +288,7 @@ impl NvmeStore {
     /// Memory held, per tier: the staging buffers, and the swap file.
     pub fn memory(&self) -> TierBytes {
         TierBytes {
-            host: self.staging.iter().map(|s| s.buf.capacity_bytes()).sum(),
+            host: self.staging.iter().map(|s| s.bytes).sum(),
             file: self.file_bytes,
         }
     }
@@ -292,26 +320,45 @@ impl NvmeStore {
         self.base[t] + u64::from(slot % 2) * self.slot_bytes(t) as u64
     }
 
-    /// A request over the first `len` bytes of staging buffer `b`.
-    fn req(&mut self, b: usize, offset: u64, len: usize, dir: Dir) -> IoReq {
-        IoReq {
-            fd: self.file.as_raw_fd(),
+    /// A transfer of the first `len` bytes of a staging buffer.
+    fn span(offset: u64, len: usize, dir: Dir) -> Span {
+        Span {
             offset,
-            ptr: self.staging[b].buf.as_mut_ptr(),
+            at: 0,
             len,
             dir,
         }
     }
 
-    /// Reading tile `t`'s current slot into staging buffer `b`.
-    fn read_req(&mut self, b: usize, t: usize) -> IoReq {
-        let off = self.slot_offset(t, self.cur[t]);
-        let len = self.slot_bytes(t);
-        self.req(b, off, len, Dir::Read)
+    /// Reading tile `t`'s current slot (into a staging buffer).
+    fn read_span(&self, t: usize) -> Span {
+        Self::span(self.slot_offset(t, self.cur[t]), self.slot_bytes(t), Dir::Read)
     }
 
-    /// Submits `phases` on staging buffer `b` (which must have no pending job).
-    fn submit(&mut self, b: usize, phases: Vec<Vec<IoReq>>) {
+    /// Writing tile `t`'s other slot (from a staging buffer).
+    fn write_span(&self, t: usize) -> Span {
+        Self::span(self.slot_offset(t, self.cur[t] + 1), self.slot_bytes(t), Dir::Write)
+    }
+
+    /// Fails once a wait gave up on a job: the swap file may be half written, and buffers may
+    /// still be lent to the kernel.
+    fn usable(&self) -> Result<(), OffloadError> {
+        match self.engine.poisoned() {
+            Some(why) => Err(OffloadError::Poisoned {
+                path: self.path.to_path_buf(),
+                reason: why.to_owned(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Submits `phases` on staging buffer `b` (which must have no pending job), lending the
+    /// buffer (and the file) to the job until [`wait`](Self::wait) takes it back.
+    fn submit(&mut self, b: usize, phases: Vec<Vec<Span>>) -> Result<(), OffloadError> {
+        debug_assert!(self.staging[b].pending.is_none());
+        let Some(buf) = self.staging[b].buf.take() else {
+            return Err(lent(&self.engine, &self.path));
+        };
         for r in phases.iter().flatten() {
             match r.dir {
                 Dir::Read => self.stats.bytes_read += r.len as u64,
@@ -321,30 +368,39 @@ impl NvmeStore {
         let job = Job {
             phases,
             path: self.path.clone(),
+            lease: Lease {
+                buf,
+                file: self.file.clone(),
+            },
         };
-        debug_assert!(self.staging[b].pending.is_none());
-        // SAFETY: every request points into `staging[b].buf`, which is neither touched nor
-        // freed before the ticket stored next to it completes (it is waited for before any
-        // access, and `Staging` drops the ticket first); `self.file` outlives the engine.
-        let ticket = unsafe { self.engine.submit(job) };
-        self.staging[b].pending = Some(ticket);
+        self.staging[b].pending = Some(self.engine.submit(job));
         self.staging[b].speculative = false;
+        Ok(())
     }
 
+    /// Waits for staging buffer `b`'s job (at most `io_timeout`) and takes the buffer back.
     fn wait(&mut self, b: usize) -> Result<(), OffloadError> {
         let speculative = std::mem::take(&mut self.staging[b].speculative);
-        match self.staging[b].pending.take() {
-            Some(t) => t.wait().or_else(|e| {
-                self.staging[b].holds = None;
-                if speculative {
-                    tracing::debug!(error = %e, "a prefetch read failed; the tile is read again when needed");
-                    Ok(())
-                } else {
-                    Err(e)
-                }
-            }),
-            None => Ok(()),
-        }
+        let Some(ticket) = self.staging[b].pending.take() else {
+            return Ok(());
+        };
+        let (result, lease) = ticket.wait();
+        let Some(lease) = lease else {
+            // Given up on (it timed out, or another job did): the buffer stays with the job and
+            // the store is poisoned. Never dropped as a failed prefetch is.
+            self.staging[b].holds = None;
+            return Err(result.err().unwrap_or_else(|| lent(&self.engine, &self.path)));
+        };
+        self.staging[b].buf = Some(lease.buf);
+        result.or_else(|e| {
+            self.staging[b].holds = None;
+            if speculative {
+                tracing::debug!(error = %e, "a prefetch read failed; the tile is read again when needed");
+                Ok(())
+            } else {
+                Err(e)
+            }
+        })
     }
 
     /// Waits for every pending job and forgets prefetched tiles; returns the first error.
@@ -370,8 +426,8 @@ impl NvmeStore {
                 continue;
             }
             self.wait(b)?;
-            let req = self.read_req(b, t);
-            self.submit(b, vec![vec![req]]);
+            let read = self.read_span(t);
+            self.submit(b, vec![vec![read]])?;
             self.staging[b].holds = Some(t);
             self.staging[b].speculative = true;
         }
@@ -388,6 +444,7 @@ impl NvmeStore {
         if unit >= self.unit_lens.len() {
             return Err(self.bad_unit(unit));
         }
+        self.usable()?;
         Ok(self.prefetch_unit(unit)?)
     }
 
@@ -417,15 +474,18 @@ impl NvmeStore {
             r?;
             if self.staging[b].holds != Some(t) {
                 // Its prefetch failed (the error dropped with it): read it now, and wait.
-                let req = self.read_req(b, t);
-                self.submit(b, vec![vec![req]]);
+                let read = self.read_span(t);
+                self.submit(b, vec![vec![read]])?;
                 self.staging[b].holds = Some(t);
                 self.wait(b)?;
             }
             self.staging[b].holds = None;
             let tile = self.tiles[t].clone();
             let q = self.region[t] / 4;
-            let all = &mut self.staging[b].buf[..n_tensors * q];
+            let Some(buf) = self.staging[b].buf.as_mut() else {
+                return Err(lent(&self.engine, &self.path).into());
+            };
+            let all = &mut buf[..n_tensors * q];
             let (master, state) = all.split_at_mut(q);
             let mut state: Vec<&mut [f32]> = state
                 .chunks_exact_mut(q)
@@ -437,14 +497,12 @@ impl NvmeStore {
                 state: &mut state,
             })?;
             // Write tile t to its other slot, then read tile t+B of this unit into the buffer.
-            let write_off = self.slot_offset(t, self.cur[t] + 1);
-            let write = self.req(b, write_off, self.slot_bytes(t), Dir::Write);
-            let mut phases = vec![vec![write]];
+            let mut phases = vec![vec![self.write_span(t)]];
             if t + n_bufs < tiles.end {
-                phases.push(vec![self.read_req(b, t + n_bufs)]);
+                phases.push(vec![self.read_span(t + n_bufs)]);
                 self.staging[b].holds = Some(t + n_bufs);
             }
-            self.submit(b, phases);
+            self.submit(b, phases)?;
         }
         Ok(())
     }
@@ -470,6 +528,7 @@ impl OptimStateStore for NvmeStore {
         if unit >= self.unit_lens.len() {
             return Err(self.bad_unit(unit));
         }
+        self.usable()?;
         let mut waited = 0.0;
         let result = self.run_unit(unit, f, &mut waited);
         let t0 = Instant::now();
@@ -507,17 +566,20 @@ impl OptimStateStore for NvmeStore {
         if unit >= self.unit_lens.len() {
             return Err(self.bad_unit(unit));
         }
+        self.usable()?;
         self.drain()?;
         let n = self.unit_lens[unit];
         let mut master = vec![0.0f32; n];
         let mut state = vec![vec![0.0f32; n]; self.slots];
         for t in self.unit_tiles[unit].clone() {
-            let req = self.read_req(0, t);
-            self.submit(0, vec![vec![req]]);
+            let read = self.read_span(t);
+            self.submit(0, vec![vec![read]])?;
             self.wait(0)?;
             let tile = self.tiles[t].clone();
             let q = self.region[t] / 4;
-            let buf = &self.staging[0].buf;
+            let Some(buf) = self.staging[0].buf.as_ref() else {
+                return Err(lent(&self.engine, &self.path).into());
+            };
             master[tile.range()].copy_from_slice(&buf[..tile.len]);
             for (s, out) in state.iter_mut().enumerate() {
                 let at = (1 + s) * q;
@@ -548,11 +610,14 @@ impl OptimStateStore for NvmeStore {
 impl NvmeStore {
     /// Writes a whole unit into the tiles' other slots, then switches them (atomic per unit).
     fn write_tensors(&mut self, unit: usize, master: &[f32], state: &[&[f32]]) -> EngineResult<()> {
+        self.usable()?;
         self.drain()?;
         for t in self.unit_tiles[unit].clone() {
             let tile = self.tiles[t].clone();
             let q = self.region[t] / 4;
-            let buf = &mut self.staging[0].buf;
+            let Some(buf) = self.staging[0].buf.as_mut() else {
+                return Err(lent(&self.engine, &self.path).into());
+            };
             for (i, src) in std::iter::once(master)
                 .chain(state.iter().copied())
                 .enumerate()
@@ -561,9 +626,8 @@ impl NvmeStore {
                 dst[..tile.len].copy_from_slice(&src[tile.range()]);
                 dst[tile.len..].fill(0.0);
             }
-            let off = self.slot_offset(t, self.cur[t] + 1);
-            let req = self.req(0, off, self.slot_bytes(t), Dir::Write);
-            self.submit(0, vec![vec![req]]);
+            let write = self.write_span(t);
+            self.submit(0, vec![vec![write]])?;
             self.wait(0)?;
         }
         for t in self.unit_tiles[unit].clone() {
@@ -575,7 +639,23 @@ impl NvmeStore {
 
 impl Drop for NvmeStore {
     fn drop(&mut self) {
+        // Each wait has the deadline (none once poisoned); a job given up on keeps its buffer.
         let _ = self.drain();
+    }
+}
+
+/// The error for a staging buffer that is not there: it stays lent to a job that a wait gave
+/// up on (the store is poisoned then).
+fn lent(engine: &IoEngine, path: &Path) -> OffloadError {
+    match engine.poisoned() {
+        Some(why) => OffloadError::Poisoned {
+            path: path.to_path_buf(),
+            reason: why.to_owned(),
+        },
+        None => OffloadError::Engine(format!(
+            "a staging buffer of {} is still lent to an unfinished job",
+            path.display()
+        )),
     }
 }
 

@@ -1,3 +1,6 @@
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
 use super::*;
 use crate::error::EngineError;
 use crate::layout::{OptimStateStore, StepParams, TileOptimizer};
@@ -185,24 +188,227 @@ fn bad_fd_write_error_is_reported_by_both_engines() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("ro.bin");
     std::fs::write(&path, vec![0u8; 8192]).unwrap();
-    let ro = std::fs::File::open(&path).unwrap();
+    let ro = Arc::new(std::fs::File::open(&path).unwrap());
     for engine in [EngineKind::IoUring, EngineKind::ThreadPool] {
-        let eng = engine::IoEngine::start(Some(engine), 4096, 2).unwrap();
-        let mut buf = AlignedBuf::zeroed(2048).unwrap();
-        let job = engine::Job {
-            phases: vec![vec![engine::IoReq {
-                fd: std::os::fd::AsRawFd::as_raw_fd(&ro),
-                offset: 0,
-                ptr: buf.as_mut_ptr(),
-                len: 8192,
-                dir: engine::Dir::Write,
-            }]],
-            path: path.clone().into(),
-        };
-        // SAFETY: buf and ro outlive the wait.
-        let err = unsafe { eng.submit(job) }.wait().unwrap_err();
+        let eng = engine::IoEngine::start(Some(engine), 4096, 2, Duration::from_secs(60)).unwrap();
+        let job = job_on(&path, &ro, AlignedBuf::zeroed(2048).unwrap(), 0, 8192);
+        let (result, lease) = eng.submit(job).wait();
+        let err = result.unwrap_err();
         assert_eq!(err.raw_os_error(), Some(libc::EBADF), "{err}");
         assert!(err.to_string().contains("ro.bin"), "{err}");
+        assert!(lease.is_some(), "a failed job that is done hands its buffer back");
+    }
+}
+
+/// A job writing `len` bytes from the start of `buf` at `offset` of `file`.
+fn job_on(path: &std::path::Path, file: &Arc<std::fs::File>, buf: AlignedBuf, offset: u64, len: usize) -> engine::Job {
+    engine::Job {
+        phases: vec![vec![engine::Span { offset, at: 0, len, dir: engine::Dir::Write }]],
+        path: path.to_path_buf().into(),
+        lease: engine::Lease { buf, file: file.clone() },
+    }
+}
+
+/// A buffer of `elems` elements, all `value`.
+fn buf_of(elems: usize, value: f32) -> AlignedBuf {
+    let mut buf = AlignedBuf::zeroed(elems).unwrap();
+    buf.fill(value);
+    buf
+}
+
+/// Polls `cond` until it holds; fails the test after 20 s.
+fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !cond() {
+        assert!(Instant::now() < deadline, "still not {what} after 20 s");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// A new plain (buffered) file for the engine tests to write.
+fn new_file(path: &std::path::Path) -> Arc<std::fs::File> {
+    Arc::new(std::fs::OpenOptions::new().read(true).write(true).create_new(true).open(path).unwrap())
+}
+
+/// A job whose request the device does not answer: the wait gives up after the timeout with an
+/// error naming the file, the offset, the requests pending and the timeout; the job keeps its
+/// buffer and file while the request is in flight (the late write still carries the buffer's
+/// bytes, and only then are they let go), and the engine is poisoned: later jobs fail at once,
+/// saying why. Dropping the engine does not hang.
+#[test]
+fn a_stalled_job_times_out_keeps_its_buffer_lent_and_poisons_the_engine() {
+    let dir = tempfile::tempdir().unwrap();
+    for kind in [EngineKind::IoUring, EngineKind::ThreadPool] {
+        let path = dir.path().join(format!("stuck-{kind:?}.bin"));
+        let file = new_file(&path);
+        // One request per job (the block is larger than the job).
+        let eng = engine::IoEngine::start(Some(kind), 1 << 20, 2, Duration::from_millis(200)).unwrap();
+        eng.hold(true);
+        let ticket = eng.submit(job_on(&path, &file, buf_of(2048, 7.5), 4096, 8192));
+        wait_until("held", || eng.held() == 1);
+        let t0 = Instant::now();
+        let (result, lease) = ticket.wait();
+        let waited = t0.elapsed();
+        let err = result.unwrap_err();
+        assert!(matches!(err, OffloadError::TimedOut { offset: 4096, pending: 1, .. }), "{err}");
+        let msg = err.to_string();
+        for part in [
+            format!("offload write of {}", path.display()),
+            "at offset 4096".into(),
+            "timed out after 200ms".into(),
+            "1 request(s) still pending".into(),
+        ] {
+            assert!(msg.contains(&part), "{part:?} not in {msg}");
+        }
+        assert!(waited >= Duration::from_millis(200) && waited < Duration::from_secs(5), "{waited:?}");
+        assert!(lease.is_none(), "{kind:?}: the buffer stays lent to the request in flight");
+        assert_eq!(Arc::strong_count(&file), 2, "{kind:?}: the job still holds its lease");
+        assert!(eng.poisoned().is_some_and(|why| why == msg), "{:?}", eng.poisoned());
+
+        // Poisoned: a later job fails at once, saying why, and its buffer comes back.
+        let t0 = Instant::now();
+        let (result, lease) = eng.submit(job_on(&path, &file, buf_of(1024, 1.0), 0, 4096)).wait();
+        let err = result.unwrap_err();
+        assert!(matches!(err, OffloadError::Poisoned { .. }), "{err}");
+        let poisoned = err.to_string();
+        assert!(poisoned.contains("is unusable") && poisoned.contains(&msg), "{poisoned}");
+        assert!(t0.elapsed() < Duration::from_secs(1));
+        assert!(lease.is_some(), "nothing was issued: the buffer comes back");
+        drop(lease);
+
+        // The device answers late: the write goes out of the buffer the job still owns, and
+        // only then does the job let go of its lease.
+        eng.hold(false);
+        wait_until("let go of", || Arc::strong_count(&file) == 1);
+        let bytes = std::fs::read(&path).unwrap();
+        assert_eq!(bytes.len(), 4096 + 8192, "{kind:?}");
+        assert!(bytes[..4096].iter().all(|&b| b == 0), "{kind:?}: nothing else was written");
+        assert!(
+            bytes[4096..].chunks_exact(4).all(|c| c == 7.5f32.to_ne_bytes()),
+            "{kind:?}: the late write carried the held buffer's bytes"
+        );
+        let t0 = Instant::now();
+        drop(eng);
+        assert!(t0.elapsed() < Duration::from_secs(5), "dropping the engine took {:?}", t0.elapsed());
+    }
+}
+
+/// Dropping a ticket whose request is in flight returns at once, and the job keeps its buffer
+/// until the request completes (it is no timeout: the engine is not poisoned).
+#[test]
+fn a_dropped_ticket_does_not_wait_and_its_job_keeps_the_buffer() {
+    let dir = tempfile::tempdir().unwrap();
+    for kind in [EngineKind::IoUring, EngineKind::ThreadPool] {
+        let path = dir.path().join(format!("dropped-{kind:?}.bin"));
+        let file = new_file(&path);
+        let eng = engine::IoEngine::start(Some(kind), 1 << 20, 2, Duration::from_secs(60)).unwrap();
+        eng.hold(true);
+        let ticket = eng.submit(job_on(&path, &file, buf_of(1024, 3.25), 0, 4096));
+        wait_until("held", || eng.held() == 1);
+        let t0 = Instant::now();
+        drop(ticket);
+        assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
+        assert_eq!(Arc::strong_count(&file), 2, "{kind:?}: the job still holds its lease");
+        eng.hold(false);
+        wait_until("let go of", || Arc::strong_count(&file) == 1);
+        let bytes = std::fs::read(&path).unwrap();
+        assert!(bytes.len() == 4096 && bytes.chunks_exact(4).all(|c| c == 3.25f32.to_ne_bytes()), "{kind:?}");
+        assert!(eng.poisoned().is_none());
+        // The engine goes on.
+        let (result, lease) = eng.submit(job_on(&path, &file, buf_of(1024, 1.0), 4096, 4096)).wait();
+        result.unwrap();
+        assert!(lease.is_some());
+    }
+}
+
+/// A span outside the job's buffer is refused before anything is issued.
+#[test]
+fn a_span_outside_its_buffer_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("span.bin");
+    let file = new_file(&path);
+    let eng = engine::IoEngine::start(Some(EngineKind::ThreadPool), 4096, 2, Duration::from_secs(60)).unwrap();
+    for (at, len) in [(0, 8192), (4096, 1), (usize::MAX, 2)] {
+        let mut job = job_on(&path, &file, AlignedBuf::zeroed(1024).unwrap(), 0, len);
+        job.phases[0][0].at = at;
+        let (result, lease) = eng.submit(job).wait();
+        let err = result.unwrap_err();
+        assert!(matches!(err, OffloadError::InvalidArgument(_)), "{err}");
+        assert!(err.to_string().contains("4096-byte buffer"), "{err}");
+        assert!(lease.is_some());
+    }
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), 0, "nothing written");
+}
+
+/// The NVMe tier on a device that stops answering: the update fails within `io_timeout` with
+/// the timeout error, and every later operation fails at once saying why (the swap file may be
+/// half written); the store drops without hanging once the device answers again.
+#[test]
+fn a_stalled_device_fails_the_update_in_time_and_poisons_the_tier() {
+    let lens = [4096usize, 2048];
+    let dir = tempfile::tempdir().unwrap();
+    for kind in [EngineKind::IoUring, EngineKind::ThreadPool] {
+        let mut cfg = NvmeConfig::new(dir.path(), format!("stall-{kind:?}.swap"));
+        cfg.sub_group_elems = 1024;
+        cfg.engine = Some(kind);
+        cfg.io_timeout = Duration::from_millis(200);
+        let mut nvme = NvmeStore::new(&lens, 2, &cfg).unwrap();
+        filled(&mut nvme, &lens);
+        nvme.engine().hold(true);
+        let t0 = Instant::now();
+        let err = nvme.update_unit(0, &mut |_| Ok(())).unwrap_err().to_string();
+        assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+        assert!(
+            err.contains("offload read of") && err.contains(&format!("stall-{kind:?}.swap")) && err.contains("timed out after 200ms"),
+            "{err}"
+        );
+        let t0 = Instant::now();
+        let zeros = vec![0.0f32; 2048];
+        let errors = [
+            nvme.update_unit(1, &mut |_| Ok(())).unwrap_err(),
+            nvme.read_unit(0).unwrap_err(),
+            nvme.write_unit(1, &zeros, &[zeros.clone(), zeros.clone()]).unwrap_err(),
+            nvme.init_unit(1, &zeros, 2).unwrap_err(),
+            nvme.prefetch(1).unwrap_err(),
+        ];
+        for e in errors {
+            let msg = e.to_string();
+            assert!(msg.contains("is unusable") && msg.contains("timed out after 200ms"), "{msg}");
+        }
+        assert!(t0.elapsed() < Duration::from_secs(1), "later operations fail fast: {:?}", t0.elapsed());
+        nvme.engine().hold(false);
+        let t0 = Instant::now();
+        drop(nvme);
+        assert!(t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    }
+}
+
+/// `io_timeout` is validated: zero and more than a day are refused, naming the value, before
+/// anything is created; the default is 300 s.
+#[test]
+fn io_timeout_is_validated() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = NvmeConfig::new(dir.path(), "t.swap");
+    assert_eq!(cfg.io_timeout, Duration::from_secs(300));
+    assert_eq!(cfg.io_timeout, DEFAULT_IO_TIMEOUT);
+    for (bad, shown) in [
+        (Duration::ZERO, "io_timeout 0ns"),
+        (Duration::from_secs(86_401), "io_timeout 86401s"),
+        (Duration::MAX, "io_timeout 18446744073709551615"),
+    ] {
+        cfg.io_timeout = bad;
+        let err = NvmeStore::new(&[10], 2, &cfg).unwrap_err();
+        assert!(matches!(err, OffloadError::InvalidArgument(_)), "{err}");
+        assert!(err.to_string().contains(shown) && err.to_string().contains("expected from 1ms to 86400s"), "{err}");
+        assert!(cfg.validate().is_err());
+        let Err(err) = engine::IoEngine::start(None, 4096, 2, bad) else { panic!("{bad:?} accepted") };
+        assert!(err.to_string().contains(shown), "{err}");
+    }
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0, "nothing created");
+    for good in [MIN_IO_TIMEOUT, Duration::from_millis(200), MAX_IO_TIMEOUT] {
+        cfg.io_timeout = good;
+        cfg.validate().unwrap();
+        drop(NvmeStore::new(&[10], 2, &cfg).unwrap());
     }
 }
 
