@@ -4,7 +4,8 @@
 //! - `snapshot`: `RSRUNSN1` magic, last included sequence number (u64 LE), payload length (u64 LE),
 //!   CRC-32 of the payload (u32 LE), payload = postcard-encoded [`State`].
 //! - `journal-<first seq, 20 digits>.log`: the `RSRUNJL4` magic (written with the file, atomically),
-//!   then one batch frame per append (a group commit):
+//!   then one batch frame per append (a group commit; a group larger than 1 GiB, the largest
+//!   batch recovery accepts, is split into several batches, each replayed whole or not at all):
 //!   `[RSJB][record count u32 LE][payload length u32 LE][CRC-32 u32 LE][payload]`, the CRC over the
 //!   count, the length and the payload; the payload is the group's records
 //!   `[len u32 LE][crc32 u32 LE][postcard Entry]` (as [`encode`] frames them, and etcd stores them).
@@ -19,8 +20,10 @@
 //! none of its records was acknowledged before its fsync returned, so a batch that a crash cut short
 //! (the last one of the last log, torn, or zero-filled where the size was persisted and the data
 //! not) is truncated, with a warning naming the file, the offset and the bytes dropped. Damage
-//! anywhere else (in an earlier log, or followed by a valid batch) is an error naming the file and
-//! offset, never silently skipped.
+//! anywhere else (in an earlier log, or followed by valid batches that continue the sequence to
+//! the end of the log) is an error naming the file and offset, never silently skipped. (Bytes that
+//! merely look like a batch inside the torn one, such as a stored value holding a batch frame,
+//! neither continue the sequence nor chain to the end, so they do not make a torn tail damage.)
 //!
 //! Snapshots, new logs and the `format` file are written atomically: temp file, fsync, rename,
 //! fsync of the directory.
@@ -41,7 +44,8 @@ const SNAPSHOT_MAGIC: &[u8; 8] = b"RSRUNSN1";
 /// Version of a data directory (its `format` file) and of the postcard encoding of [`Entry`] and
 /// [`State`] (what etcd's format key holds); bumped whenever a journaled type or the framing
 /// changes shape. 2: `JobSpec::fixed_ranks`. 3: `State::retired`. 4: request ids of `StoreSet`,
-/// `StoreMultiSet` and `StoreDelete` (and their `Dedup` answers), and logs of batch frames.
+/// `StoreMultiSet` and `StoreDelete` (and their `Dedup` answers), each remembered answer kept with
+/// its call's fingerprint and its time (`state::Remembered`), and logs of batch frames.
 /// Directories without a `format` file hold version 1.
 pub const FORMAT_VERSION: u32 = 4;
 /// The version of a data directory, its `format` file.
@@ -256,15 +260,15 @@ struct LogRead {
     why: String,
 }
 
-/// Reads one log: batch frames after [`LOG_MAGIC`]. Only the last log (`is_last`) may end in a torn
-/// tail.
-fn read_log(path: &Path, is_last: bool) -> Result<LogRead, RdzvError> {
+/// Reads one log, whose first record is `first` (its name's): batch frames after [`LOG_MAGIC`].
+/// Only the last log (`is_last`) may end in a torn tail.
+fn read_log(path: &Path, first: u64, is_last: bool) -> Result<LogRead, RdzvError> {
     let mut bytes = Vec::new();
     File::open(path)
         .and_then(|mut f| f.read_to_end(&mut bytes))
         .map_err(|e| storage(path, "cannot read journal", e))?;
     if bytes.starts_with(LOG_MAGIC) {
-        return read_batches(path, &bytes, is_last);
+        return read_batches(path, &bytes, first, is_last);
     }
     Err(storage(
         path,
@@ -385,10 +389,35 @@ fn read_batch(bytes: &[u8], at: usize) -> Result<(Vec<Entry>, usize), BadBatch> 
     Ok((entries, end))
 }
 
-/// The offset of the first valid batch (its checksum matches and its records decode) at or after
-/// `from`, if any: what tells damage in the middle of a log from a torn final write.
-fn next_valid_batch(bytes: &[u8], from: usize) -> Option<usize> {
-    (from..bytes.len().saturating_sub(BATCH_HEADER - 1)).find(|&p| bytes[p..].starts_with(BATCH_MAGIC) && read_batch(bytes, p).is_ok())
+/// The offset of the first batch at or after `from` that acknowledged records after the bad bytes
+/// would start, if any: what tells damage in the middle of a log from a torn final write. A
+/// candidate counts only if it is valid (its checksum matches and its records decode), its first
+/// record continues the sequence (past `after_seq`, the last record replayed before the bad
+/// bytes), and the batches from it, each continuing the sequence, run exactly to the end of the
+/// log. A torn batch's own payload may hold what looks like a batch (a stored value is any bytes
+/// a client sent): such a frame would have to carry the next sequence numbers and the crash would
+/// have to cut the torn batch exactly where it ends, and taken for acknowledged records it made
+/// the daemon refuse to start over an ordinary torn write.
+fn next_valid_batch(bytes: &[u8], from: usize, after_seq: u64) -> Option<usize> {
+    (from..bytes.len().saturating_sub(BATCH_HEADER - 1))
+        .find(|&p| bytes[p..].starts_with(BATCH_MAGIC) && chains_to_end(bytes, p, after_seq))
+}
+
+/// Whether the batches from `at` on are valid, each continues the sequence past the one before
+/// (the first past `after_seq`), and the last ends exactly at the end of `bytes`.
+fn chains_to_end(bytes: &[u8], mut at: usize, after_seq: u64) -> bool {
+    let mut last = after_seq;
+    while at < bytes.len() {
+        let Ok((entries, end)) = read_batch(bytes, at) else { return false };
+        // `read_batch` never answers an empty batch.
+        let (Some(first), Some(newest)) = (entries.first(), entries.last()) else { return false };
+        if first.seq <= last {
+            return false;
+        }
+        last = newest.seq;
+        at = end;
+    }
+    at == bytes.len()
 }
 
 /// Writes batches ([`batch_frames`] of `records`) and syncs them.
@@ -404,7 +433,8 @@ fn write_frames(log: &mut File, records: &[u8], frames: &[([u8; BATCH_HEADER], R
 /// Reads the batches of a log that starts with [`LOG_MAGIC`]. A batch is taken whole or not at
 /// all; the last log may end in one batch that a crash cut short, which is dropped whole (none of
 /// its records was acknowledged: the fsync that would have made them durable never returned).
-fn read_batches(path: &Path, bytes: &[u8], is_last: bool) -> Result<LogRead, RdzvError> {
+/// `first` is the log's first sequence number (its name's).
+fn read_batches(path: &Path, bytes: &[u8], first: u64, is_last: bool) -> Result<LogRead, RdzvError> {
     let mut entries = Vec::new();
     let mut at = LOG_MAGIC.len();
     let mut why = String::new();
@@ -425,10 +455,12 @@ fn read_batches(path: &Path, bytes: &[u8], is_last: bool) -> Result<LogRead, Rdz
         if !is_last {
             return Err(damaged(format!("{torn}, in a log that a newer log follows")));
         }
-        // Only the last append can have been cut short, and nothing follows it: a valid batch
-        // after `at` means the bytes at `at` were whole once, and taking them for a torn tail
-        // would drop the acknowledged records from there on.
-        if let Some(next) = next_valid_batch(bytes, at + 1) {
+        // Only the last append can have been cut short, and nothing follows it: valid batches
+        // after `at` that continue the sequence to the end of the log mean the bytes at `at`
+        // were whole once, and taking them for a torn tail would drop the acknowledged records
+        // from there on.
+        let after_seq = entries.last().map_or(first.saturating_sub(1), |e: &Entry| e.seq);
+        if let Some(next) = next_valid_batch(bytes, at + 1, after_seq) {
             return Err(damaged(format!("{torn}, but a valid batch starts at offset {next}")));
         }
         why = torn;
@@ -517,7 +549,7 @@ impl Journal {
         let mut last_at = 0;
         for (i, (first, path)) in logs.iter().enumerate() {
             let is_last = i + 1 == logs.len();
-            let LogRead { entries, valid, torn, why } = read_log(path, is_last)?;
+            let LogRead { entries, valid, torn, why } = read_log(path, *first, is_last)?;
             if is_last {
                 check_snapshot_seq(&snap_path, snapshot_seq, *first, entries.last().map(|e| e.seq))?;
             }
@@ -809,6 +841,48 @@ mod tests {
                 assert_eq!((rec.seq, rec.replayed, rec.truncated_bytes), (4, 2, 0), "{what}");
                 let job = rec.state.job("j").unwrap();
                 assert!(job.store.contains_key("n1") && job.store.contains_key("n2") && !job.store.contains_key("k1"), "{what}");
+            }
+        }
+    }
+
+    /// A torn group whose stored value holds a well-formed batch frame (a value is whatever a
+    /// client sent) is still a torn tail, cut at any byte: the frame inside it does not continue
+    /// the sequence (an old sequence number), or does not run to the end of the log (one far
+    /// ahead), so it is not taken for acknowledged records after damage (the daemon refused to
+    /// start). Only a cut exactly at the end of a frame that continues the sequence reads as
+    /// damage: those bytes are what acknowledged records after damage look like.
+    #[test]
+    fn a_batch_frame_inside_a_torn_groups_value_does_not_make_it_damage() {
+        for inner_seq in [1u64, 1000] {
+            let template = tempfile::tempdir().unwrap();
+            let inner = batch(inner_seq, &[set("evil")]);
+            let (log_file, before, after) = {
+                let (mut j, _) = Journal::open(template.path()).unwrap();
+                write(&mut j, 1, &[join("a"), join("b")]);
+                let before = j.log_bytes() as usize;
+                let scope = Scope { job: "j".into(), round: 1, round_scoped: false };
+                let carrier = Command::StoreSet { scope, key: "v".into(), value: inner.clone(), request_id: String::new() };
+                write(&mut j, 3, &[carrier]);
+                (j.log_path.file_name().unwrap().to_owned(), before, j.log_bytes() as usize)
+            };
+            let log = fs::read(template.path().join(&log_file)).unwrap();
+            let inner_at = log.windows(inner.len()).position(|w| w == inner.as_slice()).unwrap();
+            let inner_end = inner_at + inner.len();
+            assert!(before < inner_at && inner_end < after);
+            for cut in before..after {
+                if inner_seq > 2 && cut == inner_end {
+                    continue;
+                }
+                let what = format!("inner sequence {inner_seq}, group cut at byte {cut} of {before}..{after}");
+                let dir = tempfile::tempdir().unwrap();
+                for name in ["format", "snapshot"] {
+                    fs::copy(template.path().join(name), dir.path().join(name)).unwrap();
+                }
+                fs::write(dir.path().join(&log_file), &log[..cut]).unwrap();
+                let (_j, rec) = Journal::open(dir.path()).unwrap_or_else(|e| panic!("{what}: {e}"));
+                assert_eq!((rec.seq, rec.replayed, rec.truncated_bytes), (2, 2, (cut - before) as u64), "{what}");
+                let job = rec.state.job("j").unwrap();
+                assert!(!job.store.contains_key("v") && !job.store.contains_key("evil"), "{what}");
             }
         }
     }

@@ -11,8 +11,11 @@
 //! leader applies commands, runs timers and answers, and its reads also wait for a leadership
 //! confirmation (a guarded etcd write) that began after they arrived, so a deposed leader that has
 //! not noticed yet answers nothing from its stale state. A leader also answers only before the
-//! local deadline of its election lease ([`LeaderLease`]): every answer is checked against it when
-//! it is sent ([`standing`]), and past it the daemon refuses and steps down at once.
+//! local deadline of its election lease ([`LeaderLease`]): every gRPC answer (and pushed view) is
+//! checked against it when it is sent ([`standing`]), and past it the daemon refuses and steps
+//! down at once. The round TCPStores it hosts are not checked per answer: their event loops
+//! answer on their own until the step-down (or the timer's lease check, within a second) closes
+//! them.
 //!
 //! Waiting (join, blocking get, barrier, unique id, exit barrier) subscribes to a per-job view channel
 //! (changes only when a round forms or ends, or the job ends) and, for store waits, to a per-topic
@@ -340,6 +343,19 @@ fn grows_store(cmd: &Command) -> bool {
     matches!(cmd, Command::StoreSet { .. } | Command::StoreMultiSet { .. } | Command::StoreCas { .. } | Command::StoreAdd { .. })
 }
 
+/// The service-wide store cap (`cap`, HA's `max_total_store_bytes`): once all jobs hold `cap`
+/// store bytes, a command that may grow the store is refused. Pure; the executor skips it for a
+/// call the state remembers ([`State::remembered`]), which grows nothing.
+fn store_cap_check(state: &State, cmd: &Command, cap: Option<usize>) -> Result<(), RdzvError> {
+    match cap {
+        Some(cap) if state.totals.store_bytes >= cap && grows_store(cmd) => Err(RdzvError::ResourceExhausted(format!(
+            "the service holds {} store bytes over all jobs, its limit of {cap} bytes: delete keys or end jobs",
+            state.totals.store_bytes
+        ))),
+        _ => Ok(()),
+    }
+}
+
 impl Core {
     /// Recovers state (when durable) and starts the flusher thread and the timer task.
     ///
@@ -468,6 +484,11 @@ impl Core {
     /// (it may have stalled since); a daemon that stepped down while the call ran does not send a
     /// success it computed as leader. Returns the leader stamp to attach, read under the same lock.
     fn answer<T>(&self, r: Result<T, RdzvError>) -> Result<(T, Option<pb::LeaderStamp>), RdzvError> {
+        // A daemon without HA is `Role::Single` for good: it always serves and stamps nothing,
+        // so its answers do not take the executor's lock (as in `settle_by`).
+        if self.identity.is_none() {
+            return r.map(|v| (v, None));
+        }
         let mut g = self.lock();
         // Read once the lock is held: waiting for it must not count as time before the deadline.
         let now = Instant::now();
@@ -498,18 +519,17 @@ impl Core {
         self.serving(g)?;
         let now = self.clock.now_ms().max(g.last_at);
         let job_id = cmd.job().to_string();
-        if let Some(cap) = self.max_total_store_bytes
-            && g.state.totals.store_bytes >= cap
-            && grows_store(cmd)
-        {
-            return Err(RdzvError::ResourceExhausted(format!(
-                "the service holds {} store bytes over all jobs, its limit of {cap} bytes: delete keys or end jobs",
-                g.state.totals.store_bytes
-            )));
+        // A retry of a call the state machine remembers (its first attempt applied, its answer
+        // lost) is answered from memory and changes nothing: the admission caps below are for
+        // changes, and refusing it would report a failure for a write that was applied.
+        let repeat = g.state.remembered(cmd).is_some();
+        if !repeat {
+            store_cap_check(&g.state, cmd, self.max_total_store_bytes)?;
         }
         // A log that stopped taking writes (a full disk, an unreachable etcd) holds every change
         // made since in memory: past a bound, changes are refused until it catches up.
         if cmd.is_durable()
+            && !repeat
             && let Some(d) = &g.log
         {
             let unwritten = d.lock().unwritten_bytes();

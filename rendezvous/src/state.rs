@@ -40,9 +40,18 @@ const MAX_FAILURES: usize = 64;
 /// How many request ids a job remembers for de-duplicating retried calls, at least (see
 /// `Job::dedup_window`).
 const MAX_DEDUP: usize = 8192;
-/// The most answers a job's dedup window keeps however large the world its nodes declare (twice
-/// a 131,072-rank world): the window is held in memory and in every snapshot, outside the
-/// store's byte caps.
+/// A remembered answer younger than this (state time) is kept even when the window is over its
+/// count (up to [`MAX_DEDUP_WINDOW`]): a retry arrives within the client's retry horizon, and a
+/// count alone forgot ids within a second in a busy job (every set, multi-set, delete and failed
+/// compare-set with an id takes a slot), so a retry re-applied its write over a newer one. The
+/// longest store write of the client (`client::StoreClient`, no wait) retries for its call
+/// timeout and takes an answer until twice that: 60 s at the launcher's largest call timeout
+/// (30 s); this is twice that. (Blocking calls with ids, barrier arrivals, are covered by the
+/// count: twice the world.)
+const DEDUP_MIN_AGE_MS: Ms = 120_000;
+/// The most answers a job's dedup window keeps however young they are and however large the world
+/// its nodes declare (twice a 131,072-rank world): the window is held in memory and in every
+/// snapshot, outside the store's byte caps.
 const MAX_DEDUP_WINDOW: usize = 1 << 18;
 /// Shortest and longest lease a job may ask for.
 const LEASE_RANGE_MS: (u64, u64) = (100, 3_600_000);
@@ -285,6 +294,19 @@ pub struct Barrier {
     pub participants: u32,
 }
 
+/// What a job remembers of a call that carried a request id.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Remembered {
+    /// Its answer.
+    pub answer: Dedup,
+    /// [`Command::fingerprint`] of the call: a retry repeats it; another call under the same id
+    /// is refused instead of answered with this call's answer.
+    pub fingerprint: u64,
+    /// When it was applied (state time): it is kept at least `DEDUP_MIN_AGE_MS` (2 minutes)
+    /// past it (see `Job::remember`).
+    pub at: Ms,
+}
+
 /// A remembered answer to a call that carried a request id.
 #[allow(missing_docs)]
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -341,8 +363,9 @@ pub struct Job {
     pub barriers: BTreeMap<(bool, String), Barrier>,
     /// NCCL unique ids of the current round, by name.
     pub unique_ids: BTreeMap<String, Vec<u8>>,
-    /// Answers to recent calls that carried a request id.
-    pub dedup: BTreeMap<String, Dedup>,
+    /// Answers to recent calls that carried a request id, with what identifies each call and
+    /// when it was applied.
+    pub dedup: BTreeMap<String, Remembered>,
     /// Insertion order of `dedup`, for eviction.
     pub dedup_order: VecDeque<String>,
 }
@@ -539,6 +562,116 @@ impl Command {
     /// False for commands whose effect need not survive a restart.
     pub fn is_durable(&self) -> bool {
         !matches!(self, Command::KeepAlive { .. })
+    }
+
+    /// The request id the command carries (empty: none, or a command that carries none).
+    pub fn request_id(&self) -> &str {
+        match self {
+            Command::StoreSet { request_id, .. }
+            | Command::StoreAdd { request_id, .. }
+            | Command::StoreCas { request_id, .. }
+            | Command::StoreDelete { request_id, .. }
+            | Command::StoreMultiSet { request_id, .. }
+            | Command::BarrierArrive { request_id, .. } => request_id,
+            _ => "",
+        }
+    }
+
+    /// What identifies the request a request id was drawn for: a stable 64-bit hash of the
+    /// command's kind, its namespace (job-wide or the round's), its keys (or barrier name and
+    /// member) and its values (their length and CRC-32). A retry repeats it; a different request
+    /// under the same id does not. Stable across processes and versions (FNV-1a, not std's
+    /// randomly seeded hasher): it is kept in snapshots and rebuilt by replay. 0 for a command
+    /// without a request id (nothing is remembered for it, so nothing is hashed).
+    pub fn fingerprint(&self) -> u64 {
+        if self.request_id().is_empty() {
+            return 0;
+        }
+        let h = match self {
+            Command::StoreSet { scope, key, value, .. } => {
+                let mut h = Fnv::new(1, scope);
+                h.field(key.as_bytes());
+                h.value(value);
+                h
+            }
+            Command::StoreMultiSet { scope, entries, .. } => {
+                let mut h = Fnv::new(2, scope);
+                h.bytes(&(entries.len() as u64).to_le_bytes());
+                for (k, v) in entries {
+                    h.field(k.as_bytes());
+                    h.value(v);
+                }
+                h
+            }
+            Command::StoreAdd { scope, key, delta, .. } => {
+                let mut h = Fnv::new(3, scope);
+                h.field(key.as_bytes());
+                h.bytes(&delta.to_le_bytes());
+                h
+            }
+            Command::StoreCas { scope, key, expected, desired, .. } => {
+                let mut h = Fnv::new(4, scope);
+                h.field(key.as_bytes());
+                match expected {
+                    Some(e) => {
+                        h.bytes(&[1]);
+                        h.value(e);
+                    }
+                    None => h.bytes(&[0]),
+                }
+                h.value(desired);
+                h
+            }
+            Command::StoreDelete { scope, key, .. } => {
+                let mut h = Fnv::new(5, scope);
+                h.field(key.as_bytes());
+                h
+            }
+            Command::BarrierArrive { scope, name, member, participants, .. } => {
+                let mut h = Fnv::new(6, scope);
+                h.field(name.as_bytes());
+                h.field(member.as_bytes());
+                h.bytes(&participants.to_le_bytes());
+                h
+            }
+            _ => return 0,
+        };
+        h.0
+    }
+}
+
+/// 64-bit FNV-1a, written out: a hash whose value does not change between processes, builds or
+/// versions (see [`Command::fingerprint`]).
+struct Fnv(u64);
+
+impl Fnv {
+    const OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    const PRIME: u64 = 0x0000_0100_0000_01b3;
+
+    /// A hash of a command of kind `kind` in `scope`'s namespace.
+    fn new(kind: u8, scope: &Scope) -> Self {
+        let mut h = Fnv(Self::OFFSET);
+        h.bytes(&[kind, u8::from(scope.round_scoped)]);
+        h
+    }
+
+    fn bytes(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.0 ^= u64::from(*b);
+            self.0 = self.0.wrapping_mul(Self::PRIME);
+        }
+    }
+
+    /// A field of any length, preceded by its length (so that two fields never read as others).
+    fn field(&mut self, bytes: &[u8]) {
+        self.bytes(&(bytes.len() as u64).to_le_bytes());
+        self.bytes(bytes);
+    }
+
+    /// A value: its length and CRC-32 (values may be megabytes; CRC-32 is hardware-assisted).
+    fn value(&mut self, value: &[u8]) {
+        self.bytes(&(value.len() as u64).to_le_bytes());
+        self.bytes(&crc32fast::hash(value).to_le_bytes());
     }
 }
 
@@ -790,29 +923,43 @@ impl Job {
         })
     }
 
-    fn remember(&mut self, request_id: &str, answer: Dedup) {
+    /// Remembers the answer to the call `request_id` named (fingerprint `fingerprint`), applied
+    /// at `now`. Past the window's count ([`Job::dedup_window`]) the oldest answers are forgotten,
+    /// but only those older than `DEDUP_MIN_AGE_MS`, so a retry within the client's horizon still
+    /// finds its answer however busy the job; past [`MAX_DEDUP_WINDOW`] the oldest go whatever
+    /// their age (a bound on memory and snapshots). Deterministic in the command times, so
+    /// replay forgets exactly what the live service forgot.
+    fn remember(&mut self, request_id: &str, fingerprint: u64, answer: Dedup, now: Ms) {
         if request_id.is_empty() {
             return;
         }
-        if self.dedup.insert(request_id.to_string(), answer).is_none() {
+        let entry = Remembered { answer, fingerprint, at: now };
+        if self.dedup.insert(request_id.to_string(), entry).is_none() {
             self.dedup_order.push_back(request_id.to_string());
         }
-        if self.dedup_order.len() > MAX_DEDUP {
-            let window = self.dedup_window();
-            while self.dedup_order.len() > window {
-                if let Some(old) = self.dedup_order.pop_front() {
-                    self.dedup.remove(&old);
-                }
+        if self.dedup_order.len() <= MAX_DEDUP {
+            return;
+        }
+        let window = self.dedup_window();
+        while self.dedup_order.len() > window {
+            let Some(oldest) = self.dedup_order.front() else { break };
+            let young = self.dedup.get(oldest).is_some_and(|r| now.saturating_sub(r.at) < DEDUP_MIN_AGE_MS);
+            if young && self.dedup_order.len() <= MAX_DEDUP_WINDOW {
+                break;
+            }
+            if let Some(old) = self.dedup_order.pop_front() {
+                self.dedup.remove(&old);
             }
         }
     }
 
-    /// How many answers `dedup` keeps: [`MAX_DEDUP`], or twice the running round's world when
-    /// that is more (every rank may have a call in flight at once). Every rank of a 10,000-rank
-    /// job arrives at a barrier with a request id of its own: a window of 8,192 had forgotten
-    /// the first arrivals' ids by the time they retried (a service restart mid-barrier), and
-    /// their retries arrived a second time, at the next generation. Bounded by the world the
-    /// nodes declared (not by a barrier's participant count, which any caller names).
+    /// How many answers `dedup` keeps once they are older than `DEDUP_MIN_AGE_MS`: [`MAX_DEDUP`],
+    /// or twice the running round's world when that is more (every rank may have a call in
+    /// flight at once). Every rank of a 10,000-rank job arrives at a barrier with a request id of
+    /// its own: a window of 8,192 had forgotten the first arrivals' ids by the time they retried
+    /// (a service restart mid-barrier), and their retries arrived a second time, at the next
+    /// generation. Bounded by the world the nodes declared (not by a barrier's participant count,
+    /// which any caller names). Younger answers are kept past it, up to [`MAX_DEDUP_WINDOW`].
     fn dedup_window(&self) -> usize {
         let world = match &self.phase {
             Phase::Running { world_size, .. } => *world_size as usize,
@@ -821,8 +968,21 @@ impl Job {
         MAX_DEDUP.max(world.saturating_mul(2)).min(MAX_DEDUP_WINDOW)
     }
 
-    fn recall(&self, request_id: &str) -> Option<&Dedup> {
-        if request_id.is_empty() { None } else { self.dedup.get(request_id) }
+    /// The remembered answer to the call `request_id` named, when `fingerprint` says this call
+    /// repeats it (a retry); `None` for a new id (or none).
+    ///
+    /// # Errors
+    /// The id was used for a different call (another kind, namespace, key or value): answering
+    /// that call's answer, or applying this one and forgetting that one's, would both be wrong.
+    fn recall(&self, request_id: &str, fingerprint: u64) -> Result<Option<Dedup>, RdzvError> {
+        if request_id.is_empty() {
+            return Ok(None);
+        }
+        match self.dedup.get(request_id) {
+            None => Ok(None),
+            Some(r) if r.fingerprint == fingerprint => Ok(Some(r.answer.clone())),
+            Some(_) => Err(reused_request_id(request_id)),
+        }
     }
 
     fn num_keys(&self) -> usize {
@@ -1063,6 +1223,14 @@ impl Job {
     }
 }
 
+/// A request id that answered a different request (see [`Command::fingerprint`]).
+fn reused_request_id(request_id: &str) -> RdzvError {
+    RdzvError::invalid(
+        "request_id",
+        format!("request id {request_id:?} was already used for a different request; draw a new id for each call"),
+    )
+}
+
 /// A join without a node rank in `0..max_nodes` to a job with fixed node ranks.
 fn fixed_rank_error(j: &JoinCmd, max_nodes: u32) -> RdzvError {
     RdzvError::invalid(
@@ -1097,6 +1265,20 @@ impl State {
             }
         }
         result
+    }
+
+    /// The answer the job of `cmd` remembers for `cmd`'s request id, when `cmd` repeats the call
+    /// that id was first used for (same [`Command::fingerprint`]): applying `cmd` then answers
+    /// from memory and changes nothing. Pure; the executor asks it before its own admission caps
+    /// (the service-wide store cap, the unwritten-log bound), which a retry of a write applied
+    /// before them, whose answer was lost, must not be refused for: it grows nothing.
+    pub fn remembered(&self, cmd: &Command) -> Option<&Dedup> {
+        let id = cmd.request_id();
+        if id.is_empty() {
+            return None;
+        }
+        let r = self.jobs.get(cmd.job())?.dedup.get(id)?;
+        (r.fingerprint == cmd.fingerprint()).then_some(&r.answer)
     }
 
     /// The latest time any job changed (0 for none): a lower bound of the time of the last
@@ -1259,18 +1441,24 @@ impl State {
             Command::StoreSet { scope, key, value, request_id } => {
                 let job = self.job_mut(&scope.job)?;
                 job.check_write(scope)?;
-                if matches!(job.recall(request_id), Some(Dedup::Set)) {
-                    return Ok((Outcome::Done, Effects::default()));
+                let fingerprint = cmd.fingerprint();
+                match job.recall(request_id, fingerprint)? {
+                    Some(Dedup::Set) => return Ok((Outcome::Done, Effects::default())),
+                    Some(_) => return Err(reused_request_id(request_id)),
+                    None => {}
                 }
                 job.put(limits, scope.round_scoped, key.clone(), value.clone())?;
-                job.remember(request_id, Dedup::Set);
+                job.remember(request_id, fingerprint, Dedup::Set, now);
                 Ok((Outcome::Done, Effects::topic(scope.key_topic(key))))
             }
             Command::StoreMultiSet { scope, entries, request_id } => {
                 let job = self.job_mut(&scope.job)?;
                 job.check_write(scope)?;
-                if matches!(job.recall(request_id), Some(Dedup::Set)) {
-                    return Ok((Outcome::Done, Effects::default()));
+                let fingerprint = cmd.fingerprint();
+                match job.recall(request_id, fingerprint)? {
+                    Some(Dedup::Set) => return Ok((Outcome::Done, Effects::default())),
+                    Some(_) => return Err(reused_request_id(request_id)),
+                    None => {}
                 }
                 // All or nothing: check the limits against the final sizes first, then apply.
                 let mut finals: BTreeMap<&String, usize> = BTreeMap::new();
@@ -1307,15 +1495,18 @@ impl State {
                 for (k, v) in entries {
                     job.put_unchecked(scope.round_scoped, k.clone(), v.clone());
                 }
-                job.remember(request_id, Dedup::Set);
+                job.remember(request_id, fingerprint, Dedup::Set, now);
                 let topics = entries.iter().map(|(k, _)| scope.key_topic(k)).collect();
                 Ok((Outcome::Done, Effects { changed: true, topics }))
             }
             Command::StoreAdd { scope, key, delta, request_id } => {
                 let job = self.job_mut(&scope.job)?;
                 job.check_write(scope)?;
-                if let Some(Dedup::Add(v)) = job.recall(request_id) {
-                    return Ok((Outcome::Added(*v), Effects::default()));
+                let fingerprint = cmd.fingerprint();
+                match job.recall(request_id, fingerprint)? {
+                    Some(Dedup::Add(v)) => return Ok((Outcome::Added(v), Effects::default())),
+                    Some(_) => return Err(reused_request_id(request_id)),
+                    None => {}
                 }
                 let current = match job.store_map(scope.round_scoped).get(key) {
                     None => 0,
@@ -1328,16 +1519,20 @@ impl State {
                     RdzvError::invalid("delta", format!("{current} + {delta} overflows a 64-bit integer"))
                 })?;
                 job.put(limits, scope.round_scoped, key.clone(), value.to_string().into_bytes())?;
-                job.remember(request_id, Dedup::Add(value));
+                job.remember(request_id, fingerprint, Dedup::Add(value), now);
                 Ok((Outcome::Added(value), Effects::topic(scope.key_topic(key))))
             }
             Command::StoreCas { scope, key, expected, desired, request_id } => {
                 let job = self.job_mut(&scope.job)?;
                 job.check_write(scope)?;
-                if let Some(Dedup::Cas { swapped }) = job.recall(request_id) {
-                    let swapped = *swapped;
-                    let current = job.store_map(scope.round_scoped).get(key).cloned();
-                    return Ok((Outcome::Cas { swapped, current }, Effects::default()));
+                let fingerprint = cmd.fingerprint();
+                match job.recall(request_id, fingerprint)? {
+                    Some(Dedup::Cas { swapped }) => {
+                        let current = job.store_map(scope.round_scoped).get(key).cloned();
+                        return Ok((Outcome::Cas { swapped, current }, Effects::default()));
+                    }
+                    Some(_) => return Err(reused_request_id(request_id)),
+                    None => {}
                 }
                 let current = job.store_map(scope.round_scoped).get(key).cloned();
                 let (swapped, after) = if current == *expected {
@@ -1346,7 +1541,7 @@ impl State {
                 } else {
                     (false, current)
                 };
-                job.remember(request_id, Dedup::Cas { swapped });
+                job.remember(request_id, fingerprint, Dedup::Cas { swapped }, now);
                 // A failed swap changes nothing but the dedup record (none without a request id):
                 // a CAS spin loop must not run at the journal's fsync rate.
                 let effects = if swapped {
@@ -1359,15 +1554,18 @@ impl State {
             Command::StoreDelete { scope, key, request_id } => {
                 let job = self.job_mut(&scope.job)?;
                 job.check_write(scope)?;
-                if let Some(Dedup::Delete(existed)) = job.recall(request_id) {
-                    return Ok((Outcome::Deleted(*existed), Effects::default()));
+                let fingerprint = cmd.fingerprint();
+                match job.recall(request_id, fingerprint)? {
+                    Some(Dedup::Delete(existed)) => return Ok((Outcome::Deleted(existed), Effects::default())),
+                    Some(_) => return Err(reused_request_id(request_id)),
+                    None => {}
                 }
                 let removed = job.store_map(scope.round_scoped).remove(key);
                 let existed = removed.is_some();
                 if let Some(v) = removed {
                     job.store_bytes = job.store_bytes.saturating_sub(key.len() + v.len());
                 }
-                job.remember(request_id, Dedup::Delete(existed));
+                job.remember(request_id, fingerprint, Dedup::Delete(existed), now);
                 // Deleting a key that is not there changes nothing but the dedup record (none
                 // without a request id), which must be journaled like any change: a retry after
                 // a restart answers from it too.
@@ -1382,8 +1580,11 @@ impl State {
                 let total_arrivals = self.totals.barrier_arrivals;
                 let job = self.job_mut(&scope.job)?;
                 job.check_write(scope)?;
-                if let Some(Dedup::Barrier(g)) = job.recall(request_id) {
-                    return Ok((Outcome::Arrived(*g), Effects::default()));
+                let fingerprint = cmd.fingerprint();
+                match job.recall(request_id, fingerprint)? {
+                    Some(Dedup::Barrier(g)) => return Ok((Outcome::Arrived(g), Effects::default())),
+                    Some(_) => return Err(reused_request_id(request_id)),
+                    None => {}
                 }
                 if *participants == 0 || *participants > MAX_BARRIER_PARTICIPANTS {
                     return Err(RdzvError::invalid(
@@ -1436,7 +1637,7 @@ impl State {
                     barrier.generation += 1;
                     barrier.arrived.clear();
                 }
-                job.remember(request_id, Dedup::Barrier(generation));
+                job.remember(request_id, fingerprint, Dedup::Barrier(generation), now);
                 // A repeated arrival without a request id changes nothing: nothing to journal.
                 let effects = if released {
                     Effects::topic(scope.barrier_topic(name))

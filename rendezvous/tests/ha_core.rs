@@ -12,7 +12,7 @@ use rsrun_rendezvous::journal::{self, Entry};
 use rsrun_rendezvous::logstore::LogStore;
 use rsrun_rendezvous::proto::{self as pb, rendezvous_server::Rendezvous};
 use rsrun_rendezvous::service::{Core, CoreConfig, DaemonIdentity, LEADER_STAMP_KEY, LeaderLease, Role, Service};
-use rsrun_rendezvous::state::{Command, JobSpec, JoinCmd, Scope, State};
+use rsrun_rendezvous::state::{Command, JobSpec, JoinCmd, Outcome, Scope, State};
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
@@ -551,4 +551,39 @@ async fn a_leader_past_its_lease_deadline_steps_down_without_any_call() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(core.role(), Role::Standby { leader: String::new(), epoch: 0 });
+}
+
+/// A retried write whose first attempt was applied (its answer lost) is answered from the state
+/// machine's memory once the service-wide store cap is reached: the cap is for writes that grow
+/// the store, and the retry grows nothing (it was refused, though applied). A new write is still
+/// refused.
+#[tokio::test]
+async fn a_retry_of_an_applied_write_is_answered_past_the_store_cap() {
+    let cfg = CoreConfig {
+        ha: Some(DaemonIdentity { daemon_id: "d1".into(), advertise: "127.0.0.1:1".into() }),
+        max_total_store_bytes: Some(16),
+        ..CoreConfig::default()
+    };
+    let core = Core::start(cfg, CancellationToken::new(), &TaskTracker::new()).unwrap();
+    core.promote(1, Box::new(MemLog::default()), long_lease()).unwrap();
+    core.execute(join("a")).await.unwrap();
+    let scope = Scope { job: "j".into(), round: 1, round_scoped: false };
+    let set = |v: &[u8], id: &str| Command::StoreSet { scope: scope.clone(), key: "k".into(), value: v.to_vec(), request_id: id.into() };
+    let add = |id: &str| Command::StoreAdd { scope: scope.clone(), key: "n".into(), delta: 1, request_id: id.into() };
+    let cas = |id: &str| Command::StoreCas { scope: scope.clone(), key: "c".into(), expected: None, desired: b"1".to_vec(), request_id: id.into() };
+    assert_eq!(core.execute(add("a1")).await.unwrap(), Outcome::Added(1));
+    assert_eq!(core.execute(cas("c1")).await.unwrap(), Outcome::Cas { swapped: true, current: Some(b"1".to_vec()) });
+    // 4 bytes held, under the cap: this set takes the service to 21.
+    assert_eq!(core.execute(set(&[7; 16], "s1")).await.unwrap(), Outcome::Done);
+    let err = core.execute(set(b"x", "s2")).await.unwrap_err();
+    assert!(matches!(err, RdzvError::ResourceExhausted(_)), "{err}");
+    // The retries of the applied writes answer as their first attempts did, and change nothing.
+    assert_eq!(core.execute(set(&[7; 16], "s1")).await.unwrap(), Outcome::Done);
+    assert_eq!(core.execute(add("a1")).await.unwrap(), Outcome::Added(1));
+    assert_eq!(core.execute(cas("c1")).await.unwrap(), Outcome::Cas { swapped: true, current: Some(b"1".to_vec()) });
+    let n = core.read(|s| Ok(s.job("j")?.store.get("n").cloned())).await.unwrap();
+    assert_eq!(n, Some(b"1".to_vec()));
+    // A different call under an applied id is not a retry: the cap refuses it first.
+    let err = core.execute(set(b"other", "s1")).await.unwrap_err();
+    assert!(matches!(err, RdzvError::ResourceExhausted(_)), "{err}");
 }

@@ -789,9 +789,16 @@ async fn a_half_closed_peer_that_reads_nothing_is_closed_after_stall_timeout() {
     w.set(b"/big", &vec![1u8; 8 << 20]).await.unwrap();
     w.ping(1).await.unwrap();
     let mut s = validated(server.local_addr()).await;
+    // A round trip first: the server has accepted this connection (two are counted) before the
+    // close is waited for.
+    send(&mut s, &[Request::Ping { nonce: 9 }]).await;
+    assert_eq!(read_n(&mut s, 4).await, 9u32.to_le_bytes());
+    // Taken before the requests: the server's clock is the last reply byte the peer took, which
+    // is after this, so however long the test is descheduled before `shutdown` (a loaded host),
+    // the close cannot come sooner than `stall_timeout` after `start`.
+    let start = Instant::now();
     send(&mut s, &[Request::Get { key: k("/big") }, Request::Get { key: k("/big") }]).await;
     s.shutdown().await.unwrap();
-    let start = Instant::now();
     until_stats(&server, "the half-closed peer that reads nothing was kept", |st| st.n_connections == 1).await;
     assert!(start.elapsed() >= Duration::from_millis(250), "closed after {:?}", start.elapsed());
     w.ping(2).await.unwrap();
@@ -936,9 +943,9 @@ async fn big_get(server: &TcpStoreServer, h: &mut TcpStream, at_least: usize) ->
     server.stats().buffered_bytes
 }
 
-/// Reads `want` from `h` at about 6 MiB/s (64 KiB every 10 ms): slow, but far above what
-/// shedding calls draining (64 KiB/s).
-fn read_slowly(mut h: TcpStream, want: Vec<u8>) -> tokio::task::JoinHandle<TcpStream> {
+/// Reads `want` from `h` 64 KiB at a time with `pause` after each read (10 ms: about 6 MiB/s):
+/// slow, but far above what shedding calls draining (64 KiB/s).
+fn read_slowly(mut h: TcpStream, want: Vec<u8>, pause: Duration) -> tokio::task::JoinHandle<TcpStream> {
     tokio::spawn(async move {
         let mut got = Vec::with_capacity(want.len());
         let mut chunk = vec![0u8; 64 << 10];
@@ -947,7 +954,7 @@ fn read_slowly(mut h: TcpStream, want: Vec<u8>) -> tokio::task::JoinHandle<TcpSt
             let n = tokio::time::timeout(DEADLINE, h.read(&mut chunk[..room])).await.expect("the reply stopped coming").unwrap();
             assert!(n > 0, "the connection was closed after {} of {} bytes", got.len(), want.len());
             got.extend_from_slice(&chunk[..n]);
-            tokio::time::sleep(Duration::from_millis(10)).await;
+            tokio::time::sleep(pause).await;
         }
         assert!(got == want, "the reply differs");
         h
@@ -986,13 +993,17 @@ async fn shedding_spares_a_slow_reader_and_closes_the_stalled_upload_that_passed
     let (server, value) = store_of_one_big_value().await;
     let addr = server.local_addr();
     let mut h = validated(addr).await;
-    let held = big_get(&server, &mut h, 12 << 20).await;
-    let reader = read_slowly(h, blob(&value));
-    // An upload that stops part of the way, with 4 MiB to spare past the budget.
+    big_get(&server, &mut h, 12 << 20).await;
+    // About 3 MiB/s: of the 12 MiB or more of the reply the server holds now, it still holds
+    // more than 1 MiB for over 3 s, so the 24 MiB upload below holds the server past its 25 MiB
+    // budget with it when the upload counts as stalled (a drain window, 1 s, after its last
+    // byte: bytes a peer sends of a request count as moving, as replies it takes do).
+    let reader = read_slowly(h, blob(&value), Duration::from_millis(20));
+    // An upload that stops one byte short: past the budget with the reply the moment it is
+    // read, whatever the reader took by then (and under twice the budget: 24 + 24 MiB).
     let mut g = validated(addr).await;
     let set = enc(&[Request::Set { key: k("/other"), value: vec![7; value.len()] }]);
-    let part = ((25 << 20) - held.min(25 << 20) + (4 << 20)).min(set.len() - 1);
-    let _ = g.write_all(&set[..part]).await;
+    let _ = g.write_all(&set[..set.len() - 1]).await;
     until_stats(&server, "no connection was shed", |st| st.shed_connections == 1).await;
     assert_closed(&mut g).await;
     let mut h = tokio::time::timeout(DEADLINE, reader).await.expect("the reader hung").unwrap();
@@ -1016,7 +1027,7 @@ async fn shedding_closes_the_peer_that_does_not_read_its_reply_not_the_one_that_
     // with it.
     let mut h = validated(addr).await;
     send(&mut h, &[Request::Get { key: k("/big") }]).await;
-    let reader = read_slowly(h, blob(&value));
+    let reader = read_slowly(h, blob(&value), Duration::from_millis(10));
     until_stats(&server, "no connection was shed", |st| st.shed_connections == 1).await;
     // The idle peer gets what the kernel had taken, never the rest of its reply.
     let got = drain_to_close(&mut idle).await;
@@ -1024,4 +1035,39 @@ async fn shedding_closes_the_peer_that_does_not_read_its_reply_not_the_one_that_
     let mut h = tokio::time::timeout(DEADLINE, reader).await.expect("the reader hung").unwrap();
     assert_quiet(&mut h).await;
     assert_eq!(server.stats().shed_connections, 1);
+}
+
+/// A large SET arriving steadily is the largest holder when a stalled upload and it pass
+/// `max_buffered_bytes` together: the stalled one is closed, and the one still sending finishes
+/// and is applied (the server used to close it first: it takes no replies, so it never counted
+/// as draining).
+#[tokio::test]
+async fn shedding_spares_an_upload_in_progress_and_closes_the_stalled_one() {
+    const VALUE: usize = 10 << 20;
+    let limits = TcpStoreLimits { max_value_bytes: VALUE, max_buffered_bytes: 8 << 20, ..TcpStoreLimits::default() };
+    let server = start(limits).await;
+    let addr = server.local_addr();
+    // 3 MiB of a 4 MiB SET, then nothing more.
+    let mut stalled = validated(addr).await;
+    let partial = enc(&[Request::Set { key: k("/stalled"), value: vec![1; 4 << 20] }]);
+    stalled.write_all(&partial[..3 << 20]).await.unwrap();
+    until_stats(&server, "the stalled upload was not read", |st| st.buffered_bytes >= (3 << 20) - 64).await;
+    // A 10 MiB SET at about 3 MiB/s (64 KiB every 20 ms), then a PING: past the budget with the
+    // stalled one once it holds 5 MiB (over a second later: the stalled one no longer counts
+    // as moving), and the largest holder from then on; under twice the budget throughout.
+    let mut up = validated(addr).await;
+    let set = enc(&[Request::Set { key: k("/up"), value: vec![2; VALUE] }, Request::Ping { nonce: 7 }]);
+    let uploader = tokio::spawn(async move {
+        for chunk in set.chunks(64 << 10) {
+            up.write_all(chunk).await.expect("the upload in progress was closed");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        up
+    });
+    until_stats(&server, "no connection was shed", |st| st.shed_connections == 1).await;
+    let mut up = tokio::time::timeout(DEADLINE, uploader).await.expect("the upload hung").unwrap();
+    assert_eq!(read_n(&mut up, 4).await, 7u32.to_le_bytes(), "the upload in progress was not applied");
+    assert_closed(&mut stalled).await;
+    let st = server.stats();
+    assert_eq!((st.shed_connections, st.n_keys), (1, 1), "{st:?}");
 }

@@ -69,8 +69,9 @@ struct TcpStoreArgs {
     #[arg(long, default_value_t = 1 << 30, value_parser = clap::value_parser!(u64).range(1..=(1 << 40)))]
     max_total_bytes: u64,
     /// Most bytes held for all connections together in unfinished requests and unread replies;
-    /// past it the connections holding the most that nobody moves are closed (never one whose
-    /// peer reads its replies at 64 KiB/s or more).
+    /// past it the connections holding the most that nobody moves are closed (not one whose
+    /// peer reads its replies, or sends the request it is in the middle of, at 64 KiB/s or
+    /// more); past twice it those are closed too, the slowest first.
     #[arg(long, default_value_t = 1 << 30, value_parser = clap::value_parser!(u64).range(1..=(1 << 40)))]
     max_buffered_bytes: u64,
 }

@@ -714,6 +714,127 @@ fn store_answers_survive_journal_replay_and_snapshots() {
     }
 }
 
+/// A busy job passes the window's count of ids within a second: a retry a second later still
+/// finds its answer (the count alone had forgotten it, and the retry overwrote a newer value).
+/// Once older than the minimum age, the oldest answers go again as the count says.
+#[test]
+fn a_retry_a_second_later_is_remembered_however_many_ids_came_between() {
+    let mut w = World::new(1, 1, 0);
+    w.join("a").unwrap();
+    let set = |k: &str, v: &[u8], id: &str| Command::StoreSet { scope: scope(1), key: k.into(), value: v.to_vec(), request_id: id.into() };
+    w.apply(set("k", b"first", "s0")).unwrap();
+    for i in 0..MAX_DEDUP + 100 {
+        w.apply(set("busy", b"x", &format!("b{i}"))).unwrap();
+    }
+    w.now += 1_000;
+    w.apply(set("k", b"second", "")).unwrap();
+    assert_eq!(w.apply(set("k", b"first", "s0")).unwrap(), Outcome::Done);
+    assert_eq!(w.job().get(&scope(1), "k").unwrap(), Some(&b"second".to_vec()), "the retry was applied again");
+    assert_eq!(w.job().dedup.len(), MAX_DEDUP + 101);
+    assert_eq!(w.job().dedup["s0"].at, w.now - 1_000, "the time it was applied at");
+    // Past the minimum age, the next id forgets the oldest down to the window's count.
+    w.now += DEDUP_MIN_AGE_MS;
+    w.apply(set("busy", b"x", "late")).unwrap();
+    let job = w.job();
+    assert_eq!((job.dedup.len(), job.dedup_order.len()), (MAX_DEDUP, MAX_DEDUP));
+    assert!(!job.dedup.contains_key("s0") && job.dedup.contains_key("late"));
+}
+
+/// However young, a job keeps at most the hard cap of answers (memory and snapshots), the
+/// oldest going first.
+#[test]
+fn the_dedup_window_never_passes_its_hard_cap() {
+    let mut w = World::new(1, 1, 0);
+    w.join("a").unwrap();
+    let now = w.now;
+    let job = w.state.jobs.get_mut("job").unwrap();
+    for i in 0..MAX_DEDUP_WINDOW + 10 {
+        job.remember(&format!("r{i}"), 1, Dedup::Set, now);
+    }
+    assert_eq!((job.dedup.len(), job.dedup_order.len()), (MAX_DEDUP_WINDOW, MAX_DEDUP_WINDOW));
+    assert!(!job.dedup.contains_key("r9") && job.dedup.contains_key("r10"));
+}
+
+/// A request id answers only the request it was drawn for: the same id on another call (another
+/// kind, key or value) is refused as invalid, naming the id, and changes nothing, instead of
+/// being answered with the first call's answer.
+#[test]
+fn a_request_id_reused_for_a_different_request_is_refused() {
+    let mut w = World::new(1, 1, 0);
+    w.join("a").unwrap();
+    let set = |k: &str, v: &[u8], id: &str| Command::StoreSet { scope: scope(1), key: k.into(), value: v.to_vec(), request_id: id.into() };
+    let del = |k: &str, id: &str| Command::StoreDelete { scope: scope(1), key: k.into(), request_id: id.into() };
+    let add = |k: &str, d: i64, id: &str| Command::StoreAdd { scope: scope(1), key: k.into(), delta: d, request_id: id.into() };
+    w.apply(set("k", b"v", "id1")).unwrap();
+    for other in [set("k", b"w", "id1"), set("other", b"v", "id1"), del("k", "id1"), add("k", 1, "id1")] {
+        let err = w.apply(other.clone()).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::InvalidArgument, "{other:?}: {err}");
+        let msg = err.to_string();
+        assert!(msg.contains("\"id1\"") && msg.contains("was already used for a different request"), "{msg}");
+        assert_eq!(w.state.remembered(&other), None);
+    }
+    assert_eq!(w.job().get(&scope(1), "k").unwrap(), Some(&b"v".to_vec()));
+    assert!(w.job().get(&scope(1), "other").unwrap().is_none());
+    // The same call again is a retry; a round-scoped call is another call.
+    assert_eq!(w.state.remembered(&set("k", b"v", "id1")), Some(&Dedup::Set));
+    assert_eq!(w.apply(set("k", b"v", "id1")).unwrap(), Outcome::Done);
+    let round = Command::StoreSet { scope: Scope { round_scoped: true, ..scope(1) }, key: "k".into(), value: b"v".to_vec(), request_id: "id1".into() };
+    assert_eq!(w.apply(round).unwrap_err().code(), tonic::Code::InvalidArgument);
+    // Adds, deletes and barrier arrivals are tied to their calls too.
+    assert_eq!(w.apply(add("n", 2, "a1")).unwrap(), Outcome::Added(2));
+    assert_eq!(w.apply(add("n", 3, "a1")).unwrap_err().code(), tonic::Code::InvalidArgument);
+    assert_eq!(w.apply(add("n", 2, "a1")).unwrap(), Outcome::Added(2));
+    assert_eq!(w.apply(del("k", "d1")).unwrap(), Outcome::Deleted(true));
+    assert_eq!(w.apply(del("n", "d1")).unwrap_err().code(), tonic::Code::InvalidArgument);
+    assert_eq!(w.job().get(&scope(1), "n").unwrap(), Some(&b"2".to_vec()));
+    let arrive = |m: &str, id: &str| Command::BarrierArrive { scope: scope(1), name: "b".into(), member: m.into(), participants: 2, request_id: id.into() };
+    assert_eq!(w.apply(arrive("0", "x0")).unwrap(), Outcome::Arrived(0));
+    assert_eq!(w.apply(arrive("1", "x0")).unwrap_err().code(), tonic::Code::InvalidArgument);
+    assert_eq!(w.job().barrier_generation(&scope(1), "b").unwrap(), 0, "the refused arrival released the barrier");
+}
+
+/// The fingerprint is a fixed function of the call (it is kept in snapshots and rebuilt by
+/// replay, so it must not change between processes): the same call hashes the same, the parts
+/// that tell calls apart change it, the request id and the round do not.
+#[test]
+fn the_fingerprint_is_stable_and_tells_calls_apart() {
+    let set = |round: u64, k: &str, v: &[u8], id: &str| Command::StoreSet { scope: scope(round), key: k.into(), value: v.to_vec(), request_id: id.into() };
+    let a = set(1, "k", b"v", "r").fingerprint();
+    assert_eq!(a, set(1, "k", b"v", "r").fingerprint());
+    assert_eq!(a, set(2, "k", b"v", "other id").fingerprint());
+    assert_ne!(a, set(1, "k", b"w", "r").fingerprint());
+    assert_ne!(a, set(1, "kv", b"", "r").fingerprint(), "key and value run together");
+    assert_eq!(set(1, "k", b"v", "").fingerprint(), 0, "no id, nothing hashed");
+    let multi = Command::StoreMultiSet { scope: scope(1), entries: vec![("k".into(), b"v".to_vec())], request_id: "r".into() };
+    assert_ne!(a, multi.fingerprint());
+    // FNV-1a 64 of nothing but the kind and namespace bytes of a delete of "" (5, 0), then the
+    // key's length (8 zero bytes): pinned, so a change of the hash is a format change.
+    let del = Command::StoreDelete { scope: scope(1), key: String::new(), request_id: "r".into() };
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in [5u8, 0, 0, 0, 0, 0, 0, 0, 0, 0] {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    assert_eq!(del.fingerprint(), h);
+}
+
+/// A remembered answer is found by the pure lookup the executor asks before its caps, only for
+/// a call that repeats the one its id was drawn for.
+#[test]
+fn remembered_finds_only_a_repeated_call() {
+    let mut w = World::new(1, 1, 0);
+    w.join("a").unwrap();
+    let add = |d: i64, id: &str| Command::StoreAdd { scope: scope(1), key: "n".into(), delta: d, request_id: id.into() };
+    assert_eq!(w.state.remembered(&add(1, "a1")), None, "nothing applied yet");
+    w.apply(add(1, "a1")).unwrap();
+    assert_eq!(w.state.remembered(&add(1, "a1")), Some(&Dedup::Add(1)));
+    assert_eq!(w.state.remembered(&add(1, "a2")), None);
+    assert_eq!(w.state.remembered(&add(1, "")), None);
+    assert_eq!(w.state.remembered(&add(2, "a1")), None, "another call under the same id");
+    let other_job = Command::StoreAdd { scope: Scope { job: "nope".into(), ..scope(1) }, key: "n".into(), delta: 1, request_id: "a1".into() };
+    assert_eq!(w.state.remembered(&other_job), None);
+}
+
 #[test]
 fn store_limits_are_enforced_and_multiset_is_atomic() {
     let mut w = World::new(1, 1, 0);

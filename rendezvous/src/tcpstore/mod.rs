@@ -9,8 +9,9 @@
 //! - [`state`]: the keyspace, queues, waits and barriers; applying a request returns its reply and
 //!   the other connections' waits it completed, and does no I/O;
 //! - [`replies`]: per-connection reply ordering around pending waits;
-//! - `shed`: which connections to close when the server holds too much for all of them (never
-//!   one whose peer takes its replies at a reasonable rate);
+//! - `shed`: which connections to close when the server holds too much for all of them (not
+//!   one whose bytes move at a reasonable rate, its peer taking its replies or sending the
+//!   request it is in the middle of, until the server holds twice its budget: then the slowest);
 //! - [`server`]: [`TcpStoreServer`], one event-loop thread (mio/epoll) per server that owns the
 //!   listener, the connections and the keyspace;
 //! - [`client`]: [`TcpStoreClient`], a small raw-protocol client for tests and probes.
@@ -64,10 +65,13 @@ pub struct TcpStoreLimits {
     /// (partly read, or parsed and held back) and replies not yet taken by their peers. Past it,
     /// connections that hold bytes nobody moves (replies their peer does not take, requests it
     /// does not finish) are closed, with a log line, until it holds less: those whose peer ended
-    /// its stream first, then the largest. A connection whose peer takes its replies at a
-    /// reasonable rate (64 KiB/s) is never closed for it, however much it holds: a rank
-    /// downloading a large value is spared. So a peer cannot make the daemon grow by opening many
-    /// connections that never finish a request or never read (each one alone is held to about
+    /// its stream first, then the largest. A connection whose bytes move at a reasonable rate
+    /// (64 KiB/s) either way, its peer taking its replies or sending the rest of the request it
+    /// is in the middle of, is spared, however much it holds: a rank downloading or uploading a
+    /// large value is not closed for it. Twice this is a hard ceiling: past it, moving connections
+    /// are closed too, the slowest first, until the server holds at most twice this. So a peer
+    /// cannot make the daemon grow by opening many connections that never finish a request or
+    /// never read, nor past twice this by trickling into many (each one alone is held to about
     /// `max_request_bytes` and 16 MiB of replies).
     pub max_buffered_bytes: usize,
     /// A connection that has not sent its handshake, or that stopped in the middle of a request,

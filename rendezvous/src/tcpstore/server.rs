@@ -63,8 +63,8 @@ const READS_PER_TURN: usize = 4;
 const ACCEPTS_PER_TURN: usize = 1024;
 /// A write buffer larger than this is freed after use rather than kept for the next reply.
 const KEEP_WRITE_BUFFER: usize = 64 << 10;
-/// While only connections that drain hold the server past `max_buffered_bytes`, shedding looks
-/// again this much later, not every turn (each look walks every connection).
+/// While only connections that drain hold the server past `max_buffered_bytes` (and under twice
+/// it), shedding looks again this much later, not every turn (each look walks every connection).
 const SHED_RECHECK: Duration = Duration::from_millis(100);
 /// Readiness events taken per `epoll_wait`.
 const EVENTS: usize = 1024;
@@ -293,7 +293,9 @@ struct Conn {
     /// When the peer last took reply bytes, or its stream ended: after its end of stream, a peer
     /// that takes none for `stall_timeout` is closed.
     last_taken: Instant,
-    /// Whether the peer takes its held replies at a reasonable rate (what shedding spares).
+    /// Whether what the connection holds moves at a reasonable rate, either way: the peer takes
+    /// its replies, or sends the rest of the request it is in the middle of (what shedding
+    /// spares, up to its hard ceiling).
     drain: Drain,
     /// Requests parsed but not applied yet: applying stops, request by request, once the
     /// connection holds too much (so one read of small requests with large replies, or of many
@@ -635,24 +637,27 @@ impl EventLoop {
     }
 
     /// Brings connection `c`'s share of the `buffered` total up to date, and its drain meter
-    /// (replies that began to be held start its window).
+    /// (bytes that began to be held, requests or replies, start its window).
     fn account(buffered: &mut usize, c: &mut Conn, now: Instant) {
-        let replies = c.held_bytes();
-        c.drain.update(now, 0, replies);
         let held = c.buffered();
+        c.drain.update(now, 0, held);
         *buffered = buffered.saturating_sub(c.accounted) + held;
         c.accounted = held;
     }
 
     /// Over [`TcpStoreLimits::max_buffered_bytes`]: closes connections that hold bytes nobody
     /// moves (replies their peer does not take, requests it does not finish), those whose peer
-    /// ended its stream first, then the largest, until the rest hold less; never one whose peer
-    /// takes its replies at a reasonable rate (see [`shed`]). Only a peer that sends requests it
-    /// does not finish, or asks for replies it does not read, on many connections at once gets
-    /// here.
+    /// ended its stream first, then the largest, until the rest hold less; not one whose bytes
+    /// move at a reasonable rate either way (its peer takes its replies, or sends the request it
+    /// is in the middle of), unless the server holds more than twice the budget: then those go
+    /// too, the slowest first, until it holds at most twice the budget (see [`shed`]). Only a
+    /// peer that sends requests it does not finish, or asks for replies it does not read, on many
+    /// connections at once gets here.
     fn shed(&mut self) {
         let max = self.limits.max_buffered_bytes;
-        if self.buffered <= max || self.now < self.next_shed {
+        let ceiling = max.saturating_mul(2);
+        // Past the hard ceiling, at once (a recheck delay must not let it grow meanwhile).
+        if self.buffered <= max || (self.now < self.next_shed && self.buffered <= ceiling) {
             return;
         }
         let total = self.buffered;
@@ -670,18 +675,29 @@ impl EventLoop {
             .enumerate()
             .filter_map(|(slot, c)| {
                 let c = c.as_ref().filter(|c| !c.closing && c.accounted > 0)?;
-                Some(Holder { slot, bytes: c.accounted, half_closed: c.eof, draining: c.drain.draining(now) })
+                Some(Holder {
+                    slot,
+                    bytes: c.accounted,
+                    half_closed: c.eof,
+                    draining: c.drain.draining(now),
+                    idle: c.drain.idle(now),
+                })
             })
             .collect();
         let mut left = left;
         for slot in shed::pick(holders, left, max) {
             let Some(c) = self.conns.get_mut(slot).and_then(Option::as_mut) else { continue };
-            let why = if c.eof {
-                "its peer ended its stream and is not taking its replies"
+            let why = if c.drain.draining(now) {
+                format!(
+                    "the server holds more than twice that ({ceiling}): its bytes move, but among the slowest (no 64 KiB moved for {:?})",
+                    c.drain.idle(now)
+                )
+            } else if c.eof {
+                "its peer ended its stream and is not taking its replies".to_owned()
             } else if c.held_bytes() > 0 {
-                "its peer is not taking its replies"
+                "its peer is not taking its replies".to_owned()
             } else {
-                "its peer has not finished its request"
+                "its peer is not sending the rest of its request".to_owned()
             };
             let e = RdzvError::TcpStoreProtocol(format!(
                 "it holds {} of the {total} bytes the server holds for all connections (unfinished requests and unread replies), past max_buffered_bytes {max}, and {why}",
@@ -761,6 +777,9 @@ impl EventLoop {
             c.unread = false;
         }
         let mut ended = false;
+        // Bytes read while a request was in the middle of being read: the peer moving what the
+        // connection holds (a large SET arriving), as a peer taking its replies does.
+        let mut progressed = 0usize;
         for n_read in 1..=READS_PER_TURN {
             if close.is_some() {
                 break;
@@ -784,7 +803,11 @@ impl EventLoop {
                     break;
                 }
             };
+            let mid_request = c.parser.is_mid_request();
             let parsed = c.parser.feed(&self.read_buf[..n], &mut self.reqs);
+            if mid_request || c.parser.is_mid_request() {
+                progressed = progressed.saturating_add(n);
+            }
             // Requests parsed before a violation are still served, as they would be by torch.
             for req in self.reqs.drain(..) {
                 c.pending_bytes += pending_cost(&req);
@@ -829,6 +852,10 @@ impl EventLoop {
         if let Some(close) = close {
             c.closing = true;
             self.closing.push((slot, close));
+        }
+        if progressed > 0 {
+            let held = c.buffered();
+            c.drain.update(now, progressed, held);
         }
         Self::account(&mut self.buffered, c, now);
         self.deliver_wakes();
@@ -906,7 +933,7 @@ impl EventLoop {
                 }
             }
             if wrote > 0 {
-                let left = c.held_bytes();
+                let left = c.buffered();
                 c.last_taken = self.now;
                 c.drain.update(self.now, wrote, left);
             }
