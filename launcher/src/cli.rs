@@ -203,7 +203,7 @@ pub struct LaunchArgs {
     /// shared among the ranks there) or `core-complex` (an L3 cache domain of the GPU's node, one
     /// per rank while there are enough). Without a known GPU node, ranks take the nodes (packages)
     /// in turn. Not with a different --cpu-bind.
-    #[arg(long = "numa-binding", alias = "numa_binding", value_name = "MODE",
+    #[arg(long = "numa-binding", alias = "numa_binding", env = "PET_NUMA_BINDING", value_name = "MODE",
           value_parser = ["node", "socket", "exclusive", "core-complex"],
           help_heading = "Program")]
     pub numa_binding: Option<String>,

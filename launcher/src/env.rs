@@ -69,7 +69,8 @@ pub const PROGRESS_PEER_VAR: &str = "RSRUN_PROGRESS_PEER";
 /// Variable carrying the launch marks of the rsruns a worker runs under, `:`-separated, outermost
 /// first: each rsrun appends its own (a random 128-bit hex, [`crate::worker::Guardian`]) to the
 /// value it inherited. Whatever a worker starts inherits it, wherever it goes (`setsid`, a
-/// daemon's double fork), so the guardian finds those processes by it after a `kill -9` of rsrun.
+/// daemon's double fork), so the guardian finds those processes by it whenever rsrun exits (in
+/// their initial environment block: one exec'd with a fresh environment carries none).
 pub const LAUNCH_MARKS_VAR: &str = "RSRUN_LAUNCH_MARKS";
 /// Variable carrying the path of the CA certificate of the daemon's TLS certificate (`--rdzv-tls-ca`).
 pub const TLS_CA_VAR: &str = "RSRUN_TLS_CA";

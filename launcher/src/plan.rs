@@ -112,15 +112,28 @@ pub struct HostInfo {
     pub exe_dir: Option<PathBuf>,
 }
 
-/// The host's CPU topology (SMT core, package, NUMA node and L3 domain of each usable CPU) and its
-/// NVIDIA GPUs in PCI bus order with their NUMA nodes (`None`: the driver's list cannot be read).
-/// Read from sysfs on first use only: a few files per core, which only `--cpu-bind` and
-/// `--numa-binding` need (a launch without them reads none).
+/// The host's CPU topology (SMT core, package, NUMA node and L3 domain of each usable CPU), its
+/// NVIDIA GPUs in PCI bus order with their NUMA nodes, and what tells which of them CUDA numbers.
+/// Read from sysfs, procfs and `/dev` on first use only: a few files per core, which only
+/// `--cpu-bind` and `--numa-binding` need (a launch without them reads none).
 #[derive(Debug, Clone)]
 pub struct Placement {
     /// Where to read them, and the usable CPUs; `None` for a placement given whole.
     source: Option<(Roots, Vec<usize>)>,
-    cell: std::sync::OnceLock<(Topology, Option<Vec<PciGpu>>)>,
+    cell: std::sync::OnceLock<Probed>,
+}
+
+/// What [`Placement`] reads.
+#[derive(Debug, Clone, Default)]
+pub struct Probed {
+    /// Where each usable CPU sits.
+    pub topology: Topology,
+    /// The driver's GPUs in PCI bus order (`None`: the driver's list cannot be read).
+    pub pci_gpus: Option<Vec<PciGpu>>,
+    /// How many `/dev/nvidiaN` device nodes this process sees (`None`: not read).
+    pub dev_nodes: Option<usize>,
+    /// How many CPUs the host has online (`None`: not read).
+    pub online_cpus: Option<usize>,
 }
 
 impl Placement {
@@ -129,17 +142,28 @@ impl Placement {
         Placement { source: Some((roots, cpus)), cell: std::sync::OnceLock::new() }
     }
 
-    /// A placement known already (tests, a host described by hand).
+    /// A placement known already (tests, a host described by hand): its topology and GPUs, nothing
+    /// more.
     pub fn known(topology: Topology, pci_gpus: Option<Vec<PciGpu>>) -> Placement {
-        Placement { source: None, cell: std::sync::OnceLock::from((topology, pci_gpus)) }
+        Placement::known_probed(Probed { topology, pci_gpus, dev_nodes: None, online_cpus: None })
     }
 
-    /// The topology and the GPUs, read now if they were not yet.
-    pub fn get(&self) -> &(Topology, Option<Vec<PciGpu>>) {
+    /// A placement known already, whole.
+    pub fn known_probed(probed: Probed) -> Placement {
+        Placement { source: None, cell: std::sync::OnceLock::from(probed) }
+    }
+
+    /// What was read, read now if it was not yet.
+    pub fn get(&self) -> &Probed {
         self.cell.get_or_init(|| match &self.source {
-            Some((roots, cpus)) => (topology::read_topology(&roots.sys, cpus), topology::read_pci_gpus(roots)),
+            Some((roots, cpus)) => Probed {
+                topology: topology::read_topology(&roots.sys, cpus),
+                pci_gpus: topology::read_pci_gpus(roots),
+                dev_nodes: topology::count_dev_nodes(&roots.dev),
+                online_cpus: topology::read_online_cpus(&roots.sys),
+            },
             // `known` fills the cell: only an empty host reaches this.
-            None => (topology::read_topology(Path::new("/nonexistent"), &[]), None),
+            None => Probed { topology: topology::read_topology(Path::new("/nonexistent"), &[]), ..Probed::default() },
         })
     }
 }
@@ -1225,6 +1249,10 @@ fn split_escaped(s: &str) -> Vec<String> {
 /// CPU affinity per local rank, from `--cpu-bind` or torchrun's `--numa-binding` (one of them; `--cpu-bind
 /// numa` with `--numa-binding node` is the same request), placed on the host's topology near each
 /// worker's GPU ([`topology::assign`]); `None`: inherited.
+///
+/// Slurm mode B (`task`): this process is one of the node's `local_world_size` tasks, one worker
+/// each; the assignment is made for all of them and this task takes its local rank's entry, so
+/// that the tasks' shares do not overlap.
 fn cpu_sets(
     args: &LaunchArgs,
     nproc: u32,
@@ -1240,24 +1268,32 @@ fn cpu_sets(
         "numa" => Some(BindMode::Numa),
         other => return Err(invalid("--cpu-bind", other, "none, cores or numa")),
     };
-    let by_numa_binding = match args.numa_binding.as_deref().map(str::trim) {
+    let numa_binding = args.numa_binding.as_deref().map(str::trim);
+    let by_numa_binding = match numa_binding {
         None => None,
         Some(m) => Some(
             BindMode::from_numa_binding(m)
                 .ok_or_else(|| invalid("--numa-binding", m, "node, socket, exclusive or core-complex"))?,
         ),
     };
+    // An option as the user gave it: `--cpu-bind cores`, or `PET_CPU_BIND=cores`.
+    let as_given = |id: &str, flag: &str, value: &str| match args.origin(id) {
+        crate::cli::Origin::Env(var) => format!("{var}={value}"),
+        _ => format!("{flag} {value}"),
+    };
     let mode = match (by_cpu_bind, by_numa_binding) {
         (None, None) => return Ok(None),
         (Some(m), None) | (None, Some(m)) | (Some(BindMode::Numa), Some(m @ BindMode::Node)) => m,
-        (Some(_), Some(m)) => {
+        (Some(_), Some(_)) => {
             return Err(PlanError::Conflict(format!(
-                "--cpu-bind {cpu_bind} and {} both choose the workers' CPUs: give one of them (--cpu-bind cores or numa, or torchrun's --numa-binding node, socket, exclusive or core-complex)",
-                m.flag()
+                "{} and {} both choose the workers' CPUs: give one of them (--cpu-bind cores or numa, or torchrun's --numa-binding node, socket, exclusive or core-complex)",
+                as_given("cpu_bind", "--cpu-bind", cpu_bind),
+                as_given("numa_binding", "--numa-binding", numa_binding.unwrap_or_default())
             )));
         }
     };
-    let (topo, pci_gpus) = host.placement.get();
+    let probed = host.placement.get();
+    let topo = &probed.topology;
     if topo.cpus.is_empty() {
         return Err(PlanError::Conflict(format!("{}: cannot read this process's CPU set", mode.flag())));
     }
@@ -1265,9 +1301,66 @@ fn cpu_sets(
         return Err(PlanError::Conflict("--cpu-bind numa: no NUMA topology under /sys/devices/system/node".into()));
     }
     notes.extend(topo.notes.iter().cloned());
-    let devices = worker_devices(gpu_bind, host.var("CUDA_VISIBLE_DEVICES"), nproc, task);
-    let gpu_nodes = topology::gpu_nodes(&devices, pci_gpus.as_deref(), host.var("CUDA_DEVICE_ORDER"), notes);
-    Ok(Some(topology::assign(mode, topo, &gpu_nodes, notes)))
+    let visible = host.var("CUDA_VISIBLE_DEVICES");
+    let cuda = topology::CudaEnv {
+        visible,
+        device_order: host.var("CUDA_DEVICE_ORDER"),
+        slurm_gpus: ["SLURM_STEP_GPUS", "SLURM_JOB_GPUS"]
+            .into_iter()
+            .find_map(|var| host.var(var).filter(|v| !v.trim().is_empty()).map(|v| (var, v))),
+        dev_nodes: probed.dev_nodes,
+    };
+    let devices = worker_devices(gpu_bind, visible, nproc, task);
+    let Some(t) = task else {
+        let gpu_nodes = topology::gpu_nodes(&devices, probed.pci_gpus.as_deref(), &cuda, notes);
+        return Ok(Some(topology::assign(mode, topo, &gpu_nodes, notes)));
+    };
+    // Slurm mode B: the node's tasks, each placed as if this process ran them all.
+    let local_world = (t.local_world_size as usize).max(1);
+    let me = (t.local_rank as usize).min(local_world - 1);
+    let mine = devices.into_iter().next().flatten();
+    let (mut all, others_known) = task_devices(mine, visible, local_world, me);
+    let disjoint = matches!(mode, BindMode::Cores | BindMode::Exclusive | BindMode::CoreComplex);
+    if local_world > 1 && !others_known && disjoint {
+        // Each task would place its own GPU's share where another task, knowing only its own,
+        // places one too: the shares follow the topology alone, the same in every task.
+        notes.push(format!(
+            "{}: srun bound each of this node's {local_world} tasks to GPUs of its own, so the other tasks' GPUs are not known here: the tasks' shares follow the CPU topology alone (the same in every task, so they do not overlap)",
+            mode.flag()
+        ));
+        all = vec![None; local_world];
+    }
+    if let Some(online) = probed.online_cpus
+        && local_world > 1
+        && topo.cpus.len() < online
+    {
+        notes.push(format!(
+            "{}: this task may run on {} of the host's {online} online CPUs (srun's task binding, or the job's cpuset): its share is taken from those, as one of the node's {local_world} tasks; `srun --cpu-bind=none` lets rsrun place the tasks, `--cpu-bind none` keeps srun's placement",
+            mode.flag(),
+            topo.cpus.len()
+        ));
+    }
+    let gpu_nodes = topology::gpu_nodes(&all, probed.pci_gpus.as_deref(), &cuda, notes);
+    let mut sets = topology::assign(mode, topo, &gpu_nodes, notes);
+    Ok(Some(vec![std::mem::take(&mut sets[me])]))
+}
+
+/// Slurm mode B: the GPU of each of the node's `local_world` tasks as this task can tell, and
+/// whether the others' are known. Its own is `mine` (local rank `me`); the others' are their entries
+/// of CUDA_VISIBLE_DEVICES when it lists one for each task (srun did not bind GPUs per task), their
+/// local ranks without one; else (srun bound this task its own GPU) not known.
+fn task_devices(mine: Option<String>, visible: Option<&str>, local_world: usize, me: usize) -> (Vec<Option<String>>, bool) {
+    let list: Option<Vec<&str>> = visible.map(|l| l.split(',').map(str::trim).filter(|s| !s.is_empty()).collect());
+    let known = list.as_ref().is_none_or(|l| l.len() >= local_world);
+    let devices = (0..local_world)
+        .map(|j| match &list {
+            _ if j == me => mine.clone(),
+            None => Some(j.to_string()),
+            Some(l) if known => l.get(j).map(|d| (*d).to_owned()),
+            Some(_) => None,
+        })
+        .collect();
+    (devices, known)
 }
 
 /// The GPU each worker uses, as this process's CUDA_VISIBLE_DEVICES names it (an index in CUDA's

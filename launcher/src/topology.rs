@@ -2,10 +2,11 @@
 //! domains), the NUMA node of each GPU, and the assignment of CPUs to workers that `--cpu-bind`
 //! and torchrun's `--numa-binding` ask for.
 //!
-//! The readers ([`read_topology`], [`read_pci_gpus`]) are the thin I/O: they read a sysfs and a
-//! procfs root ([`Roots::real`] is `/sys` and `/proc`; tests point them at a fake tree) and never
-//! fail: what is missing degrades (each CPU a core of its own, one NUMA node, no GPU locality) with
-//! a note. Everything else ([`gpu_nodes`], [`assign`]) is pure.
+//! The readers ([`read_topology`], [`read_pci_gpus`], [`count_dev_nodes`], [`read_online_cpus`])
+//! are the thin I/O: they read a sysfs, a procfs and a devtmpfs root ([`Roots::real`] is `/sys`,
+//! `/proc` and `/dev`; tests point them at a fake tree) and never fail: what is missing degrades
+//! (each CPU a core of its own, one NUMA node, no GPU locality) with a note. Everything else
+//! ([`gpu_nodes`], [`assign`]) is pure.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -151,12 +152,14 @@ pub struct Roots {
     pub sys: PathBuf,
     /// The procfs root (`/proc`).
     pub proc: PathBuf,
+    /// The device directory (`/dev`).
+    pub dev: PathBuf,
 }
 
 impl Roots {
-    /// The machine's own: `/sys` and `/proc`.
+    /// The machine's own: `/sys`, `/proc` and `/dev`.
     pub fn real() -> Roots {
-        Roots { sys: PathBuf::from("/sys"), proc: PathBuf::from("/proc") }
+        Roots { sys: PathBuf::from("/sys"), proc: PathBuf::from("/proc"), dev: PathBuf::from("/dev") }
     }
 }
 
@@ -289,13 +292,58 @@ pub fn read_topology(sys: &Path, allowed: &[usize]) -> Topology {
     Topology { cpus, numa_known, notes }
 }
 
-/// An NVIDIA GPU: its PCI address and the NUMA node the device is attached to.
+/// An NVIDIA GPU: its PCI address, the NUMA node the device is attached to, and what the driver
+/// says of it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PciGpu {
     /// The PCI address, `0000:3b:00.0`.
     pub addr: String,
     /// Its NUMA node (`numa_node`); `None` when that reads -1 or cannot be read.
     pub node: Option<usize>,
+    /// Its device minor (`/dev/nvidiaN`, the number Slurm's GPU ids give), from the driver's
+    /// `information` file (`Device Minor:`); `None` when not read.
+    pub minor: Option<u32>,
+    /// Its UUID (`GPU-...`), from the same file (`GPU UUID:`); `None` when not read.
+    pub uuid: Option<String>,
+}
+
+/// The `Device Minor:` and the `GPU UUID:` of the driver's `information` file of a GPU
+/// (`<proc>/driver/nvidia/gpus/<addr>/information`: `Key: \t value` lines).
+pub fn parse_gpu_information(text: &str) -> (Option<u32>, Option<String>) {
+    let (mut minor, mut uuid) = (None, None);
+    for line in text.lines() {
+        let Some((key, value)) = line.split_once(':') else { continue };
+        let value = value.trim();
+        match key.trim() {
+            "Device Minor" => minor = value.parse().ok(),
+            // An unprivileged reader may see `GPU-????????-...` on some drivers: no UUID then.
+            "GPU UUID" if value.starts_with("GPU-") && !value.contains('?') => uuid = Some(value.to_owned()),
+            _ => {}
+        }
+    }
+    (minor, uuid)
+}
+
+/// How many GPU device nodes (`nvidia0`, `nvidia1`, ...; not `nvidiactl` or `nvidia-uvm`) the
+/// device directory `dev` holds; `None` when it cannot be listed.
+pub fn count_dev_nodes(dev: &Path) -> Option<usize> {
+    let entries = std::fs::read_dir(dev).ok()?;
+    Some(
+        entries
+            .filter_map(Result::ok)
+            .filter(|e| {
+                e.file_name()
+                    .to_str()
+                    .and_then(|n| n.strip_prefix("nvidia"))
+                    .is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+            })
+            .count(),
+    )
+}
+
+/// How many CPUs the kernel has online (`<sys>/devices/system/cpu/online`); `None` when unreadable.
+pub fn read_online_cpus(sys: &Path) -> Option<usize> {
+    read_list(&sys.join("devices/system/cpu/online")).map(|l| l.len())
 }
 
 /// `domain:bus:device.function` as numbers, or `None` when `addr` is not a PCI address.
@@ -310,7 +358,10 @@ fn pci_key(addr: &str) -> Option<(u32, u32, u32, u32)> {
 /// The machine's NVIDIA GPUs in PCI bus order (CUDA's numbering under
 /// `CUDA_DEVICE_ORDER=PCI_BUS_ID`), listed by the driver (`<proc>/driver/nvidia/gpus/<addr>`,
 /// else the devices bound to `<sys>/bus/pci/drivers/nvidia`), each with
-/// `<sys>/bus/pci/devices/<addr>/numa_node`. `None` when neither list can be read.
+/// `<sys>/bus/pci/devices/<addr>/numa_node` and the device minor and UUID of
+/// `<proc>/driver/nvidia/gpus/<addr>/information`. `None` when neither list can be read. The
+/// driver lists every GPU of the machine, also those a cgroup (Slurm's `ConstrainDevices`) keeps
+/// this process from opening; see [`gpu_nodes`].
 pub fn read_pci_gpus(roots: &Roots) -> Option<Vec<PciGpu>> {
     let list = |dir: PathBuf| -> Option<Vec<String>> {
         let entries = std::fs::read_dir(dir).ok()?;
@@ -328,12 +379,15 @@ pub fn read_pci_gpus(roots: &Roots) -> Option<Vec<PciGpu>> {
     addrs.sort_by_key(|a| pci_key(a));
     addrs.dedup();
     let devices = roots.sys.join("bus/pci/devices");
+    let information = roots.proc.join("driver/nvidia/gpus");
     Some(
         addrs
             .into_iter()
             .map(|addr| {
                 let node = read_number(&devices.join(&addr).join("numa_node")).and_then(|n| usize::try_from(n).ok());
-                PciGpu { addr, node }
+                let (minor, uuid) = std::fs::read_to_string(information.join(&addr).join("information"))
+                    .map_or((None, None), |text| parse_gpu_information(&text));
+                PciGpu { addr, node, minor, uuid }
             })
             .collect(),
     )
@@ -342,42 +396,147 @@ pub fn read_pci_gpus(roots: &Roots) -> Option<Vec<PciGpu>> {
 // ------------------------------------------------------------------------------------------------
 // The pure part: which GPU each worker uses, and its CPUs.
 
+/// What this process's environment says about which GPUs CUDA numbers, and how.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CudaEnv<'a> {
+    /// CUDA_VISIBLE_DEVICES (`None`: unset).
+    pub visible: Option<&'a str>,
+    /// CUDA_DEVICE_ORDER.
+    pub device_order: Option<&'a str>,
+    /// The job's GPUs as Slurm lists them, `(variable, value)`: SLURM_STEP_GPUS, else
+    /// SLURM_JOB_GPUS (device minors: `4,5,6,7`).
+    pub slurm_gpus: Option<(&'a str, &'a str)>,
+    /// How many `/dev/nvidiaN` device nodes this process sees (`None`: not read).
+    pub dev_nodes: Option<usize>,
+}
+
+/// The GPUs that CUDA numbers 0, 1, ... for this process, as indices into `gpus` (the driver's
+/// list, in PCI bus order), with a note when they are not simply all of them; or why that is not
+/// known.
+///
+/// - Under Slurm (`slurm_gpus`), the job's GPUs by device minor. With `ConstrainDevices` CUDA can
+///   open only those, so it numbers them alone, and Slurm's CUDA_VISIBLE_DEVICES counts from 0
+///   (`0,1,2,3` for the GPUs 4-7); without it, Slurm's CUDA_VISIBLE_DEVICES is the ids themselves
+///   (`4,5,6,7`), which number all GPUs. A CUDA_VISIBLE_DEVICES equal to the job's list, or naming
+///   ids of the job past its count, is the latter; anything else the former.
+/// - Else, a `/dev` that shows some `nvidiaN` nodes but not as many as the driver lists GPUs (a
+///   container or cgroup hides some): which of them CUDA numbers is not known.
+/// - Else all of `gpus`.
+fn cuda_numbering(gpus: &[PciGpu], env: &CudaEnv<'_>) -> Result<(Vec<usize>, Option<String>), String> {
+    let all: Vec<usize> = (0..gpus.len()).collect();
+    if let Some((var, value)) = env.slurm_gpus {
+        let Ok(ids) = parse_cpu_list(value) else {
+            return Err(format!("{var}={value} is not a list of GPU ids: which GPUs CUDA numbers is not known"));
+        };
+        if !ids.is_empty() {
+            let numbers: Option<Vec<usize>> =
+                env.visible.map(|v| v.split(',').map(str::trim).filter_map(|s| s.parse().ok()).collect());
+            let numbers_all = match &numbers {
+                Some(v) => *v == ids || (v.iter().any(|&i| i >= ids.len()) && v.iter().all(|i| ids.contains(i))),
+                None => ids.len() == gpus.len(),
+            };
+            if numbers_all {
+                return Ok((all, None));
+            }
+            let mut wanted = ids.clone();
+            wanted.sort_unstable();
+            wanted.dedup();
+            let mine: Vec<usize> =
+                all.iter().copied().filter(|&k| gpus[k].minor.is_some_and(|m| wanted.binary_search(&(m as usize)).is_ok())).collect();
+            if mine.len() != wanted.len() {
+                return Err(format!(
+                    "{var}={value} names the job's GPUs by device minor, and the driver's list does not show the Device Minor of each: which GPUs CUDA numbers is not known"
+                ));
+            }
+            return Ok((
+                mine,
+                Some(format!(
+                    "GPU numbers count the job's GPUs only ({var}={value}, device minors: a cgroup hides the others from CUDA), in PCI bus order"
+                )),
+            ));
+        }
+    }
+    if let Some(k) = env.dev_nodes
+        && k > 0
+        && k != gpus.len()
+    {
+        return Err(format!(
+            "/dev shows {k} GPU device node(s) where the driver lists {} GPUs (a container or cgroup hides some): which of them CUDA numbers is not known",
+            gpus.len()
+        ));
+    }
+    Ok((all, None))
+}
+
+/// Whether CUDA_VISIBLE_DEVICES entry `entry` (a UUID, or the prefix of one that CUDA accepts)
+/// names the GPU whose UUID is `uuid`.
+fn uuid_names(entry: &str, uuid: &str) -> bool {
+    let (e, u) = (entry.to_ascii_lowercase(), uuid.to_ascii_lowercase());
+    e == u || (e.len() > "gpu-".len() && e.starts_with("gpu-") && u.starts_with(&e))
+}
+
 /// The NUMA node of the GPU each worker uses. `devices[i]` is worker `i`'s entry as this process
-/// sees CUDA_VISIBLE_DEVICES (an index in CUDA's order, or a UUID; `None`: no GPU); `gpus` the
-/// machine's GPUs in PCI bus order (`None`: not known). CUDA numbers GPUs in PCI bus order under
-/// `CUDA_DEVICE_ORDER=PCI_BUS_ID` (`device_order`) and, by default, fastest first, which is the
-/// same order for identical GPUs: a note says so when it matters. UUIDs give no locality (noted).
-pub fn gpu_nodes(
-    devices: &[Option<String>],
-    gpus: Option<&[PciGpu]>,
-    device_order: Option<&str>,
-    notes: &mut Vec<String>,
-) -> Vec<Option<usize>> {
+/// sees CUDA_VISIBLE_DEVICES (an index in CUDA's order, or a UUID; `None`, empty or `-1`: no GPU,
+/// no locality); `gpus` the machine's GPUs in PCI bus order (`None`: not known).
+///
+/// An index counts the GPUs CUDA can open (see `cuda_numbering`: under Slurm's
+/// `ConstrainDevices` the job's alone, from SLURM_STEP_GPUS or SLURM_JOB_GPUS; not known where a
+/// container hides some and Slurm says nothing), in PCI bus order under
+/// `CUDA_DEVICE_ORDER=PCI_BUS_ID` (`env.device_order`) and, by default, fastest first, which is the
+/// same order for identical GPUs: a note says so when it matters. A UUID is looked up in the
+/// driver's `GPU UUID:` lines; one not there (a MIG instance) gives no locality. Each guess and
+/// each unknown is noted.
+pub fn gpu_nodes(devices: &[Option<String>], gpus: Option<&[PciGpu]>, env: &CudaEnv<'_>, notes: &mut Vec<String>) -> Vec<Option<usize>> {
     let Some(gpus) = gpus.filter(|g| !g.is_empty()) else { return vec![None; devices.len()] };
-    let mut uuids: Vec<&str> = Vec::new();
+    let numbering = cuda_numbering(gpus, env);
+    let mut by_number = false;
+    let mut unknown_uuids: Vec<&str> = Vec::new();
     let nodes: Vec<Option<usize>> = devices
         .iter()
         .map(|d| {
-            let d = d.as_deref()?;
+            let d = d.as_deref()?.trim();
+            // `-1` is CUDA's "no GPU" (so is any entry it cannot read as a device).
+            if d.is_empty() || d.starts_with('-') {
+                return None;
+            }
             match d.parse::<usize>() {
-                Ok(i) => gpus.get(i).and_then(|g| g.node),
+                Ok(i) => {
+                    by_number = true;
+                    let (order, _) = numbering.as_ref().ok()?;
+                    order.get(i).and_then(|&k| gpus[k].node)
+                }
                 Err(_) => {
-                    uuids.push(d);
-                    None
+                    let named: Vec<&PciGpu> =
+                        gpus.iter().filter(|g| g.uuid.as_deref().is_some_and(|u| uuid_names(d, u))).collect();
+                    match named.as_slice() {
+                        [g] => g.node,
+                        _ => {
+                            unknown_uuids.push(d);
+                            None
+                        }
+                    }
                 }
             }
         })
         .collect();
-    if !uuids.is_empty() {
+    if by_number {
+        match &numbering {
+            Ok((_, Some(note))) => notes.push(note.clone()),
+            Ok((_, None)) => {}
+            Err(why) => notes.push(format!("{why}; GPUs named by number in CUDA_VISIBLE_DEVICES get no NUMA locality (by UUID they do)")),
+        }
+    }
+    if !unknown_uuids.is_empty() {
         notes.push(format!(
-            "CUDA_VISIBLE_DEVICES names GPUs by UUID ({}): their NUMA nodes are not known to rsrun",
-            uuids.join(",")
+            "CUDA_VISIBLE_DEVICES names GPUs by UUID ({}) that the driver's GPU UUID lines do not show (a MIG instance, or no readable information file): their NUMA nodes are not known to rsrun",
+            unknown_uuids.join(",")
         ));
     }
     if nodes.iter().any(Option::is_some) {
         let shown: Vec<String> = nodes.iter().map(|n| n.map_or_else(|| "?".to_owned(), |n| n.to_string())).collect();
         notes.push(format!("NUMA node of each local rank's GPU (PCI numa_node): {}", shown.join(",")));
-        if gpus.len() > 1 && device_order.map(str::trim) != Some("PCI_BUS_ID") {
+        let numbered = numbering.as_ref().map_or(0, |(order, _)| order.len());
+        if by_number && numbered > 1 && env.device_order.map(str::trim) != Some("PCI_BUS_ID") {
             notes.push(
                 "GPU locality takes CUDA's GPU numbers in PCI bus order: CUDA_DEVICE_ORDER is not PCI_BUS_ID, and its default order (fastest first) is the same only when the GPUs are identical"
                     .into(),
@@ -514,18 +673,23 @@ fn flatten(cores: &[&Core]) -> Vec<usize> {
 /// `--cpu-bind cores`: each worker an equal share of whole physical cores (SMT siblings together).
 /// Without GPU locality, contiguous in topology order; with it, each worker's share comes from its
 /// GPU's NUMA node first (the node's cores shared fairly among the workers near it), and what a
-/// node lacks from the cores left, the same package first.
+/// node lacks from the cores left, the same package first. More workers than cores: the cores'
+/// hardware threads split between them ([`split_siblings`]); more than hardware threads: one core
+/// each, round-robin.
 fn bind_cores(topo: &Topology, near: &[Option<usize>], notes: &mut Vec<String>) -> Vec<Vec<usize>> {
     let flag = BindMode::Cores.flag();
     let n = near.len();
     let cores = topo.cores();
     let c = cores.len();
+    let threads = topo.cpus.len();
+    if n > c && n <= threads {
+        return split_siblings(&cores, n, threads, notes);
+    }
     if n > c {
-        notes.push(format!("{flag}: {n} workers share {c} physical cores (one core each, round-robin)"));
+        notes.push(format!("{flag}: {n} workers share {c} physical cores ({threads} CPUs; one core each, round-robin)"));
         return (0..n).map(|i| cores[i % c].cpus.clone()).collect();
     }
     let quota = fair(c, n);
-    let threads = topo.cpus.len();
     let (lo, hi) = (c / n, c.div_ceil(n));
     let each = if lo == hi { lo.to_string() } else { format!("{lo}-{hi}") };
     if near.iter().all(Option::is_none) {
@@ -595,6 +759,41 @@ fn bind_cores(topo: &Topology, near: &[Option<usize>], notes: &mut Vec<String>) 
         ));
     }
     got.iter().map(|ks| flatten(&ks.iter().map(|&k| &cores[k]).collect::<Vec<_>>())).collect()
+}
+
+/// `--cpu-bind cores` with more workers than physical cores but no more than hardware threads:
+/// every core takes one worker, then, round after round, each core with a thread to spare one
+/// more, until every worker has one (with two threads a core: the first cores take two workers,
+/// the others one); a core's workers share its threads evenly. So each worker has hardware
+/// threads of its own, all in one core, and a core of two threads is split between two workers at
+/// most. In topology order, without GPU locality.
+fn split_siblings(cores: &[Core], n: usize, threads: usize, notes: &mut Vec<String>) -> Vec<Vec<usize>> {
+    let flag = BindMode::Cores.flag();
+    let c = cores.len();
+    let mut takers = vec![1usize; c];
+    // The caller has c < n <= threads: a round that is due always finds a core with a spare thread.
+    let mut extra = n - c;
+    while extra > 0 {
+        for (k, core) in cores.iter().enumerate() {
+            if extra > 0 && takers[k] < core.cpus.len() {
+                takers[k] += 1;
+                extra -= 1;
+            }
+        }
+    }
+    let mut out = Vec::with_capacity(n);
+    for (core, &t) in cores.iter().zip(&takers) {
+        let mut start = 0;
+        for q in fair(core.cpus.len(), t) {
+            out.push(core.cpus[start..start + q].to_vec());
+            start += q;
+        }
+    }
+    let most = takers.iter().copied().max().unwrap_or(1);
+    notes.push(format!(
+        "{flag}: {n} workers on {c} physical cores ({threads} CPUs): the SMT siblings of a core are split between up to {most} workers, each with hardware thread(s) of its own, in topology order (without GPU locality)"
+    ));
+    out
 }
 
 /// The workers (local ranks, ascending) whose node is `node`.

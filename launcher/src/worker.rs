@@ -21,9 +21,15 @@
 //! left its worker's group (`setsid`, a daemon's double fork) is in none of those groups, and after
 //! a `kill -9` rsrun is no longer there to have adopted it (see [`become_subreaper`]): every worker
 //! carries this launch's random mark in `RSRUN_LAUNCH_MARKS` and passes it on to what it starts, so
-//! the guardian then SIGKILLs every process of ours whose environment carries the mark, until a
-//! pass of `/proc` finds none. (A process started with an emptied environment, `env -i`, carries
-//! no mark; it is still caught when rsrun exits normally, by [`kill_adopted`].)
+//! whenever rsrun is gone (after a normal end too, not only a `kill -9`) the guardian also stops,
+//! then SIGKILLs, every process of ours whose environment carries the mark (`kill_marked`).
+//!
+//! The mark is looked for in each process's *initial* environment block (`/proc/PID/environ`, what
+//! it was exec'd with), so a process that escapes it is not found by it: one exec'd with a fresh
+//! environment (`env -i`, Python's `subprocess` with `env={...}`, `sudo` with `env_reset`), or one
+//! that overwrote that area of its memory (`setproctitle` may). Such a process is still killed at a
+//! normal end of rsrun when rsrun adopted it ([`kill_adopted`]); after a `kill -9` of rsrun, only
+//! when it stayed in its worker's process group.
 
 use std::io::{self, BufRead, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -367,7 +373,16 @@ impl Guardian {
     /// # Safety
     /// The process must be single-threaded (call it first thing in `main`, before any runtime or
     /// thread starts): the forked child keeps running Rust code that allocates.
+    ///
+    /// # Errors
+    /// The pipe or the fork failed, or a guardian was started in this process already (its mark is
+    /// the one workers carry: one launch per process).
     pub unsafe fn start() -> io::Result<Guardian> {
+        // One guardian, one mark per process: a second one's mark would not reach the workers
+        // (`LAUNCH_MARKS` is set once), and it would find nothing to kill by it.
+        if LAUNCH_MARKS.get().is_some() {
+            return Err(io::Error::other("a guardian was started in this process already"));
+        }
         let mark = crate::plan::random_id();
         let marks = match std::env::var(crate::env::LAUNCH_MARKS_VAR) {
             Ok(outer) if !outer.is_empty() => format!("{outer}:{mark}"),
@@ -389,8 +404,10 @@ impl Guardian {
             }
             pid => {
                 drop(read_end);
-                // Workers carry the mark only once a guardian will look for it.
-                let _ = LAUNCH_MARKS.set(marks);
+                // Workers carry the mark only once a guardian will look for it. Unset above, and
+                // the process is single-threaded (the caller's promise): this cannot fail.
+                let set = LAUNCH_MARKS.set(marks);
+                debug_assert!(set.is_ok(), "LAUNCH_MARKS was set between the check and the fork");
                 Ok(Guardian { pipe: Mutex::new(std::fs::File::from(write_end)), pid })
             }
         }
@@ -441,6 +458,12 @@ impl Guardian {
 static LAUNCH_MARKS: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
 fn guardian_main(read_end: OwnedFd, mark: &str) -> ! {
+    // Every process that carries the mark started after this one, as this user (read now: what
+    // `kill_marked` skips unread).
+    let since = std::fs::read_to_string("/proc/self/stat").ok().and_then(|s| stat_start_time(&s)).unwrap_or(0);
+    // SAFETY: geteuid cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    let scope = Scope { since, uid: (euid != 0).then_some(euid) };
     // SAFETY: plain system calls in a single-threaded child; the descriptors are our own.
     unsafe {
         libc::setsid();
@@ -482,7 +505,7 @@ fn guardian_main(read_end: OwnedFd, mark: &str) -> ! {
             }
         }
     }
-    kill_marked(mark);
+    kill_marked(mark, scope);
     // SAFETY: exit without running the parent's atexit handlers or destructors.
     unsafe { libc::_exit(0) }
 }
@@ -499,51 +522,153 @@ fn environ_carries(environ: &[u8], mark: &str) -> bool {
     })
 }
 
-/// Kills every process (but this one) whose environment carries `mark`, pass after pass, until a
-/// pass finds none (they may fork while we kill) or 50 passes went by. Each is opened as a pidfd
-/// before its environment is read and signalled through it, so a pid reused in between is not hit.
-fn kill_marked(mark: &str) {
+/// Which processes may carry the guardian's mark: those started no earlier than the guardian
+/// (`since`, `/proc/PID/stat`'s start time, in clock ticks after boot) and, unless the guardian runs
+/// as root (`uid` `None`), whose real, effective and saved uids are the guardian's (what reading a
+/// process's environment takes anyway). Only those get their environment read: that read may wait
+/// on the process's memory map lock, which an unrelated process in uninterruptible sleep can hold
+/// for long.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Scope {
+    since: u64,
+    uid: Option<u32>,
+}
+
+impl Scope {
+    /// Whether a process of start time `start` may carry the mark (its uids not yet considered).
+    fn started_in(&self, start: u64) -> bool {
+        start >= self.since
+    }
+
+    /// Whether a process whose `/proc/PID/status` reads `status` runs as the guardian's user.
+    fn owns(&self, status: &str) -> bool {
+        self.uid.is_none_or(|uid| status_uids(status) == Some([uid; 3]))
+    }
+}
+
+/// The start time of a `/proc/PID/stat` line (field 22, clock ticks after boot).
+fn stat_start_time(stat: &str) -> Option<u64> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    // The fields after `comm` start with the 3rd (state): the 22nd is the 20th of them.
+    rest.split_ascii_whitespace().nth(19)?.parse().ok()
+}
+
+/// The real, effective and saved uids of a `/proc/PID/status` (its `Uid:` line).
+fn status_uids(status: &str) -> Option<[u32; 3]> {
+    let line = status.lines().find_map(|l| l.strip_prefix("Uid:"))?;
+    let mut f = line.split_ascii_whitespace().map(str::parse::<u32>);
+    Some([f.next()?.ok()?, f.next()?.ok()?, f.next()?.ok()?])
+}
+
+/// The bookkeeping of [`kill_marked`]'s passes over `/proc`: the marked processes found so far,
+/// by pid and start time (a pid reused by another process is another process), and when to stop.
+#[derive(Debug)]
+struct Sweep {
+    found: std::collections::HashSet<(u32, u64)>,
+    quiet: u32,
+    deadline: std::time::Instant,
+}
+
+impl Sweep {
+    /// Passes in a row that must find no new marked process: every one found is stopped and can
+    /// fork no more, so once a whole pass finds none, none is left to find; the second pass covers a
+    /// process forked, by one not yet stopped, behind the first pass's position in `/proc`.
+    const QUIET_PASSES: u32 = 2;
+
+    fn new(deadline: std::time::Instant) -> Sweep {
+        Sweep { found: std::collections::HashSet::new(), quiet: 0, deadline }
+    }
+
+    /// Whether the process `(pid, start)` was found already.
+    fn knows(&self, pid: u32, start: u64) -> bool {
+        self.found.contains(&(pid, start))
+    }
+
+    /// Records a marked process; whether it is new.
+    fn record(&mut self, pid: u32, start: u64) -> bool {
+        self.found.insert((pid, start))
+    }
+
+    /// Ends a pass that found `new` processes not known before: whether another pass is due (not
+    /// when enough passes in a row found none, or the deadline passed at `now`).
+    fn another_pass(&mut self, new: usize, now: std::time::Instant) -> bool {
+        self.quiet = if new == 0 { self.quiet + 1 } else { 0 };
+        self.quiet < Self::QUIET_PASSES && now < self.deadline
+    }
+}
+
+/// Sends `sig` through `pidfd`, or to `pid` where the kernel has no pidfds (`None`, before 5.3).
+fn signal_process(pidfd: Option<&OwnedFd>, pid: u32, sig: libc::c_int) {
+    // SAFETY: plain system calls; the pidfd is ours.
+    unsafe {
+        match pidfd {
+            Some(fd) => {
+                libc::syscall(libc::SYS_pidfd_send_signal, fd.as_raw_fd(), sig, std::ptr::null::<libc::siginfo_t>(), 0);
+            }
+            None => {
+                libc::kill(pid as libc::pid_t, sig);
+            }
+        }
+    }
+}
+
+/// Kills every process (but this one) whose environment carries `mark`: pass after pass over
+/// `/proc`, each newly found one is stopped (SIGSTOP: a stopped process cannot fork), until passes
+/// find no new one or 2 s went by; then all of them get SIGKILL. Only the processes `scope` admits
+/// have their environment read. Each is opened as a pidfd before its environment is read and
+/// signalled through it, so a pid reused in between is not hit; a process that cannot be opened is
+/// skipped (it is gone, or a descriptor is lacking: the next pass tries again), except on a kernel
+/// without pidfds, where it is signalled by pid.
+fn kill_marked(mark: &str, scope: Scope) {
     let me = std::process::id();
-    for _ in 0..50 {
-        let Ok(dir) = std::fs::read_dir("/proc") else { return };
-        let mut killed = 0;
+    let mut sweep = Sweep::new(std::time::Instant::now() + std::time::Duration::from_secs(2));
+    let mut stopped: Vec<(Option<OwnedFd>, u32)> = Vec::new();
+    loop {
+        let Ok(dir) = std::fs::read_dir("/proc") else { break };
+        let mut new = 0;
         for e in dir.flatten() {
             let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
             if pid == me {
                 continue;
             }
-            // SAFETY: pidfd_open(2) with a pid and no flags; the result is checked.
-            let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-            // Unreadable (another user's, exited, a zombie's empty block): not ours to kill.
-            let Ok(environ) = std::fs::read(e.path().join("environ")) else {
-                if fd >= 0 {
-                    // SAFETY: our own descriptor.
-                    unsafe { libc::close(fd as i32) };
-                }
+            // Cheap reads first (a process may exit between the listing and the read).
+            let Some(start) = std::fs::read_to_string(e.path().join("stat")).ok().and_then(|s| stat_start_time(&s)) else {
                 continue;
             };
-            if !environ_carries(&environ, mark) {
-                if fd >= 0 {
-                    // SAFETY: our own descriptor.
-                    unsafe { libc::close(fd as i32) };
-                }
+            if !scope.started_in(start) || sweep.knows(pid, start) {
                 continue;
             }
-            // SAFETY: plain system calls; the pidfd (when the kernel has them, 5.3+) is ours.
-            unsafe {
-                if fd >= 0 {
-                    libc::syscall(libc::SYS_pidfd_send_signal, fd as i32, libc::SIGKILL, std::ptr::null::<libc::siginfo_t>(), 0);
-                    libc::close(fd as i32);
-                } else {
-                    libc::kill(pid as libc::pid_t, libc::SIGKILL);
-                }
+            if scope.uid.is_some() && !std::fs::read_to_string(e.path().join("status")).is_ok_and(|s| scope.owns(&s)) {
+                continue;
             }
-            killed += 1;
+            // SAFETY: pidfd_open(2) with a pid and no flags; the result is checked.
+            let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
+            let pidfd = if fd >= 0 {
+                // SAFETY: pidfd_open returned a new descriptor that nothing else owns.
+                Some(unsafe { OwnedFd::from_raw_fd(fd as i32) })
+            } else if io::Error::last_os_error().raw_os_error() == Some(libc::ENOSYS) {
+                None
+            } else {
+                continue;
+            };
+            // Unreadable (exited, a zombie's empty block): not ours to kill.
+            let Ok(environ) = std::fs::read(e.path().join("environ")) else { continue };
+            if !environ_carries(&environ, mark) {
+                continue;
+            }
+            signal_process(pidfd.as_ref(), pid, libc::SIGSTOP);
+            if sweep.record(pid, start) {
+                new += 1;
+            }
+            stopped.push((pidfd, pid));
         }
-        if killed == 0 {
-            return;
+        if !sweep.another_pass(new, std::time::Instant::now()) {
+            break;
         }
-        std::thread::sleep(std::time::Duration::from_millis(10));
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    for (pidfd, pid) in &stopped {
+        signal_process(pidfd.as_ref(), *pid, libc::SIGKILL);
     }
 }
 
@@ -561,6 +686,57 @@ mod tests {
         assert!(!environ_carries(b"RSRUN_LAUNCH_MARKSX=0123abcd", m), "another variable");
         assert!(!environ_carries(b"OTHER=0123abcd\0", m));
         assert!(!environ_carries(b"", m));
+    }
+
+    #[test]
+    fn start_times_and_uids_are_read_from_proc() {
+        use super::{stat_start_time, status_uids};
+        // Field 22 (start time), after a command name with spaces and parentheses of its own.
+        let stat = "1234 (python3 (x) y) S 1 1234 1234 0 -1 4194560 1000 0 0 0 10 5 0 0 20 0 1 0 987654 123456789 1000";
+        assert_eq!(stat_start_time(stat), Some(987_654));
+        assert_eq!(stat_start_time("1 (x) S 1 1 1"), None, "cut short");
+        assert_eq!(stat_start_time("garbage"), None);
+        let status = "Name:\tsleep\nUmask:\t0022\nState:\tS (sleeping)\nUid:\t1000\t1000\t1000\t1000\nGid:\t100\t100\t100\t100\n";
+        assert_eq!(status_uids(status), Some([1000, 1000, 1000]));
+        assert_eq!(status_uids("Name:\tx\n"), None);
+    }
+
+    /// Only processes started after the guardian, running as its user (unless it is root), get
+    /// their environment read.
+    #[test]
+    fn the_scan_reads_only_processes_that_may_carry_the_mark() {
+        use super::Scope;
+        let user = Scope { since: 500, uid: Some(1000) };
+        assert!(user.started_in(500) && user.started_in(501));
+        assert!(!user.started_in(499), "started before the guardian: no worker of this launch");
+        let ours = "Uid:\t1000\t1000\t1000\t1000\n";
+        assert!(user.owns(ours));
+        assert!(!user.owns("Uid:\t0\t0\t0\t0\n"), "root's");
+        assert!(!user.owns("Uid:\t1000\t0\t0\t0\n"), "a setuid program: its environment is not ours to read");
+        assert!(!user.owns("Name:\tx\n"), "unreadable");
+        let root = Scope { since: 500, uid: None };
+        assert!(root.owns("Uid:\t1000\t1000\t1000\t1000\n") && root.owns(""));
+    }
+
+    /// Marked processes are counted once each (by pid and start time); the passes end once two in a
+    /// row found none new, or at the deadline.
+    #[test]
+    fn the_sweep_ends_after_quiet_passes_or_at_its_deadline() {
+        use super::Sweep;
+        use std::time::{Duration, Instant};
+        let t0 = Instant::now();
+        let mut sweep = Sweep::new(t0 + Duration::from_secs(2));
+        assert!(sweep.record(10, 100));
+        assert!(sweep.knows(10, 100));
+        assert!(!sweep.record(10, 100), "found again: not new");
+        assert!(!sweep.knows(10, 101), "the same pid, started later: another process");
+        assert!(sweep.another_pass(1, t0));
+        assert!(sweep.another_pass(0, t0), "one quiet pass is not enough");
+        assert!(sweep.another_pass(2, t0), "a new one resets the count");
+        assert!(sweep.another_pass(0, t0));
+        assert!(!sweep.another_pass(0, t0), "two quiet passes in a row");
+        let mut late = Sweep::new(t0 + Duration::from_secs(2));
+        assert!(!late.another_pass(5, t0 + Duration::from_secs(2)), "the deadline ends it, new ones or not");
     }
 
     #[test]

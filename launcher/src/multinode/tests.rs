@@ -264,6 +264,56 @@ fn slurm_mode_b_gpu_bind_follows_slurm_localid() {
     assert!(!p.notes.iter().any(|n| n.contains("sees 1 GPU")), "{:?}", p.notes);
 }
 
+/// Slurm mode B with a CPU binding: each task takes its entry of the assignment of all the node's
+/// tasks, not the whole node as a lone worker would.
+#[test]
+fn slurm_mode_b_binds_each_task_as_one_of_the_nodes_tasks() {
+    use crate::plan::{Placement, Probed};
+    use crate::topology::tests::{four_gpus, linux_machine};
+    let resolve = |args: &[&str], env: Vec<(&'static str, String)>, probed: Probed| {
+        let (a, mut h) = parse_env(args, &env_ref(&env));
+        h.placement = Placement::known_probed(probed);
+        LaunchPlan::resolve(&a, &h).map_err(|e| e.to_string())
+    };
+    // 2 nodes/packages of 4 cores x 2 threads (core k: CPUs k and k+8); GPUs 0,1 on node 1, 2,3 on node 0.
+    let machine = || Probed { topology: linux_machine(), pci_gpus: Some(four_gpus()), dev_nodes: None, online_cpus: Some(16) };
+    // Every task sees the node's GPUs 0,1 (both near NUMA node 1): the two tasks split the cores,
+    // near their GPUs first, without overlap.
+    let halves = [vec![0, 1, 4, 5, 8, 9, 12, 13], vec![2, 3, 6, 7, 10, 11, 14, 15]];
+    for procid in 0..2u32 {
+        let env = with(slurm_b(procid), "CUDA_VISIBLE_DEVICES", "0,1");
+        let p = resolve(&["--cpu-bind", "cores", "true"], env, machine()).unwrap();
+        assert_eq!(p.cpu_sets, Some(vec![halves[procid as usize].clone()]), "task {procid}");
+        assert!(!p.notes.iter().any(|n| n.contains("online CPUs")), "{:?}", p.notes);
+    }
+    // Disjoint whole cores of the GPUs' node, one share per task (GPUs 2,3 on node 0).
+    for (procid, want) in [(0u32, vec![0, 1, 8, 9]), (1, vec![2, 3, 10, 11])] {
+        let env = with(slurm_b(procid), "CUDA_VISIBLE_DEVICES", "2,3");
+        let p = resolve(&["--numa-binding", "exclusive", "true"], env, machine()).unwrap();
+        assert_eq!(p.cpu_sets, Some(vec![want]), "task {procid}");
+    }
+    // srun bound each task its own GPU: the others' are not known here, so the disjoint shares
+    // follow the topology alone (the same in every task).
+    let in_order = [vec![0, 1, 2, 3, 8, 9, 10, 11], vec![4, 5, 6, 7, 12, 13, 14, 15]];
+    for procid in 0..2u32 {
+        let env = with(slurm_b(procid), "CUDA_VISIBLE_DEVICES", &(procid + 2).to_string());
+        let p = resolve(&["--cpu-bind", "cores", "true"], env, machine()).unwrap();
+        assert_eq!(p.cpu_sets, Some(vec![in_order[procid as usize].clone()]), "task {procid}");
+        assert!(p.notes.iter().any(|n| n.contains("the other tasks' GPUs are not known here")), "{:?}", p.notes);
+    }
+    // A binding to the GPU's node needs only this task's GPU: task 1's GPU 0 is on node 1.
+    let env = with(slurm_b(1), "CUDA_VISIBLE_DEVICES", "0");
+    let p = resolve(&["--numa-binding", "node", "true"], env, machine()).unwrap();
+    assert_eq!(p.cpu_sets, Some(vec![vec![4, 5, 6, 7, 12, 13, 14, 15]]));
+    // srun already narrowed the task's CPUs: said, with what to do.
+    let mut restricted = machine();
+    restricted.online_cpus = Some(32);
+    let env = with(slurm_b(0), "CUDA_VISIBLE_DEVICES", "0,1");
+    let p = resolve(&["--cpu-bind", "cores", "true"], env, restricted).unwrap();
+    assert_eq!(p.cpu_sets, Some(vec![halves[0].clone()]));
+    assert!(p.notes.iter().any(|n| n.contains("16 of the host's 32 online CPUs") && n.contains("srun --cpu-bind=none")), "{:?}", p.notes);
+}
+
 /// Slurm's port may be taken by another step that derived the same one: node 0 probes the next 7
 /// ports and the others search them; a typed port or endpoint is used as given.
 #[test]

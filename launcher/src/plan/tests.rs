@@ -346,6 +346,44 @@ fn cpu_binding_follows_each_workers_gpu() {
     assert!(e.contains("--cpu-bind cores") && e.contains("--numa-binding exclusive"), "{e}");
 }
 
+/// Under Slurm's ConstrainDevices, CUDA_VISIBLE_DEVICES=0,1 are the job's GPUs (SLURM_STEP_GPUS=4,5,
+/// device minors): the binding follows those, not the machine's first two.
+#[test]
+fn cpu_binding_follows_slurms_gpu_numbering() {
+    let mut h = host();
+    h.cpus = (0..16).collect();
+    // GPUs 0-3 on NUMA node 0, 4-7 on node 1.
+    h.placement = crate::plan::Placement::known(crate::topology::tests::linux_machine(), Some(crate::topology::tests::eight_gpus()));
+    h.env.insert("CUDA_VISIBLE_DEVICES".into(), "0,1".into());
+    let args = parse(&["--nproc-per-node", "2", "--numa-binding", "node", "true"]);
+    let (node0, node1) = (vec![0, 1, 2, 3, 8, 9, 10, 11], vec![4, 5, 6, 7, 12, 13, 14, 15]);
+    assert_eq!(LaunchPlan::resolve(&args, &h).unwrap().cpu_sets, Some(vec![node0.clone(), node0]));
+    h.env.insert("SLURM_STEP_GPUS".into(), "4,5".into());
+    let p = LaunchPlan::resolve(&args, &h).unwrap();
+    assert_eq!(p.cpu_sets, Some(vec![node1.clone(), node1]));
+    assert!(p.notes.iter().any(|n| n.contains("job's GPUs only (SLURM_STEP_GPUS=4,5")), "{:?}", p.notes);
+}
+
+/// --numa-binding reads PET_NUMA_BINDING as torchrun does; a conflict names what the user set (a
+/// variable, not a flag never typed).
+#[test]
+fn binding_options_from_the_environment() {
+    let cmd = <LaunchArgs as clap::CommandFactory>::command();
+    let arg = cmd.get_arguments().find(|a| a.get_id() == "numa_binding").unwrap();
+    assert_eq!(arg.get_env().and_then(|e| e.to_str()), Some("PET_NUMA_BINDING"));
+    let (a, h) = parse_env(&["true"], &[("PET_NUMA_BINDING", "node")]);
+    assert_eq!(LaunchPlan::resolve(&a, &h).unwrap().cpu_sets, Some(vec![vec![0, 1]]));
+    let (a, h) = parse_env(&["--numa-binding", "exclusive", "true"], &[("PET_CPU_BIND", "cores")]);
+    let e = LaunchPlan::resolve(&a, &h).unwrap_err().to_string();
+    assert!(e.starts_with("PET_CPU_BIND=cores and --numa-binding exclusive both choose"), "{e}");
+    let (a, h) = parse_env(&["--cpu-bind", "cores", "true"], &[("PET_NUMA_BINDING", "socket")]);
+    let e = LaunchPlan::resolve(&a, &h).unwrap_err().to_string();
+    assert!(e.starts_with("--cpu-bind cores and PET_NUMA_BINDING=socket both choose"), "{e}");
+    // Typed, both are named as flags.
+    let e = LaunchPlan::resolve(&parse(&["--cpu-bind", "cores", "--numa-binding", "socket", "true"]), &host()).unwrap_err().to_string();
+    assert!(e.starts_with("--cpu-bind cores and --numa-binding socket both choose"), "{e}");
+}
+
 #[test]
 fn compat_flags_warn() {
     let p = resolve(&["--start-method", "fork", "--numa-binding", "node", "true"]).unwrap();
