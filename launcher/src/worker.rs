@@ -157,10 +157,15 @@ pub(crate) fn stat_state_and_group(stat: &str) -> Option<(char, i32)> {
     stat_fields(stat).map(|(state, _, pgrp)| (state, pgrp))
 }
 
+/// The fields of a `/proc/<pid>/stat` line after `comm` (which may hold spaces and
+/// parentheses): from the 3rd, the state, on.
+fn stat_after_comm(stat: &str) -> Option<&str> {
+    Some(&stat[stat.rfind(')')? + 1..])
+}
+
 /// The state, parent and process group of a `/proc/<pid>/stat` line.
 fn stat_fields(stat: &str) -> Option<(char, i32, i32)> {
-    let rest = &stat[stat.rfind(')')? + 1..];
-    let mut f = rest.split_ascii_whitespace();
+    let mut f = stat_after_comm(stat)?.split_ascii_whitespace();
     let state = f.next()?.chars().next()?;
     let ppid = f.next()?.parse().ok()?;
     Some((state, ppid, f.next()?.parse().ok()?))
@@ -548,9 +553,8 @@ impl Scope {
 
 /// The start time of a `/proc/PID/stat` line (field 22, clock ticks after boot).
 fn stat_start_time(stat: &str) -> Option<u64> {
-    let rest = &stat[stat.rfind(')')? + 1..];
     // The fields after `comm` start with the 3rd (state): the 22nd is the 20th of them.
-    rest.split_ascii_whitespace().nth(19)?.parse().ok()
+    stat_after_comm(stat)?.split_ascii_whitespace().nth(19)?.parse().ok()
 }
 
 /// The real, effective and saved uids of a `/proc/PID/status` (its `Uid:` line).
