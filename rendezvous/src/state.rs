@@ -975,12 +975,17 @@ impl Job {
     /// The id was used for a different call (another kind, namespace, key or value): answering
     /// that call's answer, or applying this one and forgetting that one's, would both be wrong.
     fn recall(&self, request_id: &str, fingerprint: u64) -> Result<Option<Dedup>, RdzvError> {
+        Ok(self.recalled(request_id, fingerprint)?.cloned())
+    }
+
+    /// [`Job::recall`] without the copy.
+    fn recalled(&self, request_id: &str, fingerprint: u64) -> Result<Option<&Dedup>, RdzvError> {
         if request_id.is_empty() {
             return Ok(None);
         }
         match self.dedup.get(request_id) {
             None => Ok(None),
-            Some(r) if r.fingerprint == fingerprint => Ok(Some(r.answer.clone())),
+            Some(r) if r.fingerprint == fingerprint => Ok(Some(&r.answer)),
             Some(_) => Err(reused_request_id(request_id)),
         }
     }
@@ -1277,8 +1282,8 @@ impl State {
         if id.is_empty() {
             return None;
         }
-        let r = self.jobs.get(cmd.job())?.dedup.get(id)?;
-        (r.fingerprint == cmd.fingerprint()).then_some(&r.answer)
+        // A reused id is no repeat: applying it reports the reuse.
+        self.jobs.get(cmd.job())?.recalled(id, cmd.fingerprint()).ok().flatten()
     }
 
     /// The latest time any job changed (0 for none): a lower bound of the time of the last
