@@ -12,7 +12,7 @@
 //! starts `rsrun agent --stdin` on every host over ssh; each agent runs [`agent::run`] as a node.
 //!
 //! Invariants:
-//! - No worker outlives rsrun: each runs in its own process group with `PR_SET_PDEATHSIG`, is owned
+//! - No worker outlives rsrun: each runs in its own session and process group with `PR_SET_PDEATHSIG`, is owned
 //!   by a value that kills its group on drop, and a guardian process kills every group if rsrun dies
 //!   by `kill -9` ([`worker`]).
 //! - The library never prints: worker lines, notes and the rendezvous status go to the binary as

@@ -797,6 +797,9 @@ pub struct LaunchPlan {
     pub dry_run: bool,
     /// How the job is launched: single node, c10d, static, hostfile/ssh, Slurm A/B/C, Kubernetes.
     pub mode: LaunchMode,
+    /// What the workers read as stdin: rsrun's own (as torchrun's workers do), except under an
+    /// agent of a whole-job launch, whose stdin is its head's message stream (/dev/null then).
+    pub worker_stdin: crate::worker::WorkerStdin,
     /// The node table of `--hostfile` / `-H` (after `--include`/`--exclude`, `--nnodes`,
     /// `--nproc-per-node`), in node-rank order; the ssh launcher starts one agent per entry.
     pub hosts: Option<HostTable>,
@@ -1962,6 +1965,10 @@ impl LaunchPlan {
             notes,
             dry_run: args.dry_run,
             mode,
+            worker_stdin: match role {
+                Role::Launcher => crate::worker::WorkerStdin::Inherit,
+                Role::Agent => crate::worker::WorkerStdin::Null,
+            },
             hosts: cluster.hosts,
             task_ranks: cluster.task_ranks,
             port_probe: cluster.port_probe,

@@ -283,6 +283,7 @@ impl<'a> Group<'a> {
             env,
             cpus: plan.cpu_sets.as_ref().map(|s| s[local_rank as usize].as_slice()),
             progress: true,
+            stdin: plan.worker_stdin,
         })?;
         let pid = spawned.process.pid();
         if let Some(g) = self.ctx.guardian {

@@ -1,13 +1,17 @@
 //! Starting worker processes so that none outlives rsrun.
 //!
 //! Every worker:
-//! - runs in its own process group (`setpgid(0, 0)`), so the group — the worker and whatever it started
-//!   — is signalled as one (`killpg`);
+//! - runs in a session of its own (`setsid`, as torchrun's `start_new_session=True`), and so in a
+//!   process group of its own, which — the worker and whatever it started — is signalled as one
+//!   (`killpg`). Outside rsrun's session the terminal is not its controlling terminal, so a worker
+//!   that reads an inherited terminal (`breakpoint()` under `--nproc-per-node 1`) reads it instead
+//!   of being stopped by `SIGTTIN` as a background group of rsrun's session would be;
 //! - has `PR_SET_PDEATHSIG = SIGKILL`, so it dies with rsrun even on `kill -9`. rsrun forks workers
 //!   only from the runtime's one thread (a current-thread runtime on the main thread): the death signal
 //!   follows the *thread* that forked, and the main thread lives as long as the process;
 //! - is owned by a [`WorkerProcess`] whose drop kills its group;
-//! - gets stdin from /dev/null and stdout/stderr as pipes (see [`crate::logs`]);
+//! - gets rsrun's stdin, as torchrun's workers do, or /dev/null ([`WorkerStdin`]: an agent's stdin
+//!   carries its head's messages), and stdout/stderr as pipes (see [`crate::logs`]);
 //! - optionally gets a datagram socket for progress reports (`RSRUN_PROGRESS_FD`) and a CPU affinity;
 //! - inherits no other descriptor: whatever rsrun itself inherited without `FD_CLOEXEC` (a
 //!   scheduler's pipe, a shell's redirection) is closed at exec (`close_range(3, ~0,
@@ -64,6 +68,17 @@ pub struct SpawnSpec<'a> {
     pub cpus: Option<&'a [usize]>,
     /// Give the worker a progress socket (RSRUN_PROGRESS_FD).
     pub progress: bool,
+    /// What the worker reads as its stdin.
+    pub stdin: WorkerStdin,
+}
+
+/// What a worker reads as its stdin.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorkerStdin {
+    /// rsrun's own stdin, as torchrun's workers get theirs: a terminal, a pipe, a file.
+    Inherit,
+    /// /dev/null: the agent of a whole-job launch, whose stdin is its head's message stream.
+    Null,
 }
 
 /// A started worker: the process handle and its pipes.
@@ -294,10 +309,12 @@ pub fn spawn(spec: SpawnSpec<'_>) -> io::Result<Spawned> {
     let mut cmd = Command::new(spec.exe);
     cmd.args(&spec.argv)
         .envs(spec.env.iter().map(|(k, v)| (k.as_str(), v.as_os_str())))
-        .stdin(Stdio::null())
+        .stdin(match spec.stdin {
+            WorkerStdin::Inherit => Stdio::inherit(),
+            WorkerStdin::Null => Stdio::null(),
+        })
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
-        .process_group(0)
         .kill_on_drop(true);
     if let Some(marks) = LAUNCH_MARKS.get() {
         cmd.env(crate::env::LAUNCH_MARKS_VAR, marks);
@@ -308,10 +325,15 @@ pub fn spawn(spec: SpawnSpec<'_>) -> io::Result<Spawned> {
     }
     let nofile = rsrun_rendezvous::rlimit::original_soft_nofile();
     // SAFETY: the closure runs in the forked child before exec and only makes async-signal-safe
-    // system calls (prctl, getppid, close_range, fcntl, sched_setaffinity, getrlimit, setrlimit,
-    // _exit); it allocates nothing.
+    // system calls (setsid, prctl, getppid, close_range, fcntl, sched_setaffinity, getrlimit,
+    // setrlimit, _exit); it allocates nothing.
     unsafe {
         cmd.pre_exec(move || {
+            // A session, and so a process group, of its own (see the module docs). A freshly
+            // forked child leads no group, so this cannot fail with EPERM.
+            if libc::setsid() < 0 {
+                return Err(io::Error::last_os_error());
+            }
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
                 return Err(io::Error::last_os_error());
             }

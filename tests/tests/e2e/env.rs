@@ -233,3 +233,53 @@ fn workers_keep_the_open_file_limit_rsrun_raised_for_itself() {
         assert_eq!(fields.get(4).copied(), Some(hard_text.as_str()), "rsrun's limits: {line}");
     }
 }
+
+/// Runs `cmd` with `input` on a piped stdin (then closed); its output within 60 s.
+fn with_input(cmd: &mut std::process::Command, input: &[u8]) -> std::process::Output {
+    use std::io::Write;
+    cmd.stdin(std::process::Stdio::piped());
+    let mut child = rsrun_tests::KillOnDrop::spawn(cmd);
+    let mut stdin = child.0.stdin.take().expect("piped stdin");
+    stdin.write_all(input).expect("writing the child's stdin");
+    drop(stdin);
+    child.output_within(std::time::Duration::from_secs(60))
+}
+
+/// Workers read rsrun's stdin, as torchrun's do: a pipe, and rsrun's controlling terminal too. A
+/// worker in a process group of rsrun's session would be stopped by SIGTTIN reading that terminal
+/// in the background (and hang); in a session of its own, as torchrun starts its workers, it reads
+/// it. `script` runs rsrun in the foreground of a pseudo-terminal that is its controlling terminal
+/// and types what it reads on its own stdin into it.
+#[test]
+fn workers_read_rsruns_stdin_a_terminal_included() {
+    let dir = tempfile::tempdir().unwrap();
+    let worker = ["sh", "-c", "read x; echo \"got:$x\"; ps -o sid= -p $$ > sid"];
+    let out = with_input(rsrun(dir.path()).args(["--standalone", "--nproc-per-node", "1"]).args(worker), b"over a pipe\n");
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("got:over a pipe"), "{}", text(&out));
+
+    let have_script = std::process::Command::new("script").arg("--version").output().is_ok_and(|o| o.status.success());
+    if !have_script {
+        assert!(std::env::var_os("RSRUN_TEST_REQUIRE_TOOLS").is_none(), "script (util-linux) is missing, and RSRUN_TEST_REQUIRE_TOOLS is set");
+        eprintln!("script (util-linux) is missing: the terminal half is skipped");
+        return;
+    }
+    let base = rsrun(dir.path());
+    let mut cmd = std::process::Command::new("script");
+    cmd.current_dir(dir.path());
+    for (k, v) in base.get_envs() {
+        match v {
+            Some(v) => cmd.env(k, v),
+            None => cmd.env_remove(k),
+        };
+    }
+    let line = format!(
+        "'{}' --standalone --nproc-per-node 1 sh -c 'read x; echo \"got:$x\"; ps -o sid= -p $$ > sid; ps -o sid= -p $PPID > rsrun.sid'",
+        base.get_program().to_string_lossy()
+    );
+    let out = with_input(cmd.args(["-qec", &line, "/dev/null"]), b"typed\n");
+    assert_eq!(code(&out.status), 0, "{}", text(&out));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("got:typed"), "{}", text(&out));
+    let sid = |f: &str| std::fs::read_to_string(dir.path().join(f)).unwrap_or_else(|e| panic!("{f}: {e}")).trim().to_owned();
+    assert_ne!(sid("sid"), sid("rsrun.sid"), "the worker runs in a session of its own");
+}
