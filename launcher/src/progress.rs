@@ -20,6 +20,10 @@
 //! - [`ConsoleMode::Plain`]: at most one update per [`PLAIN_EVERY`] per stream, printed as an ordinary
 //!   line, and only of complete segments; the unfinished last segment counts as complete once it was
 //!   idle that long. The final state is always given, and printed unless the last update showed it.
+//! - [`ConsoleMode::Terminal`]: an ordinary line left unfinished for [`PROMPT_IDLE`] is shown in place
+//!   as it stands, and finished in place once its `\n` comes: a prompt (`input("> ")`, pdb's
+//!   `(Pdb) `, which end no line until the user answered) is on the terminal when the user is to
+//!   answer it. Plain consoles print lines only when they end.
 //! - A `\r` at the end of a read may be the first half of a `\r\n`: the next byte decides, or
 //!   [`CR_SETTLE`] without one makes it a return.
 //! - A line reaching the cap is cut there (an ordinary line), so memory stays bounded without `\n`.
@@ -36,6 +40,9 @@ pub const PLAIN_EVERY: Duration = Duration::from_secs(1);
 
 /// How long a `\r` that ended a read waits for a `\n` before it counts as a return.
 pub const CR_SETTLE: Duration = Duration::from_millis(100);
+
+/// Terminal: how long an unfinished ordinary line waits for more before it is shown as it stands.
+pub const PROMPT_IDLE: Duration = Duration::from_millis(200);
 
 /// What the console should do.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -140,7 +147,9 @@ impl LineAssembler {
     pub fn next_deadline(&self) -> Option<Instant> {
         let cr = self.cr_at.map(|t| t + CR_SETTLE);
         let update = match self.mode {
-            ConsoleMode::Terminal => None,
+            // An idle unfinished line (a prompt) is shown once it was idle long enough.
+            ConsoleMode::Terminal if self.progress => None,
+            ConsoleMode::Terminal => self.seg_at.filter(|_| !self.prompt().is_empty() && !self.is_shown(self.prompt())).map(|at| at + PROMPT_IDLE),
             ConsoleMode::Plain if !self.progress => None,
             ConsoleMode::Plain => {
                 let next_print = self.printed_at.map(|t| t + PLAIN_EVERY);
@@ -228,8 +237,24 @@ impl LineAssembler {
         self.shown = None;
     }
 
+    /// What an unfinished ordinary line shows in place: its bytes so far, without an unfinished
+    /// escape sequence or character.
+    fn prompt(&self) -> &[u8] {
+        displayable(&self.seg)
+    }
+
     fn show(&mut self, now: Instant, out: &mut Vec<Action>) {
         if !self.progress {
+            // Terminal: an unfinished line idle for PROMPT_IDLE (see the module docs).
+            let idle = self.seg_at.is_some_and(|at| now >= at + PROMPT_IDLE);
+            if self.mode == ConsoleMode::Terminal && idle {
+                let state = self.prompt();
+                if !state.is_empty() && !self.is_shown(state) {
+                    let state = state.to_vec();
+                    self.shown = Some(state.clone());
+                    out.push(Action::Update(state));
+                }
+            }
             return;
         }
         let state: &[u8] = match self.mode {

@@ -249,7 +249,8 @@ fn with_input(cmd: &mut std::process::Command, input: &[u8]) -> std::process::Ou
 /// worker in a process group of rsrun's session would be stopped by SIGTTIN reading that terminal
 /// in the background (and hang); in a session of its own, as torchrun starts its workers, it reads
 /// it. `script` runs rsrun in the foreground of a pseudo-terminal that is its controlling terminal
-/// and types what it reads on its own stdin into it.
+/// and types what it reads on its own stdin into it; the worker's prompt, a line it leaves
+/// unfinished while it waits, is on that terminal before the answer.
 #[test]
 fn workers_read_rsruns_stdin_a_terminal_included() {
     let dir = tempfile::tempdir().unwrap();
@@ -274,12 +275,15 @@ fn workers_read_rsruns_stdin_a_terminal_included() {
         };
     }
     let line = format!(
-        "'{}' --standalone --nproc-per-node 1 sh -c 'read x; echo \"got:$x\"; ps -o sid= -p $$ > sid; ps -o sid= -p $PPID > rsrun.sid'",
+        "'{}' --standalone --nproc-per-node 1 sh -c 'printf \"name? \"; sleep 1; read x; echo \"got:$x\"; ps -o sid= -p $$ > sid; ps -o sid= -p $PPID > rsrun.sid'",
         base.get_program().to_string_lossy()
     );
     let out = with_input(cmd.args(["-qec", &line, "/dev/null"]), b"typed\n");
     assert_eq!(code(&out.status), 0, "{}", text(&out));
-    assert!(String::from_utf8_lossy(&out.stdout).contains("got:typed"), "{}", text(&out));
+    let shown = String::from_utf8_lossy(&out.stdout);
+    assert!(shown.contains("name? got:typed"), "{}", text(&out));
+    // The prompt, a line that stayed unfinished, was drawn in place before the answer came.
+    assert!(shown.contains("[rank 0] name? \x1b[?7h"), "{}", text(&out));
     let sid = |f: &str| std::fs::read_to_string(dir.path().join(f)).unwrap_or_else(|e| panic!("{f}: {e}")).trim().to_owned();
     assert_ne!(sid("sid"), sid("rsrun.sid"), "the worker runs in a session of its own");
 }
