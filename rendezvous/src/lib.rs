@@ -27,6 +27,7 @@ pub mod metrics;
 pub mod rlimit;
 mod round_stores;
 pub mod server;
+pub mod shared_port;
 pub mod service;
 pub mod state;
 pub mod tcpstore;

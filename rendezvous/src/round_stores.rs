@@ -14,6 +14,10 @@
 //! The protocol has no authentication, so a store listens on one interface: the one the job's nodes
 //! reached this service on (the local address of the first join), else the service's own listen
 //! address when that names one interface. Never every interface.
+//!
+//! A service that serves one job (embedded in its launcher) also serves the running round's store
+//! on its own port (`shared_port`, see `crate::shared_port`): workers then get that port, as
+//! torchrun's get `--master-port`, and a round's own port is only a second way in.
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -33,13 +37,15 @@ pub(crate) struct RoundStores {
     /// Per job: the running round and its store (`None`: it could not be served; not retried, so a
     /// failing bind is tried and logged once per round, not once per command).
     running: HashMap<String, (u64, Option<TcpStoreServer>)>,
+    /// The service's own port, when it also serves the running round's store (one job).
+    shared_port: Option<u16>,
     cancel: CancellationToken,
 }
 
 impl RoundStores {
-    pub(crate) fn new(limits: TcpStoreLimits, listen: Option<IpAddr>, cancel: CancellationToken) -> Self {
+    pub(crate) fn new(limits: TcpStoreLimits, listen: Option<IpAddr>, shared_port: Option<u16>, cancel: CancellationToken) -> Self {
         let fallback = listen.filter(|ip| !ip.is_unspecified());
-        RoundStores { limits, fallback, interfaces: HashMap::new(), running: HashMap::new(), cancel }
+        RoundStores { limits, fallback, interfaces: HashMap::new(), running: HashMap::new(), shared_port, cancel }
     }
 
     /// Records the local address a node of `job` reached the service on (the first one counts,
@@ -119,9 +125,26 @@ impl RoundStores {
         self.interfaces.clear();
     }
 
-    /// The store serving `round` of `job`, if any.
+    /// The store serving `round` of `job`, if any: at the service's own port when it shares it.
     pub(crate) fn endpoint(&self, job: &str, round: u64) -> Option<SocketAddr> {
-        self.running.get(job).filter(|(r, _)| *r == round).and_then(|(_, s)| s.as_ref()).map(TcpStoreServer::local_addr)
+        let own = self.running.get(job).filter(|(r, _)| *r == round).and_then(|(_, s)| s.as_ref()).map(TcpStoreServer::local_addr)?;
+        Some(self.shared_port.map_or(own, |port| SocketAddr::new(own.ip(), port)))
+    }
+
+    /// Hands a connection that reached the service's shared port to `job`'s running round's store.
+    /// Dropped (closed) when no round of it runs or its store could not be served: torch's client
+    /// connects again until its own timeout.
+    pub(crate) fn adopt(&self, job: &str, stream: std::net::TcpStream) -> bool {
+        match self.running.get(job) {
+            Some((round, Some(server))) => match server.adopt(stream) {
+                Ok(()) => true,
+                Err(err) => {
+                    tracing::debug!(job, round, %err, "cannot hand a connection to the round's store");
+                    false
+                }
+            },
+            _ => false,
+        }
     }
 }
 
@@ -134,7 +157,7 @@ mod tests {
     /// leader steps down.
     #[test]
     fn a_loopback_interface_gives_way_to_a_reachable_one() {
-        let mut s = RoundStores::new(TcpStoreLimits::default(), None, CancellationToken::new());
+        let mut s = RoundStores::new(TcpStoreLimits::default(), None, None, CancellationToken::new());
         let (lo, net, other): (IpAddr, IpAddr, IpAddr) =
             ("127.0.0.1".parse().unwrap(), "10.0.0.5".parse().unwrap(), "10.0.0.6".parse().unwrap());
         s.note_interface("j", lo);

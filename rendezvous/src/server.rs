@@ -170,6 +170,8 @@ pub async fn serve(config: ServerConfig, shutdown: CancellationToken, on_bound: 
         }
     }
     let tracker = TaskTracker::new();
+    // A service of one job serves its running round's store on this port too (`shared_port`).
+    let shared_port = config.only_job.is_some() && config.tcpstore.is_some() && config.ha.is_none();
     let core = Core::start(
         CoreConfig {
             data_dir: config.data_dir.clone(),
@@ -178,6 +180,7 @@ pub async fn serve(config: ServerConfig, shutdown: CancellationToken, on_bound: 
             listen: Some(addr.ip()),
             ha: ha_cfg.as_ref().map(|h| h.identity.clone()),
             max_total_store_bytes: ha_cfg.as_ref().map(|_| HA_MAX_TOTAL_STORE_BYTES),
+            shared_store_port: shared_port.then_some(addr.port()),
         },
         shutdown.clone(),
         &tracker,
@@ -214,16 +217,22 @@ pub async fn serve(config: ServerConfig, shutdown: CancellationToken, on_bound: 
     tracing::info!(%addr, durable = config.data_dir.is_some(), ha = config.ha.is_some(), auth = tokens.is_some(), tls = config.tls.is_some(), "rendezvous service listening");
     // HA: a request (so a log record) must fit one etcd log batch.
     let decode_limit = if config.ha.is_some() { 1 << 20 } else { (config.limits.max_value_bytes + (1 << 20)).max(4 << 20) };
-    let svc = RendezvousServer::new(Service::new(core))
+    let svc = RendezvousServer::new(Service::new(core.clone()))
         .max_decoding_message_size(decode_limit)
         .max_encoding_message_size(usize::MAX);
     let svc = InterceptedService::new(svc, AuthInterceptor::new(tokens).serving_only(config.only_job.as_deref()));
     let stop = shutdown.clone();
-    let result = builder
-        .add_service(svc)
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move { stop.cancelled().await })
-        .await
-        .map_err(|e| RdzvError::Unavailable(format!("server failed: {e}")));
+    let router = builder.add_service(svc);
+    let served = match config.only_job.clone().filter(|_| shared_port) {
+        Some(job) => {
+            let grpc = crate::shared_port::serve(listener, core.clone(), job, shutdown.clone(), &tracker);
+            router
+                .serve_with_incoming_shutdown(tokio_stream::wrappers::ReceiverStream::new(grpc), async move { stop.cancelled().await })
+                .await
+        }
+        None => router.serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move { stop.cancelled().await }).await,
+    };
+    let result = served.map_err(|e| RdzvError::Unavailable(format!("server failed: {e}")));
     shutdown.cancel();
     tracker.close();
     tracker.wait().await;

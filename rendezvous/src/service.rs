@@ -301,6 +301,9 @@ pub struct CoreConfig {
     pub ha: Option<DaemonIdentity>,
     /// HA: refuse store writes once all jobs' store bytes reach this (`RESOURCE_EXHAUSTED`).
     pub max_total_store_bytes: Option<usize>,
+    /// The service's own port, when it also serves the running round's store there (a service of
+    /// one job, see `crate::shared_port`): rounds' stores are announced at this port.
+    pub shared_store_port: Option<u16>,
 }
 
 /// The peers an HA daemon knows of (answered by the HA node, which reads etcd).
@@ -394,7 +397,7 @@ impl Core {
                 log_bytes: 0,
                 views: HashMap::new(),
                 topics: HashMap::new(),
-                stores: config.tcpstore.map(|limits| RoundStores::new(limits, config.listen, cancel.child_token())),
+                stores: config.tcpstore.map(|limits| RoundStores::new(limits, config.listen, config.shared_store_port, cancel.child_token())),
                 log,
                 role,
                 lease: None,
@@ -625,6 +628,12 @@ impl Core {
     /// The PyTorch store serving `round` of `job`, if the service hosts one.
     pub fn round_store(&self, job: &str, round: u64) -> Option<std::net::SocketAddr> {
         self.lock().stores.as_ref().and_then(|s| s.endpoint(job, round))
+    }
+
+    /// Hands a PyTorch store connection that reached the service's own port to `job`'s running
+    /// round's store; `false` (and the connection closed) when there is none.
+    pub fn adopt_store_connection(&self, job: &str, stream: std::net::TcpStream) -> bool {
+        self.lock().stores.as_ref().is_some_and(|s| s.adopt(job, stream))
     }
 
     /// Executes a command and waits until it is durable.

@@ -768,6 +768,49 @@ async fn every_running_round_gets_its_own_pytorch_store() {
     assert_eq!(store.num_keys().await.unwrap(), 0, "a new round starts with an empty store");
 }
 
+/// A service of one job (embedded in its launcher) serves the running round's PyTorch store on its
+/// own port too, as torchrun's static backend serves it at `--master-port`: the round announces that
+/// port, a store client and the rendezvous's gRPC clients share it, each round's store is new, and a
+/// store connection while no round runs is closed.
+#[tokio::test]
+async fn a_one_job_service_serves_the_round_store_on_its_own_port() {
+    use rsrun_rendezvous::tcpstore::TcpStoreClient;
+    let mut config = ServerConfig::in_memory("127.0.0.1:0".parse().unwrap());
+    config.only_job = Some("solo".into());
+    let srv = server::spawn_with(config).await.unwrap();
+    let client = RdzvClient::connect(ClientConfig::new(srv.addr.to_string())).unwrap();
+
+    // No round yet: a store connection is closed before the handshake's ping is answered.
+    let early = tokio::time::timeout(WAIT, TcpStoreClient::connect(srv.addr)).await.expect("the early store connection hung");
+    assert!(early.is_err(), "a store connection before any round was answered");
+
+    let s = spec(1, 1, 5_000);
+    let r1 = client.join(join_spec("solo", "a", &s)).await.unwrap().round.unwrap();
+    assert_eq!((r1.store_addr.as_str(), r1.store_port), ("127.0.0.1", u32::from(srv.addr.port())), "the round's store is announced at the service's port");
+    let mut store = TcpStoreClient::connect(srv.addr).await.unwrap();
+    store.ping(42).await.unwrap();
+    store.set(b"/k", b"round 1").await.unwrap();
+    assert_eq!(store.get(b"/k").await.unwrap(), b"round 1");
+    // gRPC on the same port, while the store connection is open.
+    assert_eq!(client.store("solo", r1.round).add("n", 2).await.unwrap(), 2);
+
+    // The round ends: its store connections close; the next round's store is new and empty.
+    let failure = pb::FailureInfo { node_id: "a".into(), round: r1.round, rank: 0, exit_code: 1, ..Default::default() };
+    client.report_failure("solo", r1.round, "a", failure, true).await.unwrap();
+    let closed = tokio::time::timeout(WAIT, async {
+        while store.get(b"/k").await.is_ok() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(closed.is_ok(), "the ended round's store still answers on the shared port");
+    let r2 = client.join(join_spec("solo", "a", &s)).await.unwrap().round.unwrap();
+    assert_eq!(r2.round, r1.round + 1);
+    assert_eq!(r2.store_port, u32::from(srv.addr.port()));
+    let mut store = TcpStoreClient::connect(srv.addr).await.unwrap();
+    assert_eq!(store.num_keys().await.unwrap(), 0, "a new round starts with an empty store");
+}
+
 /// A durable service stopped with `shutdown` lets go of its data directory before `shutdown`
 /// returns, with everything it acknowledged written: a service started right after in the same
 /// process on the same directory starts (the journal's lock is free) and has the state.

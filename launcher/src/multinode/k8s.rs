@@ -20,8 +20,8 @@
 //!
 //! Inherited worker-level names (`RANK`, `WORLD_SIZE`, `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`)
 //! are ignored for planning (PyTorchJob's `RANK` is the node index) and overwritten for every worker.
-//! Workers get a `MASTER_PORT` picked free by node rank 0, never `PET_MASTER_PORT`: rsrun's service
-//! holds that port.
+//! Workers get `PET_MASTER_PORT` as `MASTER_PORT`, as under torchrun: node rank 0's service serves
+//! the running round's PyTorch store on its own port too (`rsrun_rendezvous::shared_port`).
 
 use super::{Cluster, LaunchMode, Source, Sourced, option_source};
 use crate::cli::{LaunchArgs, Origin};
@@ -171,11 +171,6 @@ pub fn detect(args: &LaunchArgs, host: &HostInfo) -> Result<Option<Cluster>, Pla
         None => (format!("k8s-{addr}"), Source::Derived(format!("k8s-<{addr_source}>"))),
     };
     c.sources.push(Sourced::new("run id", &job_id, id_source));
-    if !endpoint_typed {
-        c.notes.push(format!(
-            "workers get MASTER_PORT of the PyTorch store node rank 0 serves on an ephemeral port: {port} ({port_source}) is held by the rendezvous service; a NetworkPolicy must allow both"
-        ));
-    }
     c.rdzv = Some((RdzvPlan::Daemon { endpoint, host: host_mode }, job_id, Some(node_rank)));
     Ok(Some(c))
 }

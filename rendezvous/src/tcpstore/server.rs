@@ -128,6 +128,9 @@ struct Shared {
     buffered_bytes: AtomicUsize,
     /// Connections closed for the store-wide budget.
     shed_connections: AtomicU64,
+    /// Connections accepted elsewhere and handed over ([`TcpStoreServer::adopt`]), for the loop
+    /// to take on its next turn.
+    adopted: Mutex<Vec<(std::net::TcpStream, SocketAddr)>>,
 }
 
 impl Shared {
@@ -165,6 +168,7 @@ impl TcpStoreServer {
             peak_held_bytes: AtomicUsize::new(0),
             buffered_bytes: AtomicUsize::new(0),
             shed_connections: AtomicU64::new(0),
+            adopted: Mutex::new(Vec::new()),
         });
         let cancel = shutdown.child_token();
         let (stopped_tx, stopped) = tokio::sync::oneshot::channel();
@@ -204,6 +208,19 @@ impl TcpStoreServer {
     /// The bound address (with the real port when 0 was asked for).
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// Serves a connection accepted elsewhere (a port shared with another protocol, see
+    /// `crate::shared_port`) as if this server's listener had accepted it. Bytes the peer sent
+    /// that are still in the socket (a peeked handshake) are read as usual.
+    ///
+    /// # Errors
+    /// The socket cannot be made non-blocking or has no peer address (it is dropped, closed).
+    pub fn adopt(&self, stream: std::net::TcpStream) -> std::io::Result<()> {
+        stream.set_nonblocking(true)?;
+        let peer = stream.peer_addr()?;
+        self.shared.adopted.lock().unwrap_or_else(|p| p.into_inner()).push((stream, peer));
+        self.waker.wake()
     }
 
     /// Counts for metrics.
@@ -534,6 +551,7 @@ impl EventLoop {
             if accept {
                 self.accept();
             }
+            self.take_adopted();
             if Instant::now() >= self.next_sweep {
                 self.sweep();
             }
@@ -579,7 +597,7 @@ impl EventLoop {
     fn accept(&mut self) {
         self.accept_retry = None;
         for _ in 0..ACCEPTS_PER_TURN {
-            let (mut stream, peer) = match self.listener.accept() {
+            let (stream, peer) = match self.listener.accept() {
                 Ok(accepted) => accepted,
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return,
                 Err(e) if matches!(e.kind(), ErrorKind::Interrupted | ErrorKind::ConnectionAborted) => continue,
@@ -589,51 +607,73 @@ impl EventLoop {
                     return;
                 }
             };
-            if self.shared.n_connections.load(Ordering::Relaxed) >= self.limits.max_connections {
-                tracing::warn!(%peer, max_connections = self.limits.max_connections, "tcpstore: too many connections; closing the new one");
-                drop(stream);
-                continue;
-            }
-            if let Err(e) = configure(&stream) {
-                tracing::debug!(%peer, error = %e, "tcpstore: cannot set socket options");
-            }
-            let slot = self.free.pop().unwrap_or_else(|| {
-                self.conns.push(None);
-                self.conns.len() - 1
-            });
-            if let Err(e) = self.poll.registry().register(&mut stream, Token(slot), Interest::READABLE | Interest::WRITABLE) {
-                tracing::warn!(%peer, error = %e, "tcpstore: cannot watch the connection; closing it");
-                self.free.push(slot);
-                continue;
-            }
-            self.generation = self.generation.wrapping_add(1);
-            let id = ConnId((u64::from(self.generation) << 32) | slot as u64);
-            self.conns[slot] = Some(Conn {
-                id,
-                stream,
-                peer,
-                parser: RequestParser::new(self.limits.parse_limits()),
-                queue: ReplyQueue::new(),
-                out: Vec::new(),
-                out_at: 0,
-                write_blocked: false,
-                dirty: false,
-                unread: false,
-                in_backlog: false,
-                closing: false,
-                hung_up: false,
-                eof: false,
-                cut: false,
-                last_taken: self.now,
-                drain: Drain::new(self.now),
-                pending: VecDeque::new(),
-                pending_bytes: 0,
-                accounted: 0,
-                last_read: Instant::now(),
-            });
-            self.shared.n_connections.fetch_add(1, Ordering::Relaxed);
+            self.admit(stream, peer);
         }
         self.accept_more = true;
+    }
+
+    /// Takes the connections handed over by [`TcpStoreServer::adopt`]. Each is read on the next
+    /// turn without waiting for readiness: its first bytes may have arrived before it was
+    /// registered here.
+    fn take_adopted(&mut self) {
+        let adopted = std::mem::take(&mut *self.shared.adopted.lock().unwrap_or_else(|p| p.into_inner()));
+        for (stream, peer) in adopted {
+            if let Some(slot) = self.admit(TcpStream::from_std(stream), peer)
+                && let Some(c) = self.conns[slot].as_mut()
+            {
+                c.in_backlog = true;
+                self.backlog.push(slot);
+            }
+        }
+    }
+
+    /// Serves a new connection, in the slot returned (`None`: over `max_connections`, or it
+    /// could not be watched, and it is closed).
+    fn admit(&mut self, mut stream: TcpStream, peer: SocketAddr) -> Option<usize> {
+        if self.shared.n_connections.load(Ordering::Relaxed) >= self.limits.max_connections {
+            tracing::warn!(%peer, max_connections = self.limits.max_connections, "tcpstore: too many connections; closing the new one");
+            drop(stream);
+            return None;
+        }
+        if let Err(e) = configure(&stream) {
+            tracing::debug!(%peer, error = %e, "tcpstore: cannot set socket options");
+        }
+        let slot = self.free.pop().unwrap_or_else(|| {
+            self.conns.push(None);
+            self.conns.len() - 1
+        });
+        if let Err(e) = self.poll.registry().register(&mut stream, Token(slot), Interest::READABLE | Interest::WRITABLE) {
+            tracing::warn!(%peer, error = %e, "tcpstore: cannot watch the connection; closing it");
+            self.free.push(slot);
+            return None;
+        }
+        self.generation = self.generation.wrapping_add(1);
+        let id = ConnId((u64::from(self.generation) << 32) | slot as u64);
+        self.conns[slot] = Some(Conn {
+            id,
+            stream,
+            peer,
+            parser: RequestParser::new(self.limits.parse_limits()),
+            queue: ReplyQueue::new(),
+            out: Vec::new(),
+            out_at: 0,
+            write_blocked: false,
+            dirty: false,
+            unread: false,
+            in_backlog: false,
+            closing: false,
+            hung_up: false,
+            eof: false,
+            cut: false,
+            last_taken: self.now,
+            drain: Drain::new(self.now),
+            pending: VecDeque::new(),
+            pending_bytes: 0,
+            accounted: 0,
+            last_read: Instant::now(),
+        });
+        self.shared.n_connections.fetch_add(1, Ordering::Relaxed);
+        Some(slot)
     }
 
     /// Brings connection `c`'s share of the `buffered` total up to date, and its drain meter

@@ -133,9 +133,10 @@ fn static_backend_hosts_the_rendezvous_at_master_addr_and_port() {
     assert_eq!(code(&out.status), 0, "{}", text(&out));
     let env = read_env(&dir.path().join("env.1"));
     assert_eq!(env["MASTER_ADDR"], "127.0.0.1");
-    // Node rank 0 serves the rendezvous at --master-port; workers get a port of their own.
+    // Node rank 0 serves the rendezvous at --master-port, and the round's store there too: the
+    // workers' MASTER_PORT is --master-port, as under torchrun.
     assert_eq!(env["RSRUN_RDZV_ENDPOINT"], format!("127.0.0.1:{port}"));
-    assert_ne!(env["MASTER_PORT"], port);
+    assert_eq!(env["MASTER_PORT"], port);
     assert_eq!(env["TORCHELASTIC_RUN_ID"], "none");
     assert_eq!((env["RANK"].as_str(), env["WORLD_SIZE"].as_str(), env["GROUP_RANK"].as_str()), ("1", "2", "0"));
 }

@@ -86,7 +86,7 @@ fn run_pair(op: Operator) {
             assert_eq!(get("TORCHELASTIC_RUN_ID"), "k8s-127.0.0.1");
             let master_port = get("MASTER_PORT");
             assert!(!master_port.is_empty() && master_port != "1", "{master_port}");
-            assert_ne!(master_port, port.to_string(), "the rendezvous holds PET_MASTER_PORT: workers get another port");
+            assert_eq!(master_port, port.to_string(), "the store is served at PET_MASTER_PORT, beside the rendezvous");
         }
     }
     ranks.sort();
