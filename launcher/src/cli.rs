@@ -93,8 +93,8 @@ pub struct LaunchArgs {
           value_parser = unbracketed_host, help_heading = "Rendezvous")]
     pub master_addr: Option<String>,
 
-    /// Static backend: the rendezvous port on node rank 0 (workers' MASTER_PORT is the round's
-    /// store, on a free port). A --rdzv-endpoint wins.
+    /// Static backend: the rendezvous port on node rank 0, which serves the round's PyTorch store
+    /// there too (the workers' MASTER_PORT). A --rdzv-endpoint wins.
     #[arg(long = "master-port", alias = "master_port", env = "PET_MASTER_PORT", value_name = "PORT",
           help_heading = "Rendezvous")]
     pub master_port: Option<u16>,

@@ -77,11 +77,14 @@ pub struct ConsoleModes {
     pub stdout: ConsoleMode,
     /// rsrun's stderr (worker stderr lines, notes, the rendezvous status).
     pub stderr: ConsoleMode,
+    /// rsrun's stdin is a terminal: a worker that reads it may leave a prompt unfinished on its
+    /// line, shown in place on a terminal console ([`crate::progress`]).
+    pub prompts: bool,
 }
 
 impl ConsoleModes {
     /// Both streams plain.
-    pub const PLAIN: ConsoleModes = ConsoleModes { stdout: ConsoleMode::Plain, stderr: ConsoleMode::Plain };
+    pub const PLAIN: ConsoleModes = ConsoleModes { stdout: ConsoleMode::Plain, stderr: ConsoleMode::Plain, prompts: false };
 
     /// The mode of the stream that `kind` lines go to.
     pub fn of(&self, kind: StreamKind) -> ConsoleMode {
@@ -179,6 +182,8 @@ pub struct ConsoleSink {
     pub prefix: Vec<u8>,
     /// What the console stream is (from [`ConsoleModes::of`]).
     pub mode: ConsoleMode,
+    /// The worker reads a terminal: an unfinished line may be a prompt ([`ConsoleModes::prompts`]).
+    pub prompts: bool,
 }
 
 /// Where one stream goes.
@@ -207,7 +212,8 @@ static NEXT_SOURCE: AtomicU64 = AtomicU64::new(0);
 pub async fn pump<R: AsyncRead + Unpin>(mut reader: R, kind: StreamKind, mut sink: StreamSink) {
     let source = NEXT_SOURCE.fetch_add(1, Ordering::Relaxed);
     let mode = sink.console.as_ref().map_or(ConsoleMode::Plain, |c| c.mode);
-    let mut lines = LineAssembler::new(mode, MAX_LINE);
+    let prompts = sink.console.as_ref().is_some_and(|c| c.prompts);
+    let mut lines = LineAssembler::new(mode, MAX_LINE).with_prompts(prompts);
     let mut actions = Vec::new();
     let mut buf = vec![0u8; 16 * 1024];
     loop {

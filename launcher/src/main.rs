@@ -163,7 +163,7 @@ where
         .context("cannot start the tokio runtime")?;
     let (tx, rx) = mpsc::channel(1024);
     let console_modes =
-        ConsoleModes { stdout: console_mode(&std::io::stdout()), stderr: console_mode(&std::io::stderr()) };
+        ConsoleModes { stdout: console_mode(&std::io::stdout()), stderr: console_mode(&std::io::stderr()), prompts: std::io::stdin().is_terminal() };
     let console = std::thread::Builder::new()
         .name("console".into())
         .spawn(move || console_loop(rx, console_modes))

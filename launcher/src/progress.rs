@@ -20,10 +20,12 @@
 //! - [`ConsoleMode::Plain`]: at most one update per [`PLAIN_EVERY`] per stream, printed as an ordinary
 //!   line, and only of complete segments; the unfinished last segment counts as complete once it was
 //!   idle that long. The final state is always given, and printed unless the last update showed it.
-//! - [`ConsoleMode::Terminal`]: an ordinary line left unfinished for [`PROMPT_IDLE`] is shown in place
-//!   as it stands, and finished in place once its `\n` comes: a prompt (`input("> ")`, pdb's
-//!   `(Pdb) `, which end no line until the user answered) is on the terminal when the user is to
-//!   answer it. Plain consoles print lines only when they end.
+//! - [`ConsoleMode::Terminal`], when the worker reads a terminal ([`LineAssembler::with_prompts`]):
+//!   an ordinary line left unfinished for [`PROMPT_IDLE`] is shown in place as it stands, and
+//!   finished in place once its `\n` comes: a prompt (`input("> ")`, pdb's `(Pdb) `, which end no
+//!   line until the user answered) is on the terminal when the user is to answer it. Otherwise, and
+//!   on plain consoles, lines are printed only when they end (a block-buffered stream's flush that
+//!   cut a line in two does not leave half of it on the screen).
 //! - A `\r` at the end of a read may be the first half of a `\r\n`: the next byte decides, or
 //!   [`CR_SETTLE`] without one makes it a return.
 //! - A line reaching the cap is cut there (an ordinary line), so memory stays bounded without `\n`.
@@ -91,6 +93,8 @@ pub struct LineAssembler {
     shown: Option<Vec<u8>>,
     /// Plain: when this stream last printed an update (any line).
     printed_at: Option<Instant>,
+    /// Show an idle unfinished ordinary line in place (terminal; see the module docs).
+    prompts: bool,
 }
 
 impl LineAssembler {
@@ -106,7 +110,15 @@ impl LineAssembler {
             cr_at: None,
             shown: None,
             printed_at: None,
+            prompts: false,
         }
+    }
+
+    /// Shows an ordinary line left unfinished for [`PROMPT_IDLE`] in place on a terminal: the
+    /// worker reads a terminal, so the line may be a prompt waiting for an answer.
+    pub fn with_prompts(mut self, prompts: bool) -> Self {
+        self.prompts = prompts;
+        self
     }
 
     /// Takes a chunk read at `now`; appends what the console should do to `out`.
@@ -149,7 +161,10 @@ impl LineAssembler {
         let update = match self.mode {
             // An idle unfinished line (a prompt) is shown once it was idle long enough.
             ConsoleMode::Terminal if self.progress => None,
-            ConsoleMode::Terminal => self.seg_at.filter(|_| !self.prompt().is_empty() && !self.is_shown(self.prompt())).map(|at| at + PROMPT_IDLE),
+            ConsoleMode::Terminal => self
+                .seg_at
+                .filter(|_| self.prompts && !self.prompt().is_empty() && !self.is_shown(self.prompt()))
+                .map(|at| at + PROMPT_IDLE),
             ConsoleMode::Plain if !self.progress => None,
             ConsoleMode::Plain => {
                 let next_print = self.printed_at.map(|t| t + PLAIN_EVERY);
@@ -247,7 +262,7 @@ impl LineAssembler {
         if !self.progress {
             // Terminal: an unfinished line idle for PROMPT_IDLE (see the module docs).
             let idle = self.seg_at.is_some_and(|at| now >= at + PROMPT_IDLE);
-            if self.mode == ConsoleMode::Terminal && idle {
+            if self.prompts && self.mode == ConsoleMode::Terminal && idle {
                 let state = self.prompt();
                 if !state.is_empty() && !self.is_shown(state) {
                     let state = state.to_vec();

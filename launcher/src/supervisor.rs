@@ -313,6 +313,7 @@ impl<'a> Group<'a> {
                 tx: self.ctx.console.clone(),
                 prefix: prefix.clone(),
                 mode: self.ctx.console_modes.of(kind),
+                prompts: self.ctx.console_modes.prompts && plan.worker_stdin == crate::worker::WorkerStdin::Inherit,
             })
         };
         let out_sink = StreamSink {

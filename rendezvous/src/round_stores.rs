@@ -17,7 +17,8 @@
 //!
 //! A service that serves one job (embedded in its launcher) also serves the running round's store
 //! on its own port (`shared_port`, see `crate::shared_port`): workers then get that port, as
-//! torchrun's get `--master-port`, and a round's own port is only a second way in.
+//! torchrun's get `--master-port`, and a round's own port is only a second way in. The store is
+//! then reachable wherever the service listens (launchers bind one address).
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};

@@ -122,7 +122,6 @@ pub async fn serve(config: ServerConfig, shutdown: CancellationToken, on_bound: 
     // The server and its TLS identity are built before anything binds, so an unusable certificate
     // or key is told before "listening on" is printed.
     let mut builder = Server::builder()
-        .tcp_nodelay(true)
         .max_concurrent_streams(Some(4096))
         .http2_keepalive_interval(Some(Duration::from_secs(10)))
         .http2_keepalive_timeout(Some(Duration::from_secs(20)))
@@ -150,8 +149,10 @@ pub async fn serve(config: ServerConfig, shutdown: CancellationToken, on_bound: 
             Some(ha::etcd::Etcd::connect(ha.etcd.clone())?)
         }
     };
-    let listener = TcpListener::bind(config.listen)
-        .await
+    // The store's deep backlog: a service of one job takes its round store's connections on this
+    // port (`shared_port`), thousands of ranks at once.
+    let listener = crate::tcpstore::server::listen_socket(config.listen)
+        .and_then(TcpListener::from_std)
         .map_err(|e| RdzvError::invalid("listen", format!("cannot bind {}: {e}", config.listen)))?;
     let addr = listener.local_addr().map_err(|e| RdzvError::Unavailable(format!("listener address: {e}")))?;
     let mut ha_cfg = config.ha.clone();
@@ -230,7 +231,17 @@ pub async fn serve(config: ServerConfig, shutdown: CancellationToken, on_bound: 
                 .serve_with_incoming_shutdown(tokio_stream::wrappers::ReceiverStream::new(grpc), async move { stop.cancelled().await })
                 .await
         }
-        None => router.serve_with_incoming_shutdown(TcpListenerStream::new(listener), async move { stop.cancelled().await }).await,
+        None => {
+            // tonic's own TCP_NODELAY applies only to the listeners it binds: set it here (small
+            // writes of watch streams would otherwise wait on delayed ACKs).
+            use tokio_stream::StreamExt;
+            let incoming = TcpListenerStream::new(listener).map(|s| {
+                s.inspect(|s| {
+                    let _ = s.set_nodelay(true);
+                })
+            });
+            router.serve_with_incoming_shutdown(incoming, async move { stop.cancelled().await }).await
+        }
     };
     let result = served.map_err(|e| RdzvError::Unavailable(format!("server failed: {e}")));
     shutdown.cancel();

@@ -11,8 +11,13 @@
 //! store refuses by name). The accept loop here (the I/O) peeks that byte without taking it, with
 //! a deadline, and hands the connection to tonic or to the running round's store
 //! ([`crate::tcpstore::TcpStoreServer::adopt`]), which reads the byte as its own listener's
-//! connections do. A store connection while no round runs is closed: torch's client connects
-//! again until its own timeout, as it does when a store is not up yet.
+//! connections do. A store connection while no round runs is closed (workers start only once their
+//! round runs; torch 2.5 and later retry a closed connect, VALIDATE and PING until their timeout).
+//!
+//! The port carries no round: a worker of an ended round that connects again lands in the next
+//! round's store, as under torchrun's one agent store (where the attempt's key prefix keeps them
+//! apart; rsrun stops a round's workers before its node joins the next one). A daemon of many jobs
+//! keeps a port per round, which such a straggler cannot reach.
 
 use std::time::Duration;
 
@@ -94,15 +99,18 @@ pub(crate) fn serve(
                 }
                 match classify(first[0]) {
                     Protocol::Grpc => {
+                        let _ = stream.set_nodelay(true);
                         // The server is gone when the channel is closed: the connection closes.
                         let _ = tx.send(Ok(stream)).await;
                     }
-                    Protocol::TcpStore => {
-                        let handed = stream.into_std().is_ok_and(|s| core.adopt_store_connection(&job, s));
-                        if !handed {
-                            tracing::debug!(?peer, job, "a store connection while no round of the job runs: closed");
+                    Protocol::TcpStore => match stream.into_std() {
+                        Ok(s) => {
+                            if !core.adopt_store_connection(&job, s) {
+                                tracing::debug!(?peer, job, "a store connection while no round of the job runs: closed");
+                            }
                         }
-                    }
+                        Err(err) => tracing::debug!(?peer, %err, "cannot hand a store connection over: closed"),
+                    },
                 }
             });
         }

@@ -126,7 +126,8 @@ pub fn bin_with_features(package: &str, name: &str, features: &str, dir: &Path) 
 /// A `rsrun` command running in `dir`, with a clean launcher environment.
 pub fn rsrun(dir: &Path) -> Command {
     let mut cmd = Command::new(bin("rsrun"));
-    cmd.current_dir(dir).env("RUST_BACKTRACE", "0").env_remove("RSRUN_LOG").env_remove("RUST_LOG");
+    // Workers read rsrun's stdin: never the test run's (a terminal, when run by hand).
+    cmd.current_dir(dir).stdin(Stdio::null()).env("RUST_BACKTRACE", "0").env_remove("RSRUN_LOG").env_remove("RUST_LOG");
     for (k, _) in std::env::vars() {
         if k.starts_with("PET_") || k.starts_with("TORCHELASTIC_") || k == "OMP_NUM_THREADS" {
             cmd.env_remove(k);

@@ -39,7 +39,7 @@ fn console(modes: ConsoleModes) -> (TestConsole, Shared) {
     (Console::new(modes, out, err), shared)
 }
 
-const TERMINAL: ConsoleModes = ConsoleModes { stdout: ConsoleMode::Terminal, stderr: ConsoleMode::Terminal };
+const TERMINAL: ConsoleModes = ConsoleModes { stdout: ConsoleMode::Terminal, stderr: ConsoleMode::Terminal, prompts: false };
 const WIDTH: usize = 24;
 
 /// A minimal terminal: the characters left on screen after `bytes`, `WIDTH` columns wide. It knows
@@ -185,7 +185,7 @@ fn a_row_wider_than_the_screen_is_cut_and_still_cleared() {
 #[test]
 fn stdout_piped_stderr_terminal() {
     let (mut c, shared) =
-        console(ConsoleModes { stdout: ConsoleMode::Plain, stderr: ConsoleMode::Terminal });
+        console(ConsoleModes { stdout: ConsoleMode::Plain, stderr: ConsoleMode::Terminal, prompts: false });
     feed(
         &mut c,
         vec![

@@ -18,7 +18,7 @@ async fn lines_are_prefixed_tailed_and_filed() {
     let tail = Arc::new(Mutex::new(Tail::new(2)));
     let sink = StreamSink {
         file: Some(LogFile::new(std::fs::File::create(&path).unwrap(), path.clone())),
-        console: Some(ConsoleSink { tx, prefix: b"[rank 3] ".to_vec(), mode: ConsoleMode::Plain }),
+        console: Some(ConsoleSink { tx, prefix: b"[rank 3] ".to_vec(), mode: ConsoleMode::Plain, prompts: false }),
         tail: Some(tail.clone()),
         duplicate: Some((
             Arc::new(vec!["loss".into()]),
@@ -65,7 +65,7 @@ async fn terminal_progress_is_in_place_and_files_keep_raw_bytes() {
     let tail = Arc::new(Mutex::new(Tail::new(4)));
     let sink = StreamSink {
         file: Some(LogFile::new(std::fs::File::create(&path).unwrap(), path.clone())),
-        console: Some(ConsoleSink { tx, prefix: b"[r0] ".to_vec(), mode: ConsoleMode::Terminal }),
+        console: Some(ConsoleSink { tx, prefix: b"[r0] ".to_vec(), mode: ConsoleMode::Terminal, prompts: false }),
         tail: Some(tail.clone()),
         duplicate: None,
         quiet: None,
@@ -98,7 +98,7 @@ async fn plain_progress_stalled_on_a_pipe_is_printed_after_a_second() {
     let (mut w, r) = tokio::io::duplex(1024);
     let (tx, mut rx) = mpsc::channel(16);
     let sink = StreamSink {
-        console: Some(ConsoleSink { tx, prefix: b"> ".to_vec(), mode: ConsoleMode::Plain }),
+        console: Some(ConsoleSink { tx, prefix: b"> ".to_vec(), mode: ConsoleMode::Plain, prompts: false }),
         ..StreamSink::default()
     };
     let task = tokio::spawn(pump(r, StreamKind::Stdout, sink));
@@ -125,7 +125,7 @@ async fn muted_pump_keeps_writing_the_file_only() {
     let quiet = CancellationToken::new();
     let sink = StreamSink {
         file: Some(LogFile::new(std::fs::File::create(&path).unwrap(), path.clone())),
-        console: Some(ConsoleSink { tx, prefix: b"> ".to_vec(), mode: ConsoleMode::Plain }),
+        console: Some(ConsoleSink { tx, prefix: b"> ".to_vec(), mode: ConsoleMode::Plain, prompts: false }),
         quiet: Some(quiet.clone()),
         ..StreamSink::default()
     };

@@ -9,8 +9,12 @@ fn ms(n: u64) -> Duration {
 /// Feeds `(ms since start, chunk)` pairs, polling at every deadline that passes between them, then
 /// ends the stream; returns every action with the time it came.
 fn run(mode: ConsoleMode, cap: usize, chunks: &[(u64, &[u8])]) -> Vec<(u64, Action)> {
+    run_with(LineAssembler::new(mode, cap), chunks)
+}
+
+/// [`run`] with a given assembler.
+fn run_with(mut a: LineAssembler, chunks: &[(u64, &[u8])]) -> Vec<(u64, Action)> {
     let t0 = Instant::now();
-    let mut a = LineAssembler::new(mode, cap);
     let mut got = Vec::new();
     let mut out = Vec::new();
     let mut record = |out: &mut Vec<Action>, at: Instant| {
@@ -211,18 +215,25 @@ fn a_cut_line_keeps_whole_characters() {
 #[test]
 fn terminal_shows_an_idle_unfinished_line_in_place_and_finishes_it_there() {
     // A prompt: shown once idle, then finished in place when its line ends.
-    let got = run(ConsoleMode::Terminal, 1024, &[(0, b"ok\n(Pdb) "), (150, b""), (1000, b"> x.py(3)\n")]);
+    let got = run_with(prompting(), &[(0, b"ok\n(Pdb) "), (150, b""), (1000, b"> x.py(3)\n")]);
     assert_eq!(got, vec![(0, line("ok", Show::Print)), (200, update("(Pdb) ")), (1000, line("(Pdb) > x.py(3)", Show::Finish))]);
     // Written in pieces closer together than PROMPT_IDLE: one line, as before.
-    let got = run(ConsoleMode::Terminal, 1024, &[(0, b"Epoch 1"), (150, b": loss"), (300, b" 0.5\n")]);
+    let got = run_with(prompting(), &[(0, b"Epoch 1"), (150, b": loss"), (300, b" 0.5\n")]);
     assert_eq!(got, vec![(300, line("Epoch 1: loss 0.5", Show::Print))]);
     // More of the same line after it was shown is shown again once idle; an unfinished escape
     // sequence waits for its end.
-    let got = run(ConsoleMode::Terminal, 1024, &[(0, b"name? "), (500, b"x \x1b[1"), (1000, b"m\n")]);
+    let got = run_with(prompting(), &[(0, b"name? "), (500, b"x \x1b[1"), (1000, b"m\n")]);
     assert_eq!(got, vec![(200, update("name? ")), (700, update("name? x ")), (1000, line("name? x \x1b[1m", Show::Finish))]);
-    // A plain console prints the line when it ends, and only then.
-    let got = run(ConsoleMode::Plain, 1024, &[(0, b"(Pdb) "), (1000, b"> x.py(3)\n")]);
-    assert_eq!(got, vec![(1000, line("(Pdb) > x.py(3)", Show::Print))]);
+    // A plain console, or a worker that reads no terminal, gets the line when it ends, and only
+    // then (a block-buffered stream's flush may cut a line anywhere).
+    for a in [LineAssembler::new(ConsoleMode::Plain, 1024).with_prompts(true), LineAssembler::new(ConsoleMode::Terminal, 1024)] {
+        let got = run_with(a, &[(0, b"(Pdb) "), (1000, b"> x.py(3)\n")]);
+        assert_eq!(got, vec![(1000, line("(Pdb) > x.py(3)", Show::Print))]);
+    }
+}
+
+fn prompting() -> LineAssembler {
+    LineAssembler::new(ConsoleMode::Terminal, 1024).with_prompts(true)
 }
 
 #[test]
@@ -245,7 +256,7 @@ fn deadlines_never_spin() {
     assert_eq!(out, vec![update("b"), update("d")]);
 
     // A terminal's idle prompt: one deadline, one update, then none.
-    let mut a = LineAssembler::new(ConsoleMode::Terminal, 1024);
+    let mut a = prompting();
     let mut out = Vec::new();
     a.push(b"(Pdb) ", t0, &mut out);
     let d = a.next_deadline().expect("a deadline for the prompt");

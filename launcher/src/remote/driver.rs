@@ -234,6 +234,8 @@ async fn start_rendezvous(plan: &RemotePlan) -> anyhow::Result<Rendezvous> {
             };
             let mut cfg = ServerConfig::in_memory(*bind);
             cfg.token_file = token_file;
+            // One job: its rounds' stores are served on this port too (`shared_port`).
+            cfg.only_job = Some(plan.job_id.clone());
             // A plain service for this job only, like torchrun's agent store (a daemon on a
             // non-loopback address needs TLS): its random per-job token keeps other callers out.
             cfg.insecure = true;

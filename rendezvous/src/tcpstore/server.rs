@@ -131,6 +131,8 @@ struct Shared {
     /// Connections accepted elsewhere and handed over ([`TcpStoreServer::adopt`]), for the loop
     /// to take on its next turn.
     adopted: Mutex<Vec<(std::net::TcpStream, SocketAddr)>>,
+    /// The loop has ended (stopped, or its `epoll_wait` failed): nothing is adopted any more.
+    stopped: std::sync::atomic::AtomicBool,
 }
 
 impl Shared {
@@ -169,6 +171,7 @@ impl TcpStoreServer {
             buffered_bytes: AtomicUsize::new(0),
             shed_connections: AtomicU64::new(0),
             adopted: Mutex::new(Vec::new()),
+            stopped: std::sync::atomic::AtomicBool::new(false),
         });
         let cancel = shutdown.child_token();
         let (stopped_tx, stopped) = tokio::sync::oneshot::channel();
@@ -188,6 +191,14 @@ impl TcpStoreServer {
                     let _entered = span.enter();
                     if let Err(e) = event_loop.run() {
                         tracing::error!(error = %e, "tcpstore: the event loop failed; the store is closed");
+                    }
+                    // Refuse what is handed over from now on, and close what was handed over and
+                    // not taken (under the lock `adopt` pushes under: nothing slips in between).
+                    let shared = event_loop.shared.clone();
+                    {
+                        let mut adopted = shared.adopted.lock().unwrap_or_else(|p| p.into_inner());
+                        shared.stopped.store(true, Ordering::Relaxed);
+                        adopted.clear();
                     }
                     drop(event_loop);
                     tracing::debug!("tcpstore stopped");
@@ -215,12 +226,21 @@ impl TcpStoreServer {
     /// that are still in the socket (a peeked handshake) are read as usual.
     ///
     /// # Errors
-    /// The socket cannot be made non-blocking or has no peer address (it is dropped, closed).
+    /// The socket cannot be made non-blocking or has no peer address, or the server has stopped
+    /// (the connection is dropped, closed).
     pub fn adopt(&self, stream: std::net::TcpStream) -> std::io::Result<()> {
         stream.set_nonblocking(true)?;
         let peer = stream.peer_addr()?;
-        self.shared.adopted.lock().unwrap_or_else(|p| p.into_inner()).push((stream, peer));
-        self.waker.wake()
+        {
+            let mut adopted = self.shared.adopted.lock().unwrap_or_else(|p| p.into_inner());
+            if self.shared.stopped.load(Ordering::Relaxed) {
+                return Err(std::io::Error::new(ErrorKind::NotConnected, "the store has stopped"));
+            }
+            adopted.push((stream, peer));
+        }
+        // The connection is queued: a failed wake-up only delays it to the loop's next turn.
+        let _ = self.waker.wake();
+        Ok(())
     }
 
     /// Counts for metrics.
@@ -262,12 +282,20 @@ impl Drop for TcpStoreServer {
 }
 
 fn bind(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    Ok(TcpListener::from_std(listen_socket(addr)?))
+}
+
+/// A non-blocking listening socket on `addr` with the deep backlog a store needs (thousands of
+/// ranks connect at once when a job starts; a full backlog costs each late one a SYN retry). The
+/// rendezvous service listens through it too: a service of one job takes the store's connections
+/// on its own port (`crate::shared_port`).
+pub(crate) fn listen_socket(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
     let socket = socket2::Socket::new(socket2::Domain::for_address(addr), socket2::Type::STREAM, Some(socket2::Protocol::TCP))?;
     socket.set_reuse_address(true)?;
     socket.set_nonblocking(true)?;
     socket.bind(&addr.into())?;
     socket.listen(LISTEN_BACKLOG)?;
-    Ok(TcpListener::from_std(socket.into()))
+    Ok(socket.into())
 }
 
 fn configure(stream: &TcpStream) -> std::io::Result<()> {

@@ -268,7 +268,8 @@ fn workers_read_rsruns_stdin_a_terminal_included() {
     }
     let base = rsrun(dir.path());
     let mut cmd = std::process::Command::new("script");
-    cmd.current_dir(dir.path());
+    // `script` runs the line with $SHELL.
+    cmd.current_dir(dir.path()).env("SHELL", "/bin/sh");
     for (k, v) in base.get_envs() {
         match v {
             Some(v) => cmd.env(k, v),
