@@ -37,6 +37,7 @@ pub mod report;
 pub mod requeue;
 pub mod signals;
 pub mod supervisor;
+pub mod terminal;
 pub mod topology;
 pub mod worker;
 

@@ -118,6 +118,9 @@ fn launch(plan: LaunchPlan) -> anyhow::Result<i32> {
         }
     };
     let policy = plan.signals.clone();
+    // Workers read rsrun's stdin: a terminal's settings a worker changed and did not undo (echo
+    // off at a password prompt when it was stopped) are put back at the end.
+    let terminal = rsrun_launcher::terminal::SavedTerminal::save();
     let outcome = with_console(move |tx, console_modes| async move {
         let signals = Signals::install(&policy).context("cannot install signal handlers")?;
         // --requeue-on-preempt: node rank 0 watches for the preemption notice.
@@ -132,7 +135,11 @@ fn launch(plan: LaunchPlan) -> anyhow::Result<i32> {
             r.finish().await;
         }
         outcome
-    })?;
+    });
+    if terminal.as_ref().is_some_and(|t| t.restore()) {
+        tracing::info!("a worker left the terminal's settings changed: put back as rsrun found them");
+    }
+    let outcome = outcome?;
     if let Some(report) = &outcome.report {
         let mut err = std::io::stderr().lock();
         let _ = err.write_all(report.render().as_bytes());

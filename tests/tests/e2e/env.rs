@@ -267,20 +267,27 @@ fn workers_read_rsruns_stdin_a_terminal_included() {
         return;
     }
     let base = rsrun(dir.path());
-    let mut cmd = std::process::Command::new("script");
-    // `script` runs the line with $SHELL.
-    cmd.current_dir(dir.path()).env("SHELL", "/bin/sh");
-    for (k, v) in base.get_envs() {
-        match v {
-            Some(v) => cmd.env(k, v),
-            None => cmd.env_remove(k),
-        };
-    }
+    let script = || {
+        let mut cmd = std::process::Command::new("script");
+        // `script` runs the line with $SHELL.
+        cmd.current_dir(dir.path()).env("SHELL", "/bin/sh");
+        for (k, v) in base.get_envs() {
+            match v {
+                Some(v) => cmd.env(k, v),
+                None => cmd.env_remove(k),
+            };
+        }
+        cmd
+    };
     let line = format!(
         "'{}' --standalone --nproc-per-node 1 sh -c 'printf \"name? \"; sleep 1; read x; echo \"got:$x\"; ps -o sid= -p $$ > sid; ps -o sid= -p $PPID > rsrun.sid'",
         base.get_program().to_string_lossy()
     );
-    let out = with_input(cmd.args(["-qec", &line, "/dev/null"]), b"typed\n");
+    let terminal_line = format!(
+        "'{}' --standalone --nproc-per-node 1 sh -c 'stty -echo; stty -a > stty.worker; exit 3'; echo rsrun=$?; stty -a > stty.after",
+        base.get_program().to_string_lossy()
+    );
+    let out = with_input(script().args(["-qec", &line, "/dev/null"]), b"typed\n");
     assert_eq!(code(&out.status), 0, "{}", text(&out));
     let shown = String::from_utf8_lossy(&out.stdout);
     assert!(shown.contains("name? got:typed"), "{}", text(&out));
@@ -288,4 +295,13 @@ fn workers_read_rsruns_stdin_a_terminal_included() {
     assert!(shown.contains("[rank 0] name? \x1b[?7h"), "{}", text(&out));
     let sid = |f: &str| std::fs::read_to_string(dir.path().join(f)).unwrap_or_else(|e| panic!("{f}: {e}")).trim().to_owned();
     assert_ne!(sid("sid"), sid("rsrun.sid"), "the worker runs in a session of its own");
+
+    // A worker that turned the terminal's echo off and died with it off: rsrun puts the settings
+    // back as it found them when it ends.
+    let out = with_input(script().args(["-qec", &terminal_line, "/dev/null"]), b"");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("rsrun=3"), "{}", text(&out));
+    let flags = |f: &str| -> Vec<String> { sid(f).split_whitespace().map(|w| w.trim_end_matches(';').to_owned()).collect() };
+    assert!(flags("stty.worker").contains(&"-echo".to_owned()), "the worker turned echo off: {:?}", flags("stty.worker"));
+    let after = flags("stty.after");
+    assert!(after.contains(&"echo".to_owned()) && !after.contains(&"-echo".to_owned()), "echo is back on after rsrun: {after:?}");
 }
