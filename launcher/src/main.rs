@@ -136,7 +136,9 @@ fn launch(plan: LaunchPlan) -> anyhow::Result<i32> {
         }
         outcome
     });
-    if terminal.as_ref().is_some_and(|t| t.restore()) {
+    // Only after a job that did not end well (see `terminal`).
+    let ended_well = outcome.as_ref().is_ok_and(|o| o.exit_code == 0);
+    if !ended_well && terminal.as_ref().is_some_and(|t| t.restore()) {
         tracing::info!("a worker left the terminal's settings changed: put back as rsrun found them");
     }
     let outcome = outcome?;

@@ -8,6 +8,10 @@
 //!
 //! Only in the terminal's foreground process group: a background rsrun (`&`) that changed a
 //! terminal's settings would be stopped by `SIGTTOU`, and the settings are the foreground job's.
+//! Not when rsrun's stdout or stderr is a pipe: it may lead to another program of the terminal
+//! (`rsrun ... | less`), whose own settings rsrun must neither take nor undo. And only when the
+//! job did not end well (a worker failed, or rsrun was stopped): a worker that ran to its end left
+//! the settings as it meant to, as the shell itself assumes of a job that exits normally.
 
 /// The settings of rsrun's terminal stdin at its start.
 pub struct SavedTerminal {
@@ -26,6 +30,34 @@ fn in_foreground() -> bool {
     unsafe { libc::isatty(0) == 1 && libc::tcgetpgrp(0) == libc::getpgrp() }
 }
 
+/// Whether descriptor `fd` is a pipe (or FIFO).
+fn is_pipe(fd: i32) -> bool {
+    // SAFETY: stat is plain data that fstat fills in; fd is a descriptor number.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above, with a pointer to a stat we own.
+    unsafe { libc::fstat(fd, &mut st) == 0 && (st.st_mode & libc::S_IFMT) == libc::S_IFIFO }
+}
+
+/// Runs `f` with SIGTTOU blocked on this thread: rsrun put in the background between the
+/// foreground check and `tcsetattr` (Ctrl-Z, `bg`) then gets the call through instead of being
+/// stopped by the terminal.
+fn without_sigttou<T>(f: impl FnOnce() -> T) -> T {
+    // SAFETY: sigset_t is plain data initialised by sigemptyset; pthread_sigmask changes only this
+    // thread's mask and is restored right after.
+    unsafe {
+        let mut block: libc::sigset_t = std::mem::zeroed();
+        let mut old: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut block);
+        libc::sigaddset(&mut block, libc::SIGTTOU);
+        let blocked = libc::pthread_sigmask(libc::SIG_BLOCK, &block, &mut old) == 0;
+        let out = f();
+        if blocked {
+            libc::pthread_sigmask(libc::SIG_SETMASK, &old, std::ptr::null_mut());
+        }
+        out
+    }
+}
+
 fn read() -> Option<libc::termios> {
     // SAFETY: termios is plain data (all-zero is a valid value) that tcgetattr fills in.
     let mut t: libc::termios = unsafe { std::mem::zeroed() };
@@ -40,21 +72,25 @@ fn same(a: &libc::termios, b: &libc::termios) -> bool {
 }
 
 impl SavedTerminal {
-    /// The settings of stdin when it is a terminal and rsrun runs in its foreground.
+    /// The settings of stdin when it is a terminal, rsrun runs in its foreground, and neither
+    /// stdout nor stderr is a pipe (see the module docs).
     pub fn save() -> Option<SavedTerminal> {
-        if !in_foreground() {
+        if is_pipe(1) || is_pipe(2) || !in_foreground() {
             return None;
         }
         read().map(|termios| SavedTerminal { termios })
     }
 
-    /// Puts the settings back if they changed (and rsrun still runs in the terminal's
-    /// foreground). Returns whether it did.
+    /// After a job that did not end well: puts the settings back if they changed (and rsrun still
+    /// runs in the terminal's foreground). Returns whether it did.
     pub fn restore(&self) -> bool {
-        if !in_foreground() || read().is_some_and(|now| same(&now, &self.termios)) {
-            return false;
-        }
-        // SAFETY: fd 0 and a termios that tcgetattr filled in; TCSADRAIN lets pending output out.
-        unsafe { libc::tcsetattr(0, libc::TCSADRAIN, &self.termios) == 0 }
+        without_sigttou(|| {
+            if !in_foreground() || read().is_some_and(|now| same(&now, &self.termios)) {
+                return false;
+            }
+            // SAFETY: fd 0 and a termios that tcgetattr filled in; TCSADRAIN lets pending output
+            // out first, as stty does.
+            unsafe { libc::tcsetattr(0, libc::TCSADRAIN, &self.termios) == 0 }
+        })
     }
 }
