@@ -255,7 +255,7 @@ fn with_input(cmd: &mut std::process::Command, input: &[u8]) -> std::process::Ou
 #[test]
 fn workers_read_rsruns_stdin_a_terminal_included() {
     let dir = tempfile::tempdir().unwrap();
-    let worker = ["sh", "-c", "read x; echo \"got:$x\"; ps -o sid= -p $$ > sid"];
+    let worker = ["sh", "-c", "read x; echo \"got:$x\""];
     let out = with_input(rsrun(dir.path()).args(["--standalone", "--nproc-per-node", "1"]).args(worker), b"over a pipe\n");
     assert_eq!(code(&out.status), 0, "{}", text(&out));
     assert!(String::from_utf8_lossy(&out.stdout).contains("got:over a pipe"), "{}", text(&out));
@@ -280,7 +280,7 @@ fn workers_read_rsruns_stdin_a_terminal_included() {
         cmd
     };
     let line = format!(
-        "'{}' --standalone --nproc-per-node 1 sh -c 'printf \"name? \"; sleep 1; read x; echo \"got:$x\"; ps -o sid= -p $$ > sid; ps -o sid= -p $PPID > rsrun.sid'",
+        "'{}' --standalone --nproc-per-node 1 sh -c 'printf \"name? \"; sleep 1; read x; echo \"got:$x\"; cut -d\" \" -f6 /proc/$$/stat > sid; cut -d\" \" -f6 /proc/$PPID/stat > rsrun.sid'",
         base.get_program().to_string_lossy()
     );
     let terminal_line = format!(
