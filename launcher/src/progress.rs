@@ -259,20 +259,16 @@ impl LineAssembler {
     }
 
     fn show(&mut self, now: Instant, out: &mut Vec<Action>) {
-        if !self.progress {
-            // Terminal: an unfinished line idle for PROMPT_IDLE (see the module docs).
-            let idle = self.seg_at.is_some_and(|at| now >= at + PROMPT_IDLE);
-            if self.prompts && self.mode == ConsoleMode::Terminal && idle {
-                let state = self.prompt();
-                if !state.is_empty() && !self.is_shown(state) {
-                    let state = state.to_vec();
-                    self.shown = Some(state.clone());
-                    out.push(Action::Update(state));
-                }
-            }
-            return;
-        }
         let state: &[u8] = match self.mode {
+            // An ordinary line: shown only as a prompt, on a terminal, once idle for PROMPT_IDLE
+            // (see the module docs).
+            _ if !self.progress => {
+                let idle = self.seg_at.is_some_and(|at| now >= at + PROMPT_IDLE);
+                if !(self.prompts && self.mode == ConsoleMode::Terminal && idle) {
+                    return;
+                }
+                self.prompt()
+            }
             ConsoleMode::Terminal => {
                 let partial = displayable(&self.seg);
                 if partial.is_empty() { &self.last } else { partial }

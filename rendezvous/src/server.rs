@@ -172,7 +172,7 @@ pub async fn serve(config: ServerConfig, shutdown: CancellationToken, on_bound: 
     }
     let tracker = TaskTracker::new();
     // A service of one job serves its running round's store on this port too (`shared_port`).
-    let shared_port = config.only_job.is_some() && config.tcpstore.is_some() && config.ha.is_none();
+    let shared_job = config.only_job.clone().filter(|_| config.tcpstore.is_some() && config.ha.is_none());
     let core = Core::start(
         CoreConfig {
             data_dir: config.data_dir.clone(),
@@ -181,7 +181,7 @@ pub async fn serve(config: ServerConfig, shutdown: CancellationToken, on_bound: 
             listen: Some(addr.ip()),
             ha: ha_cfg.as_ref().map(|h| h.identity.clone()),
             max_total_store_bytes: ha_cfg.as_ref().map(|_| HA_MAX_TOTAL_STORE_BYTES),
-            shared_store_port: shared_port.then_some(addr.port()),
+            shared_store_port: shared_job.as_ref().map(|_| addr.port()),
         },
         shutdown.clone(),
         &tracker,
@@ -224,7 +224,7 @@ pub async fn serve(config: ServerConfig, shutdown: CancellationToken, on_bound: 
     let svc = InterceptedService::new(svc, AuthInterceptor::new(tokens).serving_only(config.only_job.as_deref()));
     let stop = shutdown.clone();
     let router = builder.add_service(svc);
-    let served = match config.only_job.clone().filter(|_| shared_port) {
+    let served = match shared_job {
         Some(job) => {
             let grpc = crate::shared_port::serve(listener, core.clone(), job, shutdown.clone(), &tracker);
             router

@@ -106,7 +106,7 @@ pub(crate) fn serve(
                     Protocol::TcpStore => match stream.into_std() {
                         Ok(s) => {
                             if !core.adopt_store_connection(&job, s) {
-                                tracing::debug!(?peer, job, "a store connection while no round of the job runs: closed");
+                                tracing::debug!(?peer, job, "a store connection no running round's store took: closed");
                             }
                         }
                         Err(err) => tracing::debug!(?peer, %err, "cannot hand a store connection over: closed"),
