@@ -8,7 +8,6 @@ use std::time::Duration;
 
 use rsrun_proto::v1::rendezvous_server::RendezvousServer;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tonic::service::interceptor::InterceptedService;
@@ -224,25 +223,12 @@ pub async fn serve(config: ServerConfig, shutdown: CancellationToken, on_bound: 
     let svc = InterceptedService::new(svc, AuthInterceptor::new(tokens).serving_only(config.only_job.as_deref()));
     let stop = shutdown.clone();
     let router = builder.add_service(svc);
-    let served = match shared_job {
-        Some(job) => {
-            let grpc = crate::shared_port::serve(listener, core.clone(), job, shutdown.clone(), &tracker);
-            router
-                .serve_with_incoming_shutdown(tokio_stream::wrappers::ReceiverStream::new(grpc), async move { stop.cancelled().await })
-                .await
-        }
-        None => {
-            // tonic's own TCP_NODELAY applies only to the listeners it binds: set it here (small
-            // writes of watch streams would otherwise wait on delayed ACKs).
-            use tokio_stream::StreamExt;
-            let incoming = TcpListenerStream::new(listener).map(|s| {
-                s.inspect(|s| {
-                    let _ = s.set_nodelay(true);
-                })
-            });
-            router.serve_with_incoming_shutdown(incoming, async move { stop.cancelled().await }).await
-        }
-    };
+    // tonic's own TCP_NODELAY applies only to the listeners it binds: the accept loop sets it
+    // (small writes of watch streams would otherwise wait on delayed ACKs).
+    let grpc = crate::shared_port::serve(listener, core.clone(), shared_job, shutdown.clone(), &tracker);
+    let served = router
+        .serve_with_incoming_shutdown(tokio_stream::wrappers::ReceiverStream::new(grpc), async move { stop.cancelled().await })
+        .await;
     let result = served.map_err(|e| RdzvError::Unavailable(format!("server failed: {e}")));
     shutdown.cancel();
     tracker.close();

@@ -18,6 +18,9 @@
 //! round's store, as under torchrun's one agent store (where the attempt's key prefix keeps them
 //! apart; rsrun stops a round's workers before its node joins the next one). A daemon of many jobs
 //! keeps a port per round, which such a straggler cannot reach.
+//!
+//! Every service accepts through [`serve`], shared port or not: it waits between failed accepts
+//! where tonic's own loop over a listener would retry at once.
 
 use std::time::Duration;
 
@@ -51,31 +54,53 @@ const FIRST_BYTE_WAIT: Duration = Duration::from_secs(10);
 const ACCEPT_RETRY: Duration = Duration::from_millis(50);
 
 /// Accepts on `listener` until `cancel`: gRPC connections come out of the returned channel (for
-/// tonic's `serve_with_incoming`), store connections go to `job`'s running round's store.
+/// tonic's `serve_with_incoming`); with a `shared_job`, store connections go to that job's running
+/// round's store, and without one every connection is gRPC's. A failed `accept` (out of file
+/// descriptors, typically) is retried after [`ACCEPT_RETRY`] rather than at once: tonic's own
+/// loop over a listener stream retries at once, a busy loop for as long as descriptors are short.
 pub(crate) fn serve(
     listener: TcpListener,
     core: std::sync::Arc<Core>,
-    job: String,
+    shared_job: Option<String>,
     cancel: CancellationToken,
     tracker: &TaskTracker,
 ) -> mpsc::Receiver<std::io::Result<TcpStream>> {
     let (tx, rx) = mpsc::channel(64);
     let sniffers = tracker.clone();
     tracker.spawn(async move {
+        // Failed accepts in a row: the first of a streak is logged, then one in 100 (5 s).
+        let mut failing = 0u64;
         loop {
             let accepted = tokio::select! {
                 () = cancel.cancelled() => return,
                 a = listener.accept() => a,
             };
             let stream = match accepted {
-                Ok((stream, _)) => stream,
+                Ok((stream, _)) => {
+                    if failing > 0 {
+                        tracing::info!(failed = failing, "accepting connections again");
+                        failing = 0;
+                    }
+                    stream
+                }
                 Err(err) => {
-                    tracing::warn!(%err, "accept failed (out of file descriptors? raise RLIMIT_NOFILE)");
+                    if failing.is_multiple_of(100) {
+                        tracing::warn!(%err, failed = failing + 1, "accept failed (out of file descriptors? raise RLIMIT_NOFILE)");
+                    }
+                    failing += 1;
                     tokio::select! {
                         () = cancel.cancelled() => return,
                         () = tokio::time::sleep(ACCEPT_RETRY) => continue,
                     }
                 }
+            };
+            let Some(job) = &shared_job else {
+                let _ = stream.set_nodelay(true);
+                // The server is gone when the channel is closed: the accept loop ends.
+                if tx.send(Ok(stream)).await.is_err() {
+                    return;
+                }
+                continue;
             };
             let (tx, core, job, cancel) = (tx.clone(), core.clone(), job.clone(), cancel.clone());
             sniffers.spawn(async move {

@@ -990,3 +990,56 @@ async fn a_store_write_whose_reply_was_lost_is_not_applied_again_by_its_retry() 
     assert_eq!(store.try_get("k").await.unwrap(), None);
     let _ = srv.shutdown().await;
 }
+
+/// CPU time (user + system, in clock ticks) a process has used, from /proc/PID/stat.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command (which may hold spaces) start after its closing parenthesis.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = rest.split(' ').collect();
+    // utime and stime are fields 14 and 15 of the line, 12 and 13 after the command.
+    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+}
+
+/// Out of file descriptors, the daemon cannot accept the connections waiting in its listen
+/// queue: it must wait between tries instead of retrying at once (tonic's loop over a listener
+/// retries at once: one core busy for as long as the shortage lasts), and serve again once
+/// descriptors are free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_daemon_out_of_file_descriptors_waits_instead_of_spinning_and_recovers() {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_rsrun-rendezvous"));
+    cmd.args(["serve", "--listen", "127.0.0.1:0"]).env("RSRUN_LOG", "error").stdout(Stdio::piped()).stderr(Stdio::inherit());
+    // SAFETY: setrlimit is async-signal-safe; nothing else runs between fork and exec.
+    unsafe {
+        cmd.pre_exec(|| {
+            use nix::sys::resource::{Resource, setrlimit};
+            // Soft and hard: the daemon raises its soft limit to the hard one.
+            setrlimit(Resource::RLIMIT_NOFILE, 48, 48).map_err(std::io::Error::from)
+        });
+    }
+    let child = cmd.spawn().unwrap();
+    let mut daemon = Daemon { child, addr: "0.0.0.0:0".parse().unwrap() };
+    let mut line = String::new();
+    BufReader::new(daemon.child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    daemon.addr = line.trim().strip_prefix("listening on ").unwrap_or_else(|| panic!("unexpected first line {line:?}")).parse().unwrap();
+    // More connections than descriptors: the kernel completes them all (they wait in the listen
+    // queue), the daemon takes what its limit allows.
+    let held: Vec<std::net::TcpStream> = (0..80).map(|_| std::net::TcpStream::connect(daemon.addr).unwrap()).collect();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let pid = daemon.child.id();
+    let before = cpu_ticks(pid);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let used = cpu_ticks(pid) - before;
+    // /proc counts in USER_HZ, 100 on Linux whatever the kernel's own tick rate.
+    let ticks_per_s = 100;
+    // Spinning, it ran the whole 2 s (200 ticks at 100 Hz); waiting 50 ms between tries, ~0.
+    assert!(used < ticks_per_s / 2, "the daemon used {used} ticks of CPU in 2 s while out of descriptors (spinning?)");
+    drop(held);
+    let mut cfg = ClientConfig::new(daemon.addr.to_string());
+    cfg.rpc_timeout = Duration::from_secs(10);
+    let client = RdzvClient::connect(cfg).unwrap();
+    let s = spec(1, 1, 3_000);
+    let joined = client.join(join_spec("job", "a", &s)).await.unwrap();
+    assert!(joined.round.is_some());
+}
