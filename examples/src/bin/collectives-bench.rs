@@ -273,7 +273,9 @@ fn time_op_iters(pg: &ProcessGroup, op: &str, bytes: usize, registered: bool, wa
     let per = (elems / n).max(1);
     let mut buf = bench_buf(pg, elems, 1.0, registered && op == "all_reduce")?;
     let mut shard = vec![1.0f32; per];
-    let mut full = bench_buf(pg, per * n, 0.0, registered && op == "all_gather")?;
+    // Not 0.0: a zero-filled vector is calloc'd pages that nothing wrote, which all read the
+    // kernel's one zero page, so reduce_scatter (its input) would read from cache, not memory.
+    let mut full = bench_buf(pg, per * n, 1.0, registered && op == "all_gather")?;
     let mut run = |pg: &ProcessGroup| -> Result<()> {
         match op {
             "all_reduce" => pg.all_reduce(&mut buf, ReduceOp::Sum)?,

@@ -5,7 +5,7 @@
 use std::ops::Range;
 use std::time::Instant;
 
-use super::dtype::{AlignedBuf, DType, ReduceOp, divide, fold_bytes_raw, fold_into, fold_into_avg, fold_many, premultiplies_avg};
+use super::dtype::{AlignedBuf, DType, ReduceOp, divide, fold_bytes_to, fold_into, fold_into_avg, fold_many, premultiplies_avg};
 use super::error::{CommError, Result};
 use super::mesh::{Duplex, Mesh, RecvOp, SendOp};
 use super::op::{HEADER_BYTES, OpHeader, OpKind, Traffic, block_range};
@@ -785,7 +785,7 @@ impl Backend for TcpBackend {
         let avg = (op == ReduceOp::Avg).then_some(n);
         // SAFETY: `out` is `buf` (exclusively borrowed, `len` bytes) and appears once among the
         // sources, as an exact alias; the other sources are disjoint pieces of the scratch buffer.
-        unsafe { fold_bytes_raw(h.dtype, op, out, &srcs, len, avg) }
+        unsafe { fold_bytes_to(h.dtype, op, out, &srcs, len, avg, false) }
     }
 
     fn barrier(&mut self, h: &OpHeader, _t: &mut Traffic) -> Result<()> {

@@ -155,7 +155,8 @@ fn large_64mib() {
 }
 
 /// Outputs past the streaming-store threshold (8 MiB) at offsets that are not 16-byte aligned:
-/// all_gather of an odd bf16 shard on 3 ranks and broadcast of an odd u8 buffer, over shm.
+/// all_gather of an odd bf16 shard on 3 ranks, broadcast of an odd u8 buffer, and
+/// reduce_scatter of an odd f32 shard (folded straight into the output), over shm.
 #[test]
 fn large_unaligned_streaming_outputs() {
     let res = run_threads(
@@ -178,6 +179,16 @@ fn large_unaligned_streaming_outputs() {
             want[0] = if r == 1 { want[0] } else { 0 };
             want[1..].copy_from_slice(&input::<u8>(1, len)[1..]);
             assert!(buf == want, "broadcast {len} bytes at offset 1");
+            let per = (2 << 20) + 3;
+            let full = input::<f32>(r, per * n);
+            let mut out = vec![0f32; per + 1];
+            pg.reduce_scatter(&full, &mut out[1..], ReduceOp::Sum)?;
+            assert!(std::mem::size_of_val(&out[1..]) >= 8 << 20);
+            assert_eq!(out[0], 0.0);
+            assert!(
+                out[1..] == expected_reduce::<f32>(n, per, ReduceOp::Sum, |i| r * per + i),
+                "reduce_scatter {per} f32 per rank at offset 1"
+            );
             Ok(())
         },
     );
