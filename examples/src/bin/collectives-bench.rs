@@ -34,7 +34,8 @@
 //! with streaming stores, which do not, so their `frac` can pass 1. On the shm backend all_reduce and all_gather run twice: on buffers
 //! registered with the group (`ProcessGroup::alloc_shared`, the zero-copy path DDP's gradients
 //! use; `buffers=registered`) and on plain vectors (`buffers=plain`, staged through the
-//! segment). The headline fractions use registered buffers where an op has them, and the plain
+//! segment); reduce_scatter runs on a registered input and a plain one. The headline fractions
+//! use registered buffers where an op has them, and the plain
 //! ones follow as `*_plain_frac`. Ends with
 //! `summary: allreduce_frac_of_bound=... reduce_scatter_frac=... all_gather_frac=...
 //! tcp_frac_of_loopback=... allreduce_plain_frac=... reduce_scatter_plain_frac=...
@@ -259,7 +260,8 @@ fn bench_buf(
 }
 
 /// Times `iters` calls of `op` at `bytes` bytes; returns the slowest rank's mean seconds.
-/// `registered`: the all_reduce buffer and the all_gather output come from `alloc_shared`.
+/// `registered`: the all_reduce buffer, the all_gather output and the reduce_scatter input come
+/// from `alloc_shared`.
 fn time_op(pg: &ProcessGroup, op: &str, bytes: usize, registered: bool) -> Result<f64> {
     let iters = (2e9 / bytes as f64).clamp(5.0, 5000.0) as usize;
     time_op_iters(pg, op, bytes, registered, iters.min(20), iters)
@@ -275,7 +277,7 @@ fn time_op_iters(pg: &ProcessGroup, op: &str, bytes: usize, registered: bool, wa
     let mut shard = vec![1.0f32; per];
     // Not 0.0: a zero-filled vector is calloc'd pages that nothing wrote, which all read the
     // kernel's one zero page, so reduce_scatter (its input) would read from cache, not memory.
-    let mut full = bench_buf(pg, per * n, 1.0, registered && op == "all_gather")?;
+    let mut full = bench_buf(pg, per * n, 1.0, registered && matches!(op, "all_gather" | "reduce_scatter"))?;
     let mut run = |pg: &ProcessGroup| -> Result<()> {
         match op {
             "all_reduce" => pg.all_reduce(&mut buf, ReduceOp::Sum)?,
@@ -475,9 +477,9 @@ fn main() -> Result<()> {
         let name = pg.backend();
         for op in &args.ops {
             // Registered buffers only make a difference where the group has windows (shm), and
-            // only for the ops with a zero-copy path (reduce_scatter stages either way).
+            // only for the ops with a zero-copy path (broadcast stages either way).
             let modes: &[bool] =
-                if name == "shm" && matches!(op.as_str(), "all_reduce" | "all_gather") {
+                if name == "shm" && matches!(op.as_str(), "all_reduce" | "all_gather" | "reduce_scatter") {
                     &[true, false]
                 } else {
                     &[false]

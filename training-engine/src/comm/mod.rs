@@ -656,10 +656,9 @@ impl ProcessGroup {
     }
 
     /// Allocates a zeroed buffer of `len` elements registered with this group: on the shm
-    /// backend every rank maps every rank's buffer, so all_reduce and all_gather (output) on
-    /// these buffers read and write the peers' memory directly, with no staging copies (NCCL's
-    /// `ncclMemAlloc`). (reduce_scatter stages as before: it already reads each input once and
-    /// writes each output once.) Other backends give a heap buffer. Collective:
+    /// backend every rank maps every rank's buffer, so all_reduce, all_gather (output) and
+    /// reduce_scatter (input) on these buffers read and write the peers' memory directly, with
+    /// no staging copies (NCCL's `ncclMemAlloc`). Other backends give a heap buffer. Collective:
     /// every rank calls it in the same order with the same `len`. The zero-copy path is taken
     /// when every rank passes its buffer of the same allocation at the same offset; anything
     /// else (including plain `Vec`s) runs the staged algorithm with the same result.

@@ -917,11 +917,7 @@ impl ShmBackend {
             }
             c += l;
         }
-        self.sync(h.kind.name(), self.deadline())?;
-        t.sent += ((n - 1) * s) as u64;
-        t.recv += ((n - 1) * s) as u64;
-        t.zero_copy = true;
-        Ok(())
+        self.end_window_op(h, t, (n - 1) * s)
     }
 
     /// Zero-copy all_reduce on a window (after [`Self::first_sync_win`]): rank r folds block r
@@ -967,10 +963,54 @@ impl ShmBackend {
             }
             c += l;
         }
+        self.end_window_op(h, t, (n - 1) * ml + (buf.len() - ml))
+    }
+
+    /// Zero-copy reduce_scatter of a registered input (after [`Self::first_sync_win`] on it):
+    /// rank r folds block r of every rank's input in rank order, read in place from the
+    /// window, straight into its output (streamed when `stream`), a piece at a time; one more
+    /// synchronization, so that no rank changes its input while a peer still reads it. Each rank
+    /// reads its block of every input once and writes its output once: the op's memory-traffic
+    /// bound, with nothing staged.
+    #[allow(clippy::too_many_arguments)]
+    fn reduce_scatter_window(
+        &mut self,
+        h: &OpHeader,
+        input: &[u8],
+        out: &mut [u8],
+        op: ReduceOp,
+        w: &WindowMap,
+        off: usize,
+        stream: bool,
+        t: &mut Traffic,
+    ) -> Result<()> {
+        let (r, n) = (self.ctx.rank, self.ctx.world);
+        let bl = out.len();
+        let ins: Vec<*const u8> = (0..n)
+            .map(|j| if j == r { input[r * bl..].as_ptr() } else { w.slot_ptr(j).wrapping_add(off + r * bl) as *const u8 })
+            .collect();
+        let avg = (op == ReduceOp::Avg).then_some(n);
+        let piece = (4 * WINDOW_PIECE / h.dtype.size()).max(1) * h.dtype.size();
+        let mut c = 0;
+        while c < bl {
+            let l = piece.min(bl - c);
+            let srcs: Vec<*const u8> = ins.iter().map(|p| p.wrapping_add(c)).collect();
+            // SAFETY: every rank is inside this op (first_sync_win) with its input at `off` of
+            // window `w`, `n × bl` bytes long, so block r of each is valid, and no rank writes
+            // its input until the next synchronization; `out` is an exclusively borrowed user
+            // buffer, disjoint from every input.
+            unsafe { fold_bytes_to(h.dtype, op, out[c..].as_mut_ptr(), &srcs, l, avg, stream)? };
+            c += l;
+        }
+        self.end_window_op(h, t, (n - 1) * bl)
+    }
+
+    /// Ends a zero-copy op: one more synchronization (no rank goes on while a peer still reads
+    /// or writes its buffer), and `bytes` each way in the op's traffic.
+    fn end_window_op(&mut self, h: &OpHeader, t: &mut Traffic, bytes: usize) -> Result<()> {
         self.sync(h.kind.name(), self.deadline())?;
-        let len = buf.len();
-        t.sent += ((n - 1) * ml) as u64 + (len - ml) as u64;
-        t.recv += ((n - 1) * ml) as u64 + (len - ml) as u64;
+        t.sent += bytes as u64;
+        t.recv += bytes as u64;
         t.zero_copy = true;
         Ok(())
     }
@@ -1344,8 +1384,15 @@ impl Backend for ShmBackend {
         // A big output is in no cache and no one reads it within the op: streaming stores skip
         // each line's read-for-ownership (a quarter of the op's memory traffic at two ranks).
         let stream = out.len() >= STREAM_MIN;
+        let mut synced = false;
+        if self.windows_made > 0 {
+            match self.first_sync_win(h, input.as_ptr(), input.len(), deadline)? {
+                Some((w, woff)) => return self.reduce_scatter_window(h, input, out, op, &w, woff, stream, t),
+                None => synced = true,
+            }
+        }
         let mut off = 0;
-        let mut first = true;
+        let mut first = !synced;
         while off < cs || first {
             let c = per.min(cs - off);
             let b = self.next_buf();

@@ -113,8 +113,10 @@ fn child_entry() {
             let gathered: Vec<f32> = (0..n).flat_map(|j| crate::support::input::<f32>(j, len)).collect();
             assert!(*out == gathered[..], "rank {rank}: zero-copy all_gather differs");
             let mut shard = vec![0f32; len / n];
+            // Every rank's input is the same gathered buffer: the max is its block r.
             pg.reduce_scatter(&out[..len / n * n], &mut shard, ReduceOp::Max).unwrap();
-            assert_eq!(pg.stats().total().zero_copy, 2, "rank {rank}");
+            assert!(shard[..] == gathered[r * (len / n)..(r + 1) * (len / n)], "rank {rank}: zero-copy reduce_scatter differs");
+            assert_eq!(pg.stats().total().zero_copy, 3, "rank {rank}");
             check_all_dtypes(&pg, &[0, 13, 5003]).unwrap();
         }
         other => panic!("unknown scenario {other}"),

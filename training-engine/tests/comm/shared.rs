@@ -26,7 +26,8 @@ fn zero_copy(pg: &ProcessGroup, kind: OpKind) -> u64 {
 }
 
 /// all_reduce, all_gather and reduce_scatter on registered buffers against the same ops on
-/// plain vectors, bitwise; all_reduce above the small-message size and all_gather ran zero-copy.
+/// plain vectors, bitwise; all_reduce above the small-message size, all_gather and
+/// reduce_scatter ran zero-copy.
 fn check_registered<T: TestElem>(pg: &ProcessGroup, lens: &[usize]) -> Result<()> {
     let (r, n) = (pg.rank(), pg.world_size());
     let bytes = |len: usize| len * std::mem::size_of::<T>();
@@ -58,15 +59,16 @@ fn check_registered<T: TestElem>(pg: &ProcessGroup, lens: &[usize]) -> Result<()
 
         let mut input = pg.alloc_shared::<T>(len * n)?;
         input.copy_from_slice(&rnd::<T>(r, len * n));
-        for op in [ReduceOp::Sum, ReduceOp::Avg] {
+        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Max] {
             let mut plain = vec![T::from_f64(0.0); len];
             pg.reduce_scatter(&rnd::<T>(r, len * n), &mut plain, op)?;
             let mut out = vec![T::from_f64(1.0); len];
             let before = zero_copy(pg, OpKind::ReduceScatter);
             pg.reduce_scatter(&input, &mut out, op)?;
             assert_eq!(bits(&out), bits(&plain), "{}", what(&format!("reduce_scatter {op:?}")));
-            // reduce_scatter stages (see `comm::window`).
-            assert_eq!(zero_copy(pg, OpKind::ReduceScatter) - before, 0, "{}", what("reduce_scatter staged"));
+            assert_eq!(zero_copy(pg, OpKind::ReduceScatter) - before, 1, "{}", what("reduce_scatter zero-copy"));
+            // The input is left as it was.
+            assert_eq!(bits(&input), bits(&rnd::<T>(r, len * n)), "{}", what("reduce_scatter input"));
         }
     }
     Ok(())
@@ -130,6 +132,21 @@ fn buffers_that_do_not_line_up_fall_back_with_the_same_result() {
             pg.all_reduce(&mut shared[8..8 + len], ReduceOp::Sum)?;
             check(&shared[8..8 + len], "same offset");
             assert_eq!(zero_copy(&pg, OpKind::AllReduce), 1);
+
+            // reduce_scatter with one rank's input registered, the other's not: staged, the
+            // same result as both plain.
+            let half = len / 2;
+            let mut want = vec![0f32; half];
+            pg.reduce_scatter(&rnd::<f32>(r, len), &mut want, ReduceOp::Sum)?;
+            let mut got = vec![0f32; half];
+            if r == 0 {
+                shared[..len].copy_from_slice(&rnd::<f32>(r, len));
+                pg.reduce_scatter(&shared[..len], &mut got, ReduceOp::Sum)?;
+            } else {
+                pg.reduce_scatter(&rnd::<f32>(r, len), &mut got, ReduceOp::Sum)?;
+            }
+            assert_eq!(bits(&got), bits(&want), "reduce_scatter registered + plain, rank {r}");
+            assert_eq!(zero_copy(&pg, OpKind::ReduceScatter), 0);
 
             // Different allocations of the same size.
             let mut other = pg.alloc_shared::<f32>(len + 16)?;
@@ -209,7 +226,7 @@ fn other_backends_hand_out_heap_buffers() {
 fn registered_all_gather_past_the_streaming_size_matches_the_staged_one() {
     // Outputs of 8 MiB and more take streaming stores on both paths; an odd bf16 count puts
     // every block but the first at an unaligned address (head and tail copied plainly).
-    let len = 2_200_007;
+    let len = 4_200_007;
     for world in [2, 3] {
         let res = run_threads(
             world,
@@ -226,6 +243,15 @@ fn registered_all_gather_past_the_streaming_size_matches_the_staged_one() {
                 assert_eq!(bits(&plain), bits(&want), "staged, world {n} rank {r}");
                 assert_eq!(bits(&shared), bits(&want), "registered, world {n} rank {r}");
                 assert_eq!(zero_copy(&pg, OpKind::AllGather), 1);
+                // The registered input back: a reduce_scatter whose output (an odd bf16 count at
+                // an unaligned offset) is streamed on both paths.
+                let mut staged = vec![bf16::from_f32(0.0); len + 1];
+                pg.reduce_scatter(&plain, &mut staged[1..], ReduceOp::Sum)?;
+                let mut direct = vec![bf16::from_f32(0.0); len + 1];
+                pg.reduce_scatter(&shared, &mut direct[1..], ReduceOp::Sum)?;
+                assert!(std::mem::size_of_val(&direct[1..]) >= 8 << 20);
+                assert_eq!(bits(&staged), bits(&direct), "reduce_scatter, world {n} rank {r}");
+                assert_eq!(zero_copy(&pg, OpKind::ReduceScatter), 1);
                 Ok(())
             },
         );
