@@ -83,6 +83,8 @@ pub(crate) fn serve(
                     }
                     stream
                 }
+                // A connection that failed before it was taken: the next one may be fine.
+                Err(err) if matches!(err.kind(), std::io::ErrorKind::ConnectionAborted | std::io::ErrorKind::Interrupted) => continue,
                 Err(err) => {
                     if failing.is_multiple_of(100) {
                         tracing::warn!(%err, failed = failing + 1, "accept failed (out of file descriptors? raise RLIMIT_NOFILE)");
