@@ -30,6 +30,7 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::service::Core;
+use crate::tcpstore::server::{ACCEPT_RETRY, accept_error_is_transient};
 
 /// What a connection speaks, from its first byte.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,8 +51,6 @@ pub fn classify(first: u8) -> Protocol {
 
 /// How long a new connection may take to send its first byte (both clients send theirs at once).
 const FIRST_BYTE_WAIT: Duration = Duration::from_secs(10);
-/// Pause after a failed `accept` (out of file descriptors, typically) before trying again.
-const ACCEPT_RETRY: Duration = Duration::from_millis(50);
 
 /// Accepts on `listener` until `cancel`: gRPC connections come out of the returned channel (for
 /// tonic's `serve_with_incoming`); with a `shared_job`, store connections go to that job's running
@@ -84,7 +83,7 @@ pub(crate) fn serve(
                     stream
                 }
                 // A connection that failed before it was taken: the next one may be fine.
-                Err(err) if matches!(err.kind(), std::io::ErrorKind::ConnectionAborted | std::io::ErrorKind::Interrupted) => continue,
+                Err(err) if accept_error_is_transient(&err) => continue,
                 Err(err) => {
                     if failing.is_multiple_of(100) {
                         tracing::warn!(%err, failed = failing + 1, "accept failed (out of file descriptors? raise RLIMIT_NOFILE)");

@@ -553,14 +553,14 @@ struct Daemon {
 
 impl Daemon {
     fn start(listen: &str, data_dir: &Path) -> Daemon {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_rsrun-rendezvous"))
-            .args(["serve", "--listen", listen, "--data-dir"])
-            .arg(data_dir)
-            .env("RSRUN_LOG", "warn")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .unwrap();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_rsrun-rendezvous"));
+        cmd.args(["serve", "--listen", listen, "--data-dir"]).arg(data_dir).env("RSRUN_LOG", "warn");
+        Daemon::spawn(cmd)
+    }
+
+    /// Starts `cmd` (a `serve` command) and reads the address from its first line.
+    fn spawn(mut cmd: Command) -> Daemon {
+        let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().unwrap();
         let mut line = String::new();
         BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
         let addr = line.trim().strip_prefix("listening on ").unwrap_or_else(|| panic!("unexpected first line {line:?}")).parse().unwrap();
@@ -1009,7 +1009,7 @@ fn cpu_ticks(pid: u32) -> u64 {
 async fn a_daemon_out_of_file_descriptors_waits_instead_of_spinning_and_recovers() {
     use std::os::unix::process::CommandExt;
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_rsrun-rendezvous"));
-    cmd.args(["serve", "--listen", "127.0.0.1:0"]).env("RSRUN_LOG", "error").stdout(Stdio::piped()).stderr(Stdio::inherit());
+    cmd.args(["serve", "--listen", "127.0.0.1:0"]).env("RSRUN_LOG", "error");
     // SAFETY: setrlimit is async-signal-safe; nothing else runs between fork and exec.
     unsafe {
         cmd.pre_exec(|| {
@@ -1018,11 +1018,7 @@ async fn a_daemon_out_of_file_descriptors_waits_instead_of_spinning_and_recovers
             setrlimit(Resource::RLIMIT_NOFILE, 48, 48).map_err(std::io::Error::from)
         });
     }
-    let child = cmd.spawn().unwrap();
-    let mut daemon = Daemon { child, addr: "0.0.0.0:0".parse().unwrap() };
-    let mut line = String::new();
-    BufReader::new(daemon.child.stdout.take().unwrap()).read_line(&mut line).unwrap();
-    daemon.addr = line.trim().strip_prefix("listening on ").unwrap_or_else(|| panic!("unexpected first line {line:?}")).parse().unwrap();
+    let daemon = Daemon::spawn(cmd);
     // More connections than descriptors: the kernel completes them all (they wait in the listen
     // queue), the daemon takes what its limit allows.
     let held: Vec<std::net::TcpStream> = (0..80).map(|_| std::net::TcpStream::connect(daemon.addr).unwrap()).collect();

@@ -68,8 +68,15 @@ const KEEP_WRITE_BUFFER: usize = 64 << 10;
 const SHED_RECHECK: Duration = Duration::from_millis(100);
 /// Readiness events taken per `epoll_wait`.
 const EVENTS: usize = 1024;
-/// Pause after a failed `accept` (out of file descriptors, typically) before trying again.
-const ACCEPT_RETRY: Duration = Duration::from_millis(50);
+/// Pause after a failed `accept` (out of file descriptors, typically) before trying again; the
+/// rendezvous service's accept loop (`crate::shared_port`) pauses as long.
+pub(crate) const ACCEPT_RETRY: Duration = Duration::from_millis(50);
+
+/// An `accept` error that concerns one connection only (it was aborted before it was taken, or
+/// the call was interrupted): the next `accept` may succeed at once, with no pause.
+pub(crate) fn accept_error_is_transient(e: &std::io::Error) -> bool {
+    matches!(e.kind(), ErrorKind::Interrupted | ErrorKind::ConnectionAborted)
+}
 /// TCP keepalive: a peer that vanished without a FIN (host died) is found after about
 /// `KEEPALIVE_IDLE + 3 * KEEPALIVE_INTERVAL`, and its waits are dropped.
 const KEEPALIVE_IDLE: Duration = Duration::from_secs(60);
@@ -628,7 +635,7 @@ impl EventLoop {
             let (stream, peer) = match self.listener.accept() {
                 Ok(accepted) => accepted,
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return,
-                Err(e) if matches!(e.kind(), ErrorKind::Interrupted | ErrorKind::ConnectionAborted) => continue,
+                Err(e) if accept_error_is_transient(&e) => continue,
                 Err(e) => {
                     tracing::warn!(error = %e, "tcpstore: accept failed (out of file descriptors? raise RLIMIT_NOFILE)");
                     self.accept_retry = Some(Instant::now() + ACCEPT_RETRY);

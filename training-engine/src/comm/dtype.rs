@@ -368,7 +368,7 @@ unsafe fn fold_raw<K: Kern>(
     }
     let mut acc = [<K::A as Default>::default(); TILE];
     // The stored tile when streaming (`K::store` converts into it, then it is streamed out).
-    let mut staged = [K::zeroed(); TILE];
+    let mut staged = stream.then(|| [K::zeroed(); TILE]);
     let mut off = 0;
     while off < n {
         let len = TILE.min(n - off);
@@ -387,7 +387,7 @@ unsafe fn fold_raw<K: Kern>(
                 *a = K::A::div_n(*a, d);
             }
         }
-        if stream {
+        if let Some(staged) = staged.as_mut() {
             let tile = &mut staged[..len];
             K::store(acc, tile);
             // SAFETY: the caller guarantees `out` is valid for `n` writes; `tile` is ours.
